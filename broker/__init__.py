@@ -1,0 +1,40 @@
+"""A Redis-backed experience broker for LLM reinforcement-learning post-training.
+
+``TransferDock`` keeps MindSpeed-RL's TransferDock semantics (columns of per-row tensors, ready and
+consumed status, n-sample-aware sampling) in Redis, so any number of processes can share one dock.
+"""
+
+from .dock import TransferDock
+from .errors import (
+    BrokerConnectionError,
+    BrokerError,
+    DecodeError,
+    DockNotFoundError,
+    ExperienceTimeoutError,
+    InvalidExperienceError,
+    MissingDataError,
+    RedisCommandError,
+    RowIndexError,
+    SchemaError,
+    StoreFullError,
+    UnknownColumnError,
+    UnknownConsumerError,
+)
+
+__all__ = [
+    "TransferDock",
+    "BrokerError",
+    "BrokerConnectionError",
+    "DecodeError",
+    "DockNotFoundError",
+    "ExperienceTimeoutError",
+    "InvalidExperienceError",
+    "MissingDataError",
+    "RedisCommandError",
+    "RowIndexError",
+    "SchemaError",
+    "StoreFullError",
+    "UnknownColumnError",
+    "UnknownConsumerError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,186 @@
+"""Tensor wire format: a small msgpack header (dtype, shape) followed by the raw little-endian bytes.
+
+Layout of one encoded tensor::
+
+    offset 0   b"TD"            magic
+    offset 2   u8  version      (1)
+    offset 3   u8  reserved     (0)
+    offset 4   u32 header_len   little-endian, length of the msgpack header
+    offset 8   msgpack          [dtype name, [dim, ...]]
+    ...        zero padding     so that the payload starts at a multiple of 16
+    payload    prod(shape) * itemsize raw bytes, little-endian, C order
+
+Nothing here ever unpickles: a shared Redis is an attack surface, so decoding accepts only this
+layout and checks every field against the bytes actually present before touching the payload.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+import warnings
+
+import msgpack
+import numpy as np
+import torch
+
+from .errors import DecodeError, InvalidExperienceError
+
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
+    raise ImportError("the broker's tensor format is little-endian; this host is big-endian")
+
+MAGIC = b"TD"
+VERSION = 1
+_PREFIX = struct.Struct("<2sBBI")
+_ALIGN = 16
+_MAX_NDIM = 64
+
+#: Supported dtypes by wire name. Wire names are ours, so a torch rename never changes stored data.
+DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+
+# Decoded tensors are views on the bytes object the Redis client returned. That object is referenced
+# only by the tensor, so writing through the view is safe; torch warns because it cannot know that.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a torch dtype, or InvalidExperienceError if the broker does not store it."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise InvalidExperienceError(
+            f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}"
+        ) from None
+
+
+def encode(tensor: torch.Tensor) -> bytes:
+    """Encode one tensor. The payload is copied exactly once, into the bytes handed to Redis."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidExperienceError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    name = dtype_name(tensor.dtype)
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    prefix = _encoded_prefix(name, tuple(tensor.shape))
+    if tensor.numel() == 0:
+        return prefix
+    # numpy has no bfloat16: reinterpret its bits as int16 (a view, no arithmetic).
+    array = (tensor.view(torch.int16) if name == "bfloat16" else tensor).numpy()
+    # Bytes, not a memoryview: redis-py would copy a memoryview into bytes once more before sending.
+    # join reads the contiguous array through the buffer protocol: the payload's one copy.
+    return b"".join((prefix, array))
+
+
+def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field: str | None = None) -> torch.Tensor:
+    """Decode one tensor as a view on ``data``; ``where`` (a key) and ``field`` name its place in errors."""
+    if field is not None:  # formatted here, not by the caller: a batch decodes thousands of rows
+        where = _Place(where, field)  # type: ignore[assignment]
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"{where}: expected bytes, got {type(data).__name__}")
+    size = len(data) if not isinstance(data, memoryview) else data.nbytes
+    if size < _PREFIX.size:
+        raise DecodeError(f"{where}: {size} bytes is too short for an encoded tensor")
+    magic, version, _reserved, header_len = _PREFIX.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise DecodeError(f"{where}: not an encoded tensor (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise DecodeError(f"{where}: tensor format version {version}, this broker reads {VERSION}")
+    if 8 + header_len > size:
+        raise DecodeError(f"{where}: header length {header_len} runs past the {size} bytes stored")
+    header = bytes(data[8 : 8 + header_len])
+    known = _DECODED_HEADERS.get(header)
+    if known is None:
+        known = _parse_header(header, where)
+    dtype, shape, start, expected = known
+    if size - start != expected:
+        raise DecodeError(
+            f"{where}: shape {shape} of {_NAMES[dtype]} needs {expected} payload bytes, found {max(size - start, 0)}"
+        )
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    if dtype is torch.bool and np.frombuffer(data, dtype=np.uint8, offset=start).max() > 1:
+        raise DecodeError(f"{where}: bool payload holds bytes other than 0 and 1")
+    out = torch.frombuffer(data, dtype=dtype, offset=start)
+    return out if len(shape) == 1 else out.reshape(shape)
+
+
+# A batch holds thousands of rows but few distinct (dtype, shape) pairs: prefixes and parsed headers are
+# cached so that per-row work is a dict lookup. Both caches are bounded, since shapes vary with lengths.
+_CACHE_LIMIT = 1 << 16
+_ENCODED_PREFIXES: dict[tuple[str, tuple[int, ...]], bytes] = {}
+_DECODED_HEADERS: dict[bytes, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+
+
+def _encoded_prefix(name: str, shape: tuple[int, ...]) -> bytes:
+    """Everything before the payload: fixed prefix, msgpack header and padding."""
+    key = (name, shape)
+    prefix = _ENCODED_PREFIXES.get(key)
+    if prefix is None:
+        header = msgpack.packb([name, list(shape)])
+        start = _payload_offset(len(header))
+        prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header)) + header + bytes(start - 8 - len(header))
+        if len(_ENCODED_PREFIXES) >= _CACHE_LIMIT:
+            _ENCODED_PREFIXES.clear()
+        _ENCODED_PREFIXES[key] = prefix
+    return prefix
+
+
+def _parse_header(header: bytes, where: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """Validated (dtype, shape, payload offset, payload bytes) of a header seen for the first time."""
+    name, shape = _read_header(memoryview(header), where)
+    parsed = (DTYPES[name], shape, _payload_offset(len(header)), math.prod(shape) * _ITEMSIZE[name])
+    if len(_DECODED_HEADERS) >= _CACHE_LIMIT:
+        _DECODED_HEADERS.clear()
+    _DECODED_HEADERS[header] = parsed
+    return parsed
+
+
+class _Place:
+    """``KEY field FIELD``, formatted only if an error message needs it."""
+
+    __slots__ = ("key", "field")
+
+    def __init__(self, key: str, field: str):
+        self.key, self.field = key, field
+
+    def __str__(self) -> str:
+        return f"{self.key} field {self.field}"
+
+
+def _payload_offset(header_len: int) -> int:
+    return -(-(8 + header_len) // _ALIGN) * _ALIGN
+
+
+def _read_header(raw: memoryview, where: str) -> tuple[str, tuple[int, ...]]:
+    try:
+        header = msgpack.unpackb(
+            raw, raw=False, strict_map_key=True, max_str_len=64, max_bin_len=0,
+            max_array_len=_MAX_NDIM + 2, max_map_len=0, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise DecodeError(f"{where}: unreadable tensor header ({exc})") from None
+    if not (isinstance(header, list) and len(header) == 2 and isinstance(header[1], list)):
+        raise DecodeError(f"{where}: tensor header must be [dtype, shape], got {header!r:.80}")
+    name, shape = header
+    if not isinstance(name, str) or name not in DTYPES:
+        raise DecodeError(f"{where}: unknown dtype {name!r:.40}")
+    if len(shape) > _MAX_NDIM or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
+        raise DecodeError(f"{where}: invalid shape {shape!r:.80}")
+    return name, tuple(shape)

@@ -1,0 +1,132 @@
+"""Opening Redis clients from URLs, and turning redis-py errors into broker errors where they enter."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from urllib.parse import quote
+
+import redis
+from redis.backoff import EqualJitterBackoff
+from redis.retry import Retry
+
+from .errors import BrokerConnectionError, BrokerError, DecodeError, RedisCommandError, StoreFullError
+
+#: Where tools look when no URL is given.
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+
+class _ReconnectRetry(Retry):
+    """Retries connection failures, but not refused credentials: those will not get better."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        def retryable(error: Exception) -> bool:
+            if isinstance(error, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
+                return False
+            return is_retryable is None or is_retryable(error)
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+def default_retry() -> Retry:
+    """Retry policy of clients opened from URLs: 8 reconnect attempts over about 4-7 s, then an error.
+
+    Long enough to ride through a Redis restart or a failover, short enough that a dead server is
+    reported while someone is still looking.
+
+    Every broker call is safe to resend: puts, acks and clears are idempotent, and a sampling call
+    carries a request id whose reply Redis keeps, so a resend after a lost reply gets the same rows.
+    """
+    return _ReconnectRetry(EqualJitterBackoff(cap=2.0, base=0.05), retries=8)
+
+
+def default_url() -> str:
+    """``$REDIS_URL`` if set, else the local default."""
+    return os.environ.get("REDIS_URL") or DEFAULT_URL
+
+
+def connect(target: str | redis.Redis) -> tuple[redis.Redis, str | None]:
+    """A client for ``target`` (a URL or a client) and the URL that reopens it, if one is known."""
+    if isinstance(target, str):
+        try:
+            # Keepalive and health checks: training runs hold connections idle for minutes. The timeouts
+            # turn a silent peer into an error (no broker command runs for a minute); the URL's query
+            # (?socket_timeout=...) overrides them.
+            tcp = {} if target.startswith("unix:") else {"socket_keepalive": True}  # unix sockets take no keepalive
+            client = redis.Redis.from_url(
+                target, health_check_interval=30, retry=default_retry(), socket_connect_timeout=10,
+                socket_timeout=60, **tcp,
+            )
+        except ValueError as exc:
+            raise BrokerError(f"invalid Redis URL {redact(target)!r}: {exc}") from None
+        return client, target
+    if not isinstance(target, redis.Redis):
+        raise BrokerError(f"expected a Redis URL or a redis.Redis client, got {type(target).__name__}")
+    kwargs = target.connection_pool.connection_kwargs
+    if kwargs.get("decode_responses"):
+        raise BrokerError("the Redis client must be created with decode_responses=False: tensors are bytes")
+    return target, url_of(target)
+
+
+def url_of(client: redis.Redis) -> str | None:
+    """A URL reopening ``client``'s server, or None for clients that have none (fakeredis, custom pools)."""
+    pool = client.connection_pool
+    kwargs = pool.connection_kwargs
+    cls = pool.connection_class
+    if cls is redis.UnixDomainSocketConnection:
+        url = f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+        auth = _auth(kwargs)
+        return url.replace("unix://", f"unix://{auth}", 1)
+    if cls in (redis.Connection, redis.SSLConnection) and "host" in kwargs:
+        scheme = "rediss" if cls is redis.SSLConnection else "redis"
+        return f"{scheme}://{_auth(kwargs)}{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    return None
+
+
+def _auth(kwargs: dict) -> str:
+    user, password = kwargs.get("username"), kwargs.get("password")
+    if not password:
+        return ""
+    return f"{quote(user or '', safe='')}:{quote(password, safe='')}@"
+
+
+def redact(url: str) -> str:
+    """``url`` with any password hidden, for messages."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}"
+
+
+@contextlib.contextmanager
+def redis_errors(where: str) -> Iterator[None]:
+    """Re-raise redis-py errors as broker errors; ``where`` names the server for the message."""
+    try:
+        yield
+    except redis.AuthenticationError as exc:
+        raise BrokerConnectionError(f"Redis at {where} refused the credentials: {exc}") from exc
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise BrokerConnectionError(f"Redis at {where}: {exc}") from exc
+    except redis.exceptions.OutOfMemoryError as exc:
+        raise StoreFullError(
+            f"Redis at {where} is out of memory (maxmemory reached); nothing of this call was applied: "
+            f"{_short(exc)}"
+        ) from exc
+    except redis.exceptions.NoPermissionError as exc:
+        raise RedisCommandError(f"Redis at {where} denied this user a command or key: {_short(exc)}") from exc
+    except redis.ResponseError as exc:
+        # Our scripts flag keys holding foreign data with a CORRUPT error before writing anything.
+        if str(exc).startswith("CORRUPT "):
+            raise DecodeError(str(exc)[len("CORRUPT ") :]) from None
+        raise RedisCommandError(f"Redis at {where} refused a command: {exc}") from exc
+    except redis.RedisError as exc:
+        raise RedisCommandError(f"Redis at {where} refused a command: {exc}") from exc
+
+
+def _short(exc: Exception, limit: int = 300) -> str:
+    """An error's text cut to ``limit``: redis-py quotes whole pipelines, tensors included."""
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,74 @@
+"""Every error the broker raises, under one base class.
+
+Each class also derives from the closest built-in exception, so callers that already catch
+``KeyError`` or ``TimeoutError`` keep working; catching :class:`BrokerError` catches them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+class BrokerError(Exception):
+    """Base class of every error raised by the broker."""
+
+
+class SchemaError(BrokerError, ValueError):
+    """A dock's schema is invalid, or differs from the one already stored under its name."""
+
+
+class DockNotFoundError(BrokerError, LookupError):
+    """No dock of that name exists on the server."""
+
+
+class UnknownColumnError(BrokerError, KeyError):
+    """A column name that is not part of the dock's schema."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownConsumerError(BrokerError, KeyError):
+    """A consumer name that is not part of the dock's schema."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class RowIndexError(BrokerError, IndexError):
+    """A row index outside ``[0, capacity)``, a duplicate, or an empty list of rows."""
+
+
+class InvalidExperienceError(BrokerError, ValueError):
+    """Data handed to the dock has the wrong type, shape, dtype or row count."""
+
+
+class DecodeError(BrokerError, ValueError):
+    """Bytes read from Redis are not a valid encoded tensor (or not valid dock metadata)."""
+
+
+class MissingDataError(BrokerError):
+    """A row is marked ready but its bytes are not in Redis (the dock was altered outside the broker)."""
+
+
+class ExperienceTimeoutError(BrokerError, TimeoutError):
+    """Explicitly requested rows were not all written before the timeout.
+
+    ``missing`` maps each column to the rows still unwritten in it.
+    """
+
+    def __init__(self, message: str, missing: Mapping[str, Sequence[int]]):
+        super().__init__(message)
+        self.missing = {col: list(rows) for col, rows in missing.items()}
+
+
+class BrokerConnectionError(BrokerError, ConnectionError):
+    """The Redis server could not be reached, or the connection dropped mid-call."""
+
+
+class RedisCommandError(BrokerError):
+    """Redis refused a command (permissions, wrong server state, ...)."""
+
+
+class StoreFullError(RedisCommandError):
+    """Redis reached its ``maxmemory`` and refused a write; the call that got this applied nothing."""

@@ -1,0 +1,111 @@
+"""The one place that builds Redis key names.
+
+Every key of dock NAME starts with ``td:{NAME}:``. The braces are a Redis Cluster hash tag: all of a
+dock's keys hash to one slot, so a Lua script or MULTI touching several of them is legal on a cluster.
+
+=================================  ======  ============================================================
+key                                type    contents
+=================================  ======  ============================================================
+``td:{NAME}:meta``                 hash    schema: prompts_num, n_samples_per_prompt, columns, consumers,
+                                           format version
+``td:{NAME}:data:COLUMN``          hash    field = row index in decimal, value = one encoded tensor
+``td:{NAME}:ready:COLUMN``         bitmap  bit i set when row i of COLUMN is written
+``td:{NAME}:gready:COLUMN``        bitmap  bit g set when all n rows of group g are written in COLUMN
+``td:{NAME}:consumed:CONSUMER``    bitmap  bit i set when row i was handed to CONSUMER
+``td:{NAME}:gtaken:CONSUMER``      bitmap  bit g set when any row of group g was handed to CONSUMER
+``td:{NAME}:leases:CONSUMER``      zset    rows handed out under a lease and not yet acked; score =
+                                           deadline in ms of server time
+``td:{NAME}:redelivered:CONSUMER`` string  counter: rows given back to CONSUMER after a lease expired
+``td:{NAME}:reply:REQUEST``        string  rows a sampling call returned, kept briefly so a retry
+                                           after a lost reply gets the same rows
+``td:{NAME}:scratch``              string  work space of the sampling script; deleted before it returns
+``td:{NAME}:events``               pubsub  channel; every put publishes on it to wake waiting readers
+=================================  ======  ============================================================
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from .errors import SchemaError
+
+PREFIX = "td"
+
+#: Names of docks, columns and consumers: safe inside a hash tag, in redis-cli and in a SCAN pattern.
+NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+#: SCAN pattern matching the meta key of every dock on a server.
+META_PATTERN = PREFIX + ":{*}:meta"
+_META_RE = re.compile(r"^" + PREFIX + r":\{(?P<name>[^{}]+)\}:meta$")
+
+
+def check_name(kind: str, name: object) -> str:
+    """Return ``name`` if it is a valid dock, column or consumer name, else raise SchemaError."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise SchemaError(
+            f"invalid {kind} name {name!r}: use 1-128 characters from letters, digits, '_', '.', '-'"
+        )
+    return name
+
+
+def dock_name_from_meta_key(key: bytes | str) -> str | None:
+    """The dock name inside a meta key found by SCAN, or None if the key is not one of ours."""
+    text = key.decode() if isinstance(key, bytes) else key
+    m = _META_RE.match(text)
+    return m.group("name") if m else None
+
+
+class DockKeys:
+    """Key names of one dock."""
+
+    __slots__ = ("name", "base")
+
+    def __init__(self, name: str):
+        self.name = check_name("dock", name)
+        self.base = f"{PREFIX}:{{{name}}}:"
+
+    @property
+    def meta(self) -> str:
+        return self.base + "meta"
+
+    @property
+    def scratch(self) -> str:
+        return self.base + "scratch"
+
+    @property
+    def events(self) -> str:
+        """Pub/sub channel on which puts announce new rows."""
+        return self.base + "events"
+
+    def data(self, column: str) -> str:
+        return f"{self.base}data:{column}"
+
+    def ready(self, column: str) -> str:
+        return f"{self.base}ready:{column}"
+
+    def group_ready(self, column: str) -> str:
+        return f"{self.base}gready:{column}"
+
+    def consumed(self, consumer: str) -> str:
+        return f"{self.base}consumed:{consumer}"
+
+    def group_taken(self, consumer: str) -> str:
+        return f"{self.base}gtaken:{consumer}"
+
+    def leases(self, consumer: str) -> str:
+        return f"{self.base}leases:{consumer}"
+
+    def redelivered(self, consumer: str) -> str:
+        return f"{self.base}redelivered:{consumer}"
+
+    def reply(self, request_id: str) -> str:
+        return f"{self.base}reply:{request_id}"
+
+    def clear_keys(self, columns: Sequence[str], consumers: Sequence[str]) -> list[str]:
+        """Keys of the clear script, in its order: per-column keys by kind, then per-consumer keys by kind."""
+        keys = [self.data(c) for c in columns] + [self.ready(c) for c in columns]
+        keys += [self.group_ready(c) for c in columns]
+        for kind in (self.consumed, self.group_taken, self.leases, self.redelivered):
+            keys += [kind(c) for c in consumers]
+        return keys

