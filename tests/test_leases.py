@@ -1,0 +1,182 @@
+"""Leases: rows handed out with a deadline come back to the consumer unless acked in time."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import redis
+import torch
+
+from broker import InvalidExperienceError, TransferDock, UnknownConsumerError
+from tests.test_dock import fill
+
+
+def test_leased_rows_stay_out_until_acked(make_dock):
+    dock = make_dock(prompts_num=2, n=2)
+    fill(dock, columns=["prompts"])
+    _, rows = dock.get_experience("actor_train", ["prompts"], 4, lease=30)
+    assert rows == [0, 1, 2, 3]
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 4, "redelivered": 0}
+    assert not dock.all_consumed("actor_train")  # a lease is still out: a worker may yet die
+    assert dock.ack("actor_train", [0, 1]) == 2
+    assert not dock.all_consumed("actor_train")
+    assert dock.ack("actor_train", [2, 3, 0]) == 2  # acking twice is harmless
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 0, "redelivered": 0}
+    assert dock.all_consumed("actor_train")
+
+
+def test_expired_lease_is_offered_again_to_the_same_consumer_only(make_dock):
+    dock = make_dock(prompts_num=3, n=2)
+    fill(dock, columns=["prompts"])
+    _, first = dock.get_experience("actor_train", ["prompts"], 2, lease=0.2)
+    _, second = dock.get_experience("actor_train", ["prompts"], 2, lease=30)
+    assert (first, second) == ([0, 1], [2, 3])
+    dock.get_experience("actor_rollout", ["prompts"], 6)
+    time.sleep(0.3)
+    # The expired group is given back first (FIFO), the one under a live lease is not.
+    _, again = dock.get_experience("actor_train", ["prompts"], 2)
+    assert again == [0, 1]
+    assert dock.get_experience("actor_train", ["prompts"], 4) == (None, None)
+    status = dock.status()["consumers"]
+    assert status["actor_train"] == {"consumed": 4, "leased": 2, "redelivered": 2}
+    assert status["actor_rollout"] == {"consumed": 6, "leased": 0, "redelivered": 0}
+
+
+def test_expired_single_rows_come_back_without_freeing_a_group_still_out(make_dock):
+    dock = make_dock(prompts_num=2, n=2)
+    fill(dock, columns=["prompts"])
+    dock.get_experience("actor_train", ["prompts"], 1, get_n_samples=False)  # row 0, for good
+    dock.get_experience("actor_train", ["prompts"], 1, get_n_samples=False, lease=0.1)  # row 1
+    time.sleep(0.2)
+    # Row 1 is free again, but group 0 still has row 0 out, so no whole group is offered.
+    assert dock.get_experience("actor_train", ["prompts"], 4) == (None, None)
+    assert dock.get_experience("actor_train", ["prompts"], 1, get_n_samples=False)[1] == [1]
+
+
+def test_late_ack_after_the_rows_were_given_back_changes_nothing(make_dock):
+    dock = make_dock(prompts_num=2, n=2)
+    fill(dock, columns=["prompts"])
+    dock.get_experience("actor_train", ["prompts"], 2, lease=0.1)  # rows 0, 1
+    time.sleep(0.2)
+    # Another call gives the expired rows back (and finds too few for its own request)...
+    assert dock.get_experience("actor_train", ["prompts", "responses"], 2) == (None, None)
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 2}
+    # ...then the slow worker's ack arrives: too late, the rows are out for redoing (at-least-once).
+    assert dock.ack("actor_train", [0, 1]) == 0
+    assert dock.get_experience("actor_train", ["prompts"], 2)[1] == [0, 1]
+
+
+def test_stale_ack_from_before_a_clear_does_not_hide_new_rows(make_dock):
+    dock = make_dock(prompts_num=2, n=1)
+    fill(dock, columns=["prompts"])
+    dock.get_experience("actor_train", ["prompts"], 1, lease=60)  # row 0
+    dock.clear()
+    fill(dock, columns=["prompts"])
+    assert dock.ack("actor_train", [0, 1]) == 0  # acks of the previous batch, and of a row never taken
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 0
+    assert dock.get_experience("actor_train", ["prompts"], 2)[1] == [0, 1]
+
+
+def test_explicit_rows_can_be_leased(make_dock):
+    dock = make_dock(prompts_num=2, n=2)
+    fill(dock, columns=["prompts"])
+    dock.get_experience("actor_train", ["prompts"], indexes=[3, 1], lease=30)
+    assert dock.status()["consumers"]["actor_train"]["leased"] == 2
+    dock.ack("actor_train", [1, 3])
+    assert dock.status()["consumers"]["actor_train"]["leased"] == 0
+
+
+def test_clear_drops_leases(make_dock):
+    dock = make_dock(prompts_num=2, n=2)
+    fill(dock, columns=["prompts"])
+    dock.get_experience("actor_train", ["prompts"], 4, lease=30)
+    dock.clear(indexes=[0, 1])
+    assert dock.status()["consumers"]["actor_train"]["leased"] == 2
+    dock.clear()
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 0}
+
+
+@pytest.mark.parametrize("lease", [0, -1, "5", 10**9])
+def test_bad_lease_is_refused(make_dock, lease):
+    dock = make_dock()
+    fill(dock)
+    with pytest.raises(InvalidExperienceError, match="lease"):
+        dock.get_experience("actor_train", ["prompts"], 2, lease=lease)
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 0
+
+
+def test_bad_ack_is_refused(make_dock):
+    dock = make_dock()
+    with pytest.raises(UnknownConsumerError):
+        dock.ack("nobody", [0])
+    with pytest.raises(IndexError):
+        dock.ack("actor_train", [99])
+
+
+# -- a worker killed while holding rows ---------------------------------------------------------
+
+PROMPTS, N, BATCH = 16, 4, 8
+
+
+def _stage_worker(dock: TransferDock, victim: bool, holding: mp.Event, log: mp.Queue) -> None:
+    """A pipeline stage: square the prompt, write the result, ack. The victim freezes holding rows."""
+    while not dock.all_consumed("stage"):
+        batch, rows = dock.get_experience("stage", ["prompts"], BATCH, lease=1.0, timeout=0.5)
+        if rows is None:
+            continue
+        if victim:
+            # Only an Event, no queue: a process killed while a queue's feeder holds its lock would
+            # leave that queue locked for every other process.
+            holding.set()
+            time.sleep(3600)  # killed here, rows in hand
+        results = [p * p for p in batch["prompts"]]
+        dock.put_experience({"results": results}, indexes=rows)
+        dock.ack("stage", rows)
+        log.put(("done", os.getpid(), rows))
+
+
+@pytest.mark.real
+def test_killed_worker_rows_are_redelivered_and_every_row_gets_one_result(real_url):
+    redis.Redis.from_url(real_url).flushdb()
+    dock = TransferDock(real_url, "fault", prompts_num=PROMPTS, n_samples_per_prompt=N,
+                        columns=["prompts", "results"], consumers=["stage"])
+    capacity = PROMPTS * N
+    dock.put_experience({"prompts": torch.arange(capacity).reshape(capacity, 1)}, indexes=list(range(capacity)))
+    ctx = mp.get_context("spawn")
+    holding, log = ctx.Event(), ctx.Queue()
+    victim_log = ctx.Queue()  # its own, kept referenced until the victim has started
+    victim = ctx.Process(target=_stage_worker, args=(dock, True, holding, victim_log))
+    victim.start()
+    assert holding.wait(120), f"the victim never took rows (exit code {victim.exitcode})"
+    held = sorted(int(r) for r in redis.Redis.from_url(real_url).zrange("td:{fault}:leases:stage", 0, -1))
+    assert len(held) == BATCH
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    workers = [ctx.Process(target=_stage_worker, args=(dock, False, holding, log)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        for w in workers:
+            w.join(300)
+            assert w.exitcode == 0, dock.status()["consumers"]
+    finally:
+        for w in workers:
+            w.kill()
+    done = []
+    while not log.empty():
+        kind, _, rows = log.get()
+        done += rows
+    assert set(done) == set(range(capacity))  # every row processed, the victim's included
+    assert set(held) <= set(done)
+    status = dock.status()
+    assert status["columns"]["results"]["ready"] == capacity
+    assert status["consumers"]["stage"] == {"consumed": capacity, "leased": 0, "redelivered": len(held)}
+    batch, _ = dock.get_experience("stage", ["prompts", "results"], indexes=list(range(capacity)))
+    assert all(torch.equal(r, p * p) for p, r in zip(batch["prompts"], batch["results"]))
+    # One result per row: the results hash has exactly one field per row.
+    assert redis.Redis.from_url(real_url).hlen("td:{fault}:data:results") == capacity
+    dock.delete()

@@ -1,0 +1,139 @@
+"""Connections cut at the worst moments: after Redis ran a command, before the reply arrived."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+import torch
+
+from broker import TransferDock
+from tests.test_dock import fill
+
+pytestmark = pytest.mark.real
+
+
+@contextlib.contextmanager
+def lose_next_reply(command: str) -> Iterator[list[int]]:
+    """Let the server run the next ``command``, then drop the connection instead of returning its reply.
+
+    This is what a network blip or a proxy restart does to a client; yields a list that counts the cuts.
+    """
+    original = redis.Redis.parse_response
+    cuts: list[int] = []
+
+    def parse_response(self, connection, command_name, **options):
+        response = original(self, connection, command_name, **options)
+        if command_name == command and not cuts:
+            cuts.append(1)
+            connection.disconnect()
+            raise redis.ConnectionError(f"test: reply to {command} lost")
+        return response
+
+    redis.Redis.parse_response = parse_response
+    try:
+        yield cuts
+    finally:
+        redis.Redis.parse_response = original
+
+
+@contextlib.contextmanager
+def lose_next_transaction_reply() -> Iterator[list[int]]:
+    """Let the server run the next MULTI/EXEC, then drop the connection before its replies are used."""
+    original = redis.client.Pipeline._execute_transaction
+    cuts: list[int] = []
+
+    def execute_transaction(self, connection, commands, raise_on_error):
+        response = original(self, connection, commands, raise_on_error)
+        if not cuts:
+            cuts.append(1)
+            connection.disconnect()
+            raise redis.ConnectionError("test: reply to EXEC lost")
+        return response
+
+    redis.client.Pipeline._execute_transaction = execute_transaction
+    try:
+        yield cuts
+    finally:
+        redis.client.Pipeline._execute_transaction = original
+
+
+@pytest.fixture
+def dock(real_url) -> TransferDock:
+    redis.Redis.from_url(real_url).flushdb()
+    return TransferDock(real_url, "blip", prompts_num=4, n_samples_per_prompt=2,
+                        columns=["prompts", "responses"], consumers=["actor_train"])
+
+
+def test_lost_sampling_reply_returns_the_same_rows_on_retry(dock):
+    fill(dock)
+    with lose_next_reply("EVALSHA") as cuts:
+        batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
+    assert cuts == [1]
+    # Without the request id the retry would sample rows 4-7 and rows 0-3 would be lost for good.
+    assert rows == [0, 1, 2, 3]
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 4
+    assert dock.get_experience("actor_train", ["prompts"], 4)[1] == [4, 5, 6, 7]
+
+
+def test_lost_put_reply_is_retried_harmlessly(dock):
+    with lose_next_transaction_reply() as cuts:
+        dock.put_experience({"prompts": [torch.tensor([i]) for i in range(4)]}, indexes=[0, 1, 2, 3])
+    assert cuts == [1]
+    assert dock.status()["columns"]["prompts"] == {"ready": 4, "groups_ready": 2}
+    batch, _ = dock.get_experience("actor_train", ["prompts"], indexes=[0, 3])
+    assert [t.item() for t in batch["prompts"]] == [0, 3]
+
+
+def test_lost_ack_and_status_replies_are_retried(dock):
+    fill(dock)
+    dock.get_experience("actor_train", ["prompts"], 2, lease=30)
+    with lose_next_reply("EVALSHA"):
+        dock.ack("actor_train", [0, 1])
+    with lose_next_transaction_reply():
+        status = dock.status()
+    assert status["consumers"]["actor_train"] == {"consumed": 2, "leased": 0, "redelivered": 0}
+
+
+def test_exactly_once_while_connections_are_killed_at_random(real_url):
+    """Readers race a killer that cuts every client connection every few milliseconds."""
+    admin = redis.Redis.from_url(real_url)
+    admin.flushdb()
+    dock = TransferDock(real_url, "storm", prompts_num=64, n_samples_per_prompt=4, columns=["prompts"],
+                        consumers=["actor_train"])
+    fill(dock)
+    stop = threading.Event()
+    kills = []
+
+    def killer() -> None:
+        while not stop.is_set():
+            kills.append(admin.client_kill_filter(_type="normal", skipme=True))
+            time.sleep(0.003)
+
+    got: list[list[int]] = []
+    errors: list[Exception] = []
+
+    def reader() -> None:
+        try:
+            while not dock.all_consumed("actor_train"):
+                _, rows = dock.get_experience("actor_train", ["prompts"], 4)
+                if rows:
+                    got.append(rows)
+        except Exception as exc:  # a reader that gives up is a failure, reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=killer)] + [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join(120)
+    stop.set()
+    threads[0].join()
+    assert not errors, errors
+    assert sum(kills) > 0
+    flat = sorted(r for rows in got for r in rows)
+    assert flat == list(range(256)), "rows lost or handed out twice while connections were cut"

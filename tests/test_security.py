@@ -1,0 +1,153 @@
+"""Passwords, ACL users and TLS, each against a redis-server started that way."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from broker import BrokerConnectionError, RedisCommandError, TransferDock
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.real
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make(url: str, name: str) -> TransferDock:
+    return TransferDock(url, name, prompts_num=2, n_samples_per_prompt=2, columns=["prompts"], consumers=["train"])
+
+
+def exercise(dock: TransferDock) -> None:
+    """Every dock operation once, waiting included, so a missing permission shows up."""
+    dock.put_experience({"prompts": torch.arange(8).reshape(4, 2)}, indexes=[0, 1, 2, 3])
+    assert dock.get_experience("train", ["prompts"], 2, lease=30)[1] == [0, 1]
+    assert dock.ack("train", [0, 1]) == 2
+    assert dock.get_experience("train", ["prompts"], indexes=[2], timeout=1)[1] == [2]
+    assert dock.get_experience("train", ["prompts"], 2, timeout=0.2) == (None, None)  # subscribes
+    assert dock.status()["consumers"]["train"]["consumed"] == 3
+    assert not dock.all_consumed("train")
+    dock.clear(indexes=[3])
+    dock.clear()
+    assert dock.status()["columns"]["prompts"]["ready"] == 0
+
+
+def test_password_in_the_url():
+    with RedisServer(password="s3cret p@ss") as server:
+        url = f"redis://:{'s3cret%20p%40ss'}@127.0.0.1:{server.port}/0"
+        exercise(make(url, "a"))
+        with pytest.raises(BrokerConnectionError, match="refused the credentials") as info:
+            make(f"redis://:wrong@127.0.0.1:{server.port}/0", "a")
+        assert "wrong" not in str(info.value)  # the password is not echoed
+
+
+def test_acl_user_confined_to_one_dock():
+    with RedisServer() as server:
+        admin = server.client()
+        make(server.url, "b").put_experience({"prompts": torch.ones(4, 1)}, indexes=[0, 1, 2, 3])
+        # Exactly what `broker acl` prints, as an operator would paste it into redis-cli.
+        command = _cli_output(["acl", "a", "--user", "worker-a", "--password", "pw-a"])
+        assert command.split()[:4] == ["ACL", "SETUSER", "worker-a", "on"]
+        admin.execute_command(*command.split())
+        url_a = f"redis://worker-a:pw-a@127.0.0.1:{server.port}/0"
+        dock_a = make(server.url, "a")  # the admin creates the dock; the worker attaches
+        exercise(TransferDock.attach(url_a, "a"))
+        exercise(make(url_a, "a"))
+
+        with pytest.raises(RedisCommandError, match="denied") as info:
+            TransferDock.attach(url_a, "b")
+        assert "dock 'b'" in str(info.value) and "no permissions" in str(info.value)
+        worker = redis.Redis.from_url(url_a)
+        for command in (("HGETALL", "td:{b}:meta"), ("DEL", "td:{b}:data:prompts"), ("FLUSHDB",), ("KEYS", "*"),
+                        ("CONFIG", "GET", "*"), ("PUBLISH", "td:{b}:events", "x")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                worker.execute_command(*command)
+        # Scripts run with the worker's permissions: EVAL cannot reach dock B either.
+        with pytest.raises(redis.exceptions.ResponseError, match="(?i)no permission|NOPERM|ACL"):
+            worker.eval("return redis.call('HGETALL', KEYS[1])", 1, "td:{b}:meta")
+        assert admin.hlen("td:{b}:data:prompts") == 4  # dock B untouched
+        dock_a.delete()
+
+
+def _cli_output(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    from broker.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue().strip()
+
+
+def _certificates(folder: Path) -> dict[str, str]:
+    """A throwaway CA and a server certificate for 127.0.0.1, made with openssl."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+        "-subj", "/CN=broker-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")
+    (folder / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")
+    return {name: str(folder / f"{name_file}") for name, name_file in
+            (("ca", "ca.crt"), ("cert", "server.crt"), ("key", "server.key"))}
+
+
+def test_tls(tmp_path):
+    with RedisServer(tls=_certificates(tmp_path)) as server:
+        assert server.url.startswith("rediss://")
+        dock = make(server.url, "a")
+        exercise(dock)
+        import pickle
+
+        assert pickle.loads(pickle.dumps(dock)).status()["capacity"] == 4  # the URL carries the CA
+        # Plain text to the TLS port: an error, not a hang (a client without retries, to be quick).
+        with pytest.raises(BrokerConnectionError):
+            make(redis.Redis(port=server.port, socket_timeout=1, socket_connect_timeout=1), "a")
+
+
+def test_no_pickle_on_any_path_that_reads_redis():
+    """No module of the library imports a deserializer that can run code."""
+    banned = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+    for path in (ROOT / "broker").rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module.split(".")[0]]
+            assert not banned & set(names), f"{path} imports {banned & set(names)}"
+            if isinstance(node, ast.Attribute) and node.attr == "load":
+                assert not (isinstance(node.value, ast.Name) and node.value.id == "torch"), f"{path} calls torch.load"
+
+
+def test_unix_socket_url(tmp_path):
+    sock = tmp_path / "redis.sock"
+    with RedisServer("--unixsocket", str(sock), "--unixsocketperm", "700"):
+        url = f"unix://{sock}?db=0"
+        dock = make(url, "a")
+        exercise(dock)
+        import pickle
+
+        assert pickle.loads(pickle.dumps(dock)).status()["capacity"] == 4
+
+
+def test_acl_rules_grant_every_command_the_scripts_call():
+    """A script change that calls a new command must extend the worker rules, or workers break."""
+    import re
+
+    from broker.acl import SCRIPT_COMMANDS
+
+    called = set()
+    for path in (ROOT / "lua").rglob("*.lua"):
+        called |= {c.lower() for c in re.findall(r"redis\.call\('([A-Za-z]+)'", path.read_text())}
+    assert called and called <= set(SCRIPT_COMMANDS), called - set(SCRIPT_COMMANDS)
