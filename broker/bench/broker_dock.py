@@ -1,0 +1,44 @@
+"""The broker as the benchmark measures it: the public TransferDock API and nothing else."""
+
+from __future__ import annotations
+
+from ..dock import TransferDock
+from .docks import SampleError, dock_target
+from .workload import COLUMNS, Rows, Workload
+
+
+class BrokerDock:
+    """A TransferDock holding the global batch; calls are exactly what a worker would make."""
+
+    def __init__(self, url: str, name: str, workload: Workload):
+        self.dock = TransferDock(dock_target(url), name, prompts_num=workload.prompts, n_samples_per_prompt=workload.n,
+                                 columns=list(COLUMNS), consumers=list(workload.consumers))
+        self.dock.clear()  # a dock left by an interrupted run of the same name
+
+    def put(self, data: Rows, rows: list[int]) -> None:
+        self.dock.put_experience(data, indexes=rows)
+
+    def get(self, consumer: str, columns: tuple[str, ...], count: int) -> tuple[Rows, list[int]]:
+        batch, rows = self.dock.get_experience(consumer, list(columns), count)
+        if rows is None:
+            raise SampleError(f"{consumer}: fewer than {count} rows ready in {columns}")
+        return batch, rows
+
+    def reset(self) -> None:
+        self.dock.clear()
+
+    def close(self) -> None:
+        delete_dock(self.dock)
+
+
+def delete_dock(dock: TransferDock) -> None:
+    """Delete a dock and the replies its sampling calls keep for retries, then close its client.
+
+    ``delete()`` leaves those reply keys to expire (a minute); on a user's server the benchmark
+    takes them away at once.
+    """
+    dock.delete()
+    replies = list(dock.client.scan_iter(match=f"td:{{{dock.name}}}:reply:*", count=1000))
+    for first in range(0, len(replies), 1000):
+        dock.client.delete(*replies[first : first + 1000])
+    dock.client.close()

@@ -1,0 +1,62 @@
+"""Options of ``broker bench``; argparse only, so building the ``broker`` parser stays cheap."""
+
+from __future__ import annotations
+
+import argparse
+
+SYSTEMS = ("broker", "ray", "redis-floor", "inprocess")
+MODES = ("pipeline", "concurrent", "sampling", "memory")
+
+
+def _systems(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    return names
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
+    if not sizes or any(s < 16 or s % 8 for s in sizes):
+        raise argparse.ArgumentTypeError("every size must be a multiple of 8 rows (whole groups), at least 16")
+    return sizes
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the benchmark's options to ``parser`` (the ``bench`` subcommand) and return it."""
+    p = parser
+    p.add_argument("--url", default=None,
+                   help="Redis to measure (default: start a private redis-server on a free port for the run; "
+                        "$REDIS_URL is not read, so a benchmark never lands on a shared server by accident)")
+    p.add_argument("--unix", action="store_true", help="the private redis-server listens on a unix socket")
+    p.add_argument("--json", action="store_true", help="print only the JSON line")
+    g = p.add_argument_group("workload")
+    g.add_argument("--prompts", type=int, default=256, help="prompts in the global batch (default: %(default)s)")
+    g.add_argument("--n", type=int, default=8, help="responses per prompt (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths (default: %(default)s)")
+    g.add_argument("--groups-per-call", type=int, default=16,
+                   help="groups each stage reads per call (default: %(default)s, i.e. 128 rows at n=8)")
+    g = p.add_argument_group("modes (default: all four; naming any runs only those named)")
+    for mode in MODES:
+        g.add_argument(f"--{mode}", action="store_true", help=f"run the {mode} mode")
+    g.add_argument("--systems", type=_systems, default=SYSTEMS,
+                   help=f"systems of the pipeline mode, comma-separated (default: {','.join(SYSTEMS)})")
+    g.add_argument("--repeat", type=int, default=3, help="timed passes per system; the best counts (default: 3)")
+    g.add_argument("--warmup", type=int, default=1, help="untimed passes per system first (default: 1)")
+    g.add_argument("--per-stage", type=int, default=2, help="processes per stage in concurrent mode (default: 2)")
+    g.add_argument("--sampling-sizes", type=_sizes, default=(4096, 16384, 65536),
+                   help="dock sizes in rows for sampling latency (default: 4096,16384,65536)")
+    g.add_argument("--sampling-calls", type=int, default=300, help="calls per size and policy (default: 300)")
+    g = p.add_argument_group("soak (runs instead of the modes above)")
+    g.add_argument("--soak", action="store_true", help="run the soak")
+    g.add_argument("--clients", type=int, default=16, help="client processes (default: %(default)s)")
+    g.add_argument("--seconds", type=float, default=30.0, help="load time (default: %(default)s)")
+    g.add_argument("--leases", action="store_true", help="take rows with leases and ack them (at-least-once)")
+    g.add_argument("--kill", action="store_true", help="SIGKILL a random client now and then (implies --leases)")
+    g.add_argument("--lease-seconds", type=float, default=5.0, help="lease length (default: %(default)s)")
+    g.add_argument("--kill-every", type=float, default=1.0, help="mean seconds between kills (default: %(default)s)")
+    return p

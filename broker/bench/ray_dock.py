@@ -1,0 +1,65 @@
+"""The single-actor dock as MindSpeed-RL deploys it: one Ray actor, every call ``ray.get(dock.m.remote(...))``.
+
+Workers pad a batch before a put and unpad after a get (``collect_transfer_dock_data`` and
+``dispatch_transfer_dock_data``), so the benchmark does too. MindSpeed fires puts without waiting;
+here they are awaited, so each put's cost lands in the stage that made it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
+from .docks import SampleError
+from .mindspeed import MindSpeedGRPOTransferDock
+from .workload import COLUMNS, Rows, Workload
+
+#: MindSpeed declares ``@ray.remote(max_concurrency=100, num_cpus=10)``; CPUs are only a scheduling
+#: claim, and 10 would not fit on a 2-core machine, so the actor claims none.
+ACTOR_OPTIONS = {"max_concurrency": 100, "num_cpus": 0}
+
+
+def start_ray() -> bool:
+    """Start a private local Ray unless one is running; True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # address="local": a cluster of our own, even when another one runs on this machine (ray.init()
+    # would join it, and the baseline's actor would share its CPUs with someone else's job).
+    ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.ERROR, object_store_memory=1 << 30)
+    return True
+
+
+class RayDock:
+    """Client side of the actor, with the padding a MindSpeed worker does around each call."""
+
+    def __init__(self, workload: Workload, seed: int = 0):
+        import ray
+
+        self._ray = ray
+        self.started_ray = start_ray()
+        actor = ray.remote(MindSpeedGRPOTransferDock).options(**ACTOR_OPTIONS)
+        self.actor: Any = actor.remote(workload.prompts, workload.n, list(COLUMNS), list(workload.consumers), seed)
+        ray.get(self.actor.all_consumed.remote(workload.consumers[0]))  # wait until the actor is up
+
+    def put(self, data: Rows, rows: list[int]) -> None:
+        self._ray.get(self.actor.put_experience.remote(data_dict=padding_dict_to_tensor_dict(data), indexes=rows))
+
+    def get(self, consumer: str, columns: tuple[str, ...], count: int) -> tuple[Rows, list[int]]:
+        batch, rows = self._ray.get(self.actor.get_experience.remote(consumer, list(columns), count))
+        if rows is None:
+            raise SampleError(f"{consumer}: fewer than {count} rows ready in {columns}")
+        return remove_padding_tensor_dict_to_dict(batch), rows
+
+    def reset(self) -> None:
+        self._ray.get(self.actor.clear.remote())
+
+    def close(self) -> None:
+        self._ray.kill(self.actor)
+        if self.started_ray:
+            self._ray.shutdown()

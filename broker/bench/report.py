@@ -1,0 +1,139 @@
+"""The benchmark's output: a table for people and one JSON line for machines."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+LABELS = {"broker": "broker", "ray": "ray single actor", "redis-floor": "redis floor", "inprocess": "in-process"}
+
+#: The issue's targets: (key in "targets", how to read it).
+TARGETS = {
+    "broker_over_floor": "broker end-to-end <= 1.15 x the Redis floor",
+    "ray_over_broker": "broker >= 5 x faster than the single-actor dock",
+    "sampling_p99_ms": "sampling p99 <= 2 ms at 65,536 rows x 16 columns",
+    "sampling_growth": "sampling p50 grows sub-linearly with rows",
+    "memory_per_payload_byte": "Redis memory <= 1.15 x payload bytes",
+}
+
+
+def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each target the run can judge: its value and whether it is met."""
+    out: dict[str, dict[str, Any]] = {}
+    systems = report.get("pipeline", {}).get("systems", {})
+    if "broker" in systems and "redis-floor" in systems:
+        value = systems["broker"]["seconds"] / systems["redis-floor"]["seconds"]
+        out["broker_over_floor"] = {"value": value, "met": value <= 1.15}
+    if "broker" in systems and "ray" in systems:
+        value = systems["ray"]["seconds"] / systems["broker"]["seconds"]
+        out["ray_over_broker"] = {"value": value, "met": value >= 5.0}
+    sampling = report.get("sampling")
+    if sampling:
+        largest = sampling["sizes"][max(sampling["sizes"], key=int)]
+        value = max(largest[p]["p99_ms"] for p in ("fifo", "random"))
+        out["sampling_p99_ms"] = {"value": value, "rows": int(max(sampling["sizes"], key=int)), "met": value <= 2.0}
+        g = sampling["growth"]
+        value = max(g["fifo_p50_factor"], g["random_p50_factor"])
+        out["sampling_growth"] = {"value": value, "rows_factor": g["rows_factor"], "met": value < g["rows_factor"]}
+    memory = report.get("memory", {}).get("systems", {})
+    if "broker" in memory:
+        value = memory["broker"]["per_payload_byte"]
+        out["memory_per_payload_byte"] = {"value": value, "met": value <= 1.15}
+    return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:8.0f}"
+
+
+def _header(report: dict[str, Any]) -> list[str]:
+    r, m = report["redis"], report["machine"]
+    where = f"Redis {r['version']} at {r['where']}; {m['cpus']} CPUs, load average {m['loadavg_start']:.1f}"
+    w = report.get("workload")
+    if not w:
+        return [f"broker bench: {where}"]
+    return [f"broker bench: {w['prompts']} prompts x {w['n']} = {w['rows']} rows, "
+            f"{w['payload_bytes'] / 1e6:.1f} MB payload, seed {w['seed']}; {where}"]
+
+
+def _pipeline(pipe: dict[str, Any]) -> list[str]:
+    lines = ["", f"sequential pipeline, best of {pipe['repeat']} (median in brackets)",
+             f"  {'system':<18}{'end-to-end s':>20}{'dock s (get+put)':>20}{'x broker':>10}  checksum"]
+    for name, s in pipe["systems"].items():
+        ratio = f"{s['ratio_to_broker']:.2f}" if s.get("ratio_to_broker") is not None else "-"
+        lines.append(f"  {LABELS.get(name, name):<18}{s['seconds']:>9.3f} ({s['median_seconds']:6.3f})"
+                     f"{s['dock_seconds']:>11.3f} ({s['median_dock_seconds']:6.3f}){ratio:>10}  {s['checksum']}")
+    lines.append(f"  checksums {'all equal' if pipe['checksums_equal'] else 'DIFFER: data was damaged in transit'}")
+    lines += ["", "  ms per stage in the best run, get / compute / put:",
+              "  " + f"{'stage':<18}" + "".join(f"{LABELS.get(n, n):>28}" for n in pipe["systems"])]
+    for stage in next(iter(pipe["systems"].values()))["stages"]:
+        cells = ["    " + "".join(_ms(s["stages"][stage][k]) for k in ("get", "compute", "put"))
+                 for s in pipe["systems"].values()]
+        lines.append(f"  {stage:<18}" + "".join(cells))
+    return lines
+
+
+def _concurrent(conc: dict[str, Any]) -> list[str]:
+    same = "equal to the sequential run" if conc["checksums_equal"] else "DIFFER from the sequential run"
+    lines = ["", f"concurrent: {conc['processes']} processes ({conc['per_stage']} per stage) through the broker: "
+                 f"{conc['seconds']:.3f} s wall; checksum {conc['checksum']} {same}"]
+    for stage, s in conc["stages"].items():
+        lines.append(f"  {stage:<18} done at {s['done_at']:7.3f} s, {s['calls']:4d} calls, "
+                     f"{s['busy_seconds']:7.3f} s compute+put")
+    return lines
+
+
+def _sampling(samp: dict[str, Any]) -> list[str]:
+    lines = ["", f"sampling latency of one get_experience ({samp['read_columns']} of {samp['columns']} columns, "
+                 f"{samp['rows_per_call']} rows, {samp['calls']} calls)",
+             f"  {'rows':>8}  {'fifo p50 / p99 ms':>20}  {'random p50 / p99 ms':>20}  {'script us fifo/random':>22}"]
+    for rows, s in samp["sizes"].items():
+        f, r = s["fifo"], s["random"]
+        lines.append(f"  {int(rows):>8}  {f['p50_ms']:9.3f} / {f['p99_ms']:7.3f}  {r['p50_ms']:9.3f} / "
+                     f"{r['p99_ms']:7.3f}  {f['server_script_us']:10.0f} / {r['server_script_us']:9.0f}")
+    g = samp["growth"]
+    lines.append(f"  rows x{g['rows_factor']:.0f}: p50 x{g['fifo_p50_factor']:.2f} fifo, "
+                 f"x{g['random_p50_factor']:.2f} random")
+    return lines
+
+
+def _memory(mem: dict[str, Any]) -> list[str]:
+    lines = ["", f"Redis memory for the whole batch ({mem['payload_bytes'] / 1e6:.1f} MB of tensor bytes)"]
+    for name, s in mem["systems"].items():
+        lines.append(f"  {LABELS.get(name, name):<18}{s['used_memory_delta'] / 1e6:8.1f} MB used_memory = "
+                     f"{s['per_payload_byte']:.3f} per payload byte (keys alone {s['keys_per_payload_byte']:.3f})")
+    return lines
+
+
+def _soak(soak: dict[str, Any]) -> list[str]:
+    c = soak["config"]
+    mode = "leases, killing clients" if c["kill"] else "leases" if c["leases"] else "no leases"
+    lines = ["", f"soak: {c['clients']} clients for {soak['load_seconds']:.1f} s ({mode}): "
+                 f"{soak['ops_per_second']:.0f} calls/s, {soak['items_per_second']:.0f} groups consumed/s, "
+                 f"{soak['kills']} kills -> {'OK' if soak['ok'] else 'FAILED'}",
+             f"  items put {soak['items_put']}, lost {soak['lost']}, repeats {soak['repeats']} (redelivered rows "
+             f"{soak['redelivered_rows']}), unknown {soak['unknown']}, corrupt {soak['corrupt']}, "
+             f"stranded groups {soak['stranded_groups']}, drained {soak['drained']}"]
+    for op, s in soak["latency"].items():
+        lines.append(f"  {op:<10} {s['calls']:7d} calls  p50 {s['p50_ms']:7.2f} ms  p99 {s['p99_ms']:7.2f} ms")
+    return lines
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as text for a terminal."""
+    lines = _header(report)
+    sections = {"pipeline": _pipeline, "concurrent": _concurrent, "sampling": _sampling, "memory": _memory,
+                "soak": _soak}
+    for key, section in sections.items():
+        if report.get(key):
+            lines += section(report[key])
+    judged = report.get("targets", {})
+    if judged:
+        lines += ["", "targets"]
+        for key, t in judged.items():
+            lines.append(f"  {'met ' if t['met'] else 'MISS'}  {TARGETS[key]}: {t['value']:.3f}")
+    return "\n".join(lines)
+
+
+def json_line(report: dict[str, Any]) -> str:
+    return json.dumps(report, separators=(",", ":"), sort_keys=False)

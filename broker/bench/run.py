@@ -1,0 +1,199 @@
+"""``broker bench``: run the selected modes against one Redis and print the report."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import secrets
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import redis
+
+from .. import __version__
+from ..connection import redact
+from .docks import BenchDock
+from .options import MODES
+from .pipeline import RunResult, run_pipeline
+from .report import json_line, table, targets
+from .workload import Checksums, Workload
+
+
+def _say(text: str) -> None:
+    print(f"broker bench: {text}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def redis_target(url: str | None, unix: bool) -> Iterator[tuple[str, bool]]:
+    """The URL to measure, and whether it is a private server started here."""
+    if url:
+        yield url, False
+        return
+    from ..local_redis import private_redis
+
+    with private_redis(unix=unix) as target:
+        _say(f"started a {target.description} (no persistence; --url to use your own)")
+        yield target.url, True
+
+
+def openers(url: str, prefix: str, workload: Workload) -> dict[str, Callable[[], BenchDock]]:
+    """How to open each system on a fresh store; imports happen only for the systems used."""
+
+    def broker() -> BenchDock:
+        from .broker_dock import BrokerDock
+        return BrokerDock(url, f"{prefix}-broker", workload)
+
+    def ray() -> BenchDock:
+        from .ray_dock import RayDock
+        return RayDock(workload, seed=workload.seed)
+
+    def floor() -> BenchDock:
+        from .redis_floor import RedisFloorDock
+        return RedisFloorDock(url, f"{prefix}-floor", workload)
+
+    def inprocess() -> BenchDock:
+        from .inprocess import InProcessDock
+        return InProcessDock(workload)
+
+    return {"broker": broker, "ray": ray, "redis-floor": floor, "inprocess": inprocess}
+
+
+def pipeline_mode(url: str, prefix: str, workload: Workload, systems: tuple[str, ...], repeat: int,
+                  warmup: int) -> dict[str, Any]:
+    """Every system over the same batch, passes interleaved so drift in machine load hits all alike."""
+    if "ray" in systems:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            _say("ray is not installed (pip install 'redis-transfer-dock[workers]'): skipping the ray system")
+            systems = tuple(s for s in systems if s != "ray")
+    opened = openers(url, prefix, workload)
+    docks: dict[str, BenchDock] = {}
+    runs: dict[str, list[RunResult]] = {s: [] for s in systems}
+    try:
+        for s in systems:
+            _say(f"opening {s}")
+            docks[s] = opened[s]()
+        for i in range(warmup + repeat):
+            order = systems[i % len(systems):] + systems[: i % len(systems)]
+            for s in order:
+                docks[s].reset()
+                result = run_pipeline(s, docks[s], workload)
+                label = f"warm-up {i + 1}" if i < warmup else f"pass {i + 1 - warmup}"
+                _say(f"{label}: {s} {result.seconds:.3f} s")
+                if i >= warmup:
+                    runs[s].append(result)
+    finally:
+        for dock in docks.values():
+            dock.close()
+    out: dict[str, Any] = {"repeat": repeat, "warmup": warmup, "systems": {}}
+    for s, results in runs.items():
+        best = min(results, key=lambda r: r.seconds)
+        out["systems"][s] = {
+            "seconds": best.seconds,
+            "median_seconds": statistics.median(r.seconds for r in results),
+            "dock_seconds": min(r.dock_seconds for r in results),
+            "median_dock_seconds": statistics.median(r.dock_seconds for r in results),
+            "runs": [round(r.seconds, 4) for r in results],
+            "stages": {k: {"get": v.get, "compute": v.compute, "put": v.put, "calls": v.calls}
+                       for k, v in best.stages.items()},
+            "checksum": best.checksums.total(),
+            "stage_checksums": best.checksums.by_stage(),
+        }
+    base = out["systems"].get("broker")
+    for s in out["systems"].values():
+        s["ratio_to_broker"] = s["seconds"] / base["seconds"] if base else None
+        s["dock_ratio_to_broker"] = s["dock_seconds"] / base["dock_seconds"] if base else None
+    totals = {r.checksums.total() for results in runs.values() for r in results}
+    out["checksums_equal"] = len(totals) == 1
+    return out
+
+
+def reference_checksums(workload: Workload) -> Checksums:
+    """What every system must produce: the batch through the in-process floor."""
+    from .inprocess import InProcessDock
+
+    return run_pipeline("inprocess", InProcessDock(workload), workload).checksums
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run what ``args`` selects; 0 when every checksum agrees (and the soak passed), else 1."""
+    positive = {"--prompts": args.prompts, "--n": args.n, "--groups-per-call": args.groups_per_call,
+                "--repeat": args.repeat, "--per-stage": args.per_stage, "--sampling-calls": args.sampling_calls,
+                "--clients": args.clients, "--seconds": args.seconds, "--lease-seconds": args.lease_seconds,
+                "--kill-every": args.kill_every}
+    bad = [name for name, value in positive.items() if value <= 0] + (["--warmup"] if args.warmup < 0 else [])
+    if bad:
+        print(f"broker bench: {', '.join(bad)} must be positive", file=sys.stderr)
+        return 2
+    workload = Workload(prompts=args.prompts, n=args.n, seed=args.seed, groups_per_call=args.groups_per_call)
+    selected = [m for m in MODES if getattr(args, m)] or list(MODES)
+    prefix = f"bench-{secrets.token_hex(4)}"
+    report: dict[str, Any] = {"bench": "broker", "version": __version__}
+    if not args.soak:
+        report["workload"] = {"prompts": workload.prompts, "n": workload.n, "rows": workload.capacity,
+                              "seed": workload.seed, "rows_per_call": workload.call_rows,
+                              "payload_bytes": workload.payload_bytes()}
+    report["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                         "loadavg_start": os.getloadavg()[0]}
+    ok = True
+    with redis_target(args.url, args.unix) as (url, private):
+        client = redis.Redis.from_url(url)
+        report["redis"] = {"version": client.info("server")["redis_version"], "where": redact(url), "private": private}
+        client.close()
+        if args.soak:
+            from .soak import SoakConfig, run_soak
+
+            cfg = SoakConfig(clients=args.clients, seconds=args.seconds, leases=args.leases or args.kill,
+                             kill=args.kill, lease_seconds=args.lease_seconds, kill_every=args.kill_every,
+                             seed=args.seed)
+            _say(f"soak: {cfg.clients} clients for {cfg.seconds:g} s")
+            report["soak"] = run_soak(url, f"{prefix}-soak", cfg)
+            ok = report["soak"]["ok"]
+        else:
+            ok = _modes(args, selected, url, prefix, workload, report)
+    report["machine"]["loadavg_end"] = os.getloadavg()[0]
+    report["targets"] = targets(report)
+    if not args.json:
+        print(table(report))
+    print(json_line(report), flush=True)
+    return 0 if ok else 1
+
+
+def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str, workload: Workload,
+           report: dict[str, Any]) -> bool:
+    ok = True
+    if "pipeline" in selected:
+        report["pipeline"] = pipeline_mode(url, prefix, workload, args.systems, args.repeat, args.warmup)
+        ok = report["pipeline"]["checksums_equal"]
+    if "concurrent" in selected:
+        from .concurrent import run_concurrent
+
+        reference = reference_checksums(workload)
+        _say(f"concurrent: {args.per_stage * len(workload.stages)} stage processes")
+        conc = run_concurrent(url, f"{prefix}-concurrent", workload, per_stage=args.per_stage)
+        checks = conc.pop("checksums")
+        conc["checksum"] = checks.total()
+        conc["checksums_equal"] = conc["checksum"] == reference.total()
+        report["concurrent"] = conc
+        ok = ok and conc["checksums_equal"]
+    if "sampling" in selected:
+        from .sampling import sampling_latency
+
+        _say(f"sampling: docks of {', '.join(map(str, args.sampling_sizes))} rows x 16 columns")
+        report["sampling"] = sampling_latency(url, f"{prefix}-sampling", sizes=args.sampling_sizes,
+                                              calls=args.sampling_calls)
+    if "memory" in selected:
+        from .memory import measure
+
+        _say("memory: the whole batch in the broker, then in the floor")
+        opened = openers(url, prefix, workload)
+        report["memory"] = measure(url, workload, {
+            "broker": (opened["broker"], f"td:{{{prefix}-broker}}:*"),
+            "redis-floor": (opened["redis-floor"], f"bench:{{{prefix}-floor}}:*"),
+        })
+    return ok

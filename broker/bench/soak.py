@@ -1,0 +1,240 @@
+"""Soak: N client processes putting and consuming on one dock for a while, then an exact accounting.
+
+The dock has ``groups_per_client`` groups per client. The benchmark process fills every group once
+(generation 0); from then on each client loops: sample one group (with a lease when ``leases``),
+check its bytes, ack it, ``clear`` those rows and put the group's next generation into them. So every
+client both consumes and puts, all the time, and the dock never fills up. An *item* is one
+(group, generation). Clients append fixed-size records to their own log file with one ``write``
+each, so a client killed with SIGKILL leaves a readable log of what it finished.
+
+When the time is up the clients stop putting and drain the dock; then the logs must show:
+
+* without leases: every item put was consumed exactly once (none lost, none handed out twice);
+* with leases (and ``kill``: a random client SIGKILLed every ``kill_every`` seconds on average and
+  replaced): every item put was consumed at least once; repeats are counted and must not exceed
+  the dock's ``redelivered`` count;
+* always: no corrupt bytes, no item consumed that was never put, and the dock drained.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import struct
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..dock import TransferDock
+from .broker_dock import delete_dock
+from .docks import dock_target
+from .sampling import percentiles
+
+CONSUMER, COLUMN = "soak", "payload"
+# kind, group, generation, latency (s), monotonic time (s)
+_RECORD = struct.Struct("<BxxxIIfd")
+GOT, EMPTY, PUT_BEGIN, PUT_DONE, ACK, ACK_LATE, CLEAR, CORRUPT = range(1, 9)
+_OPS = {GOT: "get", EMPTY: "get_empty", PUT_DONE: "put", ACK: "ack", CLEAR: "clear"}
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """What to run; see the module docstring."""
+
+    clients: int = 16
+    seconds: float = 30.0
+    leases: bool = False
+    kill: bool = False
+    lease_seconds: float = 5.0
+    kill_every: float = 1.0
+    n: int = 8
+    groups_per_client: int = 4
+    row_ints: int = 256
+    seed: int = 0
+
+    @property
+    def groups(self) -> int:
+        return self.clients * self.groups_per_client
+
+
+def content(cfg: SoakConfig, group: int, gen: int) -> list[torch.Tensor]:
+    """The rows of item (group, gen): each names its row and generation, then a pattern of both."""
+    out = []
+    for row in range(group * cfg.n, (group + 1) * cfg.n):
+        values = (row * 7919 + gen * 104_729 + np.arange(cfg.row_ints, dtype=np.int64)) & 0x7FFFFFFF
+        values[:2] = (row, gen)
+        out.append(torch.from_numpy(values.astype(np.int32)))
+    return out
+
+
+class _Log:
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def __call__(self, kind: int, group: int = 0, gen: int = 0, latency: float = 0.0) -> None:
+        # One write per record: a SIGKILL lands between records, never inside one.
+        os.write(self.fd, _RECORD.pack(kind, group, gen, latency, time.monotonic()))
+
+
+def _client(url: str, name: str, params: dict[str, Any], log_path: str, stop: Any, done: Any) -> None:
+    torch.set_num_threads(1)
+    cfg = SoakConfig(**params)
+    dock = TransferDock.attach(dock_target(url), name)
+    log = _Log(Path(log_path))
+    lease = cfg.lease_seconds if cfg.leases else None
+    while not done.is_set():
+        t0 = time.perf_counter()
+        batch, rows = dock.get_experience(CONSUMER, [COLUMN], cfg.n, timeout=0.2, lease=lease)
+        latency = time.perf_counter() - t0
+        if rows is None:
+            log(EMPTY, latency=latency)
+            continue
+        group, gen = rows[0] // cfg.n, int(batch[COLUMN][0][1])
+        if not all(torch.equal(a, b) for a, b in zip(batch[COLUMN], content(cfg, group, gen))):
+            log(CORRUPT, group, gen)
+        log(GOT, group, gen, latency)
+        if lease is not None:
+            t0 = time.perf_counter()
+            still_leased = dock.ack(CONSUMER, rows)
+            log(ACK, group, gen, time.perf_counter() - t0)
+            if still_leased < len(rows):
+                # Our lease ran out and the rows went to someone else, who will recycle them.
+                log(ACK_LATE, group, gen)
+                continue
+        if stop.is_set():
+            continue
+        t0 = time.perf_counter()
+        dock.clear(rows)
+        log(CLEAR, group, gen, time.perf_counter() - t0)
+        log(PUT_BEGIN, group, gen + 1)
+        t0 = time.perf_counter()
+        dock.put_experience({COLUMN: content(cfg, group, gen + 1)}, indexes=rows)
+        log(PUT_DONE, group, gen + 1, time.perf_counter() - t0)
+
+
+def _read_logs(folder: Path) -> list[tuple[int, int, int, float, float]]:
+    records = []
+    for path in sorted(folder.glob("*.log")):
+        raw = path.read_bytes()
+        usable = len(raw) - len(raw) % _RECORD.size  # a torn tail cannot happen, but costs nothing to allow
+        records += [_RECORD.unpack_from(raw, i) for i in range(0, usable, _RECORD.size)]
+    return records
+
+
+def run_soak(url: str, name: str, cfg: SoakConfig) -> dict:
+    """Run the soak and return its figures and accounting; ``ok`` says whether every check passed."""
+    from .concurrent import context
+
+    if cfg.kill and not cfg.leases:
+        raise ValueError("killing clients needs leases: without them a killed client's rows are lost by design")
+    dock = TransferDock(dock_target(url), name, prompts_num=cfg.groups, n_samples_per_prompt=cfg.n, columns=[COLUMN],
+                        consumers=[CONSUMER])
+    folder = Path(tempfile.mkdtemp(prefix="broker-soak-"))
+    ctx = context()
+    stop, done = ctx.Event(), ctx.Event()
+    procs: dict[int, Any] = {}
+    incarnations = Counter[int]()
+    rng = random.Random(cfg.seed)
+
+    def spawn(slot: int) -> None:
+        log = folder / f"client{slot:03d}-{incarnations[slot]:04d}.log"
+        incarnations[slot] += 1
+        procs[slot] = ctx.Process(target=_client, args=(url, name, asdict(cfg), str(log), stop, done), daemon=True)
+        procs[slot].start()
+
+    try:
+        dock.clear()
+        fill = _Log(folder / "fill.log")
+        for g in range(cfg.groups):
+            fill(PUT_BEGIN, g, 0)
+            dock.put_experience({COLUMN: content(cfg, g, 0)}, indexes=list(range(g * cfg.n, (g + 1) * cfg.n)))
+            fill(PUT_DONE, g, 0)
+        for slot in range(cfg.clients):
+            spawn(slot)
+        start = time.monotonic()
+        end = start + cfg.seconds
+        next_kill = start + rng.expovariate(1 / cfg.kill_every) if cfg.kill else float("inf")
+        kills, crashed = 0, []
+        while (now := time.monotonic()) < end:
+            time.sleep(min(0.05, max(end - now, 0)))
+            for slot, p in procs.items():
+                if p.exitcode is not None:  # died without our help: a bug, reported below
+                    crashed.append(p.exitcode)
+                    spawn(slot)
+            if time.monotonic() >= next_kill:
+                slot = rng.randrange(cfg.clients)
+                os.kill(procs[slot].pid, signal.SIGKILL)
+                procs[slot].join()
+                kills += 1
+                spawn(slot)
+                next_kill = time.monotonic() + rng.expovariate(1 / cfg.kill_every)
+        load_end = time.monotonic()
+        stop.set()
+        drained, drain_seconds = _drain(dock, deadline=time.monotonic() + 2 * cfg.lease_seconds + 30)
+        done.set()
+        for p in procs.values():
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        final = dock.status()
+    finally:
+        stop.set()
+        done.set()
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+        delete_dock(dock)
+    result = _account(_read_logs(folder), cfg, start, load_end, final)
+    result.update(config=asdict(cfg), kills=kills, crashed=crashed, drained=drained, drain_seconds=drain_seconds,
+                  load_seconds=load_end - start)
+    result["ok"] = result["ok"] and drained and not crashed
+    for path in folder.iterdir():
+        path.unlink()
+    folder.rmdir()
+    return result
+
+
+def _drain(dock: TransferDock, deadline: float) -> tuple[bool, float]:
+    """Wait until every ready row was consumed and no lease is out."""
+    start = time.monotonic()
+    while time.monotonic() < deadline:
+        status = dock.status()
+        consumer = status["consumers"][CONSUMER]
+        if consumer["consumed"] == status["columns"][COLUMN]["ready"] and consumer["leased"] == 0:
+            return True, time.monotonic() - start
+        time.sleep(0.1)
+    return False, time.monotonic() - start
+
+
+def _account(records: list, cfg: SoakConfig, start: float, load_end: float, final: dict) -> dict:
+    put_begun = {(g, k) for kind, g, k, _, _ in records if kind == PUT_BEGIN}
+    put_done = {(g, k) for kind, g, k, _, _ in records if kind == PUT_DONE}
+    consumed = Counter((g, k) for kind, g, k, _, _ in records if kind == GOT)
+    corrupt = sum(1 for r in records if r[0] == CORRUPT)
+    lost = sorted(put_done - consumed.keys())
+    unknown = sorted(consumed.keys() - put_begun)
+    repeats = sum(c - 1 for c in consumed.values())
+    redelivered = final["consumers"][CONSUMER]["redelivered"]
+    in_load = [r for r in records if start <= r[4] <= load_end]
+    seconds = max(load_end - start, 1e-9)
+    ops = {name: [r[3] for r in in_load if r[0] == kind] for kind, name in _OPS.items()}
+    calls = sum(len(v) for v in ops.values())
+    ok = not lost and not unknown and corrupt == 0 and (repeats <= redelivered if cfg.leases else repeats == 0)
+    return {
+        "ok": ok,
+        "items_put": len(put_done), "items_consumed": len(consumed), "lost": len(lost), "repeats": repeats,
+        "unknown": len(unknown), "corrupt": corrupt, "redelivered_rows": redelivered,
+        "late_acks": sum(1 for r in records if r[0] == ACK_LATE),
+        "stranded_groups": cfg.groups - final["columns"][COLUMN]["groups_ready"],
+        "ops_per_second": calls / seconds,
+        "items_per_second": sum(1 for r in in_load if r[0] == GOT) / seconds,
+        "latency": {name: {"calls": len(v), **percentiles(v)} for name, v in ops.items() if v},
+        "examples": {"lost": lost[:5], "unknown": unknown[:5]},
+    }

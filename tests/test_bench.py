@@ -1,0 +1,110 @@
+"""``broker bench`` on a tiny batch: every mode runs on a real redis-server and every system's checksums agree."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import redis
+import torch
+
+from broker.bench.docks import BenchDock
+from broker.bench.inprocess import InProcessDock
+from broker.bench.pipeline import run_pipeline
+from broker.bench.redis_floor import RedisFloorDock
+from broker.bench.workload import Rows, Workload
+from broker.cli import main
+
+pytestmark = pytest.mark.real
+
+TINY = ["--prompts", "8", "--n", "4", "--groups-per-call", "2"]
+WORKLOAD = Workload(prompts=8, n=4, groups_per_call=2)
+
+
+def _json_line(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_every_mode_and_every_system_agree_and_no_key_is_left(real_url, capsys):
+    client = redis.Redis.from_url(real_url)
+    client.flushdb()
+    args = ["bench", "--url", real_url, *TINY, "--repeat", "1", "--warmup", "0", "--per-stage", "1",
+            "--sampling-sizes", "64,256", "--sampling-calls", "10"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "checksums all equal" in out and "equal to the sequential run" in out
+    report = _json_line(out)
+    systems = report["pipeline"]["systems"]
+    assert set(systems) == {"broker", "ray", "redis-floor", "inprocess"}
+    assert report["pipeline"]["checksums_equal"]
+    assert len({s["checksum"] for s in systems.values()}) == 1
+    assert systems["broker"]["ratio_to_broker"] == 1.0
+    assert set(systems["broker"]["stages"]) == {"load", *WORKLOAD.consumers}
+    assert report["concurrent"]["checksum"] == systems["broker"]["checksum"]
+    assert set(report["sampling"]["sizes"]) == {"64", "256"}
+    assert report["memory"]["payload_bytes"] == WORKLOAD.payload_bytes()
+    assert report["memory"]["systems"]["broker"]["per_payload_byte"] > 1.0
+    assert set(report["targets"]) == {"broker_over_floor", "ray_over_broker", "sampling_p99_ms", "sampling_growth",
+                                      "memory_per_payload_byte"}
+    assert client.dbsize() == 0  # a user's server gets back exactly what it had
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_without_url_it_starts_a_private_server_and_says_so(capsys):
+    assert main(["bench", *TINY, "--pipeline", "--systems", "broker,inprocess", "--repeat", "1", "--warmup", "0",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "started a private Redis" in captured.err
+    report = _json_line(captured.out)
+    assert report["redis"]["private"] and report["pipeline"]["checksums_equal"]
+    assert len(captured.out.strip().splitlines()) == 1  # --json: nothing but the JSON line
+
+
+def test_a_corrupted_stage_output_changes_the_checksum():
+    good = run_pipeline("inprocess", InProcessDock(WORKLOAD), WORKLOAD).checksums
+    ref = WORKLOAD.stage("ref_log_prob")
+
+    def off_by_one_ulp(batch: Rows, rows: list[int]) -> Rows:
+        out = ref.fn(batch, rows)
+        first = out["ref_log_prob"][0]
+        out["ref_log_prob"][0] = torch.nextafter(first, torch.full_like(first, 1.0))
+        return out
+
+    stages = [dataclasses.replace(ref, fn=off_by_one_ulp) if s.name == ref.name else s for s in WORKLOAD.stages]
+    bad = run_pipeline("inprocess", InProcessDock(WORKLOAD), WORKLOAD, stages=stages).checksums
+    assert bad.total() != good.total()
+    changed = {s for s, h in bad.by_stage().items() if h != good.by_stage()[s]}
+    assert changed == {"ref_log_prob", "actor_train"}  # the bad output, and the trainer that read it
+
+
+class _FlipOneByte:
+    """A dock whose reads hand back one damaged cell: the checksum must notice bytes damaged in transit."""
+
+    def __init__(self, inner: BenchDock, column: str):
+        self.inner, self.column, self.done = inner, column, False
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def get(self, consumer: str, columns: tuple[str, ...], count: int) -> tuple[Rows, list[int]]:
+        batch, rows = self.inner.get(consumer, columns, count)
+        if self.column in columns and not self.done:
+            damaged = batch[self.column][-1].clone()
+            damaged.view(torch.uint8)[-1] ^= 1
+            batch[self.column][-1] = damaged
+            self.done = True
+        return batch, rows
+
+
+def test_bytes_damaged_in_transit_change_the_checksum(real_url):
+    floor = RedisFloorDock(real_url, "bench-test-flip", WORKLOAD)
+    try:
+        good = run_pipeline("redis-floor", floor, WORKLOAD).checksums
+        floor.reset()
+        bad = run_pipeline("redis-floor", _FlipOneByte(floor, "responses"), WORKLOAD).checksums
+    finally:
+        floor.close()
+    assert bad.total() != good.total()
+    assert bad.by_stage()["ref_log_prob"] != good.by_stage()["ref_log_prob"]
