@@ -1,0 +1,389 @@
+"""A small causal transformer language model with Megatron-style tensor parallelism (TP).
+
+Layout under TP (``tp_size`` ranks of one ``tp_group``):
+
+* q/k/v projections and the first MLP layer are column-parallel: each rank holds a slice of the
+  output features, i.e. ``n_heads // tp_size`` whole attention heads and ``d_ff // tp_size`` hidden
+  units. Their input goes through :func:`copy_to_tp_region` (identity forward, all-reduce backward).
+* The attention output projection and the second MLP layer are row-parallel: each rank holds the
+  matching slice of input features and the partial outputs are summed by
+  :func:`reduce_from_tp_region` (all-reduce forward, identity backward); their bias is replicated and
+  added once, after the sum.
+* Token and position embeddings, the layer norms and the LM head are **replicated**: every rank
+  holds the full tensor, sees the same input and computes the same gradient, so no extra collective
+  is needed to keep them in sync.
+
+With ``tp_group=None`` the model is a plain single-process model and torch.distributed is never
+touched. Weights are created full-size from a seed (:func:`init_state_dict`) and each rank keeps its
+slice (:func:`shard_state_dict`); :func:`gather_state_dict` / :func:`all_gather_state_dict` undo it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+#: Module names whose weight and bias are split along dim 0 (output features).
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "fc1")
+#: Module names whose weight is split along dim 1 (input features); their bias stays replicated.
+ROW_PARALLEL = ("o_proj", "fc2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the model; the defaults train in seconds on a CPU."""
+
+    vocab_size: int = 16
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int = 256
+    max_seq_len: int = 32
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Collectives with the right autograd
+
+
+def _tp_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _tp_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; all-reduce backward, since every rank's slice contributed to d(input)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward (sum of partial outputs); identity backward, the sum's gradient is shared."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        x = x.contiguous().clone()  # never reduce in place into a tensor autograd may still need
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def copy_to_tp_region(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Enter a column-parallel block (no-op without a group)."""
+    return x if group is None else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Leave a row-parallel block (no-op without a group)."""
+    return x if group is None else _ReduceFromTP.apply(x, group)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layers
+
+
+def _split(n: int, tp_size: int, what: str) -> int:
+    if n % tp_size:
+        raise ValueError(f"{what} {n} is not divisible by the tensor-parallel size {tp_size}")
+    return n // tp_size
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's rows (output features) split over the TP ranks; output stays split."""
+
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.group = group
+        local_out = _split(out_features, _tp_size(group), "out_features")
+        self.weight = nn.Parameter(torch.empty(local_out, in_features))
+        self.bias = nn.Parameter(torch.empty(local_out))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's columns (input features) split; takes split input, returns full output."""
+
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.group = group
+        local_in = _split(in_features, _tp_size(group), "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, local_in))
+        self.bias = nn.Parameter(torch.empty(out_features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # The bias is added after the sum, otherwise it would be counted tp_size times.
+        return reduce_from_tp_region(F.linear(x, self.weight), self.group) + self.bias
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; each TP rank owns ``n_heads // tp_size`` whole heads."""
+
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.local_heads = _split(cfg.n_heads, _tp_size(group), "n_heads")
+        # Separate q/k/v (not one fused matrix) so a contiguous slice of each is a set of whole heads.
+        self.q_proj = ColumnParallelLinear(cfg.d_model, cfg.d_model, group)
+        self.k_proj = ColumnParallelLinear(cfg.d_model, cfg.d_model, group)
+        self.v_proj = ColumnParallelLinear(cfg.d_model, cfg.d_model, group)
+        self.o_proj = RowParallelLinear(cfg.d_model, cfg.d_model, group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+
+        def heads(y: Tensor) -> Tensor:
+            return y.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)), is_causal=True
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """GELU MLP with the hidden layer split over the TP ranks."""
+
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group)
+        self.fc2 = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; the layer norms are replicated."""
+
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg, group)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg, group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TransformerLM(nn.Module):
+    """Causal LM: ``forward(tokens[B, L]) -> logits[B, L, vocab]``.
+
+    Parameters are allocated uninitialised (so building a model never draws from the global RNG);
+    fill them with :meth:`load_full_state_dict` or use :func:`build_model`.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp_group = tp_group
+        self.tp_size = _tp_size(tp_group)
+        self.tp_rank = _tp_rank(tp_group)
+        self.tok_emb = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        self.pos_emb = nn.Parameter(torch.empty(cfg.max_seq_len, cfg.d_model))
+        self.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        t = tokens.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.cfg.max_seq_len}")
+        x = F.embedding(tokens, self.tok_emb) + self.pos_emb[:t]
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.lm_head)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: Mapping[str, Tensor]) -> None:
+        """Load a TP=1 state dict, keeping this rank's slice of every TP-split tensor."""
+        self.load_state_dict(shard_state_dict(full, self.tp_rank, self.tp_size))
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The TP=1 state dict, gathered over the TP group (a collective: every rank must call it)."""
+        local = {k: v.detach() for k, v in self.state_dict().items()}
+        return all_gather_state_dict(local, self.tp_group)
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights: deterministic init, sharding and gathering
+
+
+def init_state_dict(cfg: ModelConfig, seed: int) -> dict[str, Tensor]:
+    """Full (TP=1) weights drawn from ``seed`` alone: GPT-2 style, normal(0, 0.02), zero biases,
+    residual output projections scaled by ``1/sqrt(2 n_layers)`` so the residual stream starts small."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, Tensor] = {}
+    for name, p in TransformerLM(cfg).state_dict().items():
+        leaf = name.rsplit(".", 1)[-1]
+        if _module_of(name).startswith("ln"):  # ln1, ln2, ln_f
+            out[name] = torch.ones_like(p) if leaf == "weight" else torch.zeros_like(p)
+        elif leaf == "bias":
+            out[name] = torch.zeros_like(p)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layers) if _module_of(name) in ROW_PARALLEL else 0.02
+            out[name] = torch.randn(p.shape, generator=gen) * std
+    return out
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, tp_group: dist.ProcessGroup | None = None) -> TransformerLM:
+    """A model initialised from ``seed``; under TP every rank builds the same full weights and keeps
+    its shard, so the result equals sharding the TP=1 model built from the same seed."""
+    model = TransformerLM(cfg, tp_group)
+    model.load_full_state_dict(init_state_dict(cfg, seed))
+    return model
+
+
+def _module_of(key: str) -> str:
+    parts = key.split(".")
+    return parts[-2] if len(parts) >= 2 else ""
+
+
+def shard_dim(key: str) -> int | None:
+    """The dimension along which the tensor ``key`` is split under TP, or None if replicated."""
+    module, leaf = _module_of(key), key.rsplit(".", 1)[-1]
+    if module in COLUMN_PARALLEL:
+        return 0
+    if module in ROW_PARALLEL and leaf == "weight":
+        return 1
+    return None
+
+
+def shard_state_dict(full: Mapping[str, Tensor], tp_rank: int, tp_size: int) -> dict[str, Tensor]:
+    """Rank ``tp_rank``'s slice of a full (TP=1) state dict; replicated tensors are shared, not copied."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is out of range for tp_size {tp_size}")
+    out: dict[str, Tensor] = {}
+    for key, value in full.items():
+        dim = shard_dim(key)
+        if dim is None or tp_size == 1:
+            out[key] = value
+            continue
+        if value.shape[dim] % tp_size:
+            raise ValueError(f"{key} of shape {tuple(value.shape)} cannot be split {tp_size} ways on dim {dim}")
+        out[key] = value.chunk(tp_size, dim=dim)[tp_rank].contiguous()
+    return out
+
+
+def gather_state_dict(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Inverse of :func:`shard_state_dict`: ``shards[r]`` is rank r's state dict."""
+    if not shards:
+        raise ValueError("no shards to gather")
+    out: dict[str, Tensor] = {}
+    for key, first in shards[0].items():
+        dim = shard_dim(key)
+        out[key] = first if dim is None or len(shards) == 1 else torch.cat([s[key] for s in shards], dim=dim)
+    return out
+
+
+def all_gather_state_dict(local: Mapping[str, Tensor], tp_group: dist.ProcessGroup | None) -> dict[str, Tensor]:
+    """Collective form of :func:`gather_state_dict` over ``tp_group``; also works for gradients keyed
+    like the parameters. Without a group it returns ``local`` as a dict."""
+    if tp_group is None:
+        return dict(local)
+    size = dist.get_world_size(tp_group)
+    out: dict[str, Tensor] = {}
+    for key, value in local.items():
+        dim = shard_dim(key)
+        if dim is None:
+            out[key] = value
+            continue
+        parts = [torch.empty_like(value) for _ in range(size)]
+        dist.all_gather(parts, value.contiguous(), group=tp_group)
+        out[key] = torch.cat(parts, dim=dim)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Log-probs and sampling
+
+
+def token_log_probs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """Log-prob of each next token: ``logits = model(tokens)`` of shape [B, L, V], ``tokens`` [B, L];
+    returns [B, L-1] with ``out[:, t] = log p(tokens[:, t+1] | tokens[:, :t+1])``."""
+    logp = logits[:, :-1].float().log_softmax(-1)
+    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def response_log_probs(model: nn.Module, prompts: Tensor, responses: Tensor) -> Tensor:
+    """Log-probs [B, T] of ``responses`` [B, T] given ``prompts`` [B, P] (one forward pass)."""
+    seq = torch.cat([prompts, responses], dim=1)
+    return token_log_probs(model(seq), seq)[:, prompts.shape[1] - 1 :]
+
+
+@torch.no_grad()
+def generate(
+    model: TransformerLM,
+    prompts: Tensor | Sequence[Tensor],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+) -> Tensor:
+    """Sample ``max_new_tokens`` tokens after each prompt; returns them as [B, max_new_tokens].
+
+    Prompts must all have the same length (no padding, hence no attention mask). Once a row has
+    produced ``eos_id`` its later tokens are ``pad_id`` (default ``eos_id``). ``temperature == 0``
+    is greedy. The whole prefix is recomputed every step (no KV cache): sequences here are tiny.
+
+    Under TP every rank samples with its own ``generator`` - pass one seeded identically on every
+    rank so the generators stay in lockstep - and then the tokens of TP rank 0 are broadcast, so all
+    ranks hold bit-identical tokens even if their logits differ in the last bit.
+    """
+    seq = prompts if isinstance(prompts, Tensor) else _stack_same_length(prompts)
+    batch = seq.shape[0]
+    pad = eos_id if pad_id is None else pad_id
+    done = torch.zeros(batch, dtype=torch.bool)
+    out = torch.full((batch, max_new_tokens), pad if pad is not None else 0, dtype=torch.long)
+    for step in range(max_new_tokens):
+        logits = model(seq)[:, -1].float()
+        if temperature == 0:
+            nxt = logits.argmax(-1)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if model.tp_group is not None:
+            dist.broadcast(nxt, src=dist.get_global_rank(model.tp_group, 0), group=model.tp_group)
+        if pad is not None:
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        out[:, step] = nxt
+        seq = torch.cat([seq, nxt.unsqueeze(1)], dim=1)
+        if eos_id is not None:
+            done |= nxt == eos_id
+            if bool(done.all()):  # identical on every rank: the tokens were broadcast
+                break
+    return out
+
+
+def _stack_same_length(prompts: Sequence[Tensor]) -> Tensor:
+    if len({p.shape[0] for p in prompts}) != 1:
+        raise ValueError("generate() needs prompts of one length (no padding support)")
+    return torch.stack(list(prompts))

@@ -1,0 +1,93 @@
+"""The run's record: one JSON line per iteration, and a picture of the reward curve and of each stage's busy time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import ROLES
+
+#: One colour per role, in pipeline order (matplotlib's tab10).
+COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+
+
+class MetricsLog:
+    """Appends one JSON object per line and flushes it, so a crashed run keeps what it did."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("w", encoding="utf-8")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def first_last(values: Sequence[float], k: int = 3) -> tuple[float, float]:
+    """Mean of the first ``k`` and of the last ``k`` values."""
+    k = min(k, len(values))
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def _lanes(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, int]]:
+    """(role, dp_rank) pairs that were ever busy, in pipeline order."""
+    seen = {(role, dp) for r in records for role, dp, _, _ in r["busy"]}
+    return sorted(seen, key=lambda lane: (ROLES.index(lane[0]), lane[1]))
+
+
+def plot(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> None:
+    """Reward per iteration (top), every stage's busy intervals over the run (middle), and the last
+    two iterations magnified (bottom), where the stages' overlap through the broker is visible."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a server or in CI
+    import matplotlib.pyplot as plt
+
+    t0 = records[0]["start"]
+    lanes = _lanes(records)
+    fig, (ax_r, ax_t, ax_z) = plt.subplots(3, 1, figsize=(11, 10), gridspec_kw={"height_ratios": [1.1, 1, 1]})
+
+    its = [r["iteration"] for r in records]
+    ax_r.plot(its, [r["reward"] for r in records], marker="o", label="mean reward")
+    ax_r.plot(its, [r["exact"] for r in records], marker=".", linestyle="--", label="exact answers")
+    ax_r.set_xlabel("iteration")
+    ax_r.set_ylabel("reward")
+    ax_r.set_ylim(-0.02, 1.02)
+    ax_r.grid(alpha=0.3)
+    ax_r.legend(loc="upper left")
+    first, last = first_last([r["reward"] for r in records])
+    ax_r.set_title(title or f"GRPO through the broker: reward {first:.2f} (first 3) -> {last:.2f} (last 3)")
+
+    def timeline(ax: Any, shown: Sequence[Mapping[str, Any]]) -> None:
+        for y, (role, dp) in enumerate(lanes):
+            bars = [(b0 - t0, b1 - b0) for r in shown for rr, d, b0, b1 in r["busy"] if (rr, d) == (role, dp)]
+            ax.broken_barh(bars, (y - 0.4, 0.8), color=COLOURS[ROLES.index(role) % len(COLOURS)])
+        for r in shown:  # iteration boundaries
+            ax.axvline(r["start"] - t0, color="grey", linewidth=0.6, alpha=0.6)
+        ax.set_yticks(range(len(lanes)))
+        ax.set_yticklabels([f"{role} dp{dp}" if dp or (role, 1) in lanes else role for role, dp in lanes])
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds since the first iteration started")
+        ax.grid(axis="x", alpha=0.3)
+
+    timeline(ax_t, records)
+    ax_t.set_title("when each stage was busy (grey lines: iteration starts)")
+    zoom = records[-2:]
+    timeline(ax_z, zoom)
+    left, right = zoom[0]["start"] - t0, zoom[-1]["start"] + zoom[-1]["seconds"] - t0
+    ax_z.set_xlim(left, right + 0.02 * (right - left))  # the trainer finishes last: keep its end in view
+    ax_z.set_title(f"the last {len(zoom)} iterations, magnified")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

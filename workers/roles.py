@@ -1,0 +1,255 @@
+"""What each GRPO role computes on one padded batch, and what it writes back (one tensor per row).
+
+Every rank of a TP group runs ``compute`` on the same batch; only TP rank 0's output is written.
+Token columns arrive padded with EOS and float columns with 0.0, to a width that is a multiple of
+the TP size, so widths are cut back with the ``*_length`` columns wherever a row's length matters.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from . import task
+from .algo import group_advantages, grpo_loss
+from .config import INPUTS, OUTPUTS, RunConfig
+from .model import TransformerLM, build_model, generate, response_log_probs
+from .parallel import ParallelState, average_gradients, clip_grad_norm_tp
+
+Output = dict[str, list[Tensor]]
+
+
+def _prompts(batch: Mapping[str, Tensor]) -> Tensor:
+    # The task's prompts share one length; cut the TP padding off again, generate() takes no mask.
+    lengths = batch["prompt_length"][:, 0]
+    width = int(lengths.max())
+    if int(lengths.min()) != width:
+        raise ValueError("prompts of different lengths: this task's model runs without an attention mask")
+    return batch["prompts"][:, :width]
+
+
+def _per_row(values: Tensor, lengths: Tensor) -> list[Tensor]:
+    """Row i cut to ``lengths[i]`` (views: the dock copies each row once, when it encodes it)."""
+    return [values[i, :n] for i, n in enumerate(lengths.tolist())]
+
+
+def _scalars(values: Tensor) -> list[Tensor]:
+    return [v.reshape(1) for v in values.float()]
+
+
+def checksum(batch: Mapping[str, Tensor], indexes: list[int]) -> int:
+    """CRC32 of the rows' indexes and every padded tensor's bytes: equal on ranks that got the same batch."""
+    crc = zlib.crc32(torch.tensor(indexes, dtype=torch.int64).numpy().tobytes())
+    for column in sorted(batch):
+        crc = zlib.crc32(batch[column].contiguous().numpy().tobytes(), crc)
+    return crc
+
+
+class Role:
+    """One role's computation. Subclasses set ``name`` and implement ``compute``."""
+
+    name = ""
+
+    def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.inputs = INPUTS[self.name]
+        self.outputs = OUTPUTS[self.name]
+        self._stats: dict[str, float] = {}
+
+    def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
+        raise NotImplementedError
+
+    def load_weights(self, full: Mapping[str, Tensor]) -> None:
+        raise TypeError(f"role {self.name} holds no model")
+
+    def finish_iteration(self, iteration: int) -> bool:
+        """Work left once this rank has consumed its last row of the iteration; True if there was some."""
+        return False
+
+    def add(self, **values: float) -> None:
+        for key, value in values.items():
+            self._stats[key] = self._stats.get(key, 0.0) + value
+
+    def take_stats(self) -> dict[str, float]:
+        """Sums since the last call (the worker calls it once per iteration)."""
+        stats, self._stats = self._stats, {}
+        return stats
+
+
+class ModelRole(Role):
+    """A role holding a TP shard of the policy, initialised from the run's seed on every rank."""
+
+    def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
+        super().__init__(cfg, state)
+        self.model: TransformerLM = build_model(cfg.model(), seed=cfg.seed, tp_group=state.tp_group)
+
+    def load_weights(self, full: Mapping[str, Tensor]) -> None:
+        self.model.load_full_state_dict(full)
+
+
+class Rollout(ModelRole):
+    """Samples one response per row (the dock repeats each prompt n times), cut after its EOS."""
+
+    name = "actor_rollout"
+
+    @torch.no_grad()
+    def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
+        # Seeded from the rows, not the rank: every TP rank draws the same way, and a rerun samples alike.
+        gen = torch.Generator().manual_seed(hash((self.cfg.seed, iteration, indexes[0])) & 0x7FFF_FFFF_FFFF)
+        out = generate(self.model, _prompts(batch), task.MAX_NEW_TOKENS, self.cfg.temperature, gen, eos_id=task.EOS)
+        is_eos = out == task.EOS
+        # First EOS position + 1, or the full width for a response that never stopped.
+        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, out.shape[1])
+        self.add(tokens=float(lengths.sum()), rows=len(indexes))
+        return {"responses": _per_row(out, lengths), "response_length": [n.reshape(1) for n in lengths]}
+
+
+class LogProb(ModelRole):
+    """Log-probs of each response token under this role's weights."""
+
+    @torch.no_grad()
+    def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
+        lp = response_log_probs(self.model, _prompts(batch), batch["responses"])
+        return {self.outputs[0]: _per_row(lp, batch["response_length"][:, 0])}
+
+
+class RefLogProb(LogProb):
+    """The frozen reference: the initial weights, never updated."""
+
+    name = "ref_log_prob"
+
+
+class ActorLogProb(LogProb):
+    """The sampling policy's log-probs (``old_log_probs`` of the clipped ratio), updated every iteration."""
+
+    name = "actor_log_prob"
+
+
+class RuleReward(Role):
+    """The task's rule reward, one score per response."""
+
+    name = "rule_reward"
+
+    def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
+        prompts = _prompts(batch)
+        lengths = batch["response_length"][:, 0].tolist()
+        scores = torch.tensor([
+            task.reward(p, r[:n]) for p, r, n in zip(prompts, batch["responses"], lengths)
+        ])
+        self.add(reward_sum=float(scores.sum()), exact=float((scores == 1.0).sum()), rows=len(indexes),
+                 response_tokens=float(sum(lengths)))
+        return {"rewards": _scalars(scores)}
+
+
+class Advantage(Role):
+    """GRPO advantages: each reward standardised within its prompt's group of n (batches hold whole groups)."""
+
+    name = "compute_advantage"
+
+    def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
+        n = self.cfg.n
+        rewards = batch["rewards"][:, 0]
+        # Order rows by index so each group's n rows are consecutive, whatever order the get returned.
+        order = sorted(range(len(indexes)), key=indexes.__getitem__)
+        groups = [indexes[i] // n for i in order]
+        if any(groups[k] != groups[k - k % n] for k in range(len(groups))) or len(groups) % n:
+            raise ValueError(f"compute_advantage needs whole groups of {n} rows, got rows {sorted(indexes)}")
+        adv = torch.empty(len(indexes))
+        adv[torch.tensor(order)] = group_advantages(rewards[torch.tensor(order)], n)
+        return {"advantages": _scalars(adv)}
+
+
+class Trainer(ModelRole):
+    """The actor update, streamed: one clipped-GRPO step on each minibatch as it arrives from the dock,
+    then, once the iteration's rows are all in, ``epochs - 1`` more passes over them in shuffled minibatches.
+
+    Why not all epochs per minibatch as it arrives: two steps in a row on the same 16 prompts learn the
+    task far slower (mean reward ~0.5 instead of ~0.95 after 25 iterations, measured with
+    ``train_local``'s settings); the first streamed pass keeps training overlapped with rollout, and
+    the shuffled passes recover the learning speed of shuffled epochs.
+    """
+
+    name = "actor_train"
+
+    def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
+        super().__init__(cfg, state)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self._held: list[dict[str, Tensor]] = []
+
+    def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
+        minibatch = {
+            "prompts": _prompts(batch),
+            "responses": batch["responses"],
+            "lengths": batch["response_length"][:, 0],
+            "advantages": batch["advantages"][:, 0],
+            "old_log_probs": batch["old_log_probs"],
+            "ref_log_probs": batch["ref_log_probs"],
+        }
+        self._step(minibatch)
+        if self.cfg.epochs > 1:
+            self._held.append(minibatch)
+        return {}
+
+    def finish_iteration(self, iteration: int) -> bool:
+        """The remaining epochs over every row this replica got, reshuffled each epoch."""
+        if not self._held:
+            return False
+        held = _concat_padded(self._held)
+        size = self._held[0]["responses"].shape[0]
+        self._held = []
+        # Same seed on every TP rank of a replica (they must pick the same rows), another per DP replica.
+        gen = torch.Generator().manual_seed(hash((self.cfg.seed, iteration, self.state.dp_rank)) & 0x7FFF_FFFF_FFFF)
+        for _ in range(self.cfg.epochs - 1):
+            for idx in torch.randperm(held["lengths"].numel(), generator=gen).split(size):
+                self._step({k: v[idx] for k, v in held.items()})
+        return True
+
+    def _step(self, mb: Mapping[str, Tensor]) -> None:
+        width = mb["responses"].shape[1]
+        mask = (torch.arange(width) < mb["lengths"].unsqueeze(1)).float()
+        lp = response_log_probs(self.model, mb["prompts"], mb["responses"])
+        loss, metrics = grpo_loss(
+            lp, mb["old_log_probs"][:, :width], mb["ref_log_probs"][:, :width], mb["advantages"], mask,
+            self.cfg.clip_eps, self.cfg.kl_coef,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        average_gradients(self.model, self.state.dp_group)
+        grad_norm = clip_grad_norm_tp(self.model, 1.0, self.state.tp_group)
+        self.optimizer.step()
+        self.add(steps=1, grad_norm=grad_norm, **metrics)
+
+    def export_weights(self) -> dict[str, Tensor] | None:
+        """Full weights on TP rank 0 of DP replica 0 (a collective over that TP group), else None."""
+        if self.state.dp_rank != 0:
+            return None
+        full = self.model.full_state_dict()
+        return {k: v.clone() for k, v in full.items()} if self.state.is_tp_src else None
+
+
+def _concat_padded(batches: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Stack minibatches whose 2-D columns differ in width: right-pad to the widest (EOS for tokens, 0.0
+    for log-probs, as dispatch pads them; the response mask hides the padding either way)."""
+    out: dict[str, Tensor] = {}
+    for key in batches[0]:
+        parts = [b[key] for b in batches]
+        if parts[0].dim() == 2 and key != "prompts":
+            width = max(p.shape[1] for p in parts)
+            fill = task.EOS if key == "responses" else 0.0
+            parts = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=fill) for p in parts]
+        out[key] = torch.cat(parts)
+    return out
+
+
+ROLE_CLASSES: dict[str, type[Role]] = {
+    cls.name: cls for cls in (Rollout, RefLogProb, ActorLogProb, RuleReward, Advantage, Trainer)
+}
+
+
+def make_role(name: str, cfg: RunConfig, state: ParallelState) -> Role:
+    return ROLE_CLASSES[name](cfg, state)
+

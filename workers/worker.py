@@ -1,0 +1,129 @@
+"""One rank of a role's worker group, run as a Ray actor: it loops on the broker, not on the driver.
+
+Per iteration the driver only says "go" (with new weights, if the role follows the trainer); the
+rank then runs ``while not all_consumed: dispatch -> compute -> collect`` against the dock, at
+whatever pace the stages before it write rows, and returns what it did and when it was busy.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from broker import TransferDock
+
+from . import task
+from .config import RunConfig
+from .dispatch import Dispatcher, guaranteed_ranges
+from .parallel import ParallelState
+from .roles import Role, Trainer, checksum, make_role
+
+
+class RoleWorker:
+    """Rank ``rank`` of role ``role``'s ``dp x tp`` group."""
+
+    def __init__(self, role: str, cfg: RunConfig, dock: TransferDock, rank: int) -> None:
+        # Many actors share few cores: a second intra-op thread only fights the neighbours for a core.
+        torch.set_num_threads(1)
+        self.role_name = role
+        self.cfg = cfg
+        self.dock = dock
+        self.rank = rank
+        self.layout = cfg.layouts[role]
+        self.state: ParallelState | None = None
+        self.role: Role | None = None
+        self.dispatcher: Dispatcher | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the group's rendezvous."""
+        import ray  # only meaningful inside a Ray worker
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str | None, master_port: int | None) -> dict[str, Any]:
+        """Join the group's process groups (blocks until every rank has called it) and build the role."""
+        self.state = ParallelState(self.layout, self.rank, master_addr, master_port)
+        self.role = make_role(self.role_name, self.cfg, self.state)
+        self.dispatcher = Dispatcher(self.dock, self.role_name, self.state, pad_id=task.EOS)
+        return {"role": self.role_name, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+
+    def run_iteration(self, iteration: int, weights: Mapping[str, Tensor] | None = None) -> dict[str, Any]:
+        """Drain this role's share of the dock; returns busy intervals (wall clock), counts and stats."""
+        assert self.role is not None and self.dispatcher is not None and self.state is not None, "setup() first"
+        if weights is not None:
+            self.role.load_weights(weights)
+        cfg, state = self.cfg, self.state
+        count = cfg.rows_per_get(self.role_name)
+        plan = guaranteed_ranges(cfg.capacity, state.dp_size, state.dp_rank, count) if cfg.guarantee_order else None
+        busy: list[tuple[float, float]] = []
+        trace: list[dict[str, Any]] = []
+        rows_done = 0
+        last_progress = time.monotonic()
+        while not self.dispatcher.all_consumed():
+            indexes = None
+            if plan is not None:
+                if not plan:
+                    break  # this DP rank's fixed range is done; the others finish theirs
+                indexes = plan[0]
+            got = self.dispatcher.dispatch(self.role.inputs, count, indexes, timeout=cfg.poll_seconds)
+            if got is None:
+                if time.monotonic() - last_progress > cfg.stall_seconds:
+                    raise TimeoutError(
+                        f"{self.role_name} rank {self.rank}: no rows for {cfg.stall_seconds:.0f} s in iteration "
+                        f"{iteration} while rows are still owed; is a stage before it stuck?"
+                    )
+                continue
+            start = time.time()
+            batch, rows = got
+            if plan is not None:
+                plan.pop(0)
+            output = self.role.compute(batch, rows, iteration)
+            self.dispatcher.collect(output, rows)
+            busy.append((start, time.time()))
+            if cfg.trace:
+                trace.append({"indexes": rows, "checksum": checksum(batch, rows)})
+            rows_done += len(rows)
+            last_progress = time.monotonic()
+        start = time.time()
+        if self.role.finish_iteration(iteration):
+            busy.append((start, time.time()))
+        return {
+            "role": self.role_name,
+            "rank": self.rank,
+            "dp_rank": state.dp_rank,
+            "tp_rank": state.tp_rank,
+            "rows": rows_done,
+            "busy": busy,
+            "stats": self.role.take_stats(),
+            "trace": trace,
+        }
+
+    def export_weights(self) -> dict[str, Tensor] | None:
+        """The trainer's full weights from its first TP group's rank 0; None on every other rank."""
+        if not isinstance(self.role, Trainer):
+            raise TypeError(f"{self.role_name} does not train; only actor_train exports weights")
+        return self.role.export_weights()
+
+    def weights_checksum(self) -> int | None:
+        """CRC32 of this rank's weight shard, or None for a role without a model (tests compare replicas)."""
+        model = getattr(self.role, "model", None)
+        if model is None:
+            return None
+        crc = 0
+        for _, value in sorted(model.state_dict().items()):
+            crc = zlib.crc32(value.detach().contiguous().numpy().tobytes(), crc)
+        return crc
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.state.close()
