@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import quote
 
 import redis
@@ -27,6 +28,24 @@ class _ReconnectRetry(Retry):
             return is_retryable is None or is_retryable(error)
 
         return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+class _RetryingPool(redis.ConnectionPool):
+    """A pool that retries handing out a connection, as the client retries commands.
+
+    redis-py retries a command that fails on its connection, but not the reconnect and liveness
+    check done when the pool hands a connection out: a connection cut at that moment (a server
+    restart, a CLIENT KILL) surfaced as an error although nothing had been sent. Since nothing has
+    been sent yet, retrying there is always safe.
+    """
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        retry = self.connection_kwargs.get("retry")
+        get = super().get_connection
+        if retry is None:
+            return get(*args, **kwargs)
+        # The pool has already released the failed connection; nothing more to undo between tries.
+        return retry.call_with_retry(lambda: get(*args, **kwargs), lambda _error: None)
 
 
 def default_retry() -> Retry:
@@ -54,12 +73,14 @@ def connect(target: str | redis.Redis) -> tuple[redis.Redis, str | None]:
             # turn a silent peer into an error (no broker command runs for a minute); the URL's query
             # (?socket_timeout=...) overrides them.
             tcp = {} if target.startswith("unix:") else {"socket_keepalive": True}  # unix sockets take no keepalive
-            client = redis.Redis.from_url(
+            pool = _RetryingPool.from_url(
                 target, health_check_interval=30, retry=default_retry(), socket_connect_timeout=10,
                 socket_timeout=60, **tcp,
             )
         except ValueError as exc:
             raise BrokerError(f"invalid Redis URL {redact(target)!r}: {exc}") from None
+        client = redis.Redis(connection_pool=pool)
+        client.auto_close_connection_pool = True  # closing the client closes the pool, as from_url does
         return client, target
     if not isinstance(target, redis.Redis):
         raise BrokerError(f"expected a Redis URL or a redis.Redis client, got {type(target).__name__}")

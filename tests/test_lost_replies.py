@@ -62,6 +62,37 @@ def lose_next_transaction_reply() -> Iterator[list[int]]:
         redis.client.Pipeline._execute_transaction = original
 
 
+@contextlib.contextmanager
+def cut_connections_as_the_pool_hands_them_out(url: str, times: int) -> Iterator[list[int]]:
+    """Have the server close a connection just before the pool checks it, ``times`` times in a row.
+
+    The pool's check sees a closed connection, reconnects and checks again: the second cut lands on
+    the fresh connection, which redis-py does not retry by itself.
+    """
+    admin = redis.Redis.from_url(url)
+    original = redis.connection.AbstractConnection.can_read
+    cuts: list[int] = []
+    cutting = threading.Lock()
+
+    def can_read(self, timeout: float = 0) -> bool:
+        # The lock keeps the admin's own connection checks out of the cutting.
+        if len(cuts) < times and self._sock is not None and cutting.acquire(blocking=False):
+            try:
+                host, port = self._sock.getsockname()[:2]
+                cuts.append(admin.client_kill_filter(addr=f"{host}:{port}"))
+                time.sleep(0.05)  # let the close reach this socket
+            finally:
+                cutting.release()
+        return original(self, timeout)
+
+    redis.connection.AbstractConnection.can_read = can_read
+    try:
+        yield cuts
+    finally:
+        redis.connection.AbstractConnection.can_read = original
+        admin.close()
+
+
 @pytest.fixture
 def dock(real_url) -> TransferDock:
     redis.Redis.from_url(real_url).flushdb()
@@ -97,6 +128,17 @@ def test_lost_ack_and_status_replies_are_retried(dock):
     with lose_next_transaction_reply():
         status = dock.status()
     assert status["consumers"]["actor_train"] == {"consumed": 2, "leased": 0, "redelivered": 0}
+
+
+def test_connection_cut_while_the_pool_hands_it_out_is_retried(dock, real_url):
+    fill(dock)
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 0  # leaves a pooled, idle connection
+    with cut_connections_as_the_pool_hands_them_out(real_url, times=2) as cuts:
+        batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
+    assert cuts == [1, 1]
+    assert rows == [0, 1, 2, 3]
+    assert [t.tolist() for t in batch["prompts"]] == [t.tolist() for t in dock.get_experience(
+        "actor_train", ["prompts"], indexes=rows)[0]["prompts"]]
 
 
 def test_exactly_once_while_connections_are_killed_at_random(real_url):
