@@ -210,7 +210,10 @@ class TransferDock:
 
     def _encode_rows(self, column: str, value: Any, count: int) -> list[bytes]:
         if isinstance(value, np.ndarray):
-            value = torch.from_numpy(value)
+            try:
+                value = torch.from_numpy(value)
+            except TypeError as exc:
+                raise InvalidExperienceError(f"column {column!r}: cannot store a numpy array: {exc}") from None
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 raise InvalidExperienceError(
@@ -221,22 +224,20 @@ class TransferDock:
                     f"column {column!r}: stacked tensor of shape {tuple(value.shape)} has {value.shape[0]} rows "
                     f"for {count} indexes"
                 )
-            value = value.unbind(0)
-        elif not isinstance(value, (list, tuple)):
+            try:
+                return codec.encode_stacked(value)
+            except InvalidExperienceError as exc:
+                raise InvalidExperienceError(f"column {column!r}, {exc}") from None
+        if not isinstance(value, (list, tuple)):
             raise InvalidExperienceError(
                 f"column {column!r}: expected a tensor or a list of tensors, got {type(value).__name__}"
             )
         if len(value) != count:
             raise InvalidExperienceError(f"column {column!r}: {len(value)} rows for {count} indexes")
-        out = []
-        for i, row in enumerate(value):
-            if isinstance(row, np.ndarray):
-                row = torch.from_numpy(row)
-            try:
-                out.append(codec.encode(row))
-            except InvalidExperienceError as exc:
-                raise InvalidExperienceError(f"column {column!r}, row {i}: {exc}") from None
-        return out
+        try:
+            return codec.encode_rows(value)
+        except InvalidExperienceError as exc:
+            raise InvalidExperienceError(f"column {column!r}, {exc}") from None
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -365,7 +366,7 @@ class TransferDock:
             gone = [r for r, v in zip(rows, values) if v is None]
             if gone:
                 raise MissingDataError(f"{key}: rows {_abbrev(gone)} are marked ready but hold no bytes")
-            batch[col] = [codec.decode(v, where=key, field=f) for f, v in zip(fields, values)]
+            batch[col] = codec.decode_rows(values, where=key, fields=fields)
         return batch
 
     def _wait(self, attempt: Callable[[], T | None], timeout: float | None) -> T | None:
@@ -489,12 +490,14 @@ class TransferDock:
             raise RowIndexError(f"indexes must be a list of row numbers, got {type(indexes).__name__}")
         if not indexes:
             raise RowIndexError("indexes is empty")
-        bad = [i for i in indexes if not _is_int(i)]
-        if bad:
-            raise RowIndexError(f"indexes must be ints, got {bad[:5]!r}")
-        rows = [int(i) for i in indexes]
-        out = [r for r in rows if not 0 <= r < self.capacity]
-        if out:
+        rows = list(indexes)
+        if not all(type(i) is int for i in rows):  # plain ints skip the per-row checks below
+            bad = [i for i in rows if not _is_int(i)]
+            if bad:
+                raise RowIndexError(f"indexes must be ints, got {bad[:5]!r}")
+            rows = [int(i) for i in rows]
+        if min(rows) < 0 or max(rows) >= self.capacity:
+            out = [r for r in rows if not 0 <= r < self.capacity]
             raise RowIndexError(f"rows {_abbrev(out)} are outside the dock's range [0, {self.capacity})")
         if len(set(rows)) != len(rows):
             dupes = sorted({r for r in rows if rows.count(r) > 1})

@@ -5,11 +5,12 @@ from __future__ import annotations
 import struct
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
 from broker import DecodeError, InvalidExperienceError
-from broker.codec import DTYPES, decode, encode
+from broker.codec import DTYPES, decode, decode_rows, encode, encode_rows, encode_stacked
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (2, 3, 4)]
 
@@ -71,6 +72,37 @@ def test_non_tensor_is_refused():
         encode([1, 2, 3])
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_batch_encoders_give_the_bytes_of_encode(dtype):
+    rows = [random_tensor(dtype, shape, seed=i) for i, shape in enumerate(SHAPES * 2)]
+    rows.append(random_tensor(dtype, (4, 6)).t())  # not contiguous: must take encode's path
+    assert encode_rows(rows) == [encode(t) for t in rows]
+    for stacked in (random_tensor(dtype, (5, 3)), random_tensor(dtype, (3, 5)).t(), random_tensor(dtype, (4,)),
+                    random_tensor(dtype, (3, 0))):
+        assert encode_stacked(stacked) == [encode(t) for t in stacked.unbind(0)]
+
+
+def test_batch_encoder_takes_numpy_rows_and_names_the_bad_row():
+    assert encode_rows([np.arange(3, dtype=np.int32)]) == [encode(torch.arange(3, dtype=torch.int32))]
+    with pytest.raises(InvalidExperienceError, match="row 1: dtype torch.complex64 is not supported"):
+        encode_rows([torch.zeros(2), torch.zeros(2, dtype=torch.complex64)])
+    with pytest.raises(InvalidExperienceError, match="row 0: .*numpy array of dtype object"):
+        encode_rows([np.array([object()])])
+    with pytest.raises(InvalidExperienceError, match="row 2: expected a torch.Tensor, got str"):
+        encode_rows([torch.zeros(1), torch.zeros(1), "junk"])
+
+
+def test_decode_rows_agrees_with_decode_across_changing_prefixes():
+    rows = [random_tensor(dtype, shape, seed=i) for i, (dtype, shape) in
+            enumerate((d, s) for s in SHAPES for d in DTYPES.values())]
+    values = [bytes(encode(t)) for t in rows] * 2  # the second pass runs on cached prefixes
+    fields = [str(i) for i in range(len(values))]
+    out = decode_rows(values, where="k", fields=fields)
+    for got, value in zip(out, values):
+        want = decode(value)
+        assert got.dtype == want.dtype and got.shape == want.shape and bits(got) == bits(want)
+
+
 def _frame(header_obj, payload: bytes = b"", *, magic=b"TD", version=1) -> bytes:
     header = msgpack.packb(header_obj)
     start = -(-(8 + len(header)) // 16) * 16
@@ -105,6 +137,25 @@ def test_bad_bytes_raise_decode_error_naming_the_place(data, message):
     with pytest.raises(DecodeError, match=message) as info:
         decode(data, where="td:{x}:data:responses field 7")
     assert "td:{x}:data:responses field 7" in str(info.value)
+    with pytest.raises(DecodeError, match=message) as info:
+        decode_rows([data], where="td:{x}:data:responses", fields=["7"])
+    assert "td:{x}:data:responses field 7" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "good, bad, message",
+    [
+        (_frame(["int32", [2]], b"\0" * 8), _frame(["int32", [2]], b"\0" * 9), "needs 8 payload bytes, found 9"),
+        (_frame(["int32", [2]], b"\0" * 8), _frame(["int32", [2]], b"\0" * 4), "needs 8 payload bytes, found 4"),
+        (_frame(["int32", [2]], b"\0" * 8), _frame(["int32", [2]])[:20], "runs past|payload bytes|too short"),
+        (_frame(["bool", [2]], b"\x01\x00"), _frame(["bool", [2]], b"\x01\x07"), "bool payload"),
+    ],
+    ids=["long payload", "short payload", "cut short", "bool not 0 or 1"],
+)
+def test_decode_rows_checks_rows_whose_prefix_it_has_seen(good, bad, message):
+    with pytest.raises(DecodeError, match=message) as info:
+        decode_rows([good, good, bad], where="td:{x}:data:responses", fields=["1", "2", "3"])
+    assert "td:{x}:data:responses field 3" in str(info.value)
 
 
 def test_non_bytes_raise_decode_error():
