@@ -148,15 +148,12 @@ def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> 
     start = 32  # prefix length of the last row; the common one for 1-d tensors
     for value, field in zip(values, fields):
         hit = known.get(value[:start]) if type(value) is bytes else None
-        if hit is None or len(value) - start != hit[2] or hit[0] is torch.bool:
-            tensor = decode(value, where=where, field=field)
+        if hit is None or len(value) != hit[0]:
+            out.append(decode(value, where=where, field=field))
             start = _remember_prefix(value)
-            out.append(tensor)
             continue
-        dtype, shape, expected = hit
-        if expected == 0:
-            out.append(torch.empty(shape, dtype=dtype))
-        elif len(shape) == 1:
+        _, dtype, shape, flat = hit
+        if flat:
             out.append(frombuffer(value, dtype=dtype, offset=start))
         else:
             out.append(frombuffer(value, dtype=dtype, offset=start).reshape(shape))
@@ -201,8 +198,9 @@ def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field:
 _CACHE_LIMIT = 1 << 16
 _ENCODED_PREFIXES: dict[tuple[torch.dtype, tuple[int, ...]], bytes] = {}
 _DECODED_HEADERS: dict[bytes, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-#: Whole prefixes (through the padding) of values ``decode`` accepted -> (dtype, shape, payload bytes).
-_DECODED_PREFIXES: dict[bytes, tuple[torch.dtype, tuple[int, ...], int]] = {}
+#: Whole prefixes (through the padding) of values ``decode`` accepted -> (length of the whole value,
+#: dtype, shape, whether the shape is 1-d). Empty and bool tensors are not listed: they need ``decode``.
+_DECODED_PREFIXES: dict[bytes, tuple[int, torch.dtype, tuple[int, ...], bool]] = {}
 
 
 def _encoded_prefix(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
@@ -224,9 +222,11 @@ def _remember_prefix(value: bytes) -> int:
     header = bytes(value[8 : 8 + _PREFIX.unpack_from(value, 0)[3]])
     # Another thread may have emptied the cache since decode filled it.
     dtype, shape, start, expected = _DECODED_HEADERS.get(header) or _parse_header(header, "value")
+    if expected == 0 or dtype is torch.bool:  # an empty view, or a payload to check for bytes other than 0/1
+        return start
     if len(_DECODED_PREFIXES) >= _CACHE_LIMIT:
         _DECODED_PREFIXES.clear()
-    _DECODED_PREFIXES[bytes(value[:start])] = (dtype, shape, expected)
+    _DECODED_PREFIXES[bytes(value[:start])] = (start + expected, dtype, shape, len(shape) == 1)
     return start
 
 
