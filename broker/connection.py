@@ -19,15 +19,31 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
 class _ReconnectRetry(Retry):
-    """Retries connection failures, but not refused credentials: those will not get better."""
+    """Retries connection failures once over, and never refused credentials: those will not get better.
+
+    redis-py nests its retries: a command's retry (or the pool's hand-out retry below) wraps a
+    reconnect whose own retry wraps opening the socket. Against a dead server the attempts multiply
+    (9 x 9 sockets, over a minute instead of seconds). An error that has already been through one
+    retry loop is marked, and the loops around it pass it on at once.
+    """
 
     def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
         def retryable(error: Exception) -> bool:
+            if getattr(error, _RETRIED, False):
+                return False
             if isinstance(error, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
                 return False
             return is_retryable is None or is_retryable(error)
 
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
+        try:
+            return super().call_with_retry(do, fail, retryable, with_failure_count)
+        except Exception as error:
+            setattr(error, _RETRIED, True)
+            raise
+
+
+#: Attribute set on an error that a retry loop has given up on.
+_RETRIED = "_broker_retried"
 
 
 class _RetryingPool(redis.ConnectionPool):
@@ -36,7 +52,8 @@ class _RetryingPool(redis.ConnectionPool):
     redis-py retries a command that fails on its connection, but not the reconnect and liveness
     check done when the pool hands a connection out: a connection cut at that moment (a server
     restart, a CLIENT KILL) surfaced as an error although nothing had been sent. Since nothing has
-    been sent yet, retrying there is always safe.
+    been sent yet, retrying there is always safe. A socket that cannot be opened at all is not tried
+    again here: the reconnect has already retried it (see ``_ReconnectRetry``).
     """
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:

@@ -487,15 +487,22 @@ def test_dock_from_a_client_without_url_refuses_to_pickle():
 
 
 @pytest.mark.real
-def test_vanished_server_raises_connection_error():
+def test_vanished_server_raises_connection_error(monkeypatch):
+    from broker.connection import default_retry
     from tests.servers import RedisServer
 
+    sockets = []
+    open_socket = redis.Connection._connect
+    monkeypatch.setattr(redis.Connection, "_connect", lambda self: sockets.append(1) or open_socket(self))
     with RedisServer() as server:
         dock = TransferDock(server.url, "gone", prompts_num=1, n_samples_per_prompt=1, columns=["a"], consumers=["c"])
         server.stop(kill=True)
+        sockets.clear()
         with pytest.raises(BrokerError, match=f"127.0.0.1:{server.port}") as info:
             dock.put_experience({"a": [torch.ones(1)]}, [0])
         assert isinstance(info.value, ConnectionError)  # after the client's few seconds of retries
+    # One retry loop, not retries nested in retries (9 x 9 attempts took over a minute).
+    assert len(sockets) == default_retry().get_retries() + 1
 
 
 def test_invalid_url_is_reported():
