@@ -106,7 +106,7 @@ def encode_rows(rows: Sequence[Any]) -> list[bytes]:
         except (AttributeError, KeyError, RuntimeError, TypeError):
             # TypeError also covers a non-contiguous array, which join refuses: encode makes it contiguous.
             try:
-                out.append(encode(_as_tensor(row)))
+                out.append(encode(as_tensor(row)))
             except InvalidExperienceError as exc:
                 raise InvalidExperienceError(f"row {i}: {exc}") from None
     return out
@@ -127,14 +127,14 @@ def encode_stacked(tensor: torch.Tensor) -> list[bytes]:
     return [join((prefix, flat[i * size : (i + 1) * size])) for i in range(len(array))]
 
 
-def _as_tensor(row: Any) -> Any:
-    """numpy rows become tensors (without a copy); anything else is left for ``encode`` to judge."""
-    if not isinstance(row, np.ndarray):
-        return row
+def as_tensor(value: Any) -> Any:
+    """A numpy array becomes a tensor (without a copy); anything else is left for ``encode`` to judge."""
+    if not isinstance(value, np.ndarray):
+        return value
     try:
-        return torch.from_numpy(row)
+        return torch.from_numpy(value)
     except TypeError as exc:
-        raise InvalidExperienceError(f"cannot store a numpy array of dtype {row.dtype}: {exc}") from None
+        raise InvalidExperienceError(f"cannot store a numpy array of dtype {value.dtype}: {exc}") from None
 
 
 def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> list[torch.Tensor]:

@@ -18,6 +18,10 @@ from .errors import BrokerConnectionError, BrokerError, DecodeError, RedisComman
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
+#: Attribute set on an error that a retry loop has given up on.
+_RETRIED = "_broker_retried"
+
+
 class _ReconnectRetry(Retry):
     """Retries connection failures once over, and never refused credentials: those will not get better.
 
@@ -42,10 +46,6 @@ class _ReconnectRetry(Retry):
             raise
 
 
-#: Attribute set on an error that a retry loop has given up on.
-_RETRIED = "_broker_retried"
-
-
 class _RetryingPool(redis.ConnectionPool):
     """A pool that retries handing out a connection, as the client retries commands.
 
@@ -57,12 +57,9 @@ class _RetryingPool(redis.ConnectionPool):
     """
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        retry = self.connection_kwargs.get("retry")
         get = super().get_connection
-        if retry is None:
-            return get(*args, **kwargs)
         # The pool has already released the failed connection; nothing more to undo between tries.
-        return retry.call_with_retry(lambda: get(*args, **kwargs), lambda _error: None)
+        return self.connection_kwargs["retry"].call_with_retry(lambda: get(*args, **kwargs), lambda _error: None)
 
 
 def default_retry() -> Retry:

@@ -209,11 +209,10 @@ class TransferDock:
         self._run(put)
 
     def _encode_rows(self, column: str, value: Any, count: int) -> list[bytes]:
-        if isinstance(value, np.ndarray):
-            try:
-                value = torch.from_numpy(value)
-            except TypeError as exc:
-                raise InvalidExperienceError(f"column {column!r}: cannot store a numpy array: {exc}") from None
+        try:
+            value = codec.as_tensor(value)
+        except InvalidExperienceError as exc:
+            raise InvalidExperienceError(f"column {column!r}: {exc}") from None
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 raise InvalidExperienceError(
@@ -224,18 +223,17 @@ class TransferDock:
                     f"column {column!r}: stacked tensor of shape {tuple(value.shape)} has {value.shape[0]} rows "
                     f"for {count} indexes"
                 )
-            try:
-                return codec.encode_stacked(value)
-            except InvalidExperienceError as exc:
-                raise InvalidExperienceError(f"column {column!r}, {exc}") from None
-        if not isinstance(value, (list, tuple)):
+            encode = codec.encode_stacked
+        elif not isinstance(value, (list, tuple)):
             raise InvalidExperienceError(
                 f"column {column!r}: expected a tensor or a list of tensors, got {type(value).__name__}"
             )
-        if len(value) != count:
+        elif len(value) != count:
             raise InvalidExperienceError(f"column {column!r}: {len(value)} rows for {count} indexes")
+        else:
+            encode = codec.encode_rows
         try:
-            return codec.encode_rows(value)
+            return encode(value)
         except InvalidExperienceError as exc:
             raise InvalidExperienceError(f"column {column!r}, {exc}") from None
 
