@@ -5,6 +5,7 @@ consumed status, n-sample-aware sampling) in Redis, so any number of processes c
 """
 
 from .dock import TransferDock
+from .leased_rows import LeasedRows
 from .errors import (
     BrokerConnectionError,
     BrokerError,
@@ -23,6 +24,7 @@ from .errors import (
 
 __all__ = [
     "TransferDock",
+    "LeasedRows",
     "BrokerError",
     "BrokerConnectionError",
     "DecodeError",

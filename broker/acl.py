@@ -23,9 +23,9 @@ CLIENT_COMMANDS = (
 
 #: Commands the Lua scripts in lua/ call.
 SCRIPT_COMMANDS = (
-    "type", "exists", "time", "hset", "hgetall", "hdel", "hlen", "get", "set", "del", "incrby", "strlen",
-    "setrange", "getrange", "setbit", "bitfield", "bitop", "bitpos", "bitcount", "zadd", "zrem", "zrangebyscore",
-    "zremrangebyscore", "publish",
+    "type", "exists", "time", "hset", "hmget", "hgetall", "hdel", "hlen", "get", "set", "del", "incr", "incrby",
+    "strlen", "setrange", "getrange", "bitfield", "bitop", "bitpos", "bitcount", "zadd", "zrem", "zcard",
+    "zrangebyscore", "publish",
 )
 
 

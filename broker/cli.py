@@ -14,17 +14,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import redis
+
 from .acl import worker_rules
 from .connection import connect, default_url, redact, redis_errors
 from .dock import TransferDock
 from .errors import BrokerError, DockNotFoundError
 from .keys import META_PATTERN, dock_name_from_meta_key
+from .status import DockRef, read_metas, read_statuses
 
 
-def dock_names(url: str) -> list[str]:
-    """Names of every dock on the server at ``url``, sorted."""
-    client, _ = connect(url)
-    with redis_errors(redact(url)):
+def dock_names(client: redis.Redis, where: str) -> list[str]:
+    """Names of every dock on the server, sorted."""
+    with redis_errors(where):
         found = {dock_name_from_meta_key(k) for k in client.scan_iter(match=META_PATTERN, count=1000)}
     return sorted(n for n in found if n)
 
@@ -45,22 +47,30 @@ def format_status(status: dict[str, Any]) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    names = [args.name] if args.name else dock_names(args.url)
+    client, _ = connect(args.url)
+    where = redact(args.url)
+    names = [args.name] if args.name else dock_names(client, where)
+    # Two round trips for any number of docks: every meta, then every dock's counts.
+    with redis_errors(where):
+        refs = read_metas(client, names)
+        found = [r for r in refs if isinstance(r, DockRef)]
+        statuses = iter(read_statuses(client, found))
     reports: list[dict[str, Any]] = []
     failed = False
-    for name in names:
-        try:
-            reports.append(TransferDock.attach(args.url, name).status())
-        except DockNotFoundError as exc:
-            print(f"broker: {exc}", file=sys.stderr)
+    for name, ref in zip(names, refs):
+        result = next(statuses) if isinstance(ref, DockRef) else ref
+        if isinstance(result, DockNotFoundError) and args.name:
+            print(f"broker: {result} at {where}", file=sys.stderr)
             return 2
-        except BrokerError as exc:  # a broken dock is reported and the others still listed
+        if isinstance(result, BrokerError):  # a broken dock is reported and the others still listed
             failed = True
-            reports.append({"name": name, "error": f"{type(exc).__name__}: {exc}"})
+            reports.append({"name": name, "error": f"{type(result).__name__}: {result}"})
+        else:
+            reports.append(result)
     if args.json:
         print(json.dumps(reports[0] if args.name else reports))
     elif not reports:
-        print(f"no docks at {redact(args.url)}")
+        print(f"no docks at {where}")
     else:
         tables = [f"dock {r['name']}: ERROR {r['error']}" if "error" in r else format_status(r) for r in reports]
         print("\n\n".join(tables))

@@ -12,7 +12,15 @@ import redis
 from redis.backoff import EqualJitterBackoff
 from redis.retry import Retry
 
-from .errors import BrokerConnectionError, BrokerError, DecodeError, RedisCommandError, StoreFullError
+from .errors import (
+    BrokerConnectionError,
+    BrokerError,
+    DecodeError,
+    DockNotFoundError,
+    RedisCommandError,
+    SchemaError,
+    StoreFullError,
+)
 
 #: Where tools look when no URL is given.
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -153,12 +161,19 @@ def redis_errors(where: str) -> Iterator[None]:
     except redis.exceptions.NoPermissionError as exc:
         raise RedisCommandError(f"Redis at {where} denied this user a command or key: {_short(exc)}") from exc
     except redis.ResponseError as exc:
-        # Our scripts flag keys holding foreign data with a CORRUPT error before writing anything.
-        if str(exc).startswith("CORRUPT "):
-            raise DecodeError(str(exc)[len("CORRUPT ") :]) from None
+        # Our scripts flag keys holding foreign data with a CORRUPT error before writing anything, and
+        # a dock whose schema vanished or changed under them with NODOCK or SCHEMA.
+        text = str(exc)
+        for prefix, error in _SCRIPT_ERRORS.items():
+            if text.startswith(prefix):
+                raise error(f"Redis at {where}: {text[len(prefix):]}") from None
         raise RedisCommandError(f"Redis at {where} refused a command: {exc}") from exc
     except redis.RedisError as exc:
         raise RedisCommandError(f"Redis at {where} refused a command: {exc}") from exc
+
+
+#: Error prefixes of the Lua scripts, and the broker error each stands for.
+_SCRIPT_ERRORS = {"CORRUPT ": DecodeError, "NODOCK ": DockNotFoundError, "SCHEMA ": SchemaError}
 
 
 def _short(exc: Exception, limit: int = 300) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -17,7 +19,6 @@ from . import codec
 from .connection import connect, redact, redis_errors
 from .errors import (
     BrokerError,
-    DecodeError,
     DockNotFoundError,
     ExperienceTimeoutError,
     InvalidExperienceError,
@@ -28,8 +29,10 @@ from .errors import (
     UnknownConsumerError,
 )
 from .keys import DockKeys
-from .schema import Schema
-from .scripts import Scripts, supports_flags
+from .leased_rows import LeasedRows
+from .schema import Schema, fingerprint
+from .scripts import DockScripts, Handout, rows_of, run_pipeline, runs_of, supports_flags
+from .status import DockRef, read_statuses
 
 Batch = dict[str, list[torch.Tensor]]
 T = TypeVar("T")
@@ -42,6 +45,11 @@ _RECHECK_SECONDS = 1.0
 
 #: How long a sampling call's reply is kept for a retry after a lost reply.
 _REPLY_TTL_MS = 60_000
+
+#: How many times one call hands rows out again after a clear took some of them away before their
+#: bytes were read (see ``_read``). Each retry means a clear landed in a window of one round trip, so
+#: running out of them takes a clearer in a tight loop; the call then finds nothing this time.
+_FENCE_RETRIES = 16
 
 
 class TransferDock:
@@ -71,16 +79,16 @@ class TransferDock:
         """
         self._open(url_or_client, name, policy, seed)
         wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers)
-        fields = [x for pair in wanted.to_meta().items() for x in pair]
-        reply = self._run(lambda: self._scripts.create([self._keys.meta], fields))
-        if reply[0] == 1:
-            self._set_schema(wanted)
+        fields = wanted.to_meta()
+        stored = self._run(lambda: self._scripts.create(fields))
+        if stored is None:
+            self._set_schema(wanted, fingerprint(fields))
             return
-        stored = Schema.from_meta(dict(zip(reply[1::2], reply[2::2])), where=self._keys.meta)
-        diff = wanted.differences(stored)
+        existing = Schema.from_meta(stored, where=self._keys.meta)
+        diff = wanted.differences(existing)
         if diff:
             raise SchemaError(f"dock {name!r} exists with a different schema: " + "; ".join(diff))
-        self._set_schema(stored)
+        self._set_schema(existing, fingerprint(stored))
 
     @classmethod
     def attach(
@@ -92,7 +100,7 @@ class TransferDock:
         meta = dock._run(lambda: dock._client.hgetall(dock._keys.meta))
         if not meta:
             raise DockNotFoundError(f"no dock named {name!r} at {dock._server}")
-        dock._set_schema(Schema.from_meta(meta, where=dock._keys.meta))
+        dock._set_schema(Schema.from_meta(meta, where=dock._keys.meta), fingerprint(meta))
         return dock
 
     def _open(self, target: str | redis.Redis, name: str, policy: str, seed: int | None) -> None:
@@ -102,15 +110,18 @@ class TransferDock:
         self._client, self._url = connect(target)
         self._server = redact(self._url) if self._url else repr(self._client)
         self._where = f"{self._server} (dock {name!r})"  # names the dock in every Redis error
-        self._scripts = Scripts(self._client, allow_oom=self._run(lambda: supports_flags(self._client)))
+        allow_oom = self._run(lambda: supports_flags(self._client))
+        self._scripts = DockScripts(self._client, self._keys, allow_oom=allow_oom)
         self._policy = policy
         self._seed = seed
-        self._rng = random.Random(seed)
+        self._seeds = _Seeds(seed)
 
-    def _set_schema(self, schema: Schema) -> None:
+    def _set_schema(self, schema: Schema, stored_fingerprint: str) -> None:
         self._schema = schema
         self._column_set = frozenset(schema.columns)
         self._consumer_set = frozenset(schema.consumers)
+        self._fingerprint = stored_fingerprint
+        self._scripts.bind(schema, stored_fingerprint)
 
     # Pickles as (URL, name) so a dock can be handed to Ray actors and subprocesses.
     def __reduce__(self) -> tuple[Callable[..., TransferDock], tuple[Any, ...]]:
@@ -180,31 +191,19 @@ class TransferDock:
         fields = [str(r) for r in rows]
         # Encode everything before the first Redis call: a bad tensor must not leave a half put.
         encoded = {col: dict(zip(fields, self._encode_rows(col, value, len(rows)))) for col, value in data_dict.items()}
-        keys = []
-        for col in encoded:
-            keys += [self._keys.data(col), self._keys.ready(col), self._keys.group_ready(col)]
+        runs = runs_of(rows)
 
-        script = self._scripts.put
-        args = [self.n_samples_per_prompt, self._keys.events, *_runs(rows)]
+        def transaction(pipe: redis.client.Pipeline) -> None:
+            for col, mapping in encoded.items():
+                pipe.hset(self._keys.data(col), mapping=mapping)
+            self._scripts.put(pipe, list(encoded), runs)
 
         def put() -> None:
-            # EVALSHA sent as is rather than through Script(client=pipe), which costs a SCRIPT EXISTS
-            # round trip per put; a server that lost the script fails only that command (the HSETs
-            # applied mark nothing), and the whole idempotent transaction is sent again once loaded.
-            for attempt in range(2):
-                pipe = self._client.pipeline(transaction=True)
-                for col, mapping in encoded.items():
-                    pipe.hset(self._keys.data(col), mapping=mapping)
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-                replies = pipe.execute(raise_on_error=False)
-                if attempt == 0 and isinstance(replies[-1], redis.exceptions.NoScriptError):
-                    self._client.script_load(script.script)
-                    continue
-                # The script's own error names the bad key; a failed HSET alone would only say WRONGTYPE.
-                for reply in replies[::-1]:
-                    if isinstance(reply, Exception):
-                        raise reply
-                return
+            replies = run_pipeline(self._client, self._scripts, transaction, transaction=True)
+            # The script's own error names the bad key; a failed HSET alone would only say WRONGTYPE.
+            for reply in replies[::-1]:
+                if isinstance(reply, Exception):
+                    raise reply
 
         self._run(put)
 
@@ -255,15 +254,21 @@ class TransferDock:
         Without ``indexes``: atomically pick ``experience_count`` rows written in every requested
         column and not yet handed to this consumer (whole groups when ``get_n_samples``), mark them
         consumed and return them. If too few qualify, return ``(None, None)`` — at once when
-        ``timeout`` is None, else after waiting up to ``timeout`` seconds for puts.
+        ``timeout`` is None, else after waiting up to ``timeout`` seconds for puts (``float("inf")``:
+        until they come).
 
         With ``indexes``: wait up to ``timeout`` seconds (None: do not wait) until those rows are
         written in every requested column, then mark and return them; if they are not, raise
-        ExperienceTimeoutError naming the missing cells, having marked nothing.
+        ExperienceTimeoutError naming the missing cells, having marked nothing. ``experience_count``
+        may then be left out; if given it must equal ``len(indexes)``.
 
-        With ``lease`` (seconds), rows handed out must be confirmed with :meth:`ack` within that time;
-        rows not acked in time are offered to this consumer again by a later call (at-least-once
-        delivery, for workers that may die). ``lease=None`` hands rows out for good.
+        Either way the bytes returned are the ones written when the rows were handed out: a ``clear``
+        landing in between makes the call hand rows out again, never return the next batch's bytes.
+
+        With ``lease`` (seconds), the rows come back as :class:`LeasedRows`, a list carrying the lease's
+        token, and must be confirmed with :meth:`ack` within that time; rows not acked in time are
+        offered to this consumer again (at-least-once delivery, for workers that may die).
+        ``lease=None`` hands rows out for good.
         """
         self._check_consumer(consumer)
         if not isinstance(experience_columns, (list, tuple)) or not experience_columns:
@@ -281,31 +286,55 @@ class TransferDock:
         lease_ms = 0 if lease is None else int(lease * 1000)
         if indexes is not None:
             rows = self._check_rows(indexes)
-            missing: dict[str, list[int]] = {}
-
-            def take() -> list[int] | None:
-                missing.clear()
-                missing.update(self._take(consumer, columns, rows, lease_ms))
-                return None if missing else rows
-
-            if self._wait(take, timeout) is None:
-                detail = "; ".join(f"{col}: rows {_abbrev(r)}" for col, r in missing.items())
-                raise ExperienceTimeoutError(
-                    f"dock {self.name!r}, consumer {consumer!r}: rows not written within timeout={timeout}: {detail}",
-                    missing,
+            if experience_count is not None and not (_is_int(experience_count) and experience_count == len(rows)):
+                raise InvalidExperienceError(
+                    f"experience_count={experience_count!r} with {len(rows)} indexes: leave it out, or make it "
+                    "the number of indexes"
                 )
+            return self._take_rows(consumer, columns, rows, lease_ms, timeout)
+        attempt = self._sampler(consumer, columns, experience_count, bool(get_n_samples), policy or self._policy,
+                                lease_ms)
+        got = self._wait(attempt, timeout)
+        return (None, None) if got is None else got
+
+    def _take_rows(
+        self, consumer: str, columns: list[str], rows: list[int], lease_ms: int, timeout: float | None
+    ) -> tuple[Batch, list[int]]:
+        runs = runs_of(rows)
+        missing: dict[str, list[int]] = {}
+
+        def take() -> tuple[Batch, list[int]] | None:
+            missing.clear()
+            for _ in range(_FENCE_RETRIES):
+                token = "r" + uuid.uuid4().hex if lease_ms else ""
+                got = self._scripts.take(consumer, columns, runs, lease_ms=lease_ms, token=token)
+                if not isinstance(got, Handout):
+                    for col, cells in got.items():  # the script goes by runs; report in the caller's order
+                        cells = set(cells)
+                        missing[col] = [r for r in rows if r in cells]
+                    return None
+                batch = self._read(columns, rows, got)
+                if batch is not None:
+                    return batch, self._handed_out(rows, token, consumer)
+                # A clear took some rows between the take and the read. Nothing to give back: a take
+                # may re-take rows already handed out, and the next try marks the same rows again.
+            return None
+
+        got = self._wait(take, timeout)
+        if got is not None:
+            return got
+        if missing:
+            detail = "; ".join(f"{col}: rows {_abbrev(r)}" for col, r in missing.items())
         else:
-            sample = self._sampler(
-                consumer, columns, experience_count, get_n_samples, policy or self._policy, lease_ms
-            )
-            rows = self._wait(sample, timeout)
-            if rows is None:
-                return None, None
-        return self._read(columns, rows), rows
+            detail = f"rows {_abbrev(rows)} were cleared each of the {_FENCE_RETRIES} times they were read"
+        raise ExperienceTimeoutError(
+            f"dock {self.name!r}, consumer {consumer!r}: rows not written within timeout={timeout}: {detail}",
+            missing,
+        )
 
     def _sampler(
-        self, consumer: str, columns: list[str], count: int | None, get_n_samples: bool, policy: str, lease_ms: int
-    ) -> Callable[[], list[int] | None]:
+        self, consumer: str, columns: list[str], count: int | None, groups: bool, policy: str, lease_ms: int
+    ) -> Callable[[], tuple[Batch, list[int]] | None]:
         n = self.n_samples_per_prompt
         if not _is_int(count) or count < 1:
             raise InvalidExperienceError(f"experience_count must be a positive int, got {count!r}")
@@ -314,55 +343,71 @@ class TransferDock:
             raise InvalidExperienceError(f"experience_count {count} exceeds the dock's {self.capacity} rows")
         if not isinstance(policy, str) or policy not in POLICIES:
             raise InvalidExperienceError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if get_n_samples:
+        if groups:
             if count % n:
                 raise InvalidExperienceError(
                     f"experience_count {count} must be a multiple of n_samples_per_prompt={n} with get_n_samples"
                 )
-            mode, units, status = "groups", self.prompts_num, self._keys.group_ready
             count //= n
-        else:
-            mode, units, status = "rows", self.capacity, self._keys.ready
-        k = self._keys
-        consumer_keys = [k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.redelivered(consumer)]
-        status_keys = [status(c) for c in columns]
 
-        def sample() -> list[int] | None:
-            # A fresh id per attempt; the client's own retries of this one call resend the same id,
-            # so a reply lost on a dropped connection is answered again, not sampled twice.
-            keys = [*consumer_keys, k.reply(uuid.uuid4().hex), k.scratch, *status_keys]
-            seed = self._rng.getrandbits(31) if policy == "random" else 0
-            runs = self._scripts.sample(keys, [mode, count, n, units, policy, seed, lease_ms, _REPLY_TTL_MS])
-            rows = [r for start, length in zip(runs[::2], runs[1::2]) for r in range(start, start + length)]
-            return rows or None
+        def sample() -> tuple[Batch, list[int]] | None:
+            for _ in range(_FENCE_RETRIES):
+                # A fresh id per attempt; the client's own retries of this one call resend the same id,
+                # so a reply lost on a dropped connection is answered again, not sampled twice.
+                request_id = uuid.uuid4().hex
+                token = ("g" if groups else "r") + request_id if lease_ms else ""
+                seed = self._seeds.peek() if policy == "random" else 0
+                handout = self._scripts.sample(
+                    consumer, columns, groups=groups, count=count, policy=policy, seed=seed, lease_ms=lease_ms,
+                    reply_ttl_ms=_REPLY_TTL_MS, request_id=request_id, token=token,
+                )
+                if handout is None:
+                    return None
+                if policy == "random":
+                    self._seeds.advance(seed)
+                rows = rows_of(handout.runs)
+                batch = self._read(columns, rows, handout)
+                if batch is not None:
+                    return batch, self._handed_out(rows, token, consumer)
+                # A clear took some of the rows between sampling and reading: give back the rest
+                # (they were never delivered) and sample again.
+                self._scripts.release(consumer, handout, token, request_id, _REPLY_TTL_MS)
+            return None
 
         return sample
 
-    def _take(self, consumer: str, columns: list[str], rows: list[int], lease_ms: int) -> dict[str, list[int]]:
-        """Mark explicit rows consumed if all are written; else mark nothing and return the missing cells."""
-        keys = [self._keys.consumed(consumer), self._keys.group_taken(consumer), self._keys.leases(consumer)]
-        keys += [self._keys.ready(c) for c in columns]
-        missing_flat = self._scripts.take(keys, [self.n_samples_per_prompt, lease_ms, *rows])
-        missing: dict[str, list[int]] = {}
-        for pos, row in zip(missing_flat[::2], missing_flat[1::2]):
-            missing.setdefault(columns[int(pos) - 1], []).append(int(row))
-        return missing
+    @staticmethod
+    def _handed_out(rows: list[int], token: str, consumer: str) -> list[int]:
+        return LeasedRows(rows, token, consumer) if token else rows
 
-    def _read(self, columns: list[str], rows: list[int]) -> Batch:
+    def _read(self, columns: list[str], rows: list[int], handout: Handout) -> Batch | None:
+        """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out.
+
+        One round trip: the HMGETs, then the fence script reading the epoch and the rows' generations,
+        in one pipeline (see ``DockScripts.fence`` and lua/include/generations.lua).
+        """
         fields = [str(r) for r in rows]
 
-        def fetch() -> list[list[bytes | None]]:
-            pipe = self._client.pipeline(transaction=False)
+        def reads(pipe: redis.client.Pipeline) -> None:
             for col in columns:
                 pipe.hmget(self._keys.data(col), fields)
-            return pipe.execute()
+            self._scripts.fence(pipe, handout.runs)  # after the HMGETs: it vouches for what they read
 
-        replies = self._run(fetch)
+        def fetch() -> list[Any]:
+            replies = run_pipeline(self._client, self._scripts, reads, transaction=False)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return replies
+
+        *values_by_column, fence = self._run(fetch)
+        if not self._scripts.fence_holds(fence, handout):
+            return None
         batch: Batch = {}
-        for col, values in zip(columns, replies):
+        for col, values in zip(columns, values_by_column):
             key = self._keys.data(col)
             gone = [r for r, v in zip(rows, values) if v is None]
-            if gone:
+            if gone:  # no clear touched them (the fence held): their bytes were removed behind the broker's back
                 raise MissingDataError(f"{key}: rows {_abbrev(gone)} are marked ready but hold no bytes")
             batch[col] = codec.decode_rows(values, where=key, fields=fields)
         return batch
@@ -400,75 +445,60 @@ class TransferDock:
     # -- status and clearing ------------------------------------------------------------------
 
     def all_consumed(self, consumer: str) -> bool:
-        """True when every row has been handed to ``consumer`` and none is still out on a lease."""
-        self._check_consumer(consumer)
+        """True when every row has been handed to ``consumer`` and none is still out on a lease.
 
-        def counts() -> list[int]:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.bitcount(self._keys.consumed(consumer))
-            pipe.zcard(self._keys.leases(consumer))
-            return pipe.execute()
-
-        consumed, leased = self._run(counts)
-        return consumed == self.capacity and leased == 0
-
-    def ack(self, consumer: str, indexes: Sequence[int]) -> int:
-        """Confirm that ``consumer`` is done with leased rows; returns how many were still leased.
-
-        An ack after the lease expired and the rows were given back changes nothing: they are redone
-        (at-least-once). Acking twice, or rows taken without a lease, is harmless.
+        It first gives back the consumer's rows whose lease expired, so a loop ``while not
+        all_consumed(...)`` redoes the rows of a worker that died, even one that took explicit rows.
         """
         self._check_consumer(consumer)
+        consumed, leased = self._run(lambda: self._scripts.reclaim(consumer))
+        return consumed == self.capacity and leased == 0
+
+    def ack(self, consumer: str, indexes: Sequence[int], token: str | None = None) -> int:
+        """Confirm that ``consumer`` is done with leased rows; returns how many this released.
+
+        ``indexes`` is the :class:`LeasedRows` ``get_experience`` returned (it carries the lease's
+        token), or any rows of it with ``token=rows.token``. Only rows still leased under that token
+        are released: after the lease expired and the rows went to another call, or after a clear, the
+        ack changes nothing and the rows are redone (at-least-once). Acking twice is harmless.
+        """
+        self._check_consumer(consumer)
+        if token is None and isinstance(indexes, LeasedRows):
+            if indexes.consumer != consumer:
+                raise InvalidExperienceError(
+                    f"these rows were leased to consumer {indexes.consumer!r}, not to {consumer!r}"
+                )
+            token = indexes.token
+        if not isinstance(token, str) or not token:
+            raise InvalidExperienceError(
+                "ack needs the lease token: pass the rows get_experience(..., lease=...) returned (they carry "
+                "it), or token=rows.token; a plain list of rows cannot say whose lease it releases"
+            )
         rows = self._check_rows(indexes)
-        return int(self._run(lambda: self._scripts.ack([self._keys.leases(consumer)], rows)))
+        return self._run(lambda: self._scripts.ack(consumer, token, rows))
 
     def status(self) -> dict[str, Any]:
-        """A consistent snapshot of the dock's counts.
+        """A consistent snapshot of the dock's counts (one MULTI/EXEC).
 
         ``columns``: rows and whole groups written, per column. ``consumers``: rows handed out
         (``consumed``), of which ``leased`` still await an ack, and rows given back after their lease
-        expired (``redelivered``, since the last whole clear).
+        expired (``redelivered``, since the last whole clear). Keys holding what no broker writes raise
+        DecodeError; a dock whose schema vanished or changed raises DockNotFoundError or SchemaError.
         """
-        s, k = self._schema, self._keys
-
-        def snapshot() -> list[Any]:
-            pipe = self._client.pipeline(transaction=True)
-            for col in s.columns:
-                pipe.bitcount(k.ready(col))
-                pipe.bitcount(k.group_ready(col))
-            for consumer in s.consumers:
-                pipe.bitcount(k.consumed(consumer))
-                pipe.zcard(k.leases(consumer))
-                pipe.get(k.redelivered(consumer))
-            return pipe.execute()
-
-        counts = self._run(snapshot)
-        cols, cons = counts[: 2 * len(s.columns)], counts[2 * len(s.columns) :]
-        return {
-            "name": self.name,
-            "prompts_num": s.prompts_num,
-            "n_samples_per_prompt": s.n_samples_per_prompt,
-            "capacity": s.capacity,
-            "columns": {
-                col: {"ready": cols[2 * i], "groups_ready": cols[2 * i + 1]} for i, col in enumerate(s.columns)
-            },
-            "consumers": {
-                c: {
-                    "consumed": cons[3 * i],
-                    "leased": cons[3 * i + 1],
-                    "redelivered": _counter(cons[3 * i + 2], k.redelivered(c)),
-                }
-                for i, c in enumerate(s.consumers)
-            },
-        }
+        ref = DockRef(self._keys, self._schema, self._fingerprint)
+        (result,) = self._run(lambda: read_statuses(self._client, [ref]))
+        if isinstance(result, BrokerError):
+            raise result
+        return result
 
     def clear(self, indexes: Sequence[int] | None = None) -> None:
-        """Forget every row (``indexes=None``) or some rows: their bytes, status bits and leases."""
+        """Forget every row (``indexes=None``) or some rows: their bytes, status bits and leases.
+
+        A reader that was handed some of these rows and has not read them yet gets rows handed out
+        afresh instead (see ``get_experience``); an ack of their old leases releases nothing.
+        """
         rows = [] if indexes is None else self._check_rows(indexes)
-        s = self._schema
-        keys = self._keys.clear_keys(s.columns, s.consumers)
-        args = [len(s.columns), len(s.consumers), s.n_samples_per_prompt, *rows]
-        self._run(lambda: self._scripts.clear(keys, args))
+        self._run(lambda: self._scripts.clear(rows))
 
     def delete(self) -> None:
         """Remove the dock from Redis entirely, schema included.
@@ -476,7 +506,7 @@ class TransferDock:
         Replies that sampling calls keep for retries (``td:{NAME}:reply:*``) are left to expire within a
         minute: finding them would need a SCAN of the whole server.
         """
-        keys = self._keys.clear_keys(self.columns, self.consumers) + [self._keys.scratch, self._keys.meta]
+        keys = self._keys.every_key(self.columns, self.consumers)
         self._run(lambda: self._client.delete(*keys))
 
     # -- checks -------------------------------------------------------------------------------
@@ -498,7 +528,7 @@ class TransferDock:
             out = [r for r in rows if not 0 <= r < self.capacity]
             raise RowIndexError(f"rows {_abbrev(out)} are outside the dock's range [0, {self.capacity})")
         if len(set(rows)) != len(rows):
-            dupes = sorted({r for r in rows if rows.count(r) > 1})
+            dupes = sorted(r for r, times in Counter(rows).items() if times > 1)
             raise RowIndexError(f"rows listed more than once: {_abbrev(dupes)}")
         return rows
 
@@ -521,17 +551,6 @@ class TransferDock:
 
 
 
-def _runs(rows: list[int]) -> list[int]:
-    """Distinct rows as runs of consecutive rows, flattened: [start, length, start, length, ...]."""
-    out: list[int] = []
-    for row in sorted(set(rows)):
-        if out and row == out[-2] + out[-1]:
-            out[-1] += 1
-        else:
-            out += [row, 1]
-    return out
-
-
 def _is_int(value: Any) -> bool:
     """An int or numpy integer, but not a bool (True as a row number is a bug, not row 1)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
@@ -540,14 +559,6 @@ def _is_int(value: Any) -> bool:
 def _is_number(value: Any) -> bool:
     """A real number that is not a bool and not NaN."""
     return (_is_int(value) or isinstance(value, (float, np.floating))) and value == value
-
-
-def _counter(raw: bytes | None, key: str) -> int:
-    """A counter as read from Redis; garbage in it is reported, not crashed on."""
-    try:
-        return int(raw or 0)
-    except ValueError:
-        raise DecodeError(f"{key}: not a counter: {raw!r:.40}") from None
 
 
 def _reattach(url: str, name: str, policy: str, seed: int | None) -> TransferDock:
@@ -560,3 +571,24 @@ def _abbrev(rows: list[int], limit: int = 20) -> str:
     if len(rows) <= limit:
         return str(rows)
     return f"{rows[:limit]}... ({len(rows)} in all)"
+
+
+class _Seeds:
+    """Seeds of the random policy: the i-th call that hands rows out uses the i-th seed of ``seed``.
+
+    A call that finds too few rows, or waits and tries again, uses no seed, so a run whose first
+    call had to wait picks the same rows as one whose rows were there at once.
+    """
+
+    def __init__(self, seed: int | None):
+        self._rng = random.Random(seed)
+        self._next = self._rng.getrandbits(31)
+        self._lock = threading.Lock()
+
+    def peek(self) -> int:
+        return self._next
+
+    def advance(self, used: int) -> None:
+        with self._lock:  # threads that peeked the same seed advance it once
+            if self._next == used:
+                self._next = self._rng.getrandbits(31)

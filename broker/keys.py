@@ -15,10 +15,15 @@ key                                type    contents
 ``td:{NAME}:gtaken:CONSUMER``      bitmap  bit g set when any row of group g was handed to CONSUMER
 ``td:{NAME}:leases:CONSUMER``      zset    rows handed out under a lease and not yet acked; score =
                                            deadline in ms of server time
+``td:{NAME}:tokens:CONSUMER``      hash    field = leased row, value = token of the call holding its
+                                           lease (an ack must name it)
 ``td:{NAME}:redelivered:CONSUMER`` string  counter: rows given back to CONSUMER after a lease expired
 ``td:{NAME}:reply:REQUEST``        string  rows a sampling call returned, kept briefly so a retry
                                            after a lost reply gets the same rows
 ``td:{NAME}:scratch``              string  work space of the sampling script; deleted before it returns
+``td:{NAME}:epoch``                string  counter: whole clears so far (the read fence, with gen)
+``td:{NAME}:gen``                  string  u32 per row, big-endian (``BITFIELD ... GET u32 #ROW``): clears
+                                           of that row so far
 ``td:{NAME}:events``               pubsub  channel; every put publishes on it to wake waiting readers
 =================================  ======  ============================================================
 """
@@ -33,7 +38,7 @@ from .errors import SchemaError
 PREFIX = "td"
 
 #: Names of docks, columns and consumers: safe inside a hash tag, in redis-cli and in a SCAN pattern.
-NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 #: SCAN pattern matching the meta key of every dock on a server.
 META_PATTERN = PREFIX + ":{*}:meta"
@@ -42,7 +47,7 @@ _META_RE = re.compile(r"^" + PREFIX + r":\{(?P<name>[^{}]+)\}:meta$")
 
 def check_name(kind: str, name: object) -> str:
     """Return ``name`` if it is a valid dock, column or consumer name, else raise SchemaError."""
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):  # match() with $ took "grpo\n"
         raise SchemaError(
             f"invalid {kind} name {name!r}: use 1-128 characters from letters, digits, '_', '.', '-'"
         )
@@ -74,6 +79,14 @@ class DockKeys:
         return self.base + "scratch"
 
     @property
+    def epoch(self) -> str:
+        return self.base + "epoch"
+
+    @property
+    def generations(self) -> str:
+        return self.base + "gen"
+
+    @property
     def events(self) -> str:
         """Pub/sub channel on which puts announce new rows."""
         return self.base + "events"
@@ -96,16 +109,19 @@ class DockKeys:
     def leases(self, consumer: str) -> str:
         return f"{self.base}leases:{consumer}"
 
+    def tokens(self, consumer: str) -> str:
+        return f"{self.base}tokens:{consumer}"
+
     def redelivered(self, consumer: str) -> str:
         return f"{self.base}redelivered:{consumer}"
 
     def reply(self, request_id: str) -> str:
         return f"{self.base}reply:{request_id}"
 
-    def clear_keys(self, columns: Sequence[str], consumers: Sequence[str]) -> list[str]:
-        """Keys of the clear script, in its order: per-column keys by kind, then per-consumer keys by kind."""
-        keys = [self.data(c) for c in columns] + [self.ready(c) for c in columns]
-        keys += [self.group_ready(c) for c in columns]
-        for kind in (self.consumed, self.group_taken, self.leases, self.redelivered):
-            keys += [kind(c) for c in consumers]
-        return keys
+    def every_key(self, columns: Sequence[str], consumers: Sequence[str]) -> list[str]:
+        """Every key the dock has (but reply keys, which expire by themselves): what ``delete`` removes."""
+        per_column = (self.data, self.ready, self.group_ready)
+        per_consumer = (self.consumed, self.group_taken, self.leases, self.tokens, self.redelivered)
+        keys = [kind(c) for kind in per_column for c in columns]
+        keys += [kind(c) for kind in per_consumer for c in consumers]
+        return keys + [self.meta, self.scratch, self.epoch, self.generations]

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 from .errors import DecodeError, SchemaError
 from .keys import check_name
 
 #: Version of the key layout and meta format; a dock written by another version is refused.
 FORMAT_VERSION = 1
+
+#: Meta fields every script compares with what its client expects (lua/include/schema.lua), in order.
+CHECKED_FIELDS = ("format_version", "prompts_num", "n_samples_per_prompt", "columns", "consumers")
 
 #: Bitmaps of more rows than this would be slow to scan and big to hold; raise it deliberately.
 MAX_CAPACITY = 1 << 26
@@ -46,7 +53,12 @@ class Schema:
         def as_tuple(names):  # a bare string stays one, so validation can name the mistake
             return names if isinstance(names, str) else tuple(names)
 
-        return cls(prompts_num, n_samples_per_prompt, as_tuple(columns), as_tuple(consumers))
+        def as_int(value):  # numpy integers are ints too; bools and floats are left for the check to name
+            if isinstance(value, np.integer) and not isinstance(value, np.bool_):
+                return operator.index(value)
+            return value
+
+        return cls(as_int(prompts_num), as_int(n_samples_per_prompt), as_tuple(columns), as_tuple(consumers))
 
     @property
     def capacity(self) -> int:
@@ -104,3 +116,10 @@ class Schema:
                     parts.append(f"requested only {sorted(mine - theirs)}")
                 out.append(f"{field}: " + ", ".join(parts))
         return out
+
+
+def fingerprint(meta: Mapping[str, str] | Mapping[bytes, bytes]) -> str:
+    """The checked fields of a meta hash, as the scripts compare them: values joined by newlines."""
+    text = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in meta.items()}
+    return "\n".join(text.get(field, "<missing>") for field in CHECKED_FIELDS)

@@ -1,19 +1,29 @@
-"""Registry of the Lua scripts in ``lua/``: one file per atomic operation.
+"""The Lua scripts in ``lua/``, one file per atomic operation, and one typed wrapper per script.
+
+Each wrapper is the single place that knows its script's contract: it builds the KEYS and ARGV in the
+order the script's header gives, and turns the reply into Python values. The dock calls only these.
 
 A line ``-- @include NAME`` in a script is replaced by ``lua/include/NAME.lua`` so helpers are
 written once. Scripts are sent with EVALSHA through redis-py ``Script`` objects, which load the
-text again when the server answers NOSCRIPT (after a restart or ``SCRIPT FLUSH``).
+text again when the server answers NOSCRIPT (after a restart or ``SCRIPT FLUSH``); inside a pipeline
+``run_pipeline`` does that.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import redis
-from redis.commands.core import Script
+from redis.client import Pipeline
+
+from .keys import DockKeys
+from .schema import Schema
 
 #: Script name -> file in lua/. Listed explicitly so a missing file fails at import, not mid-run.
 SCRIPT_FILES = {
@@ -21,8 +31,11 @@ SCRIPT_FILES = {
     "put": "put.lua",
     "sample": "sample.lua",
     "take": "take.lua",
-    "clear": "clear.lua",
+    "fence": "fence.lua",
+    "release": "release.lua",
     "ack": "ack.lua",
+    "reclaim": "reclaim.lua",
+    "clear": "clear.lua",
 }
 
 _INCLUDE = re.compile(r"^-- @include (\w+)[ \t]*$", re.MULTILINE)
@@ -63,21 +76,184 @@ def supports_flags(client: redis.Redis) -> bool:
     return True
 
 
-class Scripts:
-    """The dock's scripts bound to one client; call as ``scripts.put(keys, args, client=pipe)``."""
+def runs_of(rows: Sequence[int]) -> list[int]:
+    """Distinct rows as runs of consecutive rows, flattened: [start, length, start, length, ...]."""
+    out: list[int] = []
+    for row in sorted(set(rows)):
+        if out and row == out[-2] + out[-1]:
+            out[-1] += 1
+        else:
+            out += [row, 1]
+    return out
 
-    def __init__(self, client: redis.Redis, *, allow_oom: bool):
+
+def rows_of(runs: Sequence[int]) -> list[int]:
+    """The rows of flattened runs, ascending: the inverse of ``runs_of``."""
+    return [r for start, length in zip(runs[::2], runs[1::2]) for r in range(start, start + length)]
+
+
+@dataclass(frozen=True)
+class Handout:
+    """Rows a sample or take handed out, with what their read checks (see lua/include/generations.lua).
+
+    ``runs`` are the rows, ascending, as flattened runs; ``epoch`` and ``generations`` (4 bytes per row,
+    in run order) are what the dock's clears had made of them when they were handed out.
+    """
+
+    runs: tuple[int, ...]
+    epoch: int
+    generations: bytes
+
+
+class DockScripts:
+    """The scripts of one dock on one client: one method per Lua file, each building its KEYS and ARGV.
+
+    ``schema`` must be set (``bind``) before any script but ``create`` runs: every script checks that
+    the dock still holds the schema this client knows.
+    """
+
+    def __init__(self, client: redis.Redis, keys: DockKeys, *, allow_oom: bool):
         prefix = ALLOW_OOM if allow_oom else ""
+        self._keys = keys
+        self._scripts = {name: client.register_script(prefix + script_text(name)) for name in SCRIPT_FILES}
+        self._schema: Schema | None = None
+        self._expected = ""
 
-        def load(name: str) -> Script:
-            return client.register_script(prefix + script_text(name))
+    def bind(self, schema: Schema, fingerprint: str) -> None:
+        """Use ``schema``; ``fingerprint`` (``schema.fingerprint`` of the stored meta) is what scripts check."""
+        self._schema, self._expected = schema, fingerprint
 
-        self.create = load("create")
-        self.put = load("put")
-        self.sample = load("sample")
-        self.take = load("take")
-        self.clear = load("clear")
-        self.ack = load("ack")
+    def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return self._scripts[name](keys, args)
+
+    def _queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
+        # EVALSHA sent as is rather than through Script(client=pipe), which costs a SCRIPT EXISTS round
+        # trip per call; run_pipeline loads the script and repeats the pipeline on NOSCRIPT.
+        pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
+
+    def load_all(self, client: redis.Redis) -> None:
+        """Load every script (after a NOSCRIPT inside a MULTI, where redis-py does not do it)."""
+        for script in self._scripts.values():
+            client.script_load(script.script)
+
+    def _consumer_keys(self, consumer: str) -> list[str]:
+        k = self._keys
+        return [k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.tokens(consumer)]
+
+    # -- one wrapper per script, in the order of SCRIPT_FILES --------------------------------------
+
+    def create(self, fields: dict[str, str]) -> dict[bytes, bytes] | None:
+        """Store ``fields`` as the dock's meta unless a dock exists; None if stored, else the stored meta."""
+        reply = self._call("create", [self._keys.meta], [x for pair in fields.items() for x in pair])
+        if reply[0] == 1:
+            return None
+        return dict(zip(reply[1::2], reply[2::2]))
+
+    def put(self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int]) -> None:
+        """Queue the marking of rows ``runs`` of ``columns`` as written, after their HSETs on ``pipe``."""
+        k = self._keys
+        keys = [k.meta] + [key for c in columns for key in (k.data(c), k.ready(c), k.group_ready(c))]
+        self._queue(pipe, "put", keys, [self._expected, self._n, k.events, *runs])
+
+    def sample(
+        self, consumer: str, columns: Sequence[str], *, groups: bool, count: int, policy: str, seed: int,
+        lease_ms: int, reply_ttl_ms: int, request_id: str, token: str,
+    ) -> Handout | None:
+        """Pick ``count`` units (groups or rows) for ``consumer`` and mark them; None if too few qualify."""
+        k, schema = self._keys, self._schema
+        status = k.group_ready if groups else k.ready
+        keys = [k.meta, k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.tokens(consumer),
+                k.redelivered(consumer), k.reply(request_id), k.scratch, k.epoch, k.generations,
+                *(status(c) for c in columns)]
+        units = schema.prompts_num if groups else schema.capacity
+        args = [self._expected, "groups" if groups else "rows", count, self._n, units, policy, seed, lease_ms,
+                reply_ttl_ms, token]
+        reply = self._call("sample", keys, args)
+        if not reply:
+            return None
+        return Handout(tuple(int(x) for x in reply[2:]), int(reply[0]), reply[1])
+
+    def take(
+        self, consumer: str, columns: Sequence[str], runs: Sequence[int], *, lease_ms: int, token: str
+    ) -> Handout | dict[str, list[int]]:
+        """Mark rows ``runs`` handed to ``consumer`` if written in every column; else the missing cells."""
+        k = self._keys
+        keys = [k.meta, *self._consumer_keys(consumer), k.redelivered(consumer), k.epoch, k.generations,
+                *(k.ready(c) for c in columns)]
+        reply = self._call("take", keys, [self._expected, self._n, lease_ms, token, *runs])
+        if reply[0] == 1:
+            return Handout(tuple(runs), int(reply[1]), reply[2])
+        missing: dict[str, list[int]] = {}
+        for pos, row in zip(reply[1::2], reply[2::2]):
+            missing.setdefault(columns[int(pos) - 1], []).append(int(row))
+        return missing
+
+    def fence(self, pipe: Pipeline, runs: Sequence[int]) -> None:
+        """Queue the read of the epoch and generations of ``runs``, after the reads of their bytes.
+
+        ``fence_holds`` judges the reply. Epoch and generations only ever grow, so if they are unchanged
+        after the bytes were read, no clear touched the rows from the handout until then: the check need
+        not share a MULTI with the reads (Redis refuses every MULTI on a full server; plain reads pass).
+        """
+        k = self._keys
+        self._queue(pipe, "fence", [k.meta, k.epoch, k.generations], [self._expected, *runs])
+
+    @staticmethod
+    def fence_holds(reply: Any, handout: Handout) -> bool:
+        """Whether no clear touched the handout's rows between handing them out and the fence's read."""
+        return int(reply[0]) == handout.epoch and reply[1] == handout.generations
+
+    def release(self, consumer: str, handout: Handout, token: str, request_id: str, reply_ttl_ms: int) -> int:
+        """Give back the rows a sampling call (``request_id``) handed out but could not deliver."""
+        k = self._keys
+        keys = [k.meta, *self._consumer_keys(consumer), k.epoch, k.generations, k.reply(request_id)]
+        args = [self._expected, self._n, handout.epoch, handout.generations, token, reply_ttl_ms, *handout.runs]
+        return int(self._call("release", keys, args))
+
+    def ack(self, consumer: str, token: str, rows: Sequence[int]) -> int:
+        """Release rows of ``consumer`` leased under ``token``; returns how many were."""
+        k = self._keys
+        return int(self._call("ack", [k.meta, k.leases(consumer), k.tokens(consumer)], [self._expected, token, *rows]))
+
+    def reclaim(self, consumer: str) -> tuple[int, int]:
+        """Give back ``consumer``'s expired leases; returns (rows consumed, rows still leased)."""
+        keys = [self._keys.meta, *self._consumer_keys(consumer), self._keys.redelivered(consumer)]
+        consumed, leased = self._call("reclaim", keys, [self._expected, self._n])
+        return int(consumed), int(leased)
+
+    def clear(self, rows: Sequence[int]) -> int:
+        """Forget ``rows`` (all rows when empty); returns the cells removed from data hashes."""
+        k, schema = self._keys, self._schema
+        keys = [k.meta, k.epoch, k.generations]
+        for kind in (k.data, k.ready, k.group_ready):
+            keys += [kind(c) for c in schema.columns]
+        for kind in (k.consumed, k.group_taken, k.leases, k.tokens, k.redelivered):
+            keys += [kind(c) for c in schema.consumers]
+        args = [self._expected, len(schema.columns), len(schema.consumers), self._n, *rows]
+        return int(self._call("clear", keys, args))
+
+    @property
+    def _n(self) -> int:
+        return self._schema.n_samples_per_prompt
+
+
+def run_pipeline(
+    client: redis.Redis, scripts: DockScripts, build: Callable[[Pipeline], None], *, transaction: bool
+) -> list[Any]:
+    """Run the pipeline (a MULTI/EXEC if ``transaction``) that ``build`` queues; its replies, errors included.
+
+    A server that lost the scripts fails only their EVALSHAs (everything else applies), so the
+    scripts are loaded and the whole pipeline, which must be idempotent, runs again.
+    """
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=transaction)
+        build(pipe)
+        replies = pipe.execute(raise_on_error=False)
+        if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+            scripts.load_all(client)
+            continue
+        return replies
+    raise AssertionError("unreachable")
 
 
 for _name in SCRIPT_FILES:  # fail at import if the package was built without its Lua files

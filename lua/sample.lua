@@ -9,58 +9,77 @@ A call carries a request id; its reply is kept for a short while under the reply
 repeating the id gets the kept reply instead of new rows. A client whose connection dropped after
 the script ran retries with the same id and loses nothing.
 
-KEYS[1]     td:{NAME}:consumed:CONSUMER      row bitmap: rows handed to the consumer
-KEYS[2]     td:{NAME}:gtaken:CONSUMER        group bitmap: groups with any row handed to the consumer
-KEYS[3]     td:{NAME}:leases:CONSUMER        sorted set: leased rows by deadline (ms)
-KEYS[4]     td:{NAME}:redelivered:CONSUMER   counter of rows given back after their lease expired
-KEYS[5]     td:{NAME}:reply:REQUEST_ID       the kept reply of this call
-KEYS[6]     td:{NAME}:scratch                work space, deleted before returning
-KEYS[7..]   per requested column: td:{NAME}:gready:COLUMN in group mode,
+KEYS[1]     td:{NAME}:meta
+KEYS[2]     td:{NAME}:consumed:CONSUMER      row bitmap: rows handed to the consumer
+KEYS[3]     td:{NAME}:gtaken:CONSUMER        group bitmap: groups with any row handed to the consumer
+KEYS[4]     td:{NAME}:leases:CONSUMER        sorted set: leased rows by deadline (ms)
+KEYS[5]     td:{NAME}:tokens:CONSUMER        hash: leased row -> token of its lease
+KEYS[6]     td:{NAME}:redelivered:CONSUMER   counter of rows given back after their lease expired
+KEYS[7]     td:{NAME}:reply:REQUEST_ID       the kept reply of this call
+KEYS[8]     td:{NAME}:scratch                work space, deleted before returning
+KEYS[9]     td:{NAME}:epoch                  see include/generations.lua
+KEYS[10]    td:{NAME}:gen
+KEYS[11..]  per requested column: td:{NAME}:gready:COLUMN in group mode,
             td:{NAME}:ready:COLUMN in row mode
-ARGV[1]     mode: "groups" or "rows"
-ARGV[2]     how many units (groups or rows) to pick
-ARGV[3]     n_samples_per_prompt
-ARGV[4]     units in the dock: prompts_num in group mode, capacity in row mode
-ARGV[5]     policy: "fifo" (lowest units first) or "random"
-ARGV[6]     seed of the random policy, an integer in [0, 2^31)
-ARGV[7]     lease in ms; 0 hands rows out for good
-ARGV[8]     how long to keep the reply, in ms
+ARGV[1]     the schema the client expects (see include/schema.lua)
+ARGV[2]     mode: "groups" or "rows"
+ARGV[3]     how many units (groups or rows) to pick
+ARGV[4]     n_samples_per_prompt
+ARGV[5]     units in the dock: prompts_num in group mode, capacity in row mode
+ARGV[6]     policy: "fifo" (lowest units first) or "random"
+ARGV[7]     seed of the random policy, an integer in [0, 2^31)
+ARGV[8]     lease in ms; 0 hands rows out for good
+ARGV[9]     how long to keep the reply, in ms
+ARGV[10]    token of the lease (the client's request id, 'g' or 'r' first); unused without a lease
 
-Returns the picked rows as runs {start, length, start, length, ...}, ascending (a batch of whole
-groups is a few runs, not a list of every row), or an empty list if fewer units qualify than asked.
+Returns an empty list if fewer units qualify than asked, else {epoch, generations, start, length,
+start, length, ...}: the picked rows as runs, ascending (a batch of whole groups is a few runs, not a
+list of every row), with the epoch and the rows' generations (4 bytes each, in run order) that the
+read of their bytes checks.
 ]]
 -- @include bits
+-- @include schema
 -- @include leases
+-- @include generations
 
-local kept = redis.call('GET', KEYS[5])
+local kept = redis.call('GET', KEYS[7])
 if kept then
-  local reply = {}
-  for number in string.gmatch(kept, '%d+') do reply[#reply + 1] = tonumber(number) end
+  -- Kept as "epoch|start,length,...|generations"; the generations are raw bytes, so they come last.
+  local bar = string.find(kept, '|', 1, true)
+  local bar2 = string.find(kept, '|', bar + 1, true)
+  local reply = {tonumber(string.sub(kept, 1, bar - 1)), string.sub(kept, bar2 + 1)}
+  for number in string.gmatch(string.sub(kept, bar + 1, bar2 - 1), '%d+') do reply[#reply + 1] = tonumber(number) end
   return reply
 end
 
-local bad = wrong_type(1, 2, 'string') or wrong_type(3, 3, 'zset') or wrong_type(4, 4, 'string')
-  or wrong_type(7, #KEYS, 'string')
+local wrong_schema = schema_error(KEYS[1], ARGV[1])
+if wrong_schema then return redis.error_reply(wrong_schema) end
+local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type(5, 5, 'hash')
+  or wrong_type(6, 6, 'string') or wrong_type(9, #KEYS, 'string')
 if bad then return redis.error_reply(bad) end
 
-local consumed, gtaken, leases, redelivered, scratch = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6]
-local groups_mode = ARGV[1] == 'groups'
-local count, n, units = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local lease_ms = tonumber(ARGV[7])
+local consumed, gtaken, leases, tokens, redelivered = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local scratch = KEYS[8]
+local groups_mode = ARGV[2] == 'groups'
+local count, n, units = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local lease_ms = tonumber(ARGV[8])
 local taken = groups_mode and gtaken or consumed
+-- A bitmap longer than the dock is not one of ours (BITOP would count its extra bits as candidates).
+local nbytes = math.ceil(units / 8)
+local too_long = longer_than(nbytes, taken, unpack(KEYS, 11))
+if too_long then return redis.error_reply(too_long) end
 local now = now_ms()
-reclaim_expired(consumed, gtaken, leases, redelivered, n, now)
+reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
 
 -- scratch = NOT taken AND status_1 AND ... AND status_k. BITOP NOT only covers the bytes the taken
 -- bitmap has, so pad it with 0xff up to the full size; bits past `units` are cleared by the AND
 -- because no status bitmap ever sets them.
-local nbytes = math.ceil(units / 8)
 redis.call('BITOP', 'NOT', scratch, taken)
 local have = redis.call('STRLEN', scratch)
 if have < nbytes then
   redis.call('SETRANGE', scratch, have, string.rep('\255', nbytes - have))
 end
-redis.call('BITOP', 'AND', scratch, scratch, unpack(KEYS, 7))
+redis.call('BITOP', 'AND', scratch, scratch, unpack(KEYS, 11))
 
 local available = redis.call('BITCOUNT', scratch)
 if available < count then
@@ -69,11 +88,11 @@ if available < count then
 end
 
 local picked = {}
-if ARGV[5] == 'random' then
+if ARGV[6] == 'random' then
   -- Draw `count` distinct ranks among the available units (Floyd's algorithm), then walk the
   -- bitmap once to turn ranks into bit offsets. A Park-Miller generator is exact in doubles, so
   -- a seed gives the same pick on Redis and on fakeredis.
-  local state = tonumber(ARGV[6]) % 2147483646 + 1
+  local state = tonumber(ARGV[7]) % 2147483646 + 1
   local chosen, ranks = {}, {}
   for top = available - count, available - 1 do
     state = (state * 16807) % 2147483647
@@ -127,14 +146,24 @@ else
   end
 end
 redis.call('DEL', scratch)
+local last = picked[1]
+for i = 2, #picked do last = math.max(last, picked[i]) end
+if last >= units then
+  return redis.error_reply('CORRUPT a status bitmap of ' .. KEYS[1] .. "'s dock has bits set past its "
+    .. units .. ' ' .. ARGV[2])
+end
 
 local starts, lengths = runs_of(picked)
 if groups_mode then
   for i = 1, #starts do starts[i], lengths[i] = starts[i] * n, lengths[i] * n end
 end
 mark_runs_taken(consumed, gtaken, starts, lengths, n)
-if lease_ms > 0 then lease_rows(leases, rows_of_runs(starts, lengths), now + lease_ms) end
-local reply = {}
-for i = 1, #starts do reply[2 * i - 1], reply[2 * i] = starts[i], lengths[i] end
-redis.call('SET', KEYS[5], table.concat(reply, ','), 'PX', ARGV[8])
+if lease_ms > 0 then lease_rows(leases, tokens, rows_of_runs(starts, lengths), now + lease_ms, ARGV[10]) end
+local epoch = epoch_of(KEYS[9])
+local generations = generations_of_runs(KEYS[10], starts, lengths)
+local runs = {}
+for i = 1, #starts do runs[2 * i - 1], runs[2 * i] = starts[i], lengths[i] end
+redis.call('SET', KEYS[7], epoch .. '|' .. table.concat(runs, ',') .. '|' .. generations, 'PX', ARGV[9])
+local reply = {epoch, generations}
+for i = 1, #runs do reply[i + 2] = runs[i] end
 return reply

@@ -1,39 +1,63 @@
 --[[ take: hand explicitly chosen rows to a consumer once they are written in every column.
 
 Checks and marks in one step, so a call that finds rows missing marks nothing and can be retried.
+First it gives back the consumer's rows whose lease expired unacked, as sampling does.
 
 Repeating a call is harmless (the same rows are marked again; a lease gets the new deadline), so
-a client may retry it after a dropped connection.
+a client may retry it after a dropped connection. Taking a row leased by an earlier call moves the
+lease to this call (with a lease) or ends it (without one: the row is now handed out for good), so
+the earlier call's ack no longer releases it.
 
-KEYS[1]     td:{NAME}:consumed:CONSUMER
-KEYS[2]     td:{NAME}:gtaken:CONSUMER
-KEYS[3]     td:{NAME}:leases:CONSUMER
-KEYS[4..]   td:{NAME}:ready:COLUMN for each requested column
-ARGV[1]     n_samples_per_prompt
-ARGV[2]     lease in ms; 0 hands rows out for good
-ARGV[3..]   row indexes, decimal
+KEYS[1]     td:{NAME}:meta
+KEYS[2]     td:{NAME}:consumed:CONSUMER
+KEYS[3]     td:{NAME}:gtaken:CONSUMER
+KEYS[4]     td:{NAME}:leases:CONSUMER
+KEYS[5]     td:{NAME}:tokens:CONSUMER
+KEYS[6]     td:{NAME}:redelivered:CONSUMER
+KEYS[7]     td:{NAME}:epoch
+KEYS[8]     td:{NAME}:gen
+KEYS[9..]   td:{NAME}:ready:COLUMN for each requested column
+ARGV[1]     the schema the client expects (see include/schema.lua)
+ARGV[2]     n_samples_per_prompt
+ARGV[3]     lease in ms; 0 hands rows out for good
+ARGV[4]     token of the lease (unused without one)
+ARGV[5..]   the rows as runs: start, length, ... (ascending, disjoint)
 
-Returns an empty list when the rows were all written (they are now marked consumed), else the
-missing cells as a flat list {column position (1 = KEYS[4]), row, column position, row, ...}.
+Returns {1, epoch, generations} when the rows were all written (they are now marked consumed; see
+sample.lua for the generations), else {0, column position (1 = KEYS[9]), row, column position,
+row, ...} naming every missing cell.
 ]]
 -- @include bits
+-- @include schema
 -- @include leases
+-- @include generations
 
-local bad = wrong_type(1, 2, 'string') or wrong_type(3, 3, 'zset') or wrong_type(4, #KEYS, 'string')
+local wrong_schema = schema_error(KEYS[1], ARGV[1])
+if wrong_schema then return redis.error_reply(wrong_schema) end
+local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type(5, 5, 'hash')
+  or wrong_type(6, #KEYS, 'string')
 if bad then return redis.error_reply(bad) end
 
-local n, lease_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
-local rows = numbers_from(3)
-local missing = {}
-for k = 4, #KEYS do
+local n, lease_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = now_ms()
+reclaim_expired(KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], n, now)
+
+local starts, lengths = runs_from(5)
+local rows = rows_of_runs(starts, lengths)
+local missing = {0}
+for k = 9, #KEYS do
   local bits = get_bits(KEYS[k], rows)
   for i = 1, #rows do
     if bits[i] == 0 then
-      missing[#missing + 1] = k - 3; missing[#missing + 1] = rows[i]
+      missing[#missing + 1] = k - 8; missing[#missing + 1] = rows[i]
     end
   end
 end
-if #missing > 0 then return missing end
-mark_taken(KEYS[1], KEYS[2], rows, n)
-if lease_ms > 0 then lease_rows(KEYS[3], rows, now_ms() + lease_ms) end
-return {}
+if #missing > 1 then return missing end
+mark_runs_taken(KEYS[2], KEYS[3], starts, lengths, n)
+if lease_ms > 0 then
+  lease_rows(KEYS[4], KEYS[5], rows, now + lease_ms, ARGV[4])
+else
+  drop_leases(KEYS[4], KEYS[5], rows)
+end
+return {1, epoch_of(KEYS[7]), generations_of_runs(KEYS[8], starts, lengths)}

@@ -22,9 +22,9 @@ def test_leased_rows_stay_out_until_acked(make_dock):
     assert rows == [0, 1, 2, 3]
     assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 4, "redelivered": 0}
     assert not dock.all_consumed("actor_train")  # a lease is still out: a worker may yet die
-    assert dock.ack("actor_train", [0, 1]) == 2
+    assert dock.ack("actor_train", [0, 1], token=rows.token) == 2
     assert not dock.all_consumed("actor_train")
-    assert dock.ack("actor_train", [2, 3, 0]) == 2  # acking twice is harmless
+    assert dock.ack("actor_train", rows) == 2  # acking twice is harmless
     assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 0, "redelivered": 0}
     assert dock.all_consumed("actor_train")
 
@@ -60,33 +60,121 @@ def test_expired_single_rows_come_back_without_freeing_a_group_still_out(make_do
 def test_late_ack_after_the_rows_were_given_back_changes_nothing(make_dock):
     dock = make_dock(prompts_num=2, n=2)
     fill(dock, columns=["prompts"])
-    dock.get_experience("actor_train", ["prompts"], 2, lease=0.1)  # rows 0, 1
+    _, late = dock.get_experience("actor_train", ["prompts"], 2, lease=0.1)  # rows 0, 1
     time.sleep(0.2)
     # Another call gives the expired rows back (and finds too few for its own request)...
     assert dock.get_experience("actor_train", ["prompts", "responses"], 2) == (None, None)
     assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 2}
     # ...then the slow worker's ack arrives: too late, the rows are out for redoing (at-least-once).
-    assert dock.ack("actor_train", [0, 1]) == 0
+    assert dock.ack("actor_train", late) == 0
     assert dock.get_experience("actor_train", ["prompts"], 2)[1] == [0, 1]
+
+
+def test_late_ack_does_not_release_the_lease_of_the_worker_now_holding_the_rows(make_dock):
+    dock = make_dock(prompts_num=1, n=2)
+    fill(dock, columns=["prompts"])
+    _, slow = dock.get_experience("actor_train", ["prompts"], 2, lease=0.1)  # worker A stalls
+    time.sleep(0.2)
+    _, fresh = dock.get_experience("actor_train", ["prompts"], 2, lease=0.5)  # the rows go to worker B
+    assert fresh == slow == [0, 1] and fresh.token != slow.token
+    assert dock.ack("actor_train", slow) == 0  # A's ack names A's lease, which is over
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 2, "leased": 2, "redelivered": 2}
+    assert not dock.all_consumed("actor_train")
+    time.sleep(0.6)  # B dies without acking: its rows must come back
+    _, third = dock.get_experience("actor_train", ["prompts"], 2, lease=30)
+    assert third == [0, 1]
+    assert dock.ack("actor_train", third) == 2
+    assert dock.all_consumed("actor_train")
 
 
 def test_stale_ack_from_before_a_clear_does_not_hide_new_rows(make_dock):
     dock = make_dock(prompts_num=2, n=1)
     fill(dock, columns=["prompts"])
-    dock.get_experience("actor_train", ["prompts"], 1, lease=60)  # row 0
+    _, old = dock.get_experience("actor_train", ["prompts"], 1, lease=60)  # row 0
     dock.clear()
     fill(dock, columns=["prompts"])
-    assert dock.ack("actor_train", [0, 1]) == 0  # acks of the previous batch, and of a row never taken
+    assert dock.ack("actor_train", old) == 0  # the ack of the previous batch
     assert dock.status()["consumers"]["actor_train"]["consumed"] == 0
     assert dock.get_experience("actor_train", ["prompts"], 2)[1] == [0, 1]
+
+
+def test_stale_ack_from_before_a_clear_does_not_release_the_next_batch_lease(make_dock):
+    dock = make_dock(prompts_num=1, n=2)
+    fill(dock, columns=["prompts"])
+    _, old = dock.get_experience("actor_train", ["prompts"], 2, lease=60)
+    dock.clear()
+    fill(dock, columns=["prompts"])
+    _, new = dock.get_experience("actor_train", ["prompts"], 2, lease=60)  # the same row numbers
+    assert new == old == [0, 1]
+    assert dock.ack("actor_train", old) == 0
+    assert dock.status()["consumers"]["actor_train"]["leased"] == 2
+    assert not dock.all_consumed("actor_train")  # the new rows are still out with their holder
+    assert dock.ack("actor_train", new) == 2
+    assert dock.all_consumed("actor_train")
+
+
+def test_ack_needs_the_lease_it_releases(make_dock):
+    dock = make_dock(prompts_num=1, n=2)
+    fill(dock, columns=["prompts"])
+    _, rows = dock.get_experience("actor_train", ["prompts"], 2, lease=30)
+    with pytest.raises(InvalidExperienceError, match="lease token"):
+        dock.ack("actor_train", [0, 1])  # a plain list cannot say whose lease it releases
+    with pytest.raises(InvalidExperienceError, match="actor_train.*actor_rollout"):
+        dock.ack("actor_rollout", rows)  # a lease of another consumer
+    assert dock.ack("actor_train", [1], token=rows.token) == 1  # part of a lease, naming its token
+    assert dock.ack("actor_train", rows) == 1  # the rest; row 1 again is harmless
+    assert dock.ack("actor_train", rows) == 0
+    assert dock.all_consumed("actor_train")
+    _, unleased = dock.get_experience("actor_rollout", ["prompts"], 2)
+    assert type(unleased) is list  # rows taken for good carry no lease
+    with pytest.raises(InvalidExperienceError, match="lease token"):
+        dock.ack("actor_rollout", unleased)
+
+
+def test_half_acked_group_comes_back_whole(make_dock):
+    dock = make_dock(prompts_num=2, n=2)
+    fill(dock, columns=["prompts"])
+    _, rows = dock.get_experience("actor_train", ["prompts"], 4, lease=0.1)  # groups 0 and 1
+    dock.ack("actor_train", [0, 2], token=rows.token)  # half of each group done, then the worker dies
+    time.sleep(0.2)
+    _, again = dock.get_experience("actor_train", ["prompts"], 4, lease=30)
+    assert again == [0, 1, 2, 3]  # whole groups, the acked rows redone with them
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 4, "redelivered": 4}
+    dock.ack("actor_train", again)
+    assert dock.all_consumed("actor_train")
+
+
+def test_expired_explicit_rows_are_reclaimed_without_any_sampling_call(make_dock):
+    dock = make_dock(prompts_num=1, n=2)
+    fill(dock, columns=["prompts"])
+    dock.get_experience("actor_train", ["prompts"], indexes=[0, 1], lease=0.1)  # its worker dies
+    time.sleep(0.2)
+    # A guarantee-order worker loop never samples: all_consumed itself gives the rows back.
+    assert not dock.all_consumed("actor_train")
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 2}
+    _, rows = dock.get_experience("actor_train", ["prompts"], indexes=[0, 1], lease=30)
+    dock.ack("actor_train", rows)
+    assert dock.all_consumed("actor_train")
+
+
+def test_retaking_explicit_rows_moves_their_lease_to_the_new_call(make_dock):
+    dock = make_dock(prompts_num=1, n=2)
+    fill(dock, columns=["prompts"])
+    _, first = dock.get_experience("actor_train", ["prompts"], indexes=[0, 1], lease=30)
+    _, second = dock.get_experience("actor_train", ["prompts"], indexes=[1], lease=30)
+    assert dock.ack("actor_train", first) == 1  # row 0 only: row 1 is now the second call's
+    assert dock.ack("actor_train", second) == 1
+    dock.get_experience("actor_train", ["prompts"], indexes=[0], lease=30)
+    dock.get_experience("actor_train", ["prompts"], indexes=[0])  # taken again for good: no lease left
+    assert dock.status()["consumers"]["actor_train"]["leased"] == 0
 
 
 def test_explicit_rows_can_be_leased(make_dock):
     dock = make_dock(prompts_num=2, n=2)
     fill(dock, columns=["prompts"])
-    dock.get_experience("actor_train", ["prompts"], indexes=[3, 1], lease=30)
+    _, rows = dock.get_experience("actor_train", ["prompts"], indexes=[3, 1], lease=30)
     assert dock.status()["consumers"]["actor_train"]["leased"] == 2
-    dock.ack("actor_train", [1, 3])
+    dock.ack("actor_train", rows)
     assert dock.status()["consumers"]["actor_train"]["leased"] == 0
 
 
@@ -114,7 +202,7 @@ def test_bad_ack_is_refused(make_dock):
     with pytest.raises(UnknownConsumerError):
         dock.ack("nobody", [0])
     with pytest.raises(IndexError):
-        dock.ack("actor_train", [99])
+        dock.ack("actor_train", [99], token="x")
 
 
 # -- a worker killed while holding rows ---------------------------------------------------------

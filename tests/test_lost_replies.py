@@ -122,9 +122,9 @@ def test_lost_put_reply_is_retried_harmlessly(dock):
 
 def test_lost_ack_and_status_replies_are_retried(dock):
     fill(dock)
-    dock.get_experience("actor_train", ["prompts"], 2, lease=30)
+    _, rows = dock.get_experience("actor_train", ["prompts"], 2, lease=30)
     with lose_next_reply("EVALSHA"):
-        dock.ack("actor_train", [0, 1])
+        dock.ack("actor_train", rows)
     with lose_next_transaction_reply():
         status = dock.status()
     assert status["consumers"]["actor_train"] == {"consumed": 2, "leased": 0, "redelivered": 0}

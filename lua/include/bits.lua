@@ -20,6 +20,18 @@ local function wrong_type(first, last, expected)
   return nil
 end
 
+-- The first of the keys given (bitmaps) longer than `nbytes`, as a CORRUPT error message, or nil: a
+-- bitmap with bits past the dock's last row or group was not written by the broker.
+local function longer_than(nbytes, ...)
+  for _, key in ipairs({...}) do
+    local have = redis.call('STRLEN', key)
+    if have > nbytes then
+      return 'CORRUPT ' .. key .. ' holds ' .. have .. ' bytes, more than the ' .. nbytes .. ' of its dock'
+    end
+  end
+  return nil
+end
+
 -- Runs BITFIELD on `key` with `args`, a flat list of sub-commands of `width` arguments each.
 local function bitfield_batch(key, args, width)
   local out = {}
@@ -40,6 +52,16 @@ local function call_in_chunks(command, key, values)
     total = total + redis.call(command, key, unpack(values, first, math.min(first + 999, #values)))
   end
   return total
+end
+
+-- HMGET of `fields` of hash `key`, in chunks like call_in_chunks; returns the values in order.
+local function hmget_in_chunks(key, fields)
+  local out = {}
+  for first = 1, #fields, 1000 do
+    local got = redis.call('HMGET', key, unpack(fields, first, math.min(first + 999, #fields)))
+    for i = 1, #got do out[#out + 1] = got[i] end
+  end
+  return out
 end
 
 -- Sets bits [starts[i], starts[i] + lengths[i]) of `key` to `value` (0 or 1), a word of up to 32

@@ -1,9 +1,17 @@
---[[ leases: helpers for at-least-once delivery, pasted in by `-- @include leases` (after bits).
+--[[ leases: at-least-once delivery, pasted in by `-- @include leases` (after bits).
 
-A leased row is marked consumed like any other, and also listed in the consumer's lease set
-(sorted set: member = row, score = deadline in ms of server time). An ack removes it from the set;
-a row whose deadline passes unacked is given back: its consumed bit (and, when no other row of the
-group is still out, its group bit) is cleared, so the next sampling call offers it again.
+A leased row is marked consumed like any other, and also listed in two keys of its consumer:
+td:{NAME}:leases:CONSUMER, a sorted set (member = row, score = deadline in ms of server time), and
+td:{NAME}:tokens:CONSUMER, a hash (field = row, value = the token of the call that leased it).
+
+The token is the delivery's identity, as a receipt handle is in SQS: an ack releases a row only while
+the row is still leased under the token the ack names. A row whose lease expired and went to another
+worker, or a row cleared and handed out again, carries another token, so a late or stale ack changes
+nothing (the row is redone, which at-least-once allows) instead of releasing somebody else's lease.
+
+Tokens of calls that handed out whole groups start with 'g'. When such a lease expires the whole group
+comes back, its already acked rows included: group sampling offers only groups with no row out, so
+giving back half a group would strand it. Rows handed out one by one come back one by one.
 ]]
 
 -- Milliseconds of server time: one clock for every client, whatever their own clocks say.
@@ -12,25 +20,60 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- Gives back every row of `leases` whose deadline is before `now`; counts them in `redelivered`.
-local function reclaim_expired(consumed, gtaken, leases, redelivered, n, now)
-  local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', '(' .. now)
-  if #expired == 0 then return 0 end
-  local rows = {}
-  for i = 1, #expired do rows[i] = tonumber(expired[i]) end
-  give_back(consumed, gtaken, rows, n)
-  redis.call('ZREMRANGEBYSCORE', leases, '-inf', '(' .. now)
-  redis.call('INCRBY', redelivered, #rows)
-  return #rows
+-- Removes the leases of `rows` (decimal strings or numbers), whoever holds them.
+local function drop_leases(leases, tokens, rows)
+  call_in_chunks('ZREM', leases, rows)
+  call_in_chunks('HDEL', tokens, rows)
 end
 
--- Lists `rows` in `leases` with deadline `deadline` (ms).
-local function lease_rows(leases, rows, deadline)
+-- Lists `rows` in `leases` with deadline `deadline` (ms) under `token`, replacing any lease they had.
+local function lease_rows(leases, tokens, rows, deadline, token)
   for first = 1, #rows, 1000 do
-    local args = {}
+    local scored, owned = {}, {}
     for i = first, math.min(first + 999, #rows) do
-      args[#args + 1] = deadline; args[#args + 1] = rows[i]
+      scored[#scored + 1] = deadline; scored[#scored + 1] = rows[i]
+      owned[#owned + 1] = rows[i]; owned[#owned + 1] = token
     end
-    redis.call('ZADD', leases, unpack(args))
+    redis.call('ZADD', leases, unpack(scored))
+    redis.call('HSET', tokens, unpack(owned))
   end
+end
+
+-- Gives back every row of `leases` whose deadline is before `now` (the whole group where the lease
+-- was a group's, see above), and counts the rows given back in `redelivered`.
+local function reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
+  local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', '(' .. now)
+  if #expired == 0 then return 0 end
+  local holders = hmget_in_chunks(tokens, expired)
+  local back, is_back, whole = {}, {}, {}
+  for i = 1, #expired do
+    local row = tonumber(expired[i])
+    back[#back + 1] = row; is_back[row] = true
+    if holders[i] and string.sub(holders[i], 1, 1) == 'g' then whole[#whole + 1] = math.floor(row / n) end
+  end
+  if #whole > 0 then
+    -- The other rows of those groups: give back those acked (consumed, no lease left); rows leased
+    -- again since (by an explicit take) stay with their new holder.
+    local others = {}
+    local seen = {}
+    for _, g in ipairs(whole) do
+      if not seen[g] then
+        seen[g] = true
+        for r = g * n, (g + 1) * n - 1 do
+          if not is_back[r] then others[#others + 1] = r end
+        end
+      end
+    end
+    if #others > 0 then
+      local held = hmget_in_chunks(tokens, others)
+      local taken = get_bits(consumed, others)
+      for i = 1, #others do
+        if not held[i] and taken[i] == 1 then back[#back + 1] = others[i] end
+      end
+    end
+  end
+  give_back(consumed, gtaken, back, n)
+  drop_leases(leases, tokens, expired)
+  redis.call('INCRBY', redelivered, #back)
+  return #back
 end

@@ -1,0 +1,219 @@
+"""Reads fenced against clears: a clear landing between handing rows out and reading their bytes.
+
+Handing rows out is a script, reading their bytes an HMGET: two round trips. ``after_script`` runs a
+clear (and a refill) exactly there, deterministically, on every backend; the stress test at the end
+does the same with real processes and no help.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+import torch
+from redis.commands.core import Script
+
+from broker import ExperienceTimeoutError, TransferDock
+
+
+@contextlib.contextmanager
+def after_script(name: str, action: Callable[[], None], times: int = 1) -> Iterator[list[int]]:
+    """Run ``action`` right after the next ``times`` runs of Lua script ``name`` (e.g. "sample")."""
+    original = Script.__call__
+    header = f"--[[ {name}:"
+    fired: list[int] = []
+
+    def call(self, keys=None, args=None, client=None):
+        reply = original(self, keys or [], args or [], client)
+        if header in self.script and len(fired) < times:
+            fired.append(1)
+            action()
+        return reply
+
+    Script.__call__ = call
+    try:
+        yield fired
+    finally:
+        Script.__call__ = original
+
+
+def batch_rows(batch_id: int, rows: list[int]) -> list[torch.Tensor]:
+    """Row r of batch b holds [b, r]: a read names the batch and row its bytes came from."""
+    return [torch.tensor([batch_id, r]) for r in rows]
+
+
+def put_batch(dock: TransferDock, batch_id: int, rows: list[int] | None = None) -> None:
+    rows = list(range(dock.capacity)) if rows is None else rows
+    dock.put_experience({"prompts": batch_rows(batch_id, rows)}, indexes=rows)
+
+
+def origins(batch: dict, rows: list[int]) -> list[tuple[int, int]]:
+    """(batch, row) of every row read, checking each row's bytes are its own."""
+    out = []
+    for row, value in zip(rows, batch["prompts"]):
+        assert value[1].item() == row, f"row {row} holds the bytes of row {value[1].item()}"
+        out.append((value[0].item(), row))
+    return out
+
+
+def drain(dock: TransferDock, consumer: str, count: int, **kwargs) -> list[tuple[int, int]]:
+    got = []
+    while True:
+        batch, rows = dock.get_experience(consumer, ["prompts"], count, **kwargs)
+        if rows is None:
+            return got
+        got += origins(batch, rows)
+
+
+def test_clear_and_refill_between_sampling_and_reading_hands_out_no_row_twice(make_dock):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
+    put_batch(dock, 0)
+
+    def next_batch() -> None:
+        dock.clear()
+        put_batch(dock, 1)
+
+    with after_script("sample", next_batch) as fired:
+        got = drain(dock, "actor_train", 2)
+    assert fired
+    # The first call's rows were cleared before it read them: it sampled again, from batch 1.
+    assert sorted(got) == [(1, r) for r in range(4)]
+    assert dock.all_consumed("actor_train")
+
+
+def test_clear_of_some_rows_between_sampling_and_reading_gives_the_others_back(make_dock):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
+    put_batch(dock, 0)
+
+    def refill_group_1() -> None:
+        dock.clear(indexes=[2, 3])
+        put_batch(dock, 1, rows=[2, 3])
+
+    with after_script("sample", refill_group_1):
+        batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
+    assert rows == [0, 1, 2, 3]
+    assert origins(batch, rows) == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    assert dock.get_experience("actor_train", ["prompts"], 2) == (None, None)
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 4
+
+
+def test_clear_between_sampling_and_reading_is_no_data_not_missing_data(make_dock):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
+    put_batch(dock, 0)
+    with after_script("sample", dock.clear):
+        assert dock.get_experience("actor_train", ["prompts"], 2) == (None, None)
+    put_batch(dock, 1)
+    assert sorted(drain(dock, "actor_train", 2)) == [(1, r) for r in range(4)]
+
+
+def test_clear_between_sampling_and_reading_releases_the_lease_of_the_rows_given_back(make_dock):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
+    put_batch(dock, 0)
+
+    def refill_group_0() -> None:
+        dock.clear(indexes=[0, 1])
+        put_batch(dock, 1, rows=[0, 1])
+
+    with after_script("sample", refill_group_0):
+        batch, rows = dock.get_experience("actor_train", ["prompts"], 2, lease=30)
+    assert origins(batch, rows) == [(1, 0), (1, 1)]
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 2, "leased": 2, "redelivered": 0}
+    assert dock.ack("actor_train", rows) == 2
+    assert drain(dock, "actor_train", 2) == [(0, 2), (0, 3)]
+    assert dock.all_consumed("actor_train")
+
+
+def test_clear_and_refill_between_taking_explicit_rows_and_reading_them(make_dock):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
+    put_batch(dock, 0)
+
+    def next_batch() -> None:
+        dock.clear()
+        put_batch(dock, 1)
+
+    with after_script("take", next_batch):
+        batch, rows = dock.get_experience("actor_train", ["prompts"], indexes=[1, 0])
+    assert origins(batch, rows) == [(1, 1), (1, 0)]
+    # The rows are marked for batch 1, which is what the caller got: sampling does not repeat them.
+    assert drain(dock, "actor_train", 1, get_n_samples=False) == [(1, 2), (1, 3)]
+
+
+def test_clear_between_taking_explicit_rows_and_reading_them_names_the_rows_gone(make_dock):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
+    put_batch(dock, 0)
+    with after_script("take", lambda: dock.clear(indexes=[3])):
+        with pytest.raises(ExperienceTimeoutError) as info:
+            dock.get_experience("actor_train", ["prompts"], indexes=[2, 3])
+    assert info.value.missing == {"prompts": [3]}
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 1  # row 2, marked by the take
+
+
+def test_a_rewrite_between_sampling_and_reading_is_read_not_refused(make_dock):
+    """Writing a row again is not a clear: the reader gets the row's newest bytes, handed out once."""
+    dock = make_dock(prompts_num=1, n=2, columns=("prompts",))
+    put_batch(dock, 0)
+    with after_script("sample", lambda: put_batch(dock, 5)):
+        batch, rows = dock.get_experience("actor_train", ["prompts"], 2)
+    assert origins(batch, rows) == [(5, 0), (5, 1)]
+    assert dock.get_experience("actor_train", ["prompts"], 2) == (None, None)
+
+
+# -- the same race with real processes ------------------------------------------------------------
+
+ROUNDS_SECONDS = 4.0
+
+
+def _consumer(url: str, name: str, out: mp.Queue, stop: mp.Event) -> None:
+    torch.set_num_threads(1)
+    dock = TransferDock.attach(url, name)
+    seen: list[tuple[int, int]] = []
+    errors: list[str] = []
+    while not stop.is_set():
+        try:
+            batch, rows = dock.get_experience("reader", ["prompts"], 2, timeout=0.05)
+        except Exception as exc:  # reported, so the test shows what escaped
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        if rows is not None:
+            seen += [(int(v[0]), int(v[1])) if int(v[1]) == r else (-1, r) for r, v in zip(rows, batch["prompts"])]
+    out.put((seen, errors[:5], len(errors)))
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_put_clear_loop_against_consumer_processes_never_repeats_or_mixes_rows(real_url):
+    """A driver puts batch b, clears, puts b + 1, ... while 4 processes read: each (batch, row) at most once."""
+    redis.Redis.from_url(real_url).flushdb()
+    dock = TransferDock(real_url, "race", prompts_num=4, n_samples_per_prompt=2, columns=["prompts"],
+                        consumers=["reader"])
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_consumer, args=(real_url, "race", out, stop)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    batches = 0
+    try:
+        time.sleep(1.0)  # let the readers start polling
+        end = time.monotonic() + ROUNDS_SECONDS
+        while time.monotonic() < end:
+            put_batch(dock, batches)
+            batches += 1
+            time.sleep(0.002)
+            dock.clear()
+    finally:
+        stop.set()
+        results = [out.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+    seen = Counter(pair for got, _, _ in results for pair in got)
+    errors = [e for _, sample, _ in results for e in sample]
+    assert not errors, errors
+    assert all(b >= 0 for b, _ in seen), "a row held another row's bytes"
+    repeats = {pair: k for pair, k in seen.items() if k > 1}
+    assert not repeats, f"{len(repeats)} (batch, row) pairs handed out more than once, e.g. {list(repeats)[:5]}"
+    assert batches > 100 and len(seen) > 100  # the race really ran
