@@ -24,5 +24,6 @@ local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type
   or wrong_type(6, 6, 'string')
 if bad then return redis.error_reply(bad) end
 
-reclaim_expired(KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[2]), now_ms())
+local _, corrupt = reclaim_expired(KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[2]), now_ms())
+if corrupt then return redis.error_reply(corrupt) end
 return {redis.call('BITCOUNT', KEYS[2]), redis.call('ZCARD', KEYS[4])}

@@ -69,7 +69,8 @@ local nbytes = math.ceil(units / 8)
 local too_long = longer_than(nbytes, taken, unpack(KEYS, 11))
 if too_long then return redis.error_reply(too_long) end
 local now = now_ms()
-reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
+local _, corrupt = reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
+if corrupt then return redis.error_reply(corrupt) end
 
 -- scratch = NOT taken AND status_1 AND ... AND status_k. BITOP NOT only covers the bytes the taken
 -- bitmap has, so pad it with 0xff up to the full size; bits past `units` are cleared by the AND

@@ -40,7 +40,8 @@ if bad then return redis.error_reply(bad) end
 
 local n, lease_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_ms()
-reclaim_expired(KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], n, now)
+local _, corrupt = reclaim_expired(KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], n, now)
+if corrupt then return redis.error_reply(corrupt) end
 
 local starts, lengths = runs_from(5)
 local rows = rows_of_runs(starts, lengths)

@@ -536,3 +536,84 @@ def test_many_threads_share_one_dock(make_dock):
     assert flat == list(range(256))
     for batch in got:
         assert len(batch) == 8 and all(r // 4 == batch[i - i % 4] // 4 for i, r in enumerate(batch))
+
+
+# -- the hostile review's smaller findings ------------------------------------------------------
+
+
+def test_a_name_with_a_trailing_newline_is_refused(make_dock, client):
+    with pytest.raises(SchemaError, match="invalid dock name"):
+        make_dock(name="grpo\n")
+    with pytest.raises(SchemaError, match="invalid column name"):
+        make_dock(columns=("prompts\n",))
+    assert client.keys() == []
+
+
+def test_numpy_integers_are_accepted_wherever_ints_are(make_dock):
+    dock = make_dock(prompts_num=np.int64(2), n=np.int32(2))
+    assert dock.capacity == 4 and type(dock.prompts_num) is int
+    fill(dock)
+    assert dock.get_experience("actor_train", ["prompts"], np.int64(2))[1] == [0, 1]
+    with pytest.raises(SchemaError, match="prompts_num must be a positive int"):
+        make_dock(prompts_num=np.bool_(True))
+
+
+def test_experience_count_with_indexes_must_match_them(make_dock):
+    dock = make_dock()
+    fill(dock)
+    with pytest.raises(InvalidExperienceError, match="experience_count=3 with 2 indexes"):
+        dock.get_experience("actor_train", ["prompts"], 3, indexes=[0, 1])
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 0
+    assert dock.get_experience("actor_train", ["prompts"], 2, indexes=[0, 1])[1] == [0, 1]
+    assert dock.get_experience("actor_train", ["prompts"], np.int64(1), indexes=[2])[1] == [2]
+
+
+def test_timeout_inf_waits_until_the_rows_come(make_dock):
+    dock = make_dock(prompts_num=1, n=2)
+    writer = threading.Timer(0.3, lambda: fill(dock))
+    writer.start()
+    assert dock.get_experience("actor_train", ["prompts"], 2, timeout=float("inf"))[1] == [0, 1]
+    writer.join()
+    with pytest.raises(InvalidExperienceError, match="timeout"):
+        dock.get_experience("actor_train", ["prompts"], 2, timeout=float("nan"))
+
+
+def test_seeded_random_picks_do_not_depend_on_waiting(make_dock):
+    at_once = make_dock(name="at-once", prompts_num=16, n=1, policy="random", seed=3)
+    fill(at_once)
+    waited = make_dock(name="waited", prompts_num=16, n=1, policy="random", seed=3)
+    # Empty calls and a wait that retries several times draw no seed...
+    assert waited.get_experience("actor_train", ["prompts"], 4) == (None, None)
+    writer = threading.Timer(0.5, lambda: fill(waited))
+    writer.start()
+    first = waited.get_experience("actor_train", ["prompts"], 4, timeout=10)[1]
+    writer.join()
+    # ...so the same seed picks the same rows, call after call.
+    assert first == at_once.get_experience("actor_train", ["prompts"], 4)[1]
+    assert waited.get_experience("actor_train", ["prompts"], 4)[1] == at_once.get_experience(
+        "actor_train", ["prompts"], 4)[1]
+
+
+def test_duplicate_check_costs_the_same_few_calls_whatever_the_length(make_dock):
+    """One duplicate in 50,001 indexes took 23 s (a list.count per row); count the calls, not the time."""
+    import sys
+
+    dock = make_dock(prompts_num=1 << 16, n=1)
+
+    def builtin_calls(rows: list[int]) -> int:
+        calls = 0
+
+        def profile(frame, event, arg):
+            nonlocal calls
+            calls += event == "c_call"
+
+        sys.setprofile(profile)
+        try:
+            with pytest.raises(RowIndexError, match=r"rows listed more than once: \[7\]"):
+                dock.put_experience({"prompts": [torch.ones(1)] * len(rows)}, rows)
+        finally:
+            sys.setprofile(None)
+        return calls
+
+    short, long = builtin_calls([7, *range(50)]), builtin_calls([7, *range(50_000)])
+    assert long < short + 50, (short, long)

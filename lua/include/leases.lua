@@ -40,10 +40,16 @@ local function lease_rows(leases, tokens, rows, deadline, token)
 end
 
 -- Gives back every row of `leases` whose deadline is before `now` (the whole group where the lease
--- was a group's, see above), and counts the rows given back in `redelivered`.
+-- was a group's, see above), and counts the rows given back in `redelivered`. Returns how many, or
+-- nil and a CORRUPT error message if the lease set lists something that is not a row.
 local function reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', '(' .. now)
   if #expired == 0 then return 0 end
+  for i = 1, #expired do
+    if not string.match(expired[i], '^%d+$') then
+      return nil, 'CORRUPT ' .. leases .. ' lists ' .. string.sub(expired[i], 1, 40) .. ', not a row'
+    end
+  end
   local holders = hmget_in_chunks(tokens, expired)
   local back, is_back, whole = {}, {}, {}
   for i = 1, #expired do
