@@ -163,6 +163,36 @@ def test_a_rewrite_between_sampling_and_reading_is_read_not_refused(make_dock):
     assert dock.get_experience("actor_train", ["prompts"], 2) == (None, None)
 
 
+def test_a_resent_release_gives_back_nothing_another_worker_took_meanwhile(make_dock, client):
+    """A release whose reply is lost runs again (redis-py resends it): it must not give back twice."""
+    dock = make_dock(prompts_num=4, n=2, columns=("prompts",), name="resend")
+    other = TransferDock.attach(client, "resend")
+    put_batch(dock, 0)
+    taken_by_other: list[int] = []
+
+    with after_script("sample", lambda: dock.clear(indexes=[2, 3])):
+        inner = Script.__call__
+
+        def call(self, keys=None, args=None, client=None):
+            reply = inner(self, keys, args, client)
+            if "--[[ release:" in self.script and not taken_by_other:
+                # The release ran; its reply is lost. Before the resend, another worker takes the rows.
+                taken_by_other.extend(other.get_experience("actor_train", ["prompts"], 2)[1])
+                reply = inner(self, keys, args, client)
+            return reply
+
+        Script.__call__ = call
+        try:
+            batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
+        finally:
+            Script.__call__ = inner
+    assert taken_by_other == [0, 1]  # given back by the release, then taken by the other worker
+    assert rows == [4, 5, 6, 7]
+    # Every row written was handed out exactly once: nothing left, nothing given back twice.
+    assert dock.get_experience("actor_train", ["prompts"], 2) == (None, None)
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 6
+
+
 # -- the same race with real processes ------------------------------------------------------------
 
 ROUNDS_SECONDS = 4.0
