@@ -5,13 +5,13 @@ consumed status, n-sample-aware sampling) in Redis, so any number of processes c
 """
 
 from .dock import TransferDock
-from .leased_rows import LeasedRows
 from .errors import (
     BrokerConnectionError,
     BrokerError,
     DecodeError,
     DockNotFoundError,
     ExperienceTimeoutError,
+    ExperienceTooLargeError,
     InvalidExperienceError,
     MissingDataError,
     RedisCommandError,
@@ -21,6 +21,7 @@ from .errors import (
     UnknownColumnError,
     UnknownConsumerError,
 )
+from .leased_rows import LeasedRows
 
 __all__ = [
     "TransferDock",
@@ -30,6 +31,7 @@ __all__ = [
     "DecodeError",
     "DockNotFoundError",
     "ExperienceTimeoutError",
+    "ExperienceTooLargeError",
     "InvalidExperienceError",
     "MissingDataError",
     "RedisCommandError",

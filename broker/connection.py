@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
@@ -110,6 +111,35 @@ def connect(target: str | redis.Redis) -> tuple[redis.Redis, str | None]:
     if kwargs.get("decode_responses"):
         raise BrokerError("the Redis client must be created with decode_responses=False: tensors are bytes")
     return target, url_of(target)
+
+
+#: Redis's defaults for the two limits on one value sent to it, used where CONFIG GET is refused
+#: (ACL users confined to a dock are not granted CONFIG: it would show them the server's settings).
+DEFAULT_VALUE_LIMITS = {"proto-max-bulk-len": 512 * 1024 * 1024, "client-query-buffer-limit": 1024 * 1024 * 1024}
+
+_value_limits: weakref.WeakKeyDictionary[redis.Redis, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+
+def value_limit(client: redis.Redis) -> tuple[int, str]:
+    """The largest value (bytes) the server takes in one command argument, and the setting that says so.
+
+    Redis refuses a bulk longer than ``proto-max-bulk-len`` and closes a connection whose query buffer
+    passes ``client-query-buffer-limit``; a big argument is read into the buffer whole, with its
+    CRLF, so it must stay 2 bytes under that. Either way the request fails only after it was sent,
+    and the client's retries send it again: so puts check sizes first. Read once per client.
+    """
+    known = _value_limits.get(client)
+    if known is None:
+        limits = dict(DEFAULT_VALUE_LIMITS)
+        for name in limits:
+            try:
+                limits[name] = int(client.config_get(name).get(name, limits[name]))
+            except (redis.ResponseError, ValueError, TypeError):  # refused, unknown command, odd reply
+                pass
+        limits["client-query-buffer-limit"] -= 2
+        setting = min(limits, key=limits.get)
+        known = _value_limits[client] = (limits[setting], setting)
+    return known
 
 
 def url_of(client: redis.Redis) -> str | None:

@@ -16,11 +16,12 @@ import redis
 import torch
 
 from . import codec
-from .connection import connect, redact, redis_errors
+from .connection import connect, redact, redis_errors, value_limit
 from .errors import (
     BrokerError,
     DockNotFoundError,
     ExperienceTimeoutError,
+    ExperienceTooLargeError,
     InvalidExperienceError,
     MissingDataError,
     RowIndexError,
@@ -191,6 +192,7 @@ class TransferDock:
         fields = [str(r) for r in rows]
         # Encode everything before the first Redis call: a bad tensor must not leave a half put.
         encoded = {col: dict(zip(fields, self._encode_rows(col, value, len(rows)))) for col, value in data_dict.items()}
+        self._check_sizes(encoded)
         runs = runs_of(rows)
 
         def transaction(pipe: redis.client.Pipeline) -> None:
@@ -206,6 +208,19 @@ class TransferDock:
                     raise reply
 
         self._run(put)
+
+    def _check_sizes(self, encoded: dict[str, dict[str, bytes]]) -> None:
+        """Refuse rows the server would refuse, before sending: it would only say so by closing the
+        connection mid-send, and the client's retries would send them again and again."""
+        limit, setting = self._run(lambda: value_limit(self._client))
+        for col, values in encoded.items():
+            for field, value in values.items():
+                if len(value) > limit:
+                    raise ExperienceTooLargeError(
+                        f"column {col!r}, row {field}: {len(value):,} bytes encoded, more than the {limit:,} "
+                        f"the Redis server takes in one value ({setting}); nothing was written. Split the row, "
+                        f"or raise {setting} on the server"
+                    )
 
     def _encode_rows(self, column: str, value: Any, count: int) -> list[bytes]:
         try:

@@ -43,6 +43,10 @@ class InvalidExperienceError(BrokerError, ValueError):
     """Data handed to the dock has the wrong type, shape, dtype or row count."""
 
 
+class ExperienceTooLargeError(InvalidExperienceError):
+    """A row's encoded bytes exceed what the Redis server accepts as one value; nothing was sent."""
+
+
 class DecodeError(BrokerError, ValueError):
     """Bytes read from Redis are not a valid encoded tensor (or not valid dock metadata)."""
 
