@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from .acl import worker_rules
-from .connection import connect, default_url, redact, redis_errors
+from .connection import connect, default_url, disconnect, redact, redis_errors
 from .dock import TransferDock
 from .errors import BrokerError, DockNotFoundError
 from .keys import META_PATTERN, dock_name_from_meta_key
@@ -48,6 +48,13 @@ def format_status(status: dict[str, Any]) -> str:
 
 def _status(args: argparse.Namespace) -> int:
     client, _ = connect(args.url)
+    try:
+        return _report(client, args)
+    finally:
+        disconnect(args.url)
+
+
+def _report(client: redis.Redis, args: argparse.Namespace) -> int:
     where = redact(args.url)
     names = [args.name] if args.name else dock_names(client, where)
     # Two round trips for any number of docks: every meta, then every dock's counts.
@@ -81,8 +88,8 @@ def _clear(args: argparse.Namespace) -> int:
     if not args.yes:
         print(f"broker: clearing dock {args.name!r} deletes all its rows; add --yes to do it", file=sys.stderr)
         return 2
-    dock = TransferDock.attach(args.url, args.name)
-    dock.clear()
+    with TransferDock.attach(args.url, args.name) as dock:
+        dock.clear()
     print(f"cleared dock {args.name} at {redact(args.url)}")
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -55,20 +56,43 @@ class _ReconnectRetry(Retry):
             raise
 
 
-class _RetryingPool(redis.ConnectionPool):
+#: Connections one URL's pool opens at most, and how long a call waits for a free one. The pool
+#: blocks rather than failing with "Too many connections": a hundred threads may share one dock,
+#: and each holds a connection only for the round trip of its call.
+POOL_SIZE = 100
+POOL_WAIT_SECONDS = 30.0
+
+
+class _RetryingPool(redis.BlockingConnectionPool):
     """A pool that retries handing out a connection, as the client retries commands.
 
     redis-py retries a command that fails on its connection, but not the reconnect and liveness
     check done when the pool hands a connection out: a connection cut at that moment (a server
     restart, a CLIENT KILL) surfaced as an error although nothing had been sent. Since nothing has
     been sent yet, retrying there is always safe. A socket that cannot be opened at all is not tried
-    again here: the reconnect has already retried it (see ``_ReconnectRetry``).
+    again here: the reconnect has already retried it (see ``_ReconnectRetry``), and a pool that had
+    no free connection for ``POOL_WAIT_SECONDS`` is reported at once.
     """
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        get = super().get_connection
+        def get() -> Any:
+            try:
+                return super(_RetryingPool, self).get_connection(*args, **kwargs)
+            except redis.ConnectionError as exc:
+                if str(exc) == "No connection available.":  # BlockingConnectionPool's wait ran out
+                    raise _PoolExhausted(
+                        f"all {self.max_connections} connections of the pool stayed busy for {self.timeout} s"
+                    ) from None
+                raise
+
         # The pool has already released the failed connection; nothing more to undo between tries.
-        return self.connection_kwargs["retry"].call_with_retry(lambda: get(*args, **kwargs), lambda _error: None)
+        return self.connection_kwargs["retry"].call_with_retry(
+            get, lambda _error: None, lambda error: not isinstance(error, _PoolExhausted)
+        )
+
+
+class _PoolExhausted(redis.ConnectionError):
+    """No connection of a pool came free in time (not worth retrying: it already waited)."""
 
 
 def default_retry() -> Retry:
@@ -88,29 +112,61 @@ def default_url() -> str:
     return os.environ.get("REDIS_URL") or DEFAULT_URL
 
 
+#: URL -> [client, number of users]: every dock opened from one URL in a process shares one client
+#: and its pool, so a process holds a few connections per server however many docks it opens.
+_shared: dict[str, list[Any]] = {}
+_shared_lock = threading.Lock()
+
+
 def connect(target: str | redis.Redis) -> tuple[redis.Redis, str | None]:
-    """A client for ``target`` (a URL or a client) and the URL that reopens it, if one is known."""
+    """A client for ``target`` (a URL or a client) and the URL that reopens it, if one is known.
+
+    A URL gives the client shared by every user of that URL in this process; hand it back with
+    ``disconnect(url)``. A client passed in is the caller's, used as it is and never closed here.
+    """
     if isinstance(target, str):
-        try:
-            # Keepalive and health checks: training runs hold connections idle for minutes. The timeouts
-            # turn a silent peer into an error (no broker command runs for a minute); the URL's query
-            # (?socket_timeout=...) overrides them.
-            tcp = {} if target.startswith("unix:") else {"socket_keepalive": True}  # unix sockets take no keepalive
-            pool = _RetryingPool.from_url(
-                target, health_check_interval=30, retry=default_retry(), socket_connect_timeout=10,
-                socket_timeout=60, **tcp,
-            )
-        except ValueError as exc:
-            raise BrokerError(f"invalid Redis URL {redact(target)!r}: {exc}") from None
-        client = redis.Redis(connection_pool=pool)
-        client.auto_close_connection_pool = True  # closing the client closes the pool, as from_url does
-        return client, target
+        with _shared_lock:
+            entry = _shared.get(target)
+            if entry is None:
+                entry = _shared[target] = [_open_url(target), 0]
+            entry[1] += 1
+            return entry[0], target
     if not isinstance(target, redis.Redis):
         raise BrokerError(f"expected a Redis URL or a redis.Redis client, got {type(target).__name__}")
     kwargs = target.connection_pool.connection_kwargs
     if kwargs.get("decode_responses"):
         raise BrokerError("the Redis client must be created with decode_responses=False: tensors are bytes")
     return target, url_of(target)
+
+
+def disconnect(url: str) -> None:
+    """Hand back a client ``connect(url)`` gave; the last user's hand-back closes its connections."""
+    with _shared_lock:
+        entry = _shared.get(url)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _shared[url]
+    entry[0].close()
+
+
+def _open_url(url: str) -> redis.Redis:
+    try:
+        # Keepalive and health checks: training runs hold connections idle for minutes. The timeouts
+        # turn a silent peer into an error (no broker command runs for a minute); the URL's query
+        # (?socket_timeout=..., ?max_connections=...) overrides them.
+        tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}  # unix sockets take no keepalive
+        pool = _RetryingPool.from_url(
+            url, health_check_interval=30, retry=default_retry(), socket_connect_timeout=10, socket_timeout=60,
+            max_connections=POOL_SIZE, timeout=POOL_WAIT_SECONDS, **tcp,
+        )
+    except ValueError as exc:
+        raise BrokerError(f"invalid Redis URL {redact(url)!r}: {exc}") from None
+    client = redis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True  # closing the client closes the pool, as from_url does
+    return client
 
 
 #: Redis's defaults for the two limits on one value sent to it, used where CONFIG GET is refused

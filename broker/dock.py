@@ -16,7 +16,7 @@ import redis
 import torch
 
 from . import codec
-from .connection import connect, redact, redis_errors, value_limit
+from .connection import connect, disconnect, redact, redis_errors, value_limit
 from .errors import (
     BrokerError,
     DockNotFoundError,
@@ -78,18 +78,19 @@ class TransferDock:
         ``decode_responses=False`` (``fakeredis.FakeRedis()`` works). ``policy`` picks which qualifying
         rows sampling hands out: ``"fifo"`` (lowest group first) or ``"random"`` (reproducible with ``seed``).
         """
-        self._open(url_or_client, name, policy, seed)
         wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers)
-        fields = wanted.to_meta()
-        stored = self._run(lambda: self._scripts.create(fields))
-        if stored is None:
-            self._set_schema(wanted, fingerprint(fields))
-            return
-        existing = Schema.from_meta(stored, where=self._keys.meta)
-        diff = wanted.differences(existing)
-        if diff:
-            raise SchemaError(f"dock {name!r} exists with a different schema: " + "; ".join(diff))
-        self._set_schema(existing, fingerprint(stored))
+        self._open(url_or_client, name, policy, seed)
+        with self._closed_on_error():
+            fields = wanted.to_meta()
+            stored = self._run(lambda: self._scripts.create(fields))
+            if stored is None:
+                self._set_schema(wanted, fingerprint(fields))
+                return
+            existing = Schema.from_meta(stored, where=self._keys.meta)
+            diff = wanted.differences(existing)
+            if diff:
+                raise SchemaError(f"dock {name!r} exists with a different schema: " + "; ".join(diff))
+            self._set_schema(existing, fingerprint(stored))
 
     @classmethod
     def attach(
@@ -98,20 +99,34 @@ class TransferDock:
         """Open the existing dock ``name`` from the schema stored in Redis."""
         dock = cls.__new__(cls)
         dock._open(url_or_client, name, policy, seed)
-        meta = dock._run(lambda: dock._client.hgetall(dock._keys.meta))
-        if not meta:
-            raise DockNotFoundError(f"no dock named {name!r} at {dock._server}")
-        dock._set_schema(Schema.from_meta(meta, where=dock._keys.meta), fingerprint(meta))
+        with dock._closed_on_error():
+            meta = dock._run(lambda: dock._client.hgetall(dock._keys.meta))
+            if not meta:
+                raise DockNotFoundError(f"no dock named {name!r} at {dock._server}")
+            dock._set_schema(Schema.from_meta(meta, where=dock._keys.meta), fingerprint(meta))
         return dock
+
+    @contextmanager
+    def _closed_on_error(self) -> Iterator[None]:
+        """Hand the connection back if opening fails: the caller never gets an object to close."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     def _open(self, target: str | redis.Redis, name: str, policy: str, seed: int | None) -> None:
         if not isinstance(policy, str) or policy not in POLICIES:
             raise SchemaError(f"policy must be one of {POLICIES}, got {policy!r}")
         self._keys = DockKeys(name)
+        self._closed = True  # until connected: close() then has nothing to hand back
         self._client, self._url = connect(target)
+        self._owns_client = isinstance(target, str)
+        self._closed = False
         self._server = redact(self._url) if self._url else repr(self._client)
         self._where = f"{self._server} (dock {name!r})"  # names the dock in every Redis error
-        allow_oom = self._run(lambda: supports_flags(self._client))
+        with self._closed_on_error():
+            allow_oom = self._run(lambda: supports_flags(self._client))
         self._scripts = DockScripts(self._client, self._keys, allow_oom=allow_oom)
         self._policy = policy
         self._seed = seed
@@ -123,6 +138,25 @@ class TransferDock:
         self._consumer_set = frozenset(schema.consumers)
         self._fingerprint = stored_fingerprint
         self._scripts.bind(schema, stored_fingerprint)
+
+    def close(self) -> None:
+        """Stop using the dock object (the dock in Redis stays): hand back its connections. Idempotent.
+
+        Docks opened from one URL in a process share one client; its connections close with the last
+        of them. A client passed in is left open: it is the caller's. Calls after ``close`` raise
+        BrokerError.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            disconnect(self._url)
+
+    def __enter__(self) -> TransferDock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # Pickles as (URL, name) so a dock can be handed to Ray actors and subprocesses.
     def __reduce__(self) -> tuple[Callable[..., TransferDock], tuple[Any, ...]]:
@@ -561,6 +595,8 @@ class TransferDock:
             )
 
     def _run(self, call: Callable[[], T]) -> T:
+        if self._closed:
+            raise BrokerError(f"dock {self.name!r} at {self._server} was closed; open it again to use it")
         with redis_errors(self._where):
             return call()
 

@@ -617,3 +617,50 @@ def test_duplicate_check_costs_the_same_few_calls_whatever_the_length(make_dock)
 
     short, long = builtin_calls([7, *range(50)]), builtin_calls([7, *range(50_000)])
     assert long < short + 50, (short, long)
+
+
+@pytest.mark.real
+def test_docks_from_one_url_share_one_client_and_close_hands_it_back(real_url):
+    admin = redis.Redis.from_url(real_url)
+    url = real_url + "?client_name=share-test"  # names this test's connections in CLIENT LIST
+
+    def connections() -> int:
+        return sum(c["name"] == "share-test" for c in admin.client_list())
+
+    before = connections()
+    a = TransferDock(url, "share-a", prompts_num=1, n_samples_per_prompt=1, columns=["x"], consumers=["c"])
+    b = TransferDock.attach(url, "share-a")
+    with TransferDock(url, "share-b", prompts_num=1, n_samples_per_prompt=1, columns=["x"], consumers=["c"]) as c:
+        assert a.client is b.client is c.client
+        c.put_experience({"x": [torch.ones(1)]}, [0])
+        a.put_experience({"x": [torch.ones(1)]}, [0])
+    with pytest.raises(BrokerError, match="'share-b' at .* was closed"):
+        c.status()
+    a.close()
+    a.close()  # harmless
+    assert b.get_experience("c", ["x"], 1)[1] == [0]  # the client lives on with its last user
+    assert connections() > before
+    b.close()
+    assert connections() == before
+    with pytest.raises(DockNotFoundError):
+        TransferDock.attach(url, "nope")  # a failed open hands its share back too
+    assert connections() == before
+
+
+@pytest.mark.real
+def test_broker_status_of_many_docks_takes_one_connection_and_one_transaction(real_url, capsys):
+    from broker.cli import main
+
+    client = redis.Redis.from_url(real_url)
+    for i in range(300):
+        with TransferDock(real_url, f"many-{i:03d}", prompts_num=2, n_samples_per_prompt=2, columns=["x"],
+                          consumers=["c"]) as dock:
+            dock.put_experience({"x": [torch.ones(1)]}, [i % 4])
+    client.config_resetstat()
+    assert main(["status", "--url", real_url]) == 0
+    out = capsys.readouterr().out
+    assert out.count("dock many-") == 300 and "many-299" in out
+    stats = client.info("commandstats")
+    assert client.info("stats")["total_connections_received"] == 1
+    assert stats["cmdstat_exec"]["calls"] == 1  # every dock's counts in one MULTI/EXEC
+    assert "cmdstat_eval" not in stats and "cmdstat_evalsha" not in stats  # no per-dock set-up
