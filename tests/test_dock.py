@@ -661,6 +661,6 @@ def test_broker_status_of_many_docks_takes_one_connection_and_one_transaction(re
     out = capsys.readouterr().out
     assert out.count("dock many-") == 300 and "many-299" in out
     stats = client.info("commandstats")
-    assert client.info("stats")["total_connections_received"] == 1
+    assert client.info("stats")["total_connections_received"] <= 1  # 0 if this process already had one
     assert stats["cmdstat_exec"]["calls"] == 1  # every dock's counts in one MULTI/EXEC
     assert "cmdstat_eval" not in stats and "cmdstat_evalsha" not in stats  # no per-dock set-up
