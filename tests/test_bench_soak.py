@@ -24,8 +24,8 @@ def test_soak_without_leases_hands_every_item_out_exactly_once(real_url):
 
 
 def test_soak_with_leases_loses_nothing_while_clients_are_killed(real_url):
-    # A lease long enough that no live client outlasts it on a loaded machine: a live client whose lease
-    # ran out would ack late, and a late ack after the rows were recycled marks the new item consumed.
+    # A lease long enough that live clients rarely outlast it on a loaded machine; one that does acks
+    # late, and its ack releases nothing (the lease token is no longer on the rows).
     cfg = SoakConfig(clients=6, seconds=3.0, groups_per_client=2, leases=True, kill=True, lease_seconds=2.0,
                      kill_every=0.3)
     result = run_soak(real_url, "bench-test-soak-kill", cfg)
@@ -38,15 +38,33 @@ def test_soak_with_leases_loses_nothing_while_clients_are_killed(real_url):
 def test_the_accounting_catches_lost_and_repeated_items():
     cfg = SoakConfig(clients=1, groups_per_client=2)
     put = [(PUT_BEGIN, g, 0, 0.0, 1.0) for g in range(2)] + [(PUT_DONE, g, 0, 0.0, 1.0) for g in range(2)]
-    exact = _account(put + [(GOT, 0, 0, 0.001, 1.0), (GOT, 1, 0, 0.001, 1.0)], cfg, 0.0, 2.0, _STATUS)
+
+    def account(got: list, config: SoakConfig = cfg, driver: list = put) -> dict:
+        return _account(got, driver, config, 0.0, 2.0, _STATUS)
+
+    exact = account([(GOT, 0, 0, 0.001, 1.0), (GOT, 1, 0, 0.001, 1.0)])
     assert exact["ok"]
-    lost = _account(put + [(GOT, 0, 0, 0.001, 1.0)], cfg, 0.0, 2.0, _STATUS)
+    lost = account([(GOT, 0, 0, 0.001, 1.0)])
     assert not lost["ok"] and lost["lost"] == 1
-    twice = _account(put + [(GOT, 0, 0, 0.001, 1.0)] * 2 + [(GOT, 1, 0, 0.001, 1.0)], cfg, 0.0, 2.0, _STATUS)
+    twice = account([(GOT, 0, 0, 0.001, 1.0)] * 2 + [(GOT, 1, 0, 0.001, 1.0)])
     assert not twice["ok"] and twice["repeats"] == 1
-    unknown = _account(put + [(GOT, 0, 0, 0.0, 1.0), (GOT, 1, 0, 0.0, 1.0), (GOT, 1, 5, 0.0, 1.0)], cfg, 0.0, 2.0,
-                       _STATUS)
+    unknown = account([(GOT, 0, 0, 0.0, 1.0), (GOT, 1, 0, 0.0, 1.0), (GOT, 1, 5, 0.0, 1.0)])
     assert not unknown["ok"] and unknown["unknown"] == 1
+    # Churn: generation 0 of group 0 was cleared unread (fine); the last generation of each group must be read.
+    churn = SoakConfig(clients=1, groups_per_client=2, churn=True)
+    regen = put + [(PUT_BEGIN, 0, 1, 0.0, 1.5), (PUT_DONE, 0, 1, 0.0, 1.5)]
+    cleared = account([(GOT, 0, 1, 0.0, 1.6), (GOT, 1, 0, 0.0, 1.6)], churn, regen)
+    assert cleared["ok"] and cleared["cleared_unread"] == 1 and cleared["lost"] == 0
+    final_lost = account([(GOT, 0, 0, 0.0, 1.2), (GOT, 1, 0, 0.0, 1.6)], churn, regen)
+    assert not final_lost["ok"] and final_lost["lost"] == 1
+
+
+def test_soak_with_a_driver_clearing_while_clients_read_repeats_and_mixes_nothing(real_url):
+    result = run_soak(real_url, "bench-test-soak-churn", SoakConfig(clients=4, seconds=2.0, churn=True))
+    assert result["ok"], result
+    assert result["repeats"] == result["corrupt"] == result["unknown"] == result["lost"] == 0
+    assert result["churn"]["whole_clears"] > 10 and result["churn"]["partial_clears"] > 10
+    assert result["cleared_unread"] > 0 and result["items_consumed"] > 100  # the race really ran
 
 
 def test_kill_without_leases_is_refused(real_url):

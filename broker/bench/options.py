@@ -57,6 +57,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--seconds", type=float, default=30.0, help="load time (default: %(default)s)")
     g.add_argument("--leases", action="store_true", help="take rows with leases and ack them (at-least-once)")
     g.add_argument("--kill", action="store_true", help="SIGKILL a random client now and then (implies --leases)")
+    g.add_argument("--churn", action="store_true",
+                   help="clients only read; a driver clears and refills the dock as fast as it can")
     g.add_argument("--lease-seconds", type=float, default=5.0, help="lease length (default: %(default)s)")
     g.add_argument("--kill-every", type=float, default=1.0, help="mean seconds between kills (default: %(default)s)")
     return p

@@ -108,12 +108,19 @@ def _memory(mem: dict[str, Any]) -> list[str]:
 def _soak(soak: dict[str, Any]) -> list[str]:
     c = soak["config"]
     mode = "leases, killing clients" if c["kill"] else "leases" if c["leases"] else "no leases"
+    if c.get("churn"):
+        mode += ", a driver clearing and refilling"
     lines = ["", f"soak: {c['clients']} clients for {soak['load_seconds']:.1f} s ({mode}): "
                  f"{soak['ops_per_second']:.0f} calls/s, {soak['items_per_second']:.0f} groups consumed/s, "
                  f"{soak['kills']} kills -> {'OK' if soak['ok'] else 'FAILED'}",
              f"  items put {soak['items_put']}, lost {soak['lost']}, repeats {soak['repeats']} (redelivered rows "
              f"{soak['redelivered_rows']}), unknown {soak['unknown']}, corrupt {soak['corrupt']}, "
              f"stranded groups {soak['stranded_groups']}, drained {soak['drained']}"]
+    if soak.get("churn"):
+        ch = soak["churn"]
+        lines.append(f"  driver: {ch['generations']} generations, {ch['whole_clears']} whole and "
+                     f"{ch['partial_clears']} partial clears; {soak['cleared_unread']} items cleared before anyone "
+                     f"read them")
     for op, s in soak["latency"].items():
         lines.append(f"  {op:<10} {s['calls']:7d} calls  p50 {s['p50_ms']:7.2f} ms  p99 {s['p99_ms']:7.2f} ms")
     return lines

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
             cfg = SoakConfig(clients=args.clients, seconds=args.seconds, leases=args.leases or args.kill,
                              kill=args.kill, lease_seconds=args.lease_seconds, kill_every=args.kill_every,
-                             seed=args.seed)
+                             churn=args.churn, seed=args.seed)
             _say(f"soak: {cfg.clients} clients for {cfg.seconds:g} s")
             report["soak"] = run_soak(url, f"{prefix}-soak", cfg)
             ok = report["soak"]["ok"]

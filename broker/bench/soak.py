@@ -14,6 +14,12 @@ When the time is up the clients stop putting and drain the dock; then the logs m
   replaced): every item put was consumed at least once; repeats are counted and must not exceed
   the dock's ``redelivered`` count;
 * always: no corrupt bytes, no item consumed that was never put, and the dock drained.
+
+With ``churn`` the clients only read (with leases, they ack too), and the benchmark process is a driver
+that, as fast as it can, clears the whole dock or a few random groups and writes the next generation
+into what it cleared: a clear lands between the sampling and the read of some calls again and again.
+Items cleared before anyone read them are counted (``cleared_unread``), not failures; the checks are
+that no item is read twice, none has the bytes of another, and none was never put.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class SoakConfig:
     kill: bool = False
     lease_seconds: float = 5.0
     kill_every: float = 1.0
+    churn: bool = False
     n: int = 8
     groups_per_client: int = 4
     row_ints: int = 256
@@ -119,9 +126,56 @@ def _client(url: str, name: str, params: dict[str, Any], log_path: str, stop: An
         log(PUT_DONE, group, gen + 1, time.perf_counter() - t0)
 
 
-def _read_logs(folder: Path) -> list[tuple[int, int, int, float, float]]:
+def _reader(url: str, name: str, params: dict[str, Any], log_path: str, stop: Any, done: Any) -> None:
+    """A churn-mode client: reads and checks groups (acking them with leases) while the driver clears."""
+    torch.set_num_threads(1)
+    cfg = SoakConfig(**params)
+    dock = TransferDock.attach(dock_target(url), name)
+    log = _Log(Path(log_path))
+    lease = cfg.lease_seconds if cfg.leases else None
+    while not done.is_set():
+        t0 = time.perf_counter()
+        batch, rows = dock.get_experience(CONSUMER, [COLUMN], cfg.n, timeout=0.2, lease=lease)
+        latency = time.perf_counter() - t0
+        if rows is None:
+            log(EMPTY, latency=latency)
+            continue
+        group, gen = rows[0] // cfg.n, int(batch[COLUMN][0][1])
+        if not all(torch.equal(a, b) for a, b in zip(batch[COLUMN], content(cfg, group, gen))):
+            log(CORRUPT, group, gen)
+        log(GOT, group, gen, latency)
+        if lease is not None:
+            t0 = time.perf_counter()
+            dock.ack(CONSUMER, rows)
+            log(ACK, group, gen, time.perf_counter() - t0)
+
+
+def _churn(dock: TransferDock, cfg: SoakConfig, log: _Log, rng: random.Random, gen: int, until: float) -> tuple:
+    """Clear and refill until ``until``; returns (next generation, whole clears, partial clears)."""
+    whole = partial = 0
+    while time.monotonic() < until:
+        if rng.random() < 0.5:
+            dock.clear()
+            groups = list(range(cfg.groups))
+            whole += 1
+        else:
+            groups = sorted(rng.sample(range(cfg.groups), rng.randint(1, max(1, cfg.groups // 4))))
+            dock.clear([r for g in groups for r in range(g * cfg.n, (g + 1) * cfg.n)])
+            partial += 1
+        for g in groups:
+            log(PUT_BEGIN, g, gen)
+        rows = [r for g in groups for r in range(g * cfg.n, (g + 1) * cfg.n)]
+        dock.put_experience({COLUMN: [t for g in groups for t in content(cfg, g, gen)]}, indexes=rows)
+        for g in groups:
+            log(PUT_DONE, g, gen)
+        gen += 1
+        time.sleep(rng.random() * 0.004)  # vary where the next clear lands in the readers' calls
+    return gen, whole, partial
+
+
+def _read_logs(folder: Path, pattern: str) -> list[tuple[int, int, int, float, float]]:
     records = []
-    for path in sorted(folder.glob("*.log")):
+    for path in sorted(folder.glob(pattern)):
         raw = path.read_bytes()
         usable = len(raw) - len(raw) % _RECORD.size  # a torn tail cannot happen, but costs nothing to allow
         records += [_RECORD.unpack_from(raw, i) for i in range(0, usable, _RECORD.size)]
@@ -134,6 +188,8 @@ def run_soak(url: str, name: str, cfg: SoakConfig) -> dict:
 
     if cfg.kill and not cfg.leases:
         raise ValueError("killing clients needs leases: without them a killed client's rows are lost by design")
+    if cfg.kill and cfg.churn:
+        raise ValueError("churn and kill are separate soaks: a killed reader's redone rows would count as repeats")
     dock = TransferDock(dock_target(url), name, prompts_num=cfg.groups, n_samples_per_prompt=cfg.n, columns=[COLUMN],
                         consumers=[CONSUMER])
     folder = Path(tempfile.mkdtemp(prefix="broker-soak-"))
@@ -146,12 +202,13 @@ def run_soak(url: str, name: str, cfg: SoakConfig) -> dict:
     def spawn(slot: int) -> None:
         log = folder / f"client{slot:03d}-{incarnations[slot]:04d}.log"
         incarnations[slot] += 1
-        procs[slot] = ctx.Process(target=_client, args=(url, name, asdict(cfg), str(log), stop, done), daemon=True)
+        target = _reader if cfg.churn else _client
+        procs[slot] = ctx.Process(target=target, args=(url, name, asdict(cfg), str(log), stop, done), daemon=True)
         procs[slot].start()
 
     try:
         dock.clear()
-        fill = _Log(folder / "fill.log")
+        fill = _Log(folder / "driver.log")  # the fill, and in churn mode every put of the driver
         for g in range(cfg.groups):
             fill(PUT_BEGIN, g, 0)
             dock.put_experience({COLUMN: content(cfg, g, 0)}, indexes=list(range(g * cfg.n, (g + 1) * cfg.n)))
@@ -162,8 +219,16 @@ def run_soak(url: str, name: str, cfg: SoakConfig) -> dict:
         end = start + cfg.seconds
         next_kill = start + rng.expovariate(1 / cfg.kill_every) if cfg.kill else float("inf")
         kills, crashed = 0, []
+        churn = {"generations": 0, "whole_clears": 0, "partial_clears": 0}
+        gen = 1
         while (now := time.monotonic()) < end:
-            time.sleep(min(0.05, max(end - now, 0)))
+            if cfg.churn:
+                gen, whole, partial = _churn(dock, cfg, fill, rng, gen, min(end, now + 0.05))
+                churn["whole_clears"] += whole
+                churn["partial_clears"] += partial
+                churn["generations"] = gen - 1
+            else:
+                time.sleep(min(0.05, max(end - now, 0)))
             for slot, p in procs.items():
                 if p.exitcode is not None:  # died without our help: a bug, reported below
                     crashed.append(p.exitcode)
@@ -191,9 +256,11 @@ def run_soak(url: str, name: str, cfg: SoakConfig) -> dict:
             if p.is_alive():
                 p.kill()
         delete_dock(dock)
-    result = _account(_read_logs(folder), cfg, start, load_end, final)
+    result = _account(_read_logs(folder, "client*.log"), _read_logs(folder, "driver.log"), cfg, start, load_end, final)
     result.update(config=asdict(cfg), kills=kills, crashed=crashed, drained=drained, drain_seconds=drain_seconds,
                   load_seconds=load_end - start)
+    if cfg.churn:
+        result["churn"] = churn
     result["ok"] = result["ok"] and drained and not crashed
     for path in folder.iterdir():
         path.unlink()
@@ -213,7 +280,10 @@ def _drain(dock: TransferDock, deadline: float) -> tuple[bool, float]:
     return False, time.monotonic() - start
 
 
-def _account(records: list, cfg: SoakConfig, start: float, load_end: float, final: dict) -> dict:
+def _account(records: list, driver: list, cfg: SoakConfig, start: float, load_end: float, final: dict) -> dict:
+    """The checks and figures from the clients' records and the driver's (rates count the clients only)."""
+    clients = records
+    records = clients + driver
     put_begun = {(g, k) for kind, g, k, _, _ in records if kind == PUT_BEGIN}
     put_done = {(g, k) for kind, g, k, _, _ in records if kind == PUT_DONE}
     consumed = Counter((g, k) for kind, g, k, _, _ in records if kind == GOT)
@@ -222,14 +292,25 @@ def _account(records: list, cfg: SoakConfig, start: float, load_end: float, fina
     unknown = sorted(consumed.keys() - put_begun)
     repeats = sum(c - 1 for c in consumed.values())
     redelivered = final["consumers"][CONSUMER]["redelivered"]
-    in_load = [r for r in records if start <= r[4] <= load_end]
+    in_load = [r for r in clients if start <= r[4] <= load_end]
     seconds = max(load_end - start, 1e-9)
     ops = {name: [r[3] for r in in_load if r[0] == kind] for kind, name in _OPS.items()}
     calls = sum(len(v) for v in ops.values())
+    cleared_unread = 0
+    if cfg.churn:
+        # The driver clears items nobody read yet on purpose; only each group's last item, which
+        # nothing cleared, must have been read.
+        last: dict[int, int] = {}
+        for g, k in put_done:
+            last[g] = max(k, last.get(g, k))
+        still_lost = [item for item in lost if last[item[0]] == item[1]]
+        cleared_unread = len(lost) - len(still_lost)
+        lost = still_lost
     ok = not lost and not unknown and corrupt == 0 and (repeats <= redelivered if cfg.leases else repeats == 0)
     return {
         "ok": ok,
-        "items_put": len(put_done), "items_consumed": len(consumed), "lost": len(lost), "repeats": repeats,
+        "items_put": len(put_done), "items_consumed": len(consumed), "lost": len(lost),
+        "cleared_unread": cleared_unread, "repeats": repeats,
         "unknown": len(unknown), "corrupt": corrupt, "redelivered_rows": redelivered,
         "late_acks": sum(1 for r in records if r[0] == ACK_LATE),
         "stranded_groups": cfg.groups - final["columns"][COLUMN]["groups_ready"],
