@@ -181,7 +181,9 @@ def test_garbage_in_keys_is_reported_by_reads_and_status_not_crashed_on(client, 
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("kind", ["meta field", "data type", "consumed type", "redelivered junk", "ready past capacity"])
+@pytest.mark.parametrize(
+    "kind", ["meta field", "data type", "consumed type", "redelivered junk", "ready past capacity"]
+)
 def test_broker_status_reports_garbage(real_url, kind, capsys):
     import redis
 
