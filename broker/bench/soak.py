@@ -115,7 +115,7 @@ def _client(url: str, name: str, params: dict[str, Any], log_path: str, stop: An
                 # Our lease ran out and the rows went to someone else, who will recycle them.
                 log(ACK_LATE, group, gen)
                 continue
-        if stop.is_set():
+        if stop.is_set() or cfg.churn:  # in churn mode the driver alone clears and puts
             continue
         t0 = time.perf_counter()
         dock.clear(rows)
@@ -124,30 +124,6 @@ def _client(url: str, name: str, params: dict[str, Any], log_path: str, stop: An
         t0 = time.perf_counter()
         dock.put_experience({COLUMN: content(cfg, group, gen + 1)}, indexes=rows)
         log(PUT_DONE, group, gen + 1, time.perf_counter() - t0)
-
-
-def _reader(url: str, name: str, params: dict[str, Any], log_path: str, stop: Any, done: Any) -> None:
-    """A churn-mode client: reads and checks groups (acking them with leases) while the driver clears."""
-    torch.set_num_threads(1)
-    cfg = SoakConfig(**params)
-    dock = TransferDock.attach(dock_target(url), name)
-    log = _Log(Path(log_path))
-    lease = cfg.lease_seconds if cfg.leases else None
-    while not done.is_set():
-        t0 = time.perf_counter()
-        batch, rows = dock.get_experience(CONSUMER, [COLUMN], cfg.n, timeout=0.2, lease=lease)
-        latency = time.perf_counter() - t0
-        if rows is None:
-            log(EMPTY, latency=latency)
-            continue
-        group, gen = rows[0] // cfg.n, int(batch[COLUMN][0][1])
-        if not all(torch.equal(a, b) for a, b in zip(batch[COLUMN], content(cfg, group, gen))):
-            log(CORRUPT, group, gen)
-        log(GOT, group, gen, latency)
-        if lease is not None:
-            t0 = time.perf_counter()
-            dock.ack(CONSUMER, rows)
-            log(ACK, group, gen, time.perf_counter() - t0)
 
 
 def _churn(dock: TransferDock, cfg: SoakConfig, log: _Log, rng: random.Random, gen: int, until: float) -> tuple:
@@ -202,8 +178,7 @@ def run_soak(url: str, name: str, cfg: SoakConfig) -> dict:
     def spawn(slot: int) -> None:
         log = folder / f"client{slot:03d}-{incarnations[slot]:04d}.log"
         incarnations[slot] += 1
-        target = _reader if cfg.churn else _client
-        procs[slot] = ctx.Process(target=target, args=(url, name, asdict(cfg), str(log), stop, done), daemon=True)
+        procs[slot] = ctx.Process(target=_client, args=(url, name, asdict(cfg), str(log), stop, done), daemon=True)
         procs[slot].start()
 
     try:
