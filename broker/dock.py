@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ from .errors import (
 )
 from .keys import DockKeys
 from .leased_rows import LeasedRows
+from .put_listener import PutListener
 from .schema import Schema, fingerprint
 from .scripts import DockScripts, Handout, rows_of, run_pipeline, runs_of, supports_flags
 from .status import DockRef, read_statuses
@@ -128,6 +128,7 @@ class TransferDock:
         with self._closed_on_error():
             allow_oom = self._run(lambda: supports_flags(self._client))
         self._scripts = DockScripts(self._client, self._keys, allow_oom=allow_oom)
+        self._listener = PutListener(self._client, self._keys.events)
         self._policy = policy
         self._seed = seed
         self._seeds = _Seeds(seed)
@@ -149,6 +150,9 @@ class TransferDock:
         if self._closed:
             return
         self._closed = True
+        listener = getattr(self, "_listener", None)  # absent when opening failed early
+        if listener is not None:
+            listener.close()
         if self._owns_client:
             disconnect(self._url)
 
@@ -462,34 +466,8 @@ class TransferDock:
         return batch
 
     def _wait(self, attempt: Callable[[], T | None], timeout: float | None) -> T | None:
-        """Run ``attempt`` until it returns a value or ``timeout`` seconds pass, waking on puts."""
-        result = self._run(attempt)
-        if result is not None or not timeout:
-            return result
-        deadline = time.monotonic() + timeout
-        with self._subscription() as wait_for_put:
-            while True:
-                # Retry after subscribing: a put between the first attempt and SUBSCRIBE is not missed.
-                result = self._run(attempt)
-                remaining = deadline - time.monotonic()
-                if result is not None or remaining <= 0:
-                    return result
-                wait_for_put(min(remaining, _RECHECK_SECONDS))
-
-    @contextmanager
-    def _subscription(self) -> Iterator[Callable[[float], None]]:
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
-        try:
-            self._run(lambda: pubsub.subscribe(self._keys.events))
-
-            def wait_for_put(seconds: float) -> None:
-                self._run(lambda: pubsub.get_message(timeout=seconds))
-                while self._run(lambda: pubsub.get_message(timeout=0)) is not None:
-                    pass  # drain: one retry answers every put that arrived meanwhile
-
-            yield wait_for_put
-        finally:
-            pubsub.close()
+        """Run ``attempt`` until it returns a value or ``timeout`` seconds pass, woken by puts."""
+        return self._listener.wait(lambda: self._run(attempt), timeout, _RECHECK_SECONDS)
 
     # -- status and clearing ------------------------------------------------------------------
 

@@ -1,0 +1,194 @@
+"""Waiting for puts: one subscription per dock object, however many threads wait on it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import fakeredis
+import pytest
+import redis
+import torch
+
+from broker import TransferDock
+from broker.put_listener import PutListener
+from tests.servers import RedisServer
+
+CHANNEL = "td:{w}:events"
+
+
+@pytest.fixture(params=["fake", "real"])
+def store(request):
+    """A client, and an admin client for CLIENT LIST / KILL (None on fakeredis)."""
+    if request.param == "fake":
+        yield fakeredis.FakeRedis(server=fakeredis.FakeServer()), None
+        return
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        yield client, server.client()
+        client.close()
+
+
+def pop(client: redis.Redis):
+    return lambda: client.lpop("items")
+
+
+def subscribers(admin: redis.Redis) -> int:
+    return sum(int(c["sub"]) > 0 for c in admin.client_list())
+
+
+def test_a_put_wakes_the_waiter_long_before_its_recheck(store):
+    client, _ = store
+    listener = PutListener(client, CHANNEL)
+    threading.Timer(0.3, lambda: (client.rpush("items", b"x"), client.publish(CHANNEL, 1))).start()
+    start = time.monotonic()
+    assert listener.wait(pop(client), timeout=20, recheck=60) == b"x"
+    assert 0.25 <= time.monotonic() - start < 5
+    listener.close()
+
+
+def test_a_put_between_an_empty_attempt_and_the_wait_is_not_missed(store):
+    client, _ = store
+    listener = PutListener(client, CHANNEL)
+    calls = []
+
+    def attempt():
+        calls.append(1)
+        if len(calls) == 2:  # the attempt right after subscribing: the put lands as it returns empty-handed
+            client.rpush("items", b"x")
+            client.publish(CHANNEL, 1)
+            return None
+        return client.lpop("items")
+
+    start = time.monotonic()
+    assert listener.wait(attempt, timeout=20, recheck=60) == b"x"
+    assert time.monotonic() - start < 5 and len(calls) == 3
+    listener.close()
+
+
+def test_waits_end_on_time(store):
+    client, _ = store
+    listener = PutListener(client, CHANNEL)
+    for timeout in (0.3, 0.0, None):
+        start = time.monotonic()
+        assert listener.wait(pop(client), timeout=timeout, recheck=0.1) is None
+        assert timeout or 0 <= time.monotonic() - start < (timeout or 0) + 1.0
+    listener.close()
+
+
+def test_one_subscription_for_many_waiters_and_a_put_never_queues_behind_them():
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)  # redis-py's default pool: at most 100 connections
+        admin = server.client()
+        listener = PutListener(client, CHANNEL)
+        results, errors, ends = [], [], []
+        start = time.monotonic()
+
+        def waiter():
+            try:
+                results.append(listener.wait(pop(client), timeout=5, recheck=1.0))
+            except Exception as exc:  # noqa: BLE001 - every failure is a finding here
+                errors.append(exc)
+            ends.append(time.monotonic() - start)
+
+        threads = [threading.Thread(target=waiter) for _ in range(120)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        assert subscribers(admin) == 1  # one subscription, not one per waiting thread
+        put_start = time.monotonic()
+        client.rpush("items", *[b"%d" % i for i in range(100)])
+        client.publish(CHANNEL, 100)
+        put_seconds = time.monotonic() - put_start
+        for t in threads:
+            t.join(20)
+        assert not errors, errors[:3]
+        assert sum(r is not None for r in results) == 100 and results.count(None) == 20
+        assert put_seconds < 1.0
+        assert max(ends) < 5 + 1.5
+        listener.close()
+        client.close()
+
+
+def test_the_listener_resubscribes_after_its_connection_is_killed():
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        admin = server.client()
+        listener = PutListener(client, CHANNEL)
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(listener.wait(pop(client), timeout=15, recheck=60)))
+        waiter.start()
+        time.sleep(0.5)
+        assert admin.client_kill_filter(_type="pubsub") == 1
+        deadline = time.monotonic() + 5
+        while subscribers(admin) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.monotonic()
+        client.rpush("items", b"x")
+        client.publish(CHANNEL, 1)
+        waiter.join(10)
+        assert got == [b"x"] and time.monotonic() - start < 5  # woken by the message, not the 60 s recheck
+        listener.close()
+        client.close()
+
+
+def test_close_ends_the_waits_in_progress_and_frees_the_connection(store):
+    client, admin = store
+    listener = PutListener(client, CHANNEL)
+    ends = []
+    start = time.monotonic()
+    threads = [threading.Thread(target=lambda: ends.append(listener.wait(pop(client), timeout=30, recheck=60)))
+               for _ in range(5)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    listener.close()
+    for t in threads:
+        t.join(5)
+    assert ends == [None] * 5 and time.monotonic() - start < 3
+    if admin is not None:
+        assert subscribers(admin) == 0
+
+
+def test_an_idle_listener_stops_and_starts_again_on_the_next_wait(store):
+    client, admin = store
+    listener = PutListener(client, CHANNEL, idle_seconds=0.2)
+    assert listener.wait(pop(client), timeout=0.3, recheck=0.1) is None
+    time.sleep(1.0)
+    if admin is not None:
+        assert subscribers(admin) == 0
+    threading.Timer(0.3, lambda: (client.rpush("items", b"y"), client.publish(CHANNEL, 1))).start()
+    assert listener.wait(pop(client), timeout=10, recheck=60) == b"y"
+    listener.close()
+
+
+@pytest.mark.real
+def test_120_threads_waiting_on_one_dock_are_all_served(real_url):
+    """The review's case: 120 threads wait on one dock object, 100 rows are put after 1 s, timeout 5."""
+    redis.Redis.from_url(real_url).flushdb()
+    dock = TransferDock(real_url, "crowd", prompts_num=100, n_samples_per_prompt=1, columns=["x"], consumers=["c"])
+    results, errors, ends = [], [], []
+    start = time.monotonic()
+
+    def waiter():
+        try:
+            results.append(dock.get_experience("c", ["x"], 1, timeout=5)[1])
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        ends.append(time.monotonic() - start)
+
+    threads = [threading.Thread(target=waiter) for _ in range(120)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    put_start = time.monotonic()
+    dock.put_experience({"x": torch.arange(100).reshape(100, 1)}, indexes=list(range(100)))
+    put_seconds = time.monotonic() - put_start
+    for t in threads:
+        t.join(30)
+    served = sorted(r[0] for r in results if r is not None)
+    assert not errors, errors[:3]
+    assert served == list(range(100)) and results.count(None) == 20
+    assert put_seconds < 1.0  # the put did not queue behind the waiters
+    assert max(ends) < 5 + 1.5
+    dock.close()
