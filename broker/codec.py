@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import struct
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,9 +53,9 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 
-# Decoded tensors are views on the bytes object the Redis client returned. That object is referenced
-# only by the tensor, so writing through the view is safe; torch warns because it cannot know that.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+# Decoded tensors are views on a writable buffer of their own (see decode_rows), never on the
+# immutable bytes the Redis client returned: torch warns once per process about views on read-only
+# buffers, and a filter silencing it would also silence it for the user's own unrelated calls.
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,17 +68,40 @@ def dtype_name(dtype: torch.dtype) -> str:
         ) from None
 
 
-def encode(tensor: torch.Tensor) -> bytes:
-    """Encode one tensor. The payload is copied exactly once, into the bytes handed to Redis."""
+def _dense_cpu(tensor: Any) -> torch.Tensor:
+    """``tensor`` as a plain strided CPU tensor the codec can copy, or InvalidExperienceError saying why not.
+
+    Torch has many kinds of tensors that hold no plain array of numbers (meta, sparse, nested,
+    quantized) and raises its own errors, of several types, when asked for their bytes; they are named
+    here instead. Lazy views (negated, conjugated) are materialized.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise InvalidExperienceError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested:
+        raise InvalidExperienceError("a nested tensor cannot be stored; put its rows as a list of tensors")
+    if tensor.layout != torch.strided:
+        raise InvalidExperienceError(f"a {tensor.layout} tensor cannot be stored; convert it with .to_dense()")
+    if tensor.device.type == "meta":
+        raise InvalidExperienceError("a tensor on the meta device holds no data to store")
+    dtype_name(tensor.dtype)  # quantized and complex dtypes end here
+    try:
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        if tensor.is_neg():
+            tensor = tensor.resolve_neg()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+    except (RuntimeError, ValueError, TypeError) as exc:  # a kind of tensor not foreseen above
+        raise InvalidExperienceError(f"cannot store this tensor ({type(exc).__name__}: {exc})") from None
+    return tensor
+
+
+def encode(tensor: torch.Tensor) -> bytes:
+    """Encode one tensor. The payload is copied exactly once, into the bytes handed to Redis."""
+    tensor = _dense_cpu(tensor)
     name = dtype_name(tensor.dtype)
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
     prefix = _encoded_prefix(tensor.dtype, tuple(tensor.shape))
     if tensor.numel() == 0:
         return prefix
@@ -114,6 +136,7 @@ def encode_rows(rows: Sequence[Any]) -> list[bytes]:
 
 def encode_stacked(tensor: torch.Tensor) -> list[bytes]:
     """Encode each slice ``tensor[i]`` along dim 0, as ``encode`` would, without splitting the tensor."""
+    tensor = _dense_cpu(tensor)
     if tensor.dim() == 0:
         raise InvalidExperienceError("a stacked tensor needs a row dimension, got a 0-d tensor")
     try:
@@ -128,40 +151,65 @@ def encode_stacked(tensor: torch.Tensor) -> list[bytes]:
 
 
 def as_tensor(value: Any) -> Any:
-    """A numpy array becomes a tensor (without a copy); anything else is left for ``encode`` to judge."""
+    """A numpy array becomes a tensor; anything else is left for ``encode`` to judge.
+
+    Without a copy where torch can view the array; arrays in another byte order or with negative
+    strides (``a[::-1]``), which torch cannot view, are copied into native, contiguous ones first, and
+    read-only arrays are copied rather than viewed (torch warns about those).
+    """
     if not isinstance(value, np.ndarray):
         return value
+    if value.dtype.byteorder not in "=|" and value.dtype.kind in "biuf":  # "|": byte order does not apply
+        value = value.astype(value.dtype.newbyteorder("="))
+    if any(stride < 0 for stride in value.strides):
+        value = np.ascontiguousarray(value)
+    if not value.flags.writeable:  # torch would warn (once per process, for the user's calls too)
+        value = value.copy()
     try:
         return torch.from_numpy(value)
-    except TypeError as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:
         raise InvalidExperienceError(f"cannot store a numpy array of dtype {value.dtype}: {exc}") from None
 
 
 def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> list[torch.Tensor]:
     """Decode many tensors, as ``decode`` on each; ``where`` is their key and ``fields`` their fields.
 
+    The values are first copied, in one pass, into one writable buffer, and each tensor is a view on
+    its own slice of it: the tensors are writable and share memory with nothing but each other's
+    buffer, so writing into one changes no other row, nothing in Redis, nothing of another call.
+    (Keeping one row alive keeps the whole buffer of its column and call alive.)
+
     A value whose first bytes equal the full prefix of one already decoded (magic, version, header and
     padding, all checked then) needs only its payload size checked. Rows of a column share a few
     prefixes, so nearly every row takes this path; the rest, and every error, go through ``decode``.
     """
+    if not all(type(v) is bytes for v in values):
+        return [decode(v, where=where, field=f) for v, f in zip(values, fields)]  # names the bad value
+    buffer = bytearray().join(values)
+    view = memoryview(buffer)
     known, frombuffer, out = _DECODED_PREFIXES, torch.frombuffer, []
     start = 32  # prefix length of the last row; the common one for 1-d tensors
+    at = 0
     for value, field in zip(values, fields):
-        hit = known.get(value[:start]) if type(value) is bytes else None
-        if hit is None or len(value) != hit[0]:
-            out.append(decode(value, where=where, field=field))
+        size = len(value)
+        hit = known.get(value[:start])
+        if hit is None or size != hit[0]:
+            out.append(decode(view[at : at + size], where=where, field=field))
             start = _remember_prefix(value)
-            continue
-        _, dtype, shape, flat = hit
-        if flat:
-            out.append(frombuffer(value, dtype=dtype, offset=start))
         else:
-            out.append(frombuffer(value, dtype=dtype, offset=start).reshape(shape))
+            _, dtype, shape, count = hit
+            tensor = frombuffer(buffer, dtype=dtype, count=count, offset=at + start)
+            out.append(tensor if len(shape) == 1 else tensor.reshape(shape))
+        at += size
     return out
 
 
 def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field: str | None = None) -> torch.Tensor:
-    """Decode one tensor as a view on ``data``; ``where`` (a key) and ``field`` name its place in errors."""
+    """Decode one tensor; ``where`` (a key) and ``field`` name its place in errors.
+
+    The tensor is a view on ``data`` when that is writable (a bytearray, a writable memoryview), else on a
+    copy of it: it is always writable, and writing into it never changes an immutable ``bytes``.
+    """
     if field is not None:  # formatted here, not by the caller: a batch decodes thousands of rows
         where = _Place(where, field)  # type: ignore[assignment]
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -189,6 +237,8 @@ def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field:
         return torch.empty(shape, dtype=dtype)
     if dtype is torch.bool and np.frombuffer(data, dtype=np.uint8, offset=start).max() > 1:
         raise DecodeError(f"{where}: bool payload holds bytes other than 0 and 1")
+    if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
+        data = bytearray(data)
     out = torch.frombuffer(data, dtype=dtype, offset=start)
     return out if len(shape) == 1 else out.reshape(shape)
 
@@ -199,8 +249,8 @@ _CACHE_LIMIT = 1 << 16
 _ENCODED_PREFIXES: dict[tuple[torch.dtype, tuple[int, ...]], bytes] = {}
 _DECODED_HEADERS: dict[bytes, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
 #: Whole prefixes (through the padding) of values ``decode`` accepted -> (length of the whole value,
-#: dtype, shape, whether the shape is 1-d). Empty and bool tensors are not listed: they need ``decode``.
-_DECODED_PREFIXES: dict[bytes, tuple[int, torch.dtype, tuple[int, ...], bool]] = {}
+#: dtype, shape, number of elements). Empty and bool tensors are not listed: they need ``decode``.
+_DECODED_PREFIXES: dict[bytes, tuple[int, torch.dtype, tuple[int, ...], int]] = {}
 
 
 def _encoded_prefix(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
@@ -226,7 +276,7 @@ def _remember_prefix(value: bytes) -> int:
         return start
     if len(_DECODED_PREFIXES) >= _CACHE_LIMIT:
         _DECODED_PREFIXES.clear()
-    _DECODED_PREFIXES[bytes(value[:start])] = (start + expected, dtype, shape, len(shape) == 1)
+    _DECODED_PREFIXES[bytes(value[:start])] = (start + expected, dtype, shape, math.prod(shape))
     return start
 
 

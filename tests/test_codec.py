@@ -45,12 +45,96 @@ def test_non_contiguous_and_sliced_tensors_encode_their_values():
         assert torch.equal(decode(bytes(encode(t))), t)
 
 
-def test_decoded_tensor_is_a_view_on_the_received_bytes():
-    data = bytes(encode(torch.arange(1000, dtype=torch.float32)))
-    out = decode(data)
-    # A view shares memory with the bytes object: no copy of the payload on the read path.
-    assert out.untyped_storage().data_ptr() >= id(data)
-    assert out.untyped_storage().data_ptr() < id(data) + len(data) + 64
+def test_decoded_tensors_are_writable_and_share_nothing_with_the_received_bytes():
+    values = [bytes(encode(torch.arange(5, dtype=torch.int64) + 10 * i)) for i in range(3)]
+    before = list(values)
+    rows = decode_rows(values, where="k", fields=["0", "1", "2"])
+    rows[1].add_(100)  # the user writes into one returned row
+    assert [r.tolist() for r in rows] == [[0, 1, 2, 3, 4], [110, 111, 112, 113, 114], [20, 21, 22, 23, 24]]
+    assert values == before  # the received bytes are immutable and stay so
+    one = decode(values[0])
+    one.fill_(7)
+    assert decode(values[0]).tolist() == [0, 1, 2, 3, 4]
+    # A writable buffer is viewed, not copied: decode_rows reads each column from one such buffer.
+    buffer = bytearray(values[2])
+    view = decode(buffer)
+    view[0] = -1
+    assert decode(bytes(buffer))[0].item() == -1
+
+
+@pytest.mark.parametrize("code, fails", [
+    # The user's own frombuffer on bytes: torch's warning reaches them, as an error under -W error.
+    ("torch.frombuffer(bytes(16), dtype=torch.uint8)", True),
+    # The broker's decoders never raise it, and leave torch's one warning for the user's own call.
+    ("from broker.codec import decode, decode_rows, encode\n"
+     "data = bytes(encode(torch.arange(4)))\n"
+     "decode(data); decode_rows([data, data], where='k', fields=['0', '1'])\n"
+     "import warnings\n"
+     "with warnings.catch_warnings(record=True) as seen:\n"
+     "    warnings.simplefilter('always')\n"
+     "    torch.frombuffer(bytes(16), dtype=torch.uint8)\n"
+     "assert any('not writable' in str(w.message) for w in seen), seen", False),
+])
+def test_importing_the_broker_silences_no_warning_of_the_user(code, fails):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-W", "error", "-c", f"import broker, torch\n{code}"],
+                         capture_output=True, text=True, timeout=120)
+    assert (run.returncode != 0) == fails, run.stderr[-1500:]
+    if fails:
+        assert "The given buffer is not writable" in run.stderr
+
+
+UNSTORABLE = {
+    "meta": lambda: torch.empty(3, device="meta"),
+    "sparse COO": lambda: torch.ones(3).to_sparse(),
+    "sparse CSR": lambda: torch.ones(2, 2).to_sparse_csr(),
+    "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+    "quantized": lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
+    "complex": lambda: torch.ones(3, dtype=torch.complex64),
+    "numpy object": lambda: np.array([1, "a"], dtype=object),
+    "numpy structured": lambda: np.zeros(2, dtype=[("a", "i4"), ("b", "f4")]),
+    "numpy datetime64": lambda: np.array(["2020-01-01"], dtype="datetime64[D]"),
+    "numpy longdouble": lambda: np.ones(2, dtype=np.longdouble),
+    "string": lambda: "abc",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNSTORABLE))
+def test_unstorable_tensors_raise_invalid_experience_error(kind):
+    from broker.codec import as_tensor
+
+    for encode_it in (lambda v: encode(as_tensor(v)), lambda v: encode_rows([v]),
+                      lambda v: encode_stacked(as_tensor(v))):
+        with pytest.raises(InvalidExperienceError):
+            encode_it(UNSTORABLE[kind]())
+
+
+STORABLE_NUMPY = {
+    "negative stride": lambda: np.arange(6, dtype=np.int32)[::-1],
+    "negative stride 2-d": lambda: np.arange(12, dtype=np.float32).reshape(3, 4)[::-1, ::-2],
+    "big-endian int32": lambda: np.arange(4, dtype=">i4"),
+    "big-endian float64": lambda: np.linspace(0, 1, 5).astype(">f8"),
+    "big-endian float16": lambda: np.arange(4, dtype=">f2"),
+    "non-contiguous": lambda: np.arange(12).reshape(3, 4)[:, ::2],
+    "read-only": lambda: np.frombuffer(np.arange(4, dtype=np.int16).tobytes(), dtype=np.int16),
+    "0-d": lambda: np.array(5),
+    "bool": lambda: np.array([True, False]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(STORABLE_NUMPY))
+def test_numpy_arrays_torch_cannot_view_are_converted_and_stored(kind):
+    from broker.codec import as_tensor
+
+    array = STORABLE_NUMPY[kind]()
+    expected = torch.from_numpy(np.array(array, dtype=array.dtype.newbyteorder("="), copy=True))
+    for got in (decode(encode(as_tensor(array))), decode(encode_rows([array])[0])):
+        assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+    if array.ndim:
+        rows = encode_stacked(as_tensor(array))
+        assert all(torch.equal(decode(r), e) for r, e in zip(rows, expected))
 
 
 def test_payload_is_aligned_for_every_dtype():
