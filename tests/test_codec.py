@@ -102,6 +102,9 @@ UNSTORABLE = {
 
 
 @pytest.mark.parametrize("kind", sorted(UNSTORABLE))
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")  # making them
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 def test_unstorable_tensors_raise_invalid_experience_error(kind):
     from broker.codec import as_tensor
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import fakeredis
 import pytest
@@ -76,36 +78,53 @@ def test_waits_end_on_time(store):
     listener.close()
 
 
+def crowd(wait: Callable[[], Any], put: Callable[[], None], during: Callable[[], None] = lambda: None) -> list:
+    """120 threads call ``wait`` (timeout 5 s); after 1 s, ``during()`` then ``put()`` (100 items).
+
+    Checks what the review found broken: no waiter fails, all 100 items are served and 20 waiters get
+    nothing, every wait ends on time, and the put does not queue behind the waiters. Returns the results.
+    """
+    results, errors, ends = [], [], []
+    start = time.monotonic()
+
+    def waiter() -> None:
+        try:
+            results.append(wait())
+        except Exception as exc:  # noqa: BLE001 - every failure is a finding here
+            errors.append(exc)
+        ends.append(time.monotonic() - start)
+
+    threads = [threading.Thread(target=waiter) for _ in range(120)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    during()
+    put_start = time.monotonic()
+    put()
+    put_seconds = time.monotonic() - put_start
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[:3]
+    assert sum(r is not None for r in results) == 100 and results.count(None) == 20
+    assert put_seconds < 1.0
+    assert max(ends) < 5 + 1.5
+    return results
+
+
 def test_one_subscription_for_many_waiters_and_a_put_never_queues_behind_them():
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)  # redis-py's default pool: at most 100 connections
         admin = server.client()
         listener = PutListener(client, CHANNEL)
-        results, errors, ends = [], [], []
-        start = time.monotonic()
 
-        def waiter():
-            try:
-                results.append(listener.wait(pop(client), timeout=5, recheck=1.0))
-            except Exception as exc:  # noqa: BLE001 - every failure is a finding here
-                errors.append(exc)
-            ends.append(time.monotonic() - start)
+        def put() -> None:
+            client.rpush("items", *[b"%d" % i for i in range(100)])
+            client.publish(CHANNEL, 100)
 
-        threads = [threading.Thread(target=waiter) for _ in range(120)]
-        for t in threads:
-            t.start()
-        time.sleep(1.0)
-        assert subscribers(admin) == 1  # one subscription, not one per waiting thread
-        put_start = time.monotonic()
-        client.rpush("items", *[b"%d" % i for i in range(100)])
-        client.publish(CHANNEL, 100)
-        put_seconds = time.monotonic() - put_start
-        for t in threads:
-            t.join(20)
-        assert not errors, errors[:3]
-        assert sum(r is not None for r in results) == 100 and results.count(None) == 20
-        assert put_seconds < 1.0
-        assert max(ends) < 5 + 1.5
+        def one_subscription() -> None:
+            assert subscribers(admin) == 1  # not one per waiting thread
+
+        crowd(lambda: listener.wait(pop(client), timeout=5, recheck=1.0), put, one_subscription)
         listener.close()
         client.close()
 
@@ -167,28 +186,9 @@ def test_120_threads_waiting_on_one_dock_are_all_served(real_url):
     """The review's case: 120 threads wait on one dock object, 100 rows are put after 1 s, timeout 5."""
     redis.Redis.from_url(real_url).flushdb()
     dock = TransferDock(real_url, "crowd", prompts_num=100, n_samples_per_prompt=1, columns=["x"], consumers=["c"])
-    results, errors, ends = [], [], []
-    start = time.monotonic()
-
-    def waiter():
-        try:
-            results.append(dock.get_experience("c", ["x"], 1, timeout=5)[1])
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
-        ends.append(time.monotonic() - start)
-
-    threads = [threading.Thread(target=waiter) for _ in range(120)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    put_start = time.monotonic()
-    dock.put_experience({"x": torch.arange(100).reshape(100, 1)}, indexes=list(range(100)))
-    put_seconds = time.monotonic() - put_start
-    for t in threads:
-        t.join(30)
-    served = sorted(r[0] for r in results if r is not None)
-    assert not errors, errors[:3]
-    assert served == list(range(100)) and results.count(None) == 20
-    assert put_seconds < 1.0  # the put did not queue behind the waiters
-    assert max(ends) < 5 + 1.5
+    results = crowd(
+        lambda: dock.get_experience("c", ["x"], 1, timeout=5)[1],
+        lambda: dock.put_experience({"x": torch.arange(100).reshape(100, 1)}, indexes=list(range(100))),
+    )
+    assert sorted(r[0] for r in results if r is not None) == list(range(100))
     dock.close()
