@@ -12,6 +12,20 @@ Layout of one encoded tensor::
 
 Nothing here ever unpickles: a shared Redis is an attack surface, so decoding accepts only this
 layout and checks every field against the bytes actually present before touching the payload.
+
+What a reader gets: plain CPU tensors that are writable and own their memory. The bytes a Redis client
+returns are immutable, so each read copies them once, one column at a time, into a fresh buffer that
+the column's tensors view (see ``decode_rows``); writing into a returned tensor corrupts nothing: no
+other row, nothing in Redis, nothing another call returned. The decoder never hands torch a read-only
+buffer, so torch's "The given buffer is not writable" warning, which it shows once per process, is
+left to the user's own calls, and nothing here filters warnings.
+
+What a writer may pass: torch tensors of a dtype in ``DTYPES``, on any device, strided or not (lazy
+negation is resolved), and numpy arrays of those dtypes in any byte order and memory layout (copied
+first where torch cannot view them). Anything else (sparse, nested, meta, quantized, mkldnn, complex,
+data-less subclasses such as FakeTensor, tensors whose storage was freed, numpy object, string,
+structured or datetime arrays, scalars) raises ``InvalidExperienceError`` naming what is wrong; no torch
+or numpy error escapes.
 """
 
 from __future__ import annotations
@@ -76,7 +90,7 @@ def _dense_cpu(tensor: Any) -> torch.Tensor:
     here instead. Lazy views (negated, conjugated) are materialized.
     """
     if not isinstance(tensor, torch.Tensor):
-        raise InvalidExperienceError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        raise InvalidExperienceError(f"expected a torch.Tensor, got {_type_name(tensor)}")
     if tensor.is_nested:
         raise InvalidExperienceError("a nested tensor cannot be stored; put its rows as a list of tensors")
     if tensor.layout != torch.strided:
@@ -85,6 +99,7 @@ def _dense_cpu(tensor: Any) -> torch.Tensor:
         raise InvalidExperienceError("a tensor on the meta device holds no data to store")
     dtype_name(tensor.dtype)  # quantized and complex dtypes end here
     try:
+        _check_storage(tensor)
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         if tensor.requires_grad:
@@ -93,9 +108,33 @@ def _dense_cpu(tensor: Any) -> torch.Tensor:
             tensor = tensor.resolve_neg()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
+    except InvalidExperienceError:
+        raise
     except (RuntimeError, ValueError, TypeError) as exc:  # a kind of tensor not foreseen above
-        raise InvalidExperienceError(f"cannot store this tensor ({type(exc).__name__}: {exc})") from None
+        raise InvalidExperienceError(f"cannot store this {_type_name(tensor)} ({type(exc).__name__}: {exc})") from None
     return tensor
+
+
+def _check_storage(tensor: torch.Tensor) -> None:
+    """Refuse a strided tensor whose elements reach past the end of its storage.
+
+    That is what a tensor looks like after ``tensor.untyped_storage().resize_(0)`` (FSDP frees sharded
+    parameters so): torch keeps its shape, and ``.numpy()`` then hands out whatever memory lies there.
+    """
+    if not tensor.numel():
+        return
+    last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    needed, held = (last + 1) * tensor.element_size(), tensor.untyped_storage().nbytes()
+    if needed > held:
+        raise InvalidExperienceError(
+            f"the tensor's storage holds {held} bytes, its shape needs {needed} (was the storage freed or resized?)"
+        )
+
+
+def _type_name(value: Any) -> str:
+    """``int`` for builtins, ``numpy.float32`` or ``torch._subclasses.fake_tensor.FakeTensor`` otherwise."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def encode(tensor: torch.Tensor) -> bytes:
@@ -106,7 +145,10 @@ def encode(tensor: torch.Tensor) -> bytes:
     if tensor.numel() == 0:
         return prefix
     # numpy has no bfloat16: reinterpret its bits as int16 (a view, no arithmetic).
-    array = (tensor.view(torch.int16) if name == "bfloat16" else tensor).numpy()
+    try:
+        array = (tensor.view(torch.int16) if name == "bfloat16" else tensor).numpy()
+    except (RuntimeError, TypeError, ValueError) as exc:  # subclasses without data (FakeTensor, ...)
+        raise InvalidExperienceError(f"cannot store a {_type_name(tensor)} ({exc})") from None
     # Bytes, not a memoryview: redis-py would copy a memoryview into bytes once more before sending.
     # join reads the contiguous array through the buffer protocol: the payload's one copy.
     return b"".join((prefix, array))
@@ -117,14 +159,18 @@ def encode_rows(rows: Sequence[Any]) -> list[bytes]:
 
     A put carries thousands of rows, and ``encode``'s checks cost more than the copy of a small row.
     Here a CPU tensor that numpy can view is joined straight to its cached prefix; anything else
-    (bfloat16, non-contiguous, on a GPU, wrong type) falls back to ``encode``, which also names what
-    is wrong.
+    (bfloat16, non-contiguous, on a GPU, numpy, wrong type) falls back to ``encode``, which also names
+    what is wrong. The join reads ``array.nbytes`` from the row's first element, so the row's storage
+    must hold that many bytes from there (``.numpy()`` does not check; see ``_check_storage``).
     """
     prefixes, join, out = _ENCODED_PREFIXES, b"".join, []
     for i, row in enumerate(rows):
         try:
             array = row.numpy()
-            out.append(join((prefixes[row.dtype, array.shape], array)))
+            prefix = prefixes[row.dtype, array.shape]
+            if row.untyped_storage().nbytes() < row.storage_offset() * array.itemsize + array.nbytes:
+                raise TypeError  # encode names it
+            out.append(join((prefix, array)))
         except (AttributeError, KeyError, RuntimeError, TypeError):
             # TypeError also covers a non-contiguous array, which join refuses: encode makes it contiguous.
             try:
@@ -159,25 +205,37 @@ def as_tensor(value: Any) -> Any:
     """
     if not isinstance(value, np.ndarray):
         return value
-    if value.dtype.byteorder not in "=|" and value.dtype.kind in "biuf":  # "|": byte order does not apply
-        value = value.astype(value.dtype.newbyteorder("="))
+    dtype = value.dtype
+    if dtype.kind not in "biufc" or dtype.type in _NO_TORCH_DTYPE:  # object, str, structured, datetime, ...
+        raise InvalidExperienceError(f"a numpy array of dtype {dtype} cannot be stored; use one of {', '.join(DTYPES)}")
+    if dtype.byteorder not in "=|":  # "|": byte order does not apply
+        value = value.astype(dtype.newbyteorder("="))
     if any(stride < 0 for stride in value.strides):
         value = np.ascontiguousarray(value)
     if not value.flags.writeable:  # torch would warn (once per process, for the user's calls too)
         value = value.copy()
     try:
         return torch.from_numpy(value)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidExperienceError(f"cannot store a numpy array of dtype {value.dtype}: {exc}") from None
+    except (TypeError, ValueError, RuntimeError):  # a numeric dtype torch has no match for
+        raise InvalidExperienceError(
+            f"a numpy array of dtype {dtype} cannot be stored; use one of {', '.join(DTYPES)}"
+        ) from None
+
+
+#: numpy's numeric types that torch.from_numpy refuses (extended precision, whatever its size here).
+_NO_TORCH_DTYPE = frozenset({np.longdouble, np.clongdouble})
 
 
 def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> list[torch.Tensor]:
     """Decode many tensors, as ``decode`` on each; ``where`` is their key and ``fields`` their fields.
 
-    The values are first copied, in one pass, into one writable buffer, and each tensor is a view on
-    its own slice of it: the tensors are writable and share memory with nothing but each other's
-    buffer, so writing into one changes no other row, nothing in Redis, nothing of another call.
-    (Keeping one row alive keeps the whole buffer of its column and call alive.)
+    What the caller gets: one CPU tensor per value, writable, owning its memory. The values (``bytes``,
+    as a Redis client returns them) are first copied, in one pass, into one fresh writable buffer, and
+    each tensor views its own disjoint slice of it: one copy per column per read. Writing into a
+    returned tensor changes no other row, not ``values``, nothing in Redis, nothing another call
+    returned. Keeping one row alive keeps that whole buffer alive. Within a column whose rows share a
+    dtype, each row's data is aligned to its element size (not to 16 bytes, as in the stored layout).
+    Values that are not all ``bytes`` are decoded one by one by ``decode`` (which views a bytearray).
 
     A value whose first bytes equal the full prefix of one already decoded (magic, version, header and
     padding, all checked then) needs only its payload size checked. Rows of a column share a few
@@ -207,13 +265,18 @@ def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> 
 def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field: str | None = None) -> torch.Tensor:
     """Decode one tensor; ``where`` (a key) and ``field`` name its place in errors.
 
-    The tensor is a view on ``data`` when that is writable (a bytearray, a writable memoryview), else on a
-    copy of it: it is always writable, and writing into it never changes an immutable ``bytes``.
+    What the caller gets: a writable CPU tensor. Given ``bytes`` (or a read-only memoryview), it owns
+    its memory, a fresh copy of ``data``: writing into it changes nothing else. Given a writable buffer
+    (a bytearray, a writable memoryview), it is a view on that buffer, with no copy: writing into one
+    writes into the other. A memoryview of any format, shape or strides is read as its bytes in C order.
     """
     if field is not None:  # formatted here, not by the caller: a batch decodes thousands of rows
         where = _Place(where, field)  # type: ignore[assignment]
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DecodeError(f"{where}: expected bytes, got {type(data).__name__}")
+    if isinstance(data, memoryview) and (data.format != "B" or data.ndim != 1 or not data.c_contiguous):
+        # Slicing and struct would count items or rows, not bytes, or refuse a strided view outright.
+        data = data.cast("B") if data.c_contiguous else bytearray(data)
     size = len(data) if not isinstance(data, memoryview) else data.nbytes
     if size < _PREFIX.size:
         raise DecodeError(f"{where}: {size} bytes is too short for an encoded tensor")

@@ -98,20 +98,104 @@ UNSTORABLE = {
     "numpy datetime64": lambda: np.array(["2020-01-01"], dtype="datetime64[D]"),
     "numpy longdouble": lambda: np.ones(2, dtype=np.longdouble),
     "string": lambda: "abc",
+    "conjugate view": lambda: torch.ones(3, dtype=torch.complex64).conj(),
+    "numpy big-endian complex": lambda: np.ones(2, dtype=">c8"),
+    "numpy unicode": lambda: np.array(["ab", "c"]),
+    "numpy scalar": lambda: np.float32(1.5),
+    "python int": lambda: 3,
+    "python float": lambda: 1.5,
+    "python bool": lambda: True,
+    "bytes": lambda: b"abc",
+    "None": lambda: None,
+    "freed storage": lambda: _freed(torch.full((2, 3), 7.0)),
+    "storage shrunk under a view": lambda: _freed(torch.arange(16.0).reshape(4, 4)[1:], keep_bytes=16),
+    "fake tensor": lambda: _fake(torch.ones(2, 3)),
 }
+if torch.backends.mkldnn.is_available():
+    UNSTORABLE["mkldnn"] = lambda: torch.ones(2, 3).to_mkldnn()
+
+
+def _freed(tensor: torch.Tensor, keep_bytes: int = 0) -> torch.Tensor:
+    """``tensor`` after its storage was shrunk under it, as FSDP does to free a sharded parameter."""
+    tensor.untyped_storage().resize_(keep_bytes)
+    return tensor
+
+
+def _fake(tensor: torch.Tensor) -> torch.Tensor:
+    """A FakeTensor (torch.compile's tracing tensors): a shape and a dtype, no data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode().from_tensor(tensor)
 
 
 @pytest.mark.parametrize("kind", sorted(UNSTORABLE))
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")  # making them
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # torch's, should anything ask
 def test_unstorable_tensors_raise_invalid_experience_error(kind):
     from broker.codec import as_tensor
 
     for encode_it in (lambda v: encode(as_tensor(v)), lambda v: encode_rows([v]),
-                      lambda v: encode_stacked(as_tensor(v))):
+                      lambda v: encode_stacked(as_tensor(v)), lambda v: encode_rows([torch.zeros(1), v])):
         with pytest.raises(InvalidExperienceError):
             encode_it(UNSTORABLE[kind]())
+
+
+REFUSALS = {  # what a refusal must name, for each entry point
+    "meta": "meta device",
+    "sparse COO": "sparse_coo",
+    "sparse CSR": "sparse_csr",
+    "nested": "nested tensor",
+    "quantized": "torch.qint8 is not supported",
+    "complex": "torch.complex64 is not supported",
+    "conjugate view": "torch.complex64 is not supported",
+    "numpy big-endian complex": "complex64 is not supported",
+    "numpy object": "numpy array of dtype object cannot be stored; use one of bool, uint8",
+    "numpy structured": r"numpy array of dtype \[\('a', '<i4'\), \('b', '<f4'\)\] cannot be stored",
+    "numpy datetime64": r"numpy array of dtype datetime64\[D\] cannot be stored",
+    "numpy longdouble": "numpy array of dtype float128 cannot be stored",
+    "numpy unicode": "numpy array of dtype <U2 cannot be stored",
+    "numpy scalar": "expected a torch.Tensor, got numpy.float32",
+    "python int": "expected a torch.Tensor, got int",
+    "None": "expected a torch.Tensor, got NoneType",
+    "freed storage": "storage holds 0 bytes, its shape needs 24",
+    "storage shrunk under a view": "storage holds 16 bytes, its shape needs 64",
+    "fake tensor": "FakeTensor",
+    "mkldnn": "_mkldnn",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(k for k in REFUSALS if k in UNSTORABLE))
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+def test_refusals_name_what_is_wrong_and_which_row(kind):
+    from broker.codec import as_tensor
+
+    message = REFUSALS[kind]
+    with pytest.raises(InvalidExperienceError, match=message):
+        encode(as_tensor(UNSTORABLE[kind]()))
+    with pytest.raises(InvalidExperienceError, match=f"^row 2: .*{message}"):
+        encode_rows([torch.zeros(2), np.zeros(2, dtype=np.float32), UNSTORABLE[kind]()])
+    if kind not in ("numpy scalar", "python int", "None"):  # a stacked column is one tensor or array
+        with pytest.raises(InvalidExperienceError, match=message):
+            encode_stacked(as_tensor(UNSTORABLE[kind]()))
+
+
+def test_freed_storage_is_never_read():
+    """A tensor whose storage was freed under it: torch's own .numpy() reads whatever memory lies there."""
+    t = _freed(torch.full((1 << 16,), 7.0))
+    with pytest.raises(InvalidExperienceError, match="storage"):
+        encode_rows([t])
+    base = torch.arange(32.0)
+    row, stacked = base[8:24], base[8:24].view(4, 4)  # start inside what is left of the storage, end past it
+    _freed(base, keep_bytes=64)
+    with pytest.raises(InvalidExperienceError, match="row 0: .*storage holds 64 bytes, its shape needs 96"):
+        encode_rows([row])
+    with pytest.raises(InvalidExperienceError, match="storage holds 64 bytes, its shape needs 96"):
+        encode_stacked(stacked)
 
 
 STORABLE_NUMPY = {
@@ -124,7 +208,19 @@ STORABLE_NUMPY = {
     "read-only": lambda: np.frombuffer(np.arange(4, dtype=np.int16).tobytes(), dtype=np.int16),
     "0-d": lambda: np.array(5),
     "bool": lambda: np.array([True, False]),
+    "negative stride axis 1": lambda: np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::-1],
+    "big-endian, reversed, strided": lambda: np.arange(24, dtype=">i8").reshape(4, 6)[::-1, ::3],
+    "read-only big-endian": lambda: np.frombuffer(np.arange(4, dtype=">i4").tobytes(), dtype=">i4"),
+    "read-only 2-d": lambda: _read_only(np.arange(6.0).reshape(2, 3)),
+    "broadcast (stride 0)": lambda: np.broadcast_to(np.arange(3, dtype=np.int16), (4, 3)),
+    "unaligned": lambda: np.frombuffer(bytearray(range(17)), dtype=np.int32, offset=1, count=4),
+    "fortran order": lambda: np.asfortranarray(np.arange(6, dtype=np.int16).reshape(2, 3)),
 }
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array
 
 
 @pytest.mark.parametrize("kind", sorted(STORABLE_NUMPY))
@@ -137,7 +233,26 @@ def test_numpy_arrays_torch_cannot_view_are_converted_and_stored(kind):
         assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
     if array.ndim:
         rows = encode_stacked(as_tensor(array))
-        assert all(torch.equal(decode(r), e) for r, e in zip(rows, expected))
+        assert len(rows) == len(expected) and all(torch.equal(decode(r), e) for r, e in zip(rows, expected))
+    if array.ndim > 1:  # a list of numpy rows, as put_experience passes it on
+        rows = encode_rows(list(array))
+        assert len(rows) == len(expected) and all(torch.equal(decode(r), e) for r, e in zip(rows, expected))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch._neg_view(torch.arange(6.0).reshape(2, 3)),  # the lazy negation bit
+    lambda: torch.arange(6.0).reshape(2, 3).conj(),  # a no-op on real tensors
+    lambda: torch.ones(2, 3, requires_grad=True) * 2,
+    lambda: torch.nn.Parameter(torch.arange(6.0).reshape(2, 3)),
+    lambda: torch.arange(3).expand(2, 3),
+    lambda: torch.arange(24, dtype=torch.bfloat16).reshape(4, 6).t(),
+], ids=["neg view", "conj of real", "requires grad", "parameter", "expanded", "bfloat16 transposed"])
+def test_lazy_and_strided_tensors_store_their_values(make):
+    want = make().detach().resolve_neg().contiguous()
+    for got in (decode(encode(make())), decode(encode_rows([make()])[0])):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    for rows in (encode_stacked(make()), encode_rows(list(make().unbind(0)))):
+        assert torch.equal(torch.stack([decode(r) for r in rows]), want)
 
 
 def test_payload_is_aligned_for_every_dtype():
@@ -248,3 +363,45 @@ def test_decode_rows_checks_rows_whose_prefix_it_has_seen(good, bad, message):
 def test_non_bytes_raise_decode_error():
     with pytest.raises(DecodeError, match="expected bytes"):
         decode(12, where="somewhere")  # type: ignore[arg-type]
+
+
+def test_decode_reads_any_memoryview_as_its_bytes():
+    data = encode(torch.arange(10, dtype=torch.int32))
+    want = torch.arange(10, dtype=torch.int32)
+    interleaved = np.frombuffer(bytes(b for x in data for b in (x, 0xFF)), dtype=np.uint8)
+    views = {
+        "non-contiguous": memoryview(interleaved[::2]),
+        "cast to u32": memoryview(bytearray(data)).cast("I").toreadonly(),
+        "2-d": memoryview(np.frombuffer(data, dtype=np.uint8).reshape(len(data) // 8, 8)),
+        "read-only": memoryview(data),
+    }
+    assert len(data) % 4 == 0 and len(data) % 8 == 0
+    for name, view in views.items():
+        got = decode(view, where=name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+        got.fill_(-1)  # writable, and the caller's bytes are not
+        assert bytes(view.cast("B") if view.c_contiguous else view.tobytes()) == data, name
+    writable = bytearray(data)
+    decode(memoryview(writable).cast("I"))[0] = 99  # a writable memoryview is viewed, as a bytearray is
+    assert decode(bytes(writable))[0].item() == 99
+    with pytest.raises(DecodeError, match="too short"):
+        decode(memoryview(interleaved[:12:2]))
+
+
+def test_writing_into_decoded_rows_changes_nothing_else():
+    values = [encode(t) for t in (
+        torch.arange(5, dtype=torch.int64), torch.arange(5, dtype=torch.int64) + 10,
+        torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([True, False]), torch.zeros(0),
+        torch.arange(7, dtype=torch.int16).reshape(7, 1), torch.arange(5, dtype=torch.int64) + 20,
+    )]
+    values = values + values  # the second half runs on cached prefixes
+    before = [bytes(v) for v in values]
+    rows = decode_rows(values, where="k", fields=[str(i) for i in range(len(values))])
+    want = [decode(v).clone() for v in values]
+    for i, row in enumerate(rows):
+        assert row.is_contiguous() and not row.is_inference()
+        row.view(-1).view(torch.uint8).fill_(1 if row.dtype is torch.bool else 0xAB)
+        want[i] = row.clone()
+        assert all(torch.equal(r, w) for r, w in zip(rows, want)), f"writing row {i} changed another row"
+    assert [bytes(v) for v in values] == before
+    assert all(torch.equal(decode(v), decode(b)) for v, b in zip(values, before))
