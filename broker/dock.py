@@ -5,12 +5,10 @@ from __future__ import annotations
 import random
 import threading
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-import numpy as np
 import redis
 import torch
 
@@ -20,13 +18,9 @@ from .errors import (
     BrokerError,
     DockNotFoundError,
     ExperienceTimeoutError,
-    ExperienceTooLargeError,
     InvalidExperienceError,
     MissingDataError,
-    RowIndexError,
     SchemaError,
-    UnknownColumnError,
-    UnknownConsumerError,
 )
 from .keys import DockKeys
 from .leased_rows import LeasedRows
@@ -34,11 +28,20 @@ from .put_listener import PutListener
 from .schema import Schema, fingerprint
 from .scripts import DockScripts, Handout, rows_of, run_pipeline, runs_of, supports_flags
 from .status import DockRef, read_statuses
+from .validation import (
+    DockChecks,
+    abbrev,
+    check_flag,
+    check_lease,
+    check_policy,
+    check_sizes,
+    check_timeout,
+    check_token,
+    encode_column,
+)
 
 Batch = dict[str, list[torch.Tensor]]
 T = TypeVar("T")
-
-POLICIES = ("fifo", "random")
 
 #: Longest a waiting reader sleeps between checks even without a notification. Pub/sub delivers at
 #: most once (a reconnect can drop a message), so this bounds the cost of a lost one; it is not polling.
@@ -116,8 +119,7 @@ class TransferDock:
             raise
 
     def _open(self, target: str | redis.Redis, name: str, policy: str, seed: int | None) -> None:
-        if not isinstance(policy, str) or policy not in POLICIES:
-            raise SchemaError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self._policy = check_policy(policy)
         self._keys = DockKeys(name)
         self._closed = True  # until connected: close() then has nothing to hand back
         self._client, self._url = connect(target)
@@ -129,14 +131,12 @@ class TransferDock:
             allow_oom = self._run(lambda: supports_flags(self._client))
         self._scripts = DockScripts(self._client, self._keys, allow_oom=allow_oom)
         self._listener = PutListener(self._client, self._keys.events)
-        self._policy = policy
         self._seed = seed
         self._seeds = _Seeds(seed)
 
     def _set_schema(self, schema: Schema, stored_fingerprint: str) -> None:
         self._schema = schema
-        self._column_set = frozenset(schema.columns)
-        self._consumer_set = frozenset(schema.consumers)
+        self._check = DockChecks(self.name, schema)
         self._fingerprint = stored_fingerprint
         self._scripts.bind(schema, stored_fingerprint)
 
@@ -223,14 +223,14 @@ class TransferDock:
         Each value of ``data_dict`` is a stacked tensor (split along dim 0 into rows) or a list of
         per-row tensors, with one row per index. Writing a row again replaces it.
         """
-        rows = self._check_rows(indexes)
-        if not isinstance(data_dict, Mapping) or not data_dict:
-            raise InvalidExperienceError("data_dict must be a non-empty dict of column -> rows")
-        self._check_columns(list(data_dict))
+        rows = self._check.rows(indexes)
+        self._check.data(data_dict)
         fields = [str(r) for r in rows]
         # Encode everything before the first Redis call: a bad tensor must not leave a half put.
-        encoded = {col: dict(zip(fields, self._encode_rows(col, value, len(rows)))) for col, value in data_dict.items()}
-        self._check_sizes(encoded)
+        encoded = {col: dict(zip(fields, encode_column(col, value, len(rows)))) for col, value in data_dict.items()}
+        # The server would refuse an oversized value only by closing the connection mid-send, and the
+        # client's retries would send it again and again.
+        check_sizes(encoded, *self._run(lambda: value_limit(self._client)))
         runs = runs_of(rows)
 
         def transaction(pipe: redis.client.Pipeline) -> None:
@@ -246,48 +246,6 @@ class TransferDock:
                     raise reply
 
         self._run(put)
-
-    def _check_sizes(self, encoded: dict[str, dict[str, bytes]]) -> None:
-        """Refuse rows the server would refuse, before sending: it would only say so by closing the
-        connection mid-send, and the client's retries would send them again and again."""
-        limit, setting = self._run(lambda: value_limit(self._client))
-        for col, values in encoded.items():
-            for field, value in values.items():
-                if len(value) > limit:
-                    raise ExperienceTooLargeError(
-                        f"column {col!r}, row {field}: {len(value):,} bytes encoded, more than the {limit:,} "
-                        f"the Redis server takes in one value ({setting}); nothing was written. Split the row, "
-                        f"or raise {setting} on the server"
-                    )
-
-    def _encode_rows(self, column: str, value: Any, count: int) -> list[bytes]:
-        try:
-            value = codec.as_tensor(value)
-        except InvalidExperienceError as exc:
-            raise InvalidExperienceError(f"column {column!r}: {exc}") from None
-        if isinstance(value, torch.Tensor):
-            if value.dim() == 0:
-                raise InvalidExperienceError(
-                    f"column {column!r}: a stacked tensor needs a row dimension, got a 0-d tensor"
-                )
-            if value.shape[0] != count:
-                raise InvalidExperienceError(
-                    f"column {column!r}: stacked tensor of shape {tuple(value.shape)} has {value.shape[0]} rows "
-                    f"for {count} indexes"
-                )
-            encode = codec.encode_stacked
-        elif not isinstance(value, (list, tuple)):
-            raise InvalidExperienceError(
-                f"column {column!r}: expected a tensor or a list of tensors, got {type(value).__name__}"
-            )
-        elif len(value) != count:
-            raise InvalidExperienceError(f"column {column!r}: {len(value)} rows for {count} indexes")
-        else:
-            encode = codec.encode_rows
-        try:
-            return encode(value)
-        except InvalidExperienceError as exc:
-            raise InvalidExperienceError(f"column {column!r}, {exc}") from None
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -323,30 +281,17 @@ class TransferDock:
         offered to this consumer again (at-least-once delivery, for workers that may die).
         ``lease=None`` hands rows out for good.
         """
-        self._check_consumer(consumer)
-        if not isinstance(experience_columns, (list, tuple)) or not experience_columns:
-            raise InvalidExperienceError("experience_columns must be a non-empty list of column names")
-        columns = list(experience_columns)
-        self._check_columns(columns)
-        if len(set(columns)) != len(columns):
-            raise InvalidExperienceError(f"experience_columns lists a column twice: {columns}")
-        if timeout is not None and not (_is_number(timeout) and timeout >= 0):
-            raise InvalidExperienceError(f"timeout must be None or a number >= 0, got {timeout!r}")
-        if lease is not None and not (_is_number(lease) and 0.001 <= lease <= 86400 * 30):
-            raise InvalidExperienceError(f"lease must be None or seconds in [0.001, 30 days], got {lease!r}")
-        if not isinstance(get_n_samples, (bool, np.bool_)):
-            raise InvalidExperienceError(f"get_n_samples must be a bool, got {get_n_samples!r}")
-        lease_ms = 0 if lease is None else int(lease * 1000)
+        self._check.consumer(consumer)
+        columns = self._check.columns_to_read(experience_columns)
+        check_timeout(timeout)
+        lease_ms = check_lease(lease)
+        groups = check_flag("get_n_samples", get_n_samples)
         if indexes is not None:
-            rows = self._check_rows(indexes)
-            if experience_count is not None and not (_is_int(experience_count) and experience_count == len(rows)):
-                raise InvalidExperienceError(
-                    f"experience_count={experience_count!r} with {len(rows)} indexes: leave it out, or make it "
-                    "the number of indexes"
-                )
+            rows = self._check.rows(indexes)
+            self._check.take_count(experience_count, rows)
             return self._take_rows(consumer, columns, rows, lease_ms, timeout)
-        attempt = self._sampler(consumer, columns, experience_count, bool(get_n_samples), policy or self._policy,
-                                lease_ms)
+        count = self._check.sample_count(experience_count, groups)
+        attempt = self._sampler(consumer, columns, count, groups, check_policy(policy or self._policy), lease_ms)
         got = self._wait(attempt, timeout)
         return (None, None) if got is None else got
 
@@ -377,31 +322,18 @@ class TransferDock:
         if got is not None:
             return got
         if missing:
-            detail = "; ".join(f"{col}: rows {_abbrev(r)}" for col, r in missing.items())
+            detail = "; ".join(f"{col}: rows {abbrev(r)}" for col, r in missing.items())
         else:
-            detail = f"rows {_abbrev(rows)} were cleared each of the {_FENCE_RETRIES} times they were read"
+            detail = f"rows {abbrev(rows)} were cleared each of the {_FENCE_RETRIES} times they were read"
         raise ExperienceTimeoutError(
             f"dock {self.name!r}, consumer {consumer!r}: rows not written within timeout={timeout}: {detail}",
             missing,
         )
 
     def _sampler(
-        self, consumer: str, columns: list[str], count: int | None, groups: bool, policy: str, lease_ms: int
+        self, consumer: str, columns: list[str], count: int, groups: bool, policy: str, lease_ms: int
     ) -> Callable[[], tuple[Batch, list[int]] | None]:
-        n = self.n_samples_per_prompt
-        if not _is_int(count) or count < 1:
-            raise InvalidExperienceError(f"experience_count must be a positive int, got {count!r}")
-        count = int(count)
-        if count > self.capacity:
-            raise InvalidExperienceError(f"experience_count {count} exceeds the dock's {self.capacity} rows")
-        if not isinstance(policy, str) or policy not in POLICIES:
-            raise InvalidExperienceError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if groups:
-            if count % n:
-                raise InvalidExperienceError(
-                    f"experience_count {count} must be a multiple of n_samples_per_prompt={n} with get_n_samples"
-                )
-            count //= n
+        """One sampling attempt of ``count`` units (groups when ``groups``, else rows), checked already."""
 
         def sample() -> tuple[Batch, list[int]] | None:
             for _ in range(_FENCE_RETRIES):
@@ -461,7 +393,7 @@ class TransferDock:
             key = self._keys.data(col)
             gone = [r for r, v in zip(rows, values) if v is None]
             if gone:  # no clear touched them (the fence held): their bytes were removed behind the broker's back
-                raise MissingDataError(f"{key}: rows {_abbrev(gone)} are marked ready but hold no bytes")
+                raise MissingDataError(f"{key}: rows {abbrev(gone)} are marked ready but hold no bytes")
             batch[col] = codec.decode_rows(values, where=key, fields=fields)
         return batch
 
@@ -477,7 +409,7 @@ class TransferDock:
         It first gives back the consumer's rows whose lease expired, so a loop ``while not
         all_consumed(...)`` redoes the rows of a worker that died, even one that took explicit rows.
         """
-        self._check_consumer(consumer)
+        self._check.consumer(consumer)
         consumed, leased = self._run(lambda: self._scripts.reclaim(consumer))
         return consumed == self.capacity and leased == 0
 
@@ -489,19 +421,15 @@ class TransferDock:
         are released: after the lease expired and the rows went to another call, or after a clear, the
         ack changes nothing and the rows are redone (at-least-once). Acking twice is harmless.
         """
-        self._check_consumer(consumer)
+        self._check.consumer(consumer)
         if token is None and isinstance(indexes, LeasedRows):
             if indexes.consumer != consumer:
                 raise InvalidExperienceError(
                     f"these rows were leased to consumer {indexes.consumer!r}, not to {consumer!r}"
                 )
             token = indexes.token
-        if not isinstance(token, str) or not token:
-            raise InvalidExperienceError(
-                "ack needs the lease token: pass the rows get_experience(..., lease=...) returned (they carry "
-                "it), or token=rows.token; a plain list of rows cannot say whose lease it releases"
-            )
-        rows = self._check_rows(indexes)
+        token = check_token(token)
+        rows = self._check.rows(indexes)
         return self._run(lambda: self._scripts.ack(consumer, token, rows))
 
     def status(self) -> dict[str, Any]:
@@ -524,7 +452,7 @@ class TransferDock:
         A reader that was handed some of these rows and has not read them yet gets rows handed out
         afresh instead (see ``get_experience``); an ack of their old leases releases nothing.
         """
-        rows = [] if indexes is None else self._check_rows(indexes)
+        rows = [] if indexes is None else self._check.rows(indexes)
         self._run(lambda: self._scripts.clear(rows))
 
     def delete(self) -> None:
@@ -536,42 +464,6 @@ class TransferDock:
         keys = self._keys.every_key(self.columns, self.consumers)
         self._run(lambda: self._client.delete(*keys))
 
-    # -- checks -------------------------------------------------------------------------------
-
-    def _check_rows(self, indexes: Any) -> list[int]:
-        if isinstance(indexes, (torch.Tensor, np.ndarray)):
-            indexes = indexes.tolist()
-        if isinstance(indexes, (str, bytes)) or not isinstance(indexes, Sequence):
-            raise RowIndexError(f"indexes must be a list of row numbers, got {type(indexes).__name__}")
-        if not indexes:
-            raise RowIndexError("indexes is empty")
-        rows = list(indexes)
-        if not all(type(i) is int for i in rows):  # plain ints skip the per-row checks below
-            bad = [i for i in rows if not _is_int(i)]
-            if bad:
-                raise RowIndexError(f"indexes must be ints, got {bad[:5]!r}")
-            rows = [int(i) for i in rows]
-        if min(rows) < 0 or max(rows) >= self.capacity:
-            out = [r for r in rows if not 0 <= r < self.capacity]
-            raise RowIndexError(f"rows {_abbrev(out)} are outside the dock's range [0, {self.capacity})")
-        if len(set(rows)) != len(rows):
-            dupes = sorted(r for r, times in Counter(rows).items() if times > 1)
-            raise RowIndexError(f"rows listed more than once: {_abbrev(dupes)}")
-        return rows
-
-    def _check_columns(self, columns: list[Any]) -> None:
-        unknown = [c for c in columns if not isinstance(c, str) or c not in self._column_set]
-        if unknown:
-            raise UnknownColumnError(
-                f"dock {self.name!r} has no columns {unknown}; its columns are {list(self.columns)}"
-            )
-
-    def _check_consumer(self, consumer: Any) -> None:
-        if not isinstance(consumer, str) or consumer not in self._consumer_set:
-            raise UnknownConsumerError(
-                f"dock {self.name!r} has no consumer {consumer!r}; its consumers are {list(self.consumers)}"
-            )
-
     def _run(self, call: Callable[[], T]) -> T:
         if self._closed:
             raise BrokerError(f"dock {self.name!r} at {self._server} was closed; open it again to use it")
@@ -580,26 +472,9 @@ class TransferDock:
 
 
 
-def _is_int(value: Any) -> bool:
-    """An int or numpy integer, but not a bool (True as a row number is a bug, not row 1)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_number(value: Any) -> bool:
-    """A real number that is not a bool and not NaN."""
-    return (_is_int(value) or isinstance(value, (float, np.floating))) and value == value
-
-
 def _reattach(url: str, name: str, policy: str, seed: int | None) -> TransferDock:
     """Unpickle a dock: reconnect to its server and read its schema there."""
     return TransferDock.attach(url, name, policy=policy, seed=seed)
-
-
-def _abbrev(rows: list[int], limit: int = 20) -> str:
-    """A row list for an error message, cut after ``limit`` entries."""
-    if len(rows) <= limit:
-        return str(rows)
-    return f"{rows[:limit]}... ({len(rows)} in all)"
 
 
 class _Seeds:

@@ -40,7 +40,8 @@ class RowIndexError(BrokerError, IndexError):
 
 
 class InvalidExperienceError(BrokerError, ValueError):
-    """Data handed to the dock has the wrong type, shape, dtype or row count."""
+    """Data handed to the dock has the wrong type, shape, dtype or row count, or an argument of a call
+    (count, timeout, lease, policy, flag) is outside what it may be."""
 
 
 class ExperienceTooLargeError(InvalidExperienceError):

@@ -79,13 +79,20 @@ def test_attach_missing_dock_raises_not_found(client):
         ({"consumers": ("bad name",)}, "invalid consumer name"),
         ({"columns": ("x:y",)}, "invalid column name"),
         ({"name": "a}b"}, "invalid dock name"),
-        ({"policy": "lifo"}, "policy must be one of"),
         ({"prompts_num": 1 << 20, "n": 1 << 10}, "exceeds the limit"),
     ],
 )
 def test_invalid_schema_is_refused(make_dock, kwargs, message):
     with pytest.raises(SchemaError, match=message):
         make_dock(**kwargs)
+
+
+def test_unknown_policy_is_refused_alike_when_opening_and_sampling(make_dock):
+    # One check, one error class: the dock's default policy and a call's are the same argument.
+    with pytest.raises(InvalidExperienceError, match="policy must be one of"):
+        make_dock(policy="lifo")
+    with pytest.raises(InvalidExperienceError, match="policy must be one of"):
+        make_dock().get_experience("actor_train", ["prompts"], 2, policy="lifo")
 
 
 def test_client_decoding_responses_is_refused(backend, request):
