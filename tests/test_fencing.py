@@ -198,9 +198,10 @@ def test_a_resent_release_gives_back_nothing_another_worker_took_meanwhile(make_
 ROUNDS_SECONDS = 4.0
 
 
-def _consumer(url: str, name: str, out: mp.Queue, stop: mp.Event) -> None:
+def _consumer(url: str, name: str, out: mp.Queue, stop: mp.Event, ready: mp.Queue) -> None:
     torch.set_num_threads(1)
     dock = TransferDock.attach(url, name)
+    ready.put(True)
     seen: list[tuple[int, int]] = []
     errors: list[str] = []
     while not stop.is_set():
@@ -222,13 +223,14 @@ def test_put_clear_loop_against_consumer_processes_never_repeats_or_mixes_rows(r
     dock = TransferDock(real_url, "race", prompts_num=4, n_samples_per_prompt=2, columns=["prompts"],
                         consumers=["reader"])
     ctx = mp.get_context("spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_consumer, args=(real_url, "race", out, stop)) for _ in range(4)]
+    out, stop, ready = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_consumer, args=(real_url, "race", out, stop, ready)) for _ in range(4)]
     for p in procs:
         p.start()
     batches = 0
     try:
-        time.sleep(1.0)  # let the readers start polling
+        for _ in procs:  # a loaded machine starts them late: the race runs only once all of them read
+            ready.get(timeout=120)
         end = time.monotonic() + ROUNDS_SECONDS
         while time.monotonic() < end:
             put_batch(dock, batches)
