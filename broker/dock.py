@@ -12,13 +12,12 @@ from typing import Any, TypeVar
 import redis
 import torch
 
-from . import codec
+from . import codec, metrics
 from .connection import connect, disconnect, redact, redis_errors, value_limit
 from .errors import (
     BrokerError,
     DockNotFoundError,
     ExperienceTimeoutError,
-    InvalidExperienceError,
     MissingDataError,
     SchemaError,
 )
@@ -36,8 +35,8 @@ from .validation import (
     check_policy,
     check_sizes,
     check_timeout,
-    check_token,
     encode_column,
+    lease_token,
 )
 
 Batch = dict[str, list[torch.Tensor]]
@@ -223,29 +222,32 @@ class TransferDock:
         Each value of ``data_dict`` is a stacked tensor (split along dim 0 into rows) or a list of
         per-row tensors, with one row per index. Writing a row again replaces it.
         """
-        rows = self._check.rows(indexes)
-        self._check.data(data_dict)
-        fields = [str(r) for r in rows]
-        # Encode everything before the first Redis call: a bad tensor must not leave a half put.
-        encoded = {col: dict(zip(fields, encode_column(col, value, len(rows)))) for col, value in data_dict.items()}
-        # The server would refuse an oversized value only by closing the connection mid-send, and the
-        # client's retries would send it again and again.
-        check_sizes(encoded, *self._run(lambda: value_limit(self._client)))
-        runs = runs_of(rows)
+        with metrics.observe(self.name, "put") as call:
+            rows = self._check.rows(indexes)
+            self._check.data(data_dict)
+            fields = [str(r) for r in rows]
+            # Encode everything before the first Redis call: a bad tensor must not leave a half put.
+            encoded = {c: dict(zip(fields, encode_column(c, value, len(rows)))) for c, value in data_dict.items()}
+            # The server would refuse an oversized value only by closing the connection mid-send, and the
+            # client's retries would send it again and again.
+            check_sizes(encoded, *self._run(lambda: value_limit(self._client)))
+            runs = runs_of(rows)
 
-        def transaction(pipe: redis.client.Pipeline) -> None:
-            for col, mapping in encoded.items():
-                pipe.hset(self._keys.data(col), mapping=mapping)
-            self._scripts.put(pipe, list(encoded), runs)
+            def transaction(pipe: redis.client.Pipeline) -> None:
+                for col, mapping in encoded.items():
+                    pipe.hset(self._keys.data(col), mapping=mapping)
+                self._scripts.put(pipe, list(encoded), runs)
 
-        def put() -> None:
-            replies = run_pipeline(self._client, self._scripts, transaction, transaction=True)
-            # The script's own error names the bad key; a failed HSET alone would only say WRONGTYPE.
-            for reply in replies[::-1]:
-                if isinstance(reply, Exception):
-                    raise reply
+            def put() -> None:
+                replies = run_pipeline(self._client, self._scripts, transaction, transaction=True)
+                # The script's own error names the bad key; a failed HSET alone would only say WRONGTYPE.
+                for reply in replies[::-1]:
+                    if isinstance(reply, Exception):
+                        raise reply
 
-        self._run(put)
+            self._run(put)
+            if call.live:
+                call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -281,22 +283,29 @@ class TransferDock:
         offered to this consumer again (at-least-once delivery, for workers that may die).
         ``lease=None`` hands rows out for good.
         """
-        self._check.consumer(consumer)
-        columns = self._check.columns_to_read(experience_columns)
-        check_timeout(timeout)
-        lease_ms = check_lease(lease)
-        groups = check_flag("get_n_samples", get_n_samples)
-        if indexes is not None:
-            rows = self._check.rows(indexes)
-            self._check.take_count(experience_count, rows)
-            return self._take_rows(consumer, columns, rows, lease_ms, timeout)
-        count = self._check.sample_count(experience_count, groups)
-        attempt = self._sampler(consumer, columns, count, groups, check_policy(policy or self._policy), lease_ms)
-        got = self._wait(attempt, timeout)
-        return (None, None) if got is None else got
+        with metrics.observe(self.name, "get") as call:
+            self._check.consumer(consumer)
+            columns = self._check.columns_to_read(experience_columns)
+            check_timeout(timeout)
+            lease_ms = check_lease(lease)
+            groups = check_flag("get_n_samples", get_n_samples)
+            if indexes is not None:
+                rows = self._check.rows(indexes)
+                self._check.take_count(experience_count, rows)
+                got = self._take_rows(consumer, columns, rows, lease_ms, timeout, call)
+            else:
+                count = self._check.sample_count(experience_count, groups)
+                policy = check_policy(policy or self._policy)
+                got = self._wait(self._sampler(consumer, columns, count, groups, policy, lease_ms, call), timeout)
+            if got is None:
+                call.empty = True
+                return None, None
+            call.rows = len(got[1])
+            return got
 
     def _take_rows(
-        self, consumer: str, columns: list[str], rows: list[int], lease_ms: int, timeout: float | None
+        self, consumer: str, columns: list[str], rows: list[int], lease_ms: int, timeout: float | None,
+        call: metrics.Call,
     ) -> tuple[Batch, list[int]]:
         runs = runs_of(rows)
         missing: dict[str, list[int]] = {}
@@ -311,7 +320,7 @@ class TransferDock:
                         cells = set(cells)
                         missing[col] = [r for r in rows if r in cells]
                     return None
-                batch = self._read(columns, rows, got)
+                batch = self._read(columns, rows, got, call)
                 if batch is not None:
                     return batch, self._handed_out(rows, token, consumer)
                 # A clear took some rows between the take and the read. Nothing to give back: a take
@@ -331,7 +340,8 @@ class TransferDock:
         )
 
     def _sampler(
-        self, consumer: str, columns: list[str], count: int, groups: bool, policy: str, lease_ms: int
+        self, consumer: str, columns: list[str], count: int, groups: bool, policy: str, lease_ms: int,
+        call: metrics.Call,
     ) -> Callable[[], tuple[Batch, list[int]] | None]:
         """One sampling attempt of ``count`` units (groups when ``groups``, else rows), checked already."""
 
@@ -351,7 +361,7 @@ class TransferDock:
                 if policy == "random":
                     self._seeds.advance(seed)
                 rows = rows_of(handout.runs)
-                batch = self._read(columns, rows, handout)
+                batch = self._read(columns, rows, handout, call)
                 if batch is not None:
                     return batch, self._handed_out(rows, token, consumer)
                 # A clear took some of the rows between sampling and reading: give back the rest
@@ -365,7 +375,7 @@ class TransferDock:
     def _handed_out(rows: list[int], token: str, consumer: str) -> list[int]:
         return LeasedRows(rows, token, consumer) if token else rows
 
-    def _read(self, columns: list[str], rows: list[int], handout: Handout) -> Batch | None:
+    def _read(self, columns: list[str], rows: list[int], handout: Handout, call: metrics.Call) -> Batch | None:
         """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out.
 
         One round trip: the HMGETs, then the fence script reading the epoch and the rows' generations,
@@ -395,6 +405,8 @@ class TransferDock:
             if gone:  # no clear touched them (the fence held): their bytes were removed behind the broker's back
                 raise MissingDataError(f"{key}: rows {abbrev(gone)} are marked ready but hold no bytes")
             batch[col] = codec.decode_rows(values, where=key, fields=fields)
+        if call.live:
+            call.nbytes += sum(len(v) for values in values_by_column for v in values)
         return batch
 
     def _wait(self, attempt: Callable[[], T | None], timeout: float | None) -> T | None:
@@ -421,16 +433,12 @@ class TransferDock:
         are released: after the lease expired and the rows went to another call, or after a clear, the
         ack changes nothing and the rows are redone (at-least-once). Acking twice is harmless.
         """
-        self._check.consumer(consumer)
-        if token is None and isinstance(indexes, LeasedRows):
-            if indexes.consumer != consumer:
-                raise InvalidExperienceError(
-                    f"these rows were leased to consumer {indexes.consumer!r}, not to {consumer!r}"
-                )
-            token = indexes.token
-        token = check_token(token)
-        rows = self._check.rows(indexes)
-        return self._run(lambda: self._scripts.ack(consumer, token, rows))
+        with metrics.observe(self.name, "ack") as call:
+            self._check.consumer(consumer)
+            token = lease_token(indexes, consumer, token)
+            rows = self._check.rows(indexes)
+            call.rows = self._run(lambda: self._scripts.ack(consumer, token, rows))
+            return call.rows
 
     def status(self) -> dict[str, Any]:
         """A consistent snapshot of the dock's counts (one MULTI/EXEC).
@@ -452,8 +460,10 @@ class TransferDock:
         A reader that was handed some of these rows and has not read them yet gets rows handed out
         afresh instead (see ``get_experience``); an ack of their old leases releases nothing.
         """
-        rows = [] if indexes is None else self._check.rows(indexes)
-        self._run(lambda: self._scripts.clear(rows))
+        with metrics.observe(self.name, "clear") as call:
+            rows = [] if indexes is None else self._check.rows(indexes)
+            self._run(lambda: self._scripts.clear(rows))
+            call.rows = len(rows) if rows else self.capacity
 
     def delete(self) -> None:
         """Remove the dock from Redis entirely, schema included.

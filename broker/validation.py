@@ -22,6 +22,7 @@ from .errors import (
     UnknownColumnError,
     UnknownConsumerError,
 )
+from .leased_rows import LeasedRows
 from .schema import Schema
 
 #: Which qualifying rows sampling hands out: lowest group first, or a seeded random pick.
@@ -78,8 +79,12 @@ def check_flag(name: str, value: Any) -> bool:
     return bool(value)
 
 
-def check_token(token: Any) -> str:
-    """A lease token, as ``ack`` needs it."""
+def lease_token(rows: Any, consumer: str, token: Any) -> str:
+    """The lease token an ``ack`` of ``rows`` by ``consumer`` names: ``token``, else the one ``rows`` carry."""
+    if token is None and isinstance(rows, LeasedRows):
+        if rows.consumer != consumer:
+            raise InvalidExperienceError(f"these rows were leased to consumer {rows.consumer!r}, not to {consumer!r}")
+        token = rows.token
     if not isinstance(token, str) or not token:
         raise InvalidExperienceError(
             "ack needs the lease token: pass the rows get_experience(..., lease=...) returned (they carry "
