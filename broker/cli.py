@@ -1,7 +1,8 @@
 """The ``broker`` command: look at and clear docks on a Redis server, or run the GRPO demo.
 
-    broker status [--url URL] [NAME] [--json]
+    broker status [--url URL] [NAME] [--json] [--watch [SECONDS]]
     broker clear NAME --yes [--url URL]
+    broker exporter [--url URL] [--port 9808] [NAME...]
     broker demo [--redis-url URL] [--iterations N] [--prompts N] [--n N] [--dp N] [--tp N] ...
     broker bench [--url URL] [--prompts N] [--n N] [--systems ...] [--json] ...   (see broker/bench/__init__.py)
 """
@@ -10,78 +11,69 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from collections.abc import Sequence
-from typing import Any
-
-import redis
 
 from .acl import worker_rules
 from .connection import connect, default_url, disconnect, redact, redis_errors
 from .dock import TransferDock
 from .errors import BrokerError, DockNotFoundError
-from .keys import META_PATTERN, dock_name_from_meta_key
-from .status import DockRef, read_metas, read_statuses
-
-
-def dock_names(client: redis.Redis, where: str) -> list[str]:
-    """Names of every dock on the server, sorted."""
-    with redis_errors(where):
-        found = {dock_name_from_meta_key(k) for k in client.scan_iter(match=META_PATTERN, count=1000)}
-    return sorted(n for n in found if n)
-
-
-def format_status(status: dict[str, Any]) -> str:
-    """A dock's status as a small table."""
-    cap, n = status["capacity"], status["n_samples_per_prompt"]
-    groups = status["prompts_num"]
-    lines = [f"dock {status['name']}: {cap} rows = {groups} prompts x {n} samples"]
-    width = max(len(c) for c in [*status["columns"], *status["consumers"], "consumer"]) + 2
-    lines.append(f"  {'column':<{width}}{'ready rows':>14}{'ready groups':>16}")
-    for col, s in status["columns"].items():
-        lines.append(f"  {col:<{width}}{s['ready']:>8}/{cap:<5}{s['groups_ready']:>10}/{groups:<5}")
-    lines.append(f"  {'consumer':<{width}}{'consumed rows':>14}{'leased':>10}{'redelivered':>13}")
-    for consumer, s in status["consumers"].items():
-        lines.append(f"  {consumer:<{width}}{s['consumed']:>8}/{cap:<5}{s['leased']:>10}{s['redelivered']:>13}")
-    return "\n".join(line.rstrip() for line in lines)
+from .status import Survey
+from .watch import as_json, format_reading, watch
 
 
 def _status(args: argparse.Namespace) -> int:
     client, _ = connect(args.url)
     try:
-        return _report(client, args)
+        survey = Survey(client, [args.name] if args.name else ())
+        where = redact(args.url)
+        if args.watch is not None:
+            return watch(survey, args.watch, sys.stdout, where=where, as_lines=args.json,
+                         guard=lambda: redis_errors(where))
+        return _report(survey, args, where)
     finally:
         disconnect(args.url)
 
 
-def _report(client: redis.Redis, args: argparse.Namespace) -> int:
-    where = redact(args.url)
-    names = [args.name] if args.name else dock_names(client, where)
-    # Two round trips for any number of docks: every meta, then every dock's counts.
-    with redis_errors(where):
-        refs = read_metas(client, names)
-        found = [r for r in refs if isinstance(r, DockRef)]
-        statuses = iter(read_statuses(client, found))
-    reports: list[dict[str, Any]] = []
-    failed = False
-    for name, ref in zip(names, refs):
-        result = next(statuses) if isinstance(ref, DockRef) else ref
-        if isinstance(result, DockNotFoundError) and args.name:
-            print(f"broker: {result} at {where}", file=sys.stderr)
-            return 2
-        if isinstance(result, BrokerError):  # a broken dock is reported and the others still listed
-            failed = True
-            reports.append({"name": name, "error": f"{type(result).__name__}: {result}"})
-        else:
-            reports.append(result)
+def _report(survey: Survey, args: argparse.Namespace, where: str) -> int:
+    with redis_errors(where):  # a scan, the metas, the counts: three round trips for any number of docks
+        docks = survey.read().docks
+    if args.name and isinstance(docks[0][1], DockNotFoundError):
+        print(f"broker: {docks[0][1]} at {where}", file=sys.stderr)
+        return 2
     if args.json:
+        reports = as_json(docks)
         print(json.dumps(reports[0] if args.name else reports))
-    elif not reports:
-        print(f"no docks at {where}")
     else:
-        tables = [f"dock {r['name']}: ERROR {r['error']}" if "error" in r else format_status(r) for r in reports]
-        print("\n\n".join(tables))
-    return 1 if failed else 0
+        print(format_reading(docks) or f"no docks at {where}")
+    # A broken dock is reported, the others still listed, and the exit code says something is wrong.
+    return 1 if any(isinstance(s, BrokerError) for _, s in docks) else 0
+
+
+def _exporter(args: argparse.Namespace) -> int:
+    from .exporter import serve  # prometheus_client is needed here only
+
+    client, _ = connect(args.url)
+    where = redact(args.url)
+    try:
+        server = serve(client, args.names, where=where, port=args.port, addr=args.addr,
+                       memory_keys=args.memory_keys, rescan_seconds=args.rescan_seconds)
+        host, port = server.server_address[:2]
+        docks = ", ".join(args.names) if args.names else "every dock"
+        print(f"serving metrics of {docks} at {where} on http://{host}:{port}/metrics (Ctrl-C ends)", flush=True)
+        stop = threading.Event()  # the HTTP server runs in its own thread; this one waits for a signal
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())  # docker stop, kill: end as cleanly as Ctrl-C
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+        server.shutdown()
+        return 0
+    finally:
+        disconnect(args.url)
 
 
 def _clear(args: argparse.Namespace) -> int:
@@ -114,6 +106,13 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="broker", description="Redis-backed experience broker (TransferDock).")
     url = argparse.ArgumentParser(add_help=False)
@@ -122,13 +121,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", parents=[url], help="capacity, ready and consumed counts of docks")
     status.add_argument("name", nargs="?", help="one dock (default: every dock on the server)")
-    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument(
+        "--json", action="store_true", help="print JSON instead of a table (with --watch: one line per reading)"
+    )
+    status.add_argument(
+        "--watch", nargs="?", type=_positive_seconds, const=2.0, metavar="SECONDS",
+        help="redraw every SECONDS (default 2) with rows per second filling and draining, until Ctrl-C",
+    )
     status.set_defaults(run=_status)
 
     clear = commands.add_parser("clear", parents=[url], help="delete every row and status bit of a dock")
     clear.add_argument("name")
     clear.add_argument("--yes", action="store_true", help="confirm")
     clear.set_defaults(run=_clear)
+
+    exporter = commands.add_parser(
+        "exporter", parents=[url], help="serve the docks' counts and memory as Prometheus metrics on /metrics",
+        description="A Prometheus exporter: each scrape reads every dock (or the named ones) in one round trip. "
+                    "Metric names are listed in the README.",
+    )
+    exporter.add_argument("names", nargs="*", metavar="NAME", help="docks to export (default: every dock)")
+    exporter.add_argument("--port", type=int, default=9808, help="HTTP port (default: %(default)s)")
+    exporter.add_argument("--addr", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    exporter.add_argument("--memory-keys", type=int, default=256, metavar="N",
+                          help="keys whose MEMORY USAGE one scrape measures at most; 0 turns memory off "
+                               "(default: %(default)s)")
+    exporter.add_argument("--rescan-seconds", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                          help="how often the server is scanned for new docks (default: %(default)s)")
+    exporter.set_defaults(run=_exporter)
 
     acl = commands.add_parser("acl", help="print the ACL SETUSER command confining a worker user to one dock")
     acl.add_argument("name", help="the dock")

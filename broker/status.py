@@ -10,14 +10,16 @@ counter that is not a number, a key of the wrong type) is reported as that dock'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.client import Pipeline
 
 from .errors import BrokerError, DecodeError, DockNotFoundError, SchemaError
-from .keys import DockKeys
+from .keys import META_PATTERN, DockKeys, dock_name_from_meta_key
 from .schema import Schema, fingerprint
 
 
@@ -53,6 +55,18 @@ def read_metas(client: redis.Redis, names: Sequence[str]) -> list[DockRef | Brok
 def read_statuses(client: redis.Redis, docks: Sequence[DockRef]) -> list[dict[str, Any] | BrokerError]:
     """The status of each dock (see ``TransferDock.status``), in one round trip: one MULTI/EXEC for all."""
     pipe = client.pipeline(transaction=True)
+    parse = queue_statuses(pipe, docks)
+    return parse(pipe.execute(raise_on_error=False))
+
+
+def queue_statuses(
+    pipe: Pipeline, docks: Sequence[DockRef]
+) -> Callable[[list[Any]], list[dict[str, Any] | BrokerError]]:
+    """Queue the reads of each dock's status on ``pipe``; returns what turns the pipe's replies into statuses.
+
+    The statuses' commands come first on ``pipe``; the returned parser reads only their replies, so a
+    caller may queue more commands after them (the exporter queues its memory samples) in the same round trip.
+    """
     for dock in docks:
         k = dock.keys
         pipe.hgetall(k.meta)
@@ -62,17 +76,20 @@ def read_statuses(client: redis.Redis, docks: Sequence[DockRef]) -> list[dict[st
         for consumer in dock.schema.consumers:
             pipe.zcard(k.leases(consumer))
             pipe.get(k.redelivered(consumer))
-    replies = pipe.execute(raise_on_error=False)
-    out: list[dict[str, Any] | BrokerError] = []
-    at = 0
-    for dock in docks:
-        size = 1 + 2 * len(_bitmaps(dock)) + 2 * len(dock.schema.consumers)
-        try:
-            out.append(_parse(dock, replies[at : at + size]))
-        except BrokerError as exc:
-            out.append(exc)
-        at += size
-    return out
+
+    def parse(replies: list[Any]) -> list[dict[str, Any] | BrokerError]:
+        out: list[dict[str, Any] | BrokerError] = []
+        at = 0
+        for dock in docks:
+            size = 1 + 2 * len(_bitmaps(dock)) + 2 * len(dock.schema.consumers)
+            try:
+                out.append(_parse(dock, replies[at : at + size]))
+            except BrokerError as exc:
+                out.append(exc)
+            at += size
+        return out
+
+    return parse
 
 
 def _bitmaps(dock: DockRef) -> list[tuple[str, int]]:
@@ -136,3 +153,91 @@ def _counter(raw: Any, key: str) -> int:
     if value < 0:
         raise DecodeError(f"{key}: not a counter: {value}")
     return value
+
+
+def dock_names(client: redis.Redis) -> list[str]:
+    """Names of every dock on the server, sorted (a SCAN of the whole keyspace: one round trip per 1,000 keys)."""
+    found = {dock_name_from_meta_key(k) for k in client.scan_iter(match=META_PATTERN, count=1000)}
+    return sorted(n for n in found if n)
+
+
+@dataclass
+class SurveyReading:
+    """One reading of a :class:`Survey`: each dock's status or error, and the replies of the extra commands."""
+
+    docks: list[tuple[str, dict[str, Any] | BrokerError]]
+    extra: list[Any]
+
+
+class Survey:
+    """The status of every dock on a server (or of the named ones), read again and again.
+
+    For ``broker status --watch`` and the exporter, which read every few seconds. The schemas found
+    once are kept, so a reading is one round trip, the status MULTI, whatever the number of docks.
+    The server is scanned for new docks at most every ``rescan_seconds`` (a SCAN costs a round trip
+    per 1,000 keys); a dock whose meta vanished or changed since is read afresh within the same
+    reading, so a dock deleted and created again with another schema shows its new counts at once.
+    Not thread-safe: one reader at a time.
+    """
+
+    def __init__(self, client: redis.Redis, names: Sequence[str] = (), *, rescan_seconds: float = 60.0):
+        self._client = client
+        self._fixed = list(names)
+        self._rescan_seconds = rescan_seconds
+        self._scanned_at: float | None = None
+        self._found: list[str] = []
+        self._refs: dict[str, DockRef] = {}
+
+    @property
+    def refs(self) -> dict[str, DockRef]:
+        """The docks whose schemas this survey knows, by name (current during ``also``)."""
+        return self._refs
+
+    def read(self, also: Callable[[Pipeline], None] | None = None) -> SurveyReading:
+        """Every dock's status, by name; ``also`` may queue more commands in the same MULTI, after the statuses."""
+        names = self._fixed or self._discover()
+        results: dict[str, dict[str, Any] | BrokerError] = self._learn([n for n in names if n not in self._refs])
+        known = [n for n in names if n in self._refs]
+        pipe = self._client.pipeline(transaction=True)
+        parse = queue_statuses(pipe, [self._refs[n] for n in known])
+        queued = len(pipe)
+        if also is not None:
+            also(pipe)
+        replies = pipe.execute(raise_on_error=False)
+        results.update(zip(known, parse(replies[:queued])))
+        # Deleted, or created again with another schema, since its meta was read: read it afresh now,
+        # which costs round trips only when a dock changed.
+        changed = [n for n in known if isinstance(results[n], (DockNotFoundError, SchemaError))]
+        for name in changed:
+            del self._refs[name]
+        results.update(self._learn(changed))
+        again = [n for n in changed if n in self._refs]
+        if again:
+            results.update(zip(again, read_statuses(self._client, [self._refs[n] for n in again])))
+        docks = [(n, results[n]) for n in names if not (self._gone(results[n]))]
+        return SurveyReading(docks, replies[queued:])
+
+    def _discover(self) -> list[str]:
+        now = time.monotonic()
+        if self._scanned_at is None or now - self._scanned_at >= self._rescan_seconds:
+            self._found = dock_names(self._client)
+            self._scanned_at = now
+            for name in set(self._refs) - set(self._found):
+                del self._refs[name]
+        return self._found
+
+    def _learn(self, names: list[str]) -> dict[str, dict[str, Any] | BrokerError]:
+        """Read the schemas of ``names`` and keep them; returns the errors of those that have none."""
+        if not names:
+            return {}
+        errors: dict[str, dict[str, Any] | BrokerError] = {}
+        for name, ref in zip(names, read_metas(self._client, names)):
+            if isinstance(ref, DockRef):
+                self._refs[name] = ref
+            else:
+                errors[name] = ref
+        return errors
+
+    def _gone(self, result: dict[str, Any] | BrokerError) -> bool:
+        """A dock found by a scan and deleted since is left out; a named one is reported missing."""
+        return isinstance(result, DockNotFoundError) and not self._fixed

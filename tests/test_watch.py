@@ -1,0 +1,151 @@
+"""``broker status --watch``: under a pseudo-terminal, piped, as JSON lines, and through an outage."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+import torch
+
+from broker import TransferDock
+from broker.connection import redis_errors
+from broker.status import Survey
+from broker.watch import counts, rates, watch
+from tests.servers import free_port
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture
+def url(real_url):
+    redis.Redis.from_url(real_url).flushdb()
+    return real_url
+
+
+def make(url: str, name: str = "grpo") -> TransferDock:
+    return TransferDock(url, name, prompts_num=4, n_samples_per_prompt=2, columns=["prompts", "responses"],
+                        consumers=["actor_train"])
+
+
+def test_rates_are_rows_per_second_between_readings():
+    def reading(ready: int, consumed: int):
+        status = {"columns": {"prompts": {"ready": ready}}, "consumers": {"actor": {"consumed": consumed}}}
+        return [("grpo", status)]
+
+    got = rates(counts(reading(2, 0)), counts(reading(8, 4)), 2.0)
+    assert got.ready == {("grpo", "prompts"): 3.0} and got.consumed == {("grpo", "actor"): 2.0}
+    cleared = rates(counts(reading(8, 4)), counts(reading(0, 0)), 4.0)
+    assert cleared.ready == {("grpo", "prompts"): -2.0}  # a clear drains
+    appeared = rates(counts([]), counts(reading(8, 4)), 1.0)
+    assert appeared.ready == {} and appeared.consumed == {}  # no rate before a dock's first reading
+
+
+class Frames(io.StringIO):
+    """Output that wakes a waiter at every frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames = threading.Semaphore(0)
+
+    def write(self, text: str) -> int:
+        if text.endswith("\n\n"):
+            self.frames.release()
+        return super().write(text)
+
+
+def test_piped_output_appends_frames_without_escapes(url):
+    dock = make(url)
+    out = Frames()
+    client = redis.Redis.from_url(url)
+
+    def fill_after_first_frame() -> None:
+        out.frames.acquire(timeout=30)
+        dock.put_experience({"prompts": torch.ones(4, 1)}, indexes=[0, 1, 2, 3])
+
+    filler = threading.Thread(target=fill_after_first_frame)
+    filler.start()
+    assert watch(Survey(client), 0.5, out, where=url, readings=2) == 0
+    filler.join()
+    text = out.getvalue()
+    assert "\x1b" not in text
+    first, second = text.split(f"{url}  every 0.5s")[1:]  # each frame starts with its header
+    row = next(line for line in first.splitlines() if line.strip().startswith("prompts"))
+    assert row.split() == ["prompts", "0/8", "0/4", "-"]
+    row = next(line for line in second.splitlines() if line.strip().startswith("prompts"))
+    ready, groups, rate = row.split()[1:]
+    assert (ready, groups) == ("4/8", "2/4") and float(rate) > 0
+
+
+def test_json_lines_one_per_reading(url):
+    make(url).put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
+    out = io.StringIO()
+    watch(Survey(redis.Redis.from_url(url)), 0.05, out, where=url, as_lines=True, readings=3)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(lines) == 3
+    assert all(line["docks"][0]["columns"]["prompts"]["ready"] == 2 for line in lines)
+
+
+def test_an_outage_is_shown_and_the_view_goes_on():
+    client = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
+    out = io.StringIO()
+    where = "redis://127.0.0.1:closed"
+    assert watch(Survey(client), 0.05, out, where=where, readings=2, guard=lambda: redis_errors(where)) == 0
+    assert out.getvalue().count("ERROR Redis at") == 2
+
+
+def test_under_a_terminal_it_redraws_in_place_and_ends_cleanly_on_ctrl_c(url):
+    dock = make(url)
+    parent, child = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker", "status", "grpo", "--url", url, "--watch", "0.2"],
+        stdin=child, stdout=child, stderr=child, close_fds=True, env={**os.environ, "COLUMNS": "100", "LINES": "40"},
+    )
+    os.close(child)
+    seen = b""
+
+    def read_until(predicate, seconds: float = 60) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + seconds
+        while not predicate(seen) and time.monotonic() < deadline:
+            ready, _, _ = select.select([parent], [], [], 0.5)
+            if ready:
+                try:
+                    seen += os.read(parent, 65536)
+                except OSError:  # the child closed the terminal
+                    return
+
+    try:
+        read_until(lambda s: s.count(b"\x1b[H\x1b[J") >= 2)
+        dock.put_experience({"prompts": torch.ones(4, 1)}, indexes=[0, 1, 2, 3])
+        read_until(lambda s: b"4/8" in s)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        read_until(lambda s: s.endswith(b"\x1b[?25h\r\n"), 5)
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(parent)
+    assert seen.startswith(b"\x1b[?25l")  # cursor hidden while redrawing
+    assert seen.count(b"\x1b[H\x1b[J") >= 3  # frames drawn over each other, not appended
+    assert b"4/8" in seen and b"Ctrl-C ends" in seen
+    assert b"Traceback" not in seen and b"KeyboardInterrupt" not in seen
+    assert seen.endswith(b"\x1b[?25h\r\n")  # cursor shown again
+
+
+def test_watch_needs_a_positive_number_of_seconds(url, capsys):
+    from broker.cli import main
+
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(SystemExit):
+            main(["status", "--url", url, "--watch", bad])
+        assert "seconds" in capsys.readouterr().err
