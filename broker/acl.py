@@ -8,12 +8,12 @@ server-wide commands. ``worker_rules("A")`` gives the rules for ``ACL SETUSER``:
 Keys: only ``td:{A}:*``. Channels: only ``td:{A}:*`` (the dock's put notifications). Commands: only
 what the client and the Lua scripts call. Redis checks the keys that scripts touch against the same
 patterns, so a script cannot reach another dock either. Server-wide commands (FLUSHDB, KEYS, CONFIG,
-SCAN, ...) are not granted.
+SCAN, ...) are not granted. ``reader_rules()`` gives the exporter's: every dock, reading only.
 """
 
 from __future__ import annotations
 
-from .keys import DockKeys
+from .keys import PREFIX, DockKeys
 
 #: Commands sent by the client (dock methods and redis-py's connection set-up).
 CLIENT_COMMANDS = (
@@ -27,6 +27,22 @@ SCRIPT_COMMANDS = (
     "strlen", "setrange", "getrange", "bitfield", "bitop", "bitpos", "bitcount", "zadd", "zrem", "zcard",
     "zrangebyscore", "publish",
 )
+
+
+#: Commands the exporter and ``broker status`` send, and those lua/status.lua calls: reads only.
+READER_COMMANDS = (
+    "ping", "select", "scan", "hgetall", "evalsha", "script|load", "memory|usage",
+    "type", "hmget", "bitcount", "strlen", "zcard", "get",
+)
+
+
+def reader_rules() -> list[str]:
+    """ACL SETUSER rules for ``broker exporter`` and ``broker status``: every dock's keys, reads only.
+
+    Scripts run with the user's permissions, so granting EVALSHA grants no write: the only commands a
+    script may call are the read commands listed here.
+    """
+    return ["resetkeys", f"~{PREFIX}:*", "resetchannels", "-@all", *(f"+{c}" for c in sorted(READER_COMMANDS))]
 
 
 def worker_rules(dock: str) -> list[str]:

@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from .acl import worker_rules
+from .acl import reader_rules, worker_rules
 from .connection import connect, default_url, disconnect, redact, redis_errors
 from .dock import TransferDock
 from .errors import BrokerError, DockNotFoundError
@@ -87,7 +87,11 @@ def _clear(args: argparse.Namespace) -> int:
 
 
 def _acl(args: argparse.Namespace) -> int:
-    rules = " ".join(worker_rules(args.name))
+    if args.reader == bool(args.name):
+        print("broker: acl takes a dock NAME (a worker's rules) or --reader (the exporter's), not both",
+              file=sys.stderr)
+        return 2
+    rules = " ".join(reader_rules() if args.reader else worker_rules(args.name))
     print(f"ACL SETUSER {args.user} on >{args.password} {rules}")
     return 0
 
@@ -150,8 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="how often the server is scanned for new docks (default: %(default)s)")
     exporter.set_defaults(run=_exporter)
 
-    acl = commands.add_parser("acl", help="print the ACL SETUSER command confining a worker user to one dock")
-    acl.add_argument("name", help="the dock")
+    acl = commands.add_parser(
+        "acl", help="print the ACL SETUSER command confining a worker user to one dock, or a read-only user"
+    )
+    acl.add_argument("name", nargs="?", help="the dock a worker may use")
+    acl.add_argument("--reader", action="store_true",
+                     help="rules for broker exporter and broker status instead: every dock, reads only")
     acl.add_argument("--user", default="worker", help="ACL user name (default: %(default)s)")
     acl.add_argument("--password", default="CHANGE-ME", help="its password (default: a placeholder)")
     acl.set_defaults(run=_acl)

@@ -249,10 +249,9 @@ def redis_errors(where: str) -> Iterator[None]:
     except redis.ResponseError as exc:
         # Our scripts flag keys holding foreign data with a CORRUPT error before writing anything, and
         # a dock whose schema vanished or changed under them with NODOCK or SCHEMA.
-        text = str(exc)
-        for prefix, error in _SCRIPT_ERRORS.items():
-            if text.startswith(prefix):
-                raise error(f"Redis at {where}: {text[len(prefix):]}") from None
+        error = script_error(exc)
+        if error is not None:
+            raise type(error)(f"Redis at {where}: {error}") from None
         raise RedisCommandError(f"Redis at {where} refused a command: {exc}") from exc
     except redis.RedisError as exc:
         raise RedisCommandError(f"Redis at {where} refused a command: {exc}") from exc
@@ -260,6 +259,15 @@ def redis_errors(where: str) -> Iterator[None]:
 
 #: Error prefixes of the Lua scripts, and the broker error each stands for.
 _SCRIPT_ERRORS = {"CORRUPT ": DecodeError, "NODOCK ": DockNotFoundError, "SCHEMA ": SchemaError}
+
+
+def script_error(exc: redis.ResponseError) -> BrokerError | None:
+    """The broker error a script's error reply stands for (CORRUPT, NODOCK, SCHEMA), or None."""
+    text = str(exc)
+    for prefix, error in _SCRIPT_ERRORS.items():
+        if text.startswith(prefix):
+            return error(text[len(prefix) :])
+    return None
 
 
 def _short(exc: Exception, limit: int = 300) -> str:

@@ -239,7 +239,7 @@ class TransferDock:
                 self._scripts.put(pipe, list(encoded), runs)
 
             def put() -> None:
-                replies = run_pipeline(self._client, self._scripts, transaction, transaction=True)
+                replies = run_pipeline(self._client, self._scripts.load_all, transaction, transaction=True)
                 # The script's own error names the bad key; a failed HSET alone would only say WRONGTYPE.
                 for reply in replies[::-1]:
                     if isinstance(reply, Exception):
@@ -389,7 +389,7 @@ class TransferDock:
             self._scripts.fence(pipe, handout.runs)  # after the HMGETs: it vouches for what they read
 
         def fetch() -> list[Any]:
-            replies = run_pipeline(self._client, self._scripts, reads, transaction=False)
+            replies = run_pipeline(self._client, self._scripts.load_all, reads, transaction=False)
             for reply in replies:
                 if isinstance(reply, Exception):
                     raise reply

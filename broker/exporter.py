@@ -1,7 +1,8 @@
 """``broker exporter``: every dock on one Redis server as Prometheus metrics, served on ``/metrics``.
 
-Each scrape is one round trip to Redis in the steady state: the status of every dock (one
-MULTI/EXEC, as ``broker status``) and this scrape's share of memory samples, in one pipeline. The
+Each scrape is one round trip to Redis in the steady state: the status of every dock (one call of
+the status script per dock, as ``broker status``) and this scrape's share of memory samples, in one
+pipeline. The
 docks' schemas are kept between scrapes; the server is scanned for new docks at most every
 ``rescan_seconds`` (see :class:`~broker.status.Survey`).
 
@@ -59,13 +60,15 @@ class MemorySampler:
         self._sizes: dict[str, int] = {}  # key -> bytes at its latest measure
         self._turn = 0  # where in the list of every dock's keys the next scrape starts
         self._queued: list[str] = []
+        self._keys: dict[DockRef, list[str]] = {}  # each known dock's keys, built once: scrapes come often
 
     def queue(self, pipe: Pipeline, refs: Sequence[DockRef]) -> None:
         """Queue this scrape's ``MEMORY USAGE`` commands for some of ``refs``'s keys on ``pipe``."""
         self._queued = []
         if not self.enabled:
             return
-        every = [key for ref in refs for key in _keys_of(ref)]
+        self._keys = {ref: self._keys.get(ref) or _keys_of(ref) for ref in refs}
+        every = [key for keys in self._keys.values() for key in keys]
         if not every:
             return
         live = set(every)
@@ -87,7 +90,7 @@ class MemorySampler:
     def dock_bytes(self, ref: DockRef) -> int | None:
         """The dock's bytes by the latest measure of each key; None until every key was measured once."""
         total = 0
-        for key in _keys_of(ref):
+        for key in self._keys.get(ref) or _keys_of(ref):
             size = self._sizes.get(key)
             if size is None:
                 return None
@@ -155,19 +158,11 @@ class DockCollector:
             self._memory.queue(pipe, list(self._survey.refs.values()))
 
         with redis_errors(self._where):
-            try:
-                reading = self._survey.read(also=also if self._memory.enabled else None)
-            except redis.ResponseError as exc:
-                if not self._memory.enabled:
-                    raise
-                # An ACL without MEMORY aborts the whole MULTI (EXECABORT): read on without memory.
-                log.warning("memory metrics off: Redis at %s refused MEMORY USAGE (%s)", self._where, exc)
-                self._memory.enabled = False
-                reading = self._survey.read()
+            reading = self._survey.read(also=also if self._memory.enabled else None)
             if self._memory.enabled:
                 try:
                     self._memory.record(reading.extra)
-                except redis.ResponseError as exc:
+                except redis.ResponseError as exc:  # an ACL without MEMORY: the counts are still good
                     log.warning("memory metrics off: Redis at %s refused MEMORY USAGE (%s)", self._where, exc)
                     self._memory.enabled = False
         return reading.docks

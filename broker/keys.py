@@ -41,8 +41,14 @@ PREFIX = "td"
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 #: SCAN pattern matching the meta key of every dock on a server.
-META_PATTERN = PREFIX + ":{*}:meta"
+META_PATTERN = f"{PREFIX}:{{*}}:meta"
 _META_RE = re.compile(r"^" + PREFIX + r":\{(?P<name>[^{}]+)\}:meta$")
+
+
+def scan_pattern(docks: str = "*", rest: str = "*") -> str:
+    """SCAN pattern of the keys ``rest`` (a glob after ``td:{NAME}:``) of the docks whose names match the
+    glob ``docks``: ``scan_pattern("bench-*")`` is every key of every dock named ``bench-...``."""
+    return f"{PREFIX}:{{{docks}}}:{rest}"
 
 
 def check_name(kind: str, name: object) -> str:
@@ -117,6 +123,11 @@ class DockKeys:
 
     def reply(self, request_id: str) -> str:
         return f"{self.base}reply:{request_id}"
+
+    @property
+    def reply_pattern(self) -> str:
+        """SCAN pattern of the replies the dock's sampling calls keep for retries."""
+        return self.base + "reply:*"
 
     def every_key(self, columns: Sequence[str], consumers: Sequence[str]) -> list[str]:
         """Every key the dock has (but reply keys, which expire by themselves): what ``delete`` removes."""

@@ -12,6 +12,7 @@ text again when the server answers NOSCRIPT (after a restart or ``SCRIPT FLUSH``
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,11 @@ SCRIPT_FILES = {
     "ack": "ack.lua",
     "reclaim": "reclaim.lua",
     "clear": "clear.lua",
+    "status": "status.lua",
 }
+
+#: Scripts run for many docks at once, outside any dock object (see ``StatusScript``).
+_SHARED = ("status",)
 
 _INCLUDE = re.compile(r"^-- @include (\w+)[ \t]*$", re.MULTILINE)
 
@@ -115,7 +120,9 @@ class DockScripts:
     def __init__(self, client: redis.Redis, keys: DockKeys, *, allow_oom: bool):
         prefix = ALLOW_OOM if allow_oom else ""
         self._keys = keys
-        self._scripts = {name: client.register_script(prefix + script_text(name)) for name in SCRIPT_FILES}
+        self._scripts = {
+            name: client.register_script(prefix + script_text(name)) for name in SCRIPT_FILES if name not in _SHARED
+        }
         self._schema: Schema | None = None
         self._expected = ""
 
@@ -135,6 +142,7 @@ class DockScripts:
         """Load every script (after a NOSCRIPT inside a MULTI, where redis-py does not do it)."""
         for script in self._scripts.values():
             client.script_load(script.script)
+        StatusScript.load(client)
 
     def _consumer_keys(self, consumer: str) -> list[str]:
         k = self._keys
@@ -237,20 +245,49 @@ class DockScripts:
         return self._schema.n_samples_per_prompt
 
 
+class StatusScript:
+    """lua/status.lua: one dock's counts. Not a ``DockScripts`` method: callers queue it for many docks
+    in one pipeline (``broker.status``), and it writes nothing, so it needs no Redis 7 flag."""
+
+    text = script_text("status")
+    sha = hashlib.sha1(text.encode()).hexdigest()
+
+    @classmethod
+    def queue(cls, pipe: Pipeline, keys: DockKeys, schema: Schema, fingerprint: str) -> None:
+        """Queue the read of the dock's counts; ``fingerprint`` is the schema the caller expects."""
+        bitmaps = [kind(c) for c in schema.columns for kind in (keys.ready, keys.group_ready)]
+        bitmaps += [kind(c) for c in schema.consumers for kind in (keys.consumed, keys.group_taken)]
+        rest = [kind(c) for c in schema.consumers for kind in (keys.leases, keys.redelivered)]
+        pipe.execute_command("EVALSHA", cls.sha, 1 + len(bitmaps) + len(rest), keys.meta, *bitmaps, *rest,
+                             fingerprint, len(bitmaps))
+
+    @staticmethod
+    def parse(reply: list[Any], schema: Schema) -> tuple[list[tuple[int, int]], list[tuple[int, Any]]]:
+        """(bits set, bytes) per bitmap, in ``queue``'s order; (leased rows, raw counter) per consumer."""
+        bitmaps = 2 * (len(schema.columns) + len(schema.consumers))
+        pairs = list(zip(reply[0::2], reply[1::2]))
+        return pairs[:bitmaps], pairs[bitmaps:]
+
+    @classmethod
+    def load(cls, client: redis.Redis) -> None:
+        client.script_load(cls.text)
+
+
 def run_pipeline(
-    client: redis.Redis, scripts: DockScripts, build: Callable[[Pipeline], None], *, transaction: bool
+    client: redis.Redis, load: Callable[[redis.Redis], None], build: Callable[[Pipeline], None], *,
+    transaction: bool,
 ) -> list[Any]:
     """Run the pipeline (a MULTI/EXEC if ``transaction``) that ``build`` queues; its replies, errors included.
 
-    A server that lost the scripts fails only their EVALSHAs (everything else applies), so the
-    scripts are loaded and the whole pipeline, which must be idempotent, runs again.
+    A server that lost the scripts fails only their EVALSHAs (everything else applies), so ``load``
+    loads them and the whole pipeline, which must be idempotent, runs again.
     """
     for attempt in range(2):
         pipe = client.pipeline(transaction=transaction)
         build(pipe)
         replies = pipe.execute(raise_on_error=False)
         if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
-            scripts.load_all(client)
+            load(client)
             continue
         return replies
     raise AssertionError("unreachable")

@@ -1,11 +1,12 @@
 """Counts of docks, read for any number of docks in one round trip.
 
-``TransferDock.status()`` reads one dock this way and ``broker status`` every dock on a server: two
-round trips (the meta hashes, then the counts) however many docks there are, instead of a client
-and a handful of round trips per dock. Each dock's counts come from one MULTI/EXEC, with its meta
-hash, so they are a consistent snapshot of a dock whose schema is the one the caller expects.
-Anything a broker could not have written (a bitmap with more bits or bytes than its dock has rows, a
-counter that is not a number, a key of the wrong type) is reported as that dock's DecodeError.
+``TransferDock.status()`` reads one dock this way, and ``broker status``, its live view and the
+exporter every dock on a server: the meta hashes once, then the counts, one round trip however many
+docks there are. Each dock's counts come from one call of lua/status.lua, which checks the dock's
+schema first, so they are a consistent snapshot of a dock whose schema is the one the caller
+expects. Anything a broker could not have written (a bitmap with more bits or bytes than its dock
+has rows, a counter that is not a number, a key of the wrong type) is reported as that dock's
+DecodeError; the other docks are read as usual.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
+from .connection import script_error
 from .errors import BrokerError, DecodeError, DockNotFoundError, SchemaError
 from .keys import META_PATTERN, DockKeys, dock_name_from_meta_key
 from .schema import Schema, fingerprint
+from .scripts import StatusScript, run_pipeline
 
 
 @dataclass(frozen=True)
@@ -53,78 +56,59 @@ def read_metas(client: redis.Redis, names: Sequence[str]) -> list[DockRef | Brok
 
 
 def read_statuses(client: redis.Redis, docks: Sequence[DockRef]) -> list[dict[str, Any] | BrokerError]:
-    """The status of each dock (see ``TransferDock.status``), in one round trip: one MULTI/EXEC for all."""
-    pipe = client.pipeline(transaction=True)
-    parse = queue_statuses(pipe, docks)
-    return parse(pipe.execute(raise_on_error=False))
+    """The status of each dock (see ``TransferDock.status``), in one round trip."""
+    parse: list[Callable[[list[Any]], list[dict[str, Any] | BrokerError]]] = []
+
+    def build(pipe: Pipeline) -> None:
+        parse[:] = [queue_statuses(pipe, docks)]
+
+    replies = run_pipeline(client, StatusScript.load, build, transaction=False)
+    return parse[0](replies)
 
 
 def queue_statuses(
     pipe: Pipeline, docks: Sequence[DockRef]
 ) -> Callable[[list[Any]], list[dict[str, Any] | BrokerError]]:
-    """Queue the reads of each dock's status on ``pipe``; returns what turns the pipe's replies into statuses.
+    """Queue one status script per dock on ``pipe``; returns what turns the pipe's replies into statuses.
 
     The statuses' commands come first on ``pipe``; the returned parser reads only their replies, so a
-    caller may queue more commands after them (the exporter queues its memory samples) in the same round trip.
+    caller may queue more commands after them (the exporter queues its memory samples) in the same round
+    trip. Each dock's counts are one atomic read, checked against the schema the caller knows.
     """
     for dock in docks:
-        k = dock.keys
-        pipe.hgetall(k.meta)
-        for key, _ in _bitmaps(dock):
-            pipe.bitcount(key)
-            pipe.strlen(key)
-        for consumer in dock.schema.consumers:
-            pipe.zcard(k.leases(consumer))
-            pipe.get(k.redelivered(consumer))
+        StatusScript.queue(pipe, dock.keys, dock.schema, dock.fingerprint)
 
     def parse(replies: list[Any]) -> list[dict[str, Any] | BrokerError]:
         out: list[dict[str, Any] | BrokerError] = []
-        at = 0
-        for dock in docks:
-            size = 1 + 2 * len(_bitmaps(dock)) + 2 * len(dock.schema.consumers)
+        for dock, reply in zip(docks, replies):
+            if isinstance(reply, redis.ResponseError):
+                error = script_error(reply)
+                if error is None:  # not about this dock (permissions, a server error): the reading fails
+                    raise reply
+                out.append(error)
+                continue
             try:
-                out.append(_parse(dock, replies[at : at + size]))
+                out.append(_parse(dock, reply))
             except BrokerError as exc:
                 out.append(exc)
-            at += size
         return out
 
     return parse
 
 
-def _bitmaps(dock: DockRef) -> list[tuple[str, int]]:
-    """Every status bitmap of the dock with the number of bits it may have: rows or groups."""
+def _parse(dock: DockRef, reply: list[Any]) -> dict[str, Any]:
+    """A dock's status from its status script's reply; counts no broker could have written raise DecodeError."""
     s, k = dock.schema, dock.keys
-    out = []
-    for col in s.columns:
-        out += [(k.ready(col), s.capacity), (k.group_ready(col), s.prompts_num)]
-    for consumer in s.consumers:
-        out += [(k.consumed(consumer), s.capacity), (k.group_taken(consumer), s.prompts_num)]
-    return out
-
-
-def _parse(dock: DockRef, replies: list[Any]) -> dict[str, Any]:
-    s, k = dock.schema, dock.keys
-    meta, *rest = replies
-    if not isinstance(meta, Exception) and not meta:
-        raise DockNotFoundError(f"dock {k.name!r} is gone: its meta key {k.meta} was deleted (or the server lost it)")
-    if isinstance(meta, Exception) or fingerprint(meta) != dock.fingerprint:
-        raise SchemaError(f"{k.meta} no longer holds the schema this dock was opened with; open the dock again")
+    bitmaps, consumers_raw = StatusScript.parse(reply, s)
     counts: dict[str, int] = {}
-    for i, (key, bits) in enumerate(_bitmaps(dock)):
-        count, size = rest[2 * i], rest[2 * i + 1]
-        for reply in (count, size):
-            if isinstance(reply, Exception):
-                raise DecodeError(f"{key}: not a bitmap ({reply})")
+    for (key, bits), (count, size) in zip(_bitmaps(dock), bitmaps):
         if count > bits or size > -(-bits // 8):
             raise DecodeError(f"{key}: {count} bits set in {size} bytes, more than its dock's {bits} bits")
         counts[key] = count
-    tail = rest[2 * len(_bitmaps(dock)) :]
     consumers = {}
-    for i, consumer in enumerate(s.consumers):
-        leased, redelivered = tail[2 * i], tail[2 * i + 1]
-        if isinstance(leased, Exception) or leased > s.capacity:
-            raise DecodeError(f"{k.leases(consumer)}: not a lease set of this dock ({leased})")
+    for consumer, (leased, redelivered) in zip(s.consumers, consumers_raw):
+        if leased > s.capacity:
+            raise DecodeError(f"{k.leases(consumer)}: {leased} rows leased, more than its dock's {s.capacity}")
         consumers[consumer] = {
             "consumed": counts[k.consumed(consumer)],
             "leased": leased,
@@ -140,6 +124,17 @@ def _parse(dock: DockRef, replies: list[Any]) -> dict[str, Any]:
         },
         "consumers": consumers,
     }
+
+
+def _bitmaps(dock: DockRef) -> list[tuple[str, int]]:
+    """Every status bitmap of the dock with the number of bits it may have, in the status script's order."""
+    s, k = dock.schema, dock.keys
+    out = []
+    for col in s.columns:
+        out += [(k.ready(col), s.capacity), (k.group_ready(col), s.prompts_num)]
+    for consumer in s.consumers:
+        out += [(k.consumed(consumer), s.capacity), (k.group_taken(consumer), s.prompts_num)]
+    return out
 
 
 def _counter(raw: Any, key: str) -> int:
@@ -198,13 +193,16 @@ class Survey:
         names = self._fixed or self._discover()
         results: dict[str, dict[str, Any] | BrokerError] = self._learn([n for n in names if n not in self._refs])
         known = [n for n in names if n in self._refs]
-        pipe = self._client.pipeline(transaction=True)
-        parse = queue_statuses(pipe, [self._refs[n] for n in known])
-        queued = len(pipe)
-        if also is not None:
-            also(pipe)
-        replies = pipe.execute(raise_on_error=False)
-        results.update(zip(known, parse(replies[:queued])))
+        parse: list[Callable[[list[Any]], list[dict[str, Any] | BrokerError]]] = []
+
+        def build(pipe: Pipeline) -> None:
+            parse[:] = [queue_statuses(pipe, [self._refs[n] for n in known])]
+            if also is not None:
+                also(pipe)
+
+        replies = run_pipeline(self._client, StatusScript.load, build, transaction=False)
+        queued = len(known)
+        results.update(zip(known, parse[0](replies[:queued])))
         # Deleted, or created again with another schema, since its meta was read: read it afresh now,
         # which costs round trips only when a dock changed.
         changed = [n for n in known if isinstance(results[n], (DockNotFoundError, SchemaError))]

@@ -51,6 +51,20 @@ def test_every_mode_and_every_system_agree_and_no_key_is_left(real_url, capsys):
     assert client.dbsize() == 0  # a user's server gets back exactly what it had
 
 
+def test_exporter_mode_scrapes_in_one_round_trip_and_cleans_up(real_url, capsys):
+    client = redis.Redis.from_url(real_url)
+    client.flushdb()
+    assert main(["bench", "--url", real_url, "--exporter", "--exporter-docks", "20", "--exporter-scrapes", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "exporter scrape of 20 docks" in out
+    report = _json_line(out)
+    assert "pipeline" not in report  # naming --exporter runs it alone
+    for label in ("with_memory", "counts_only"):
+        assert report["exporter"][label]["round_trips"] == 1.0
+        assert report["exporter"][label]["server_ms"] > 0
+    assert client.dbsize() == 0
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_without_url_it_starts_a_private_server_and_says_so(capsys):
     assert main(["bench", *TINY, "--pipeline", "--systems", "broker,inprocess", "--repeat", "1", "--warmup", "0",

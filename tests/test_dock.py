@@ -655,7 +655,7 @@ def test_docks_from_one_url_share_one_client_and_close_hands_it_back(real_url):
 
 
 @pytest.mark.real
-def test_broker_status_of_many_docks_takes_one_connection_and_one_transaction(real_url, capsys):
+def test_broker_status_of_many_docks_takes_one_connection_and_one_script_call_per_dock(real_url, capsys):
     from broker.cli import main
 
     client = redis.Redis.from_url(real_url)
@@ -669,5 +669,6 @@ def test_broker_status_of_many_docks_takes_one_connection_and_one_transaction(re
     assert out.count("dock many-") == 300 and "many-299" in out
     stats = client.info("commandstats")
     assert client.info("stats")["total_connections_received"] <= 1  # 0 if this process already had one
-    assert stats["cmdstat_exec"]["calls"] == 1  # every dock's counts in one MULTI/EXEC
-    assert "cmdstat_eval" not in stats and "cmdstat_evalsha" not in stats  # no per-dock set-up
+    assert stats["cmdstat_evalsha"]["calls"] == 300  # every dock's counts: one atomic script call each
+    assert stats["cmdstat_hgetall"]["calls"] == 300  # its schema, read once
+    assert "cmdstat_exec" not in stats  # no MULTI holding the server for all of them

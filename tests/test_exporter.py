@@ -229,12 +229,46 @@ def test_unreachable_redis_is_broker_up_0_not_an_http_error():
         server.close()
 
 
+def _cli_output(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    from broker.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue().strip()
+
+
+def test_the_reader_acl_user_gets_every_metric_and_can_write_nothing():
+    with RedisServer() as server:
+        make(server.url, "grpo").put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
+        admin = server.client()
+        admin.execute_command(*_cli_output(["acl", "--reader", "--user", "watcher", "--password", "pw"]).split())
+        client = redis.Redis.from_url(f"redis://watcher:pw@127.0.0.1:{server.port}/0")
+        http = serve(client, where=server.url, port=0, addr="127.0.0.1", memory_keys=1000)
+        try:
+            samples = scrape(http)
+            assert value(samples, "broker_column_ready_rows", dock="grpo", column="prompts") == 2
+            assert value(samples, "broker_dock_memory_bytes", dock="grpo") > 0
+        finally:
+            http.shutdown()
+            http.server_close()
+        for command in (("DEL", "td:{grpo}:meta"), ("HSET", "td:{grpo}:meta", "a", "b"), ("FLUSHDB",)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.execute_command(*command)
+        with pytest.raises(redis.exceptions.ResponseError, match="(?i)no permission|NOPERM|ACL"):
+            client.eval("return redis.call('DEL', KEYS[1])", 1, "td:{grpo}:meta")
+        assert admin.exists("td:{grpo}:meta")
+
+
 def test_a_user_without_memory_usage_still_gets_the_counts():
     with RedisServer() as server:
         make(server.url, "grpo").put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
         admin = server.client()
-        admin.execute_command("ACL", "SETUSER", "watcher", "on", ">pw", "~td:*", "+@read", "+multi", "+exec",
-                              "+ping", "+info", "-memory")
+        rules = _cli_output(["acl", "--reader", "--user", "watcher", "--password", "pw"]).split()
+        admin.execute_command(*rules, "-memory")
         client = redis.Redis.from_url(f"redis://watcher:pw@127.0.0.1:{server.port}/0")
         http = serve(client, where=server.url, port=0, addr="127.0.0.1")
         try:

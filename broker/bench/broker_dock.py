@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..dock import TransferDock
+from ..keys import DockKeys
 from .docks import SampleError, dock_target
 from .workload import COLUMNS, Rows, Workload
 
@@ -38,7 +39,7 @@ def delete_dock(dock: TransferDock) -> None:
     takes them away at once.
     """
     dock.delete()
-    replies = list(dock.client.scan_iter(match=f"td:{{{dock.name}}}:reply:*", count=1000))
+    replies = list(dock.client.scan_iter(match=DockKeys(dock.name).reply_pattern, count=1000))
     for first in range(0, len(replies), 1000):
         dock.client.delete(*replies[first : first + 1000])
     dock.client.close()

@@ -51,6 +51,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--sampling-sizes", type=_sizes, default=(4096, 16384, 65536),
                    help="dock sizes in rows for sampling latency (default: 4096,16384,65536)")
     g.add_argument("--sampling-calls", type=int, default=300, help="calls per size and policy (default: 300)")
+    g.add_argument("--exporter", action="store_true",
+                   help="cost of one Prometheus exporter scrape against many docks (only when named)")
+    g.add_argument("--exporter-docks", type=int, default=1000, help="docks the exporter scrapes (default: 1000)")
+    g.add_argument("--exporter-scrapes", type=int, default=30, help="timed scrapes (default: %(default)s)")
     g = p.add_argument_group("soak (runs instead of the modes above)")
     g.add_argument("--soak", action="store_true", help="run the soak")
     g.add_argument("--clients", type=int, default=16, help="client processes (default: %(default)s)")

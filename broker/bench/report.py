@@ -97,6 +97,16 @@ def _sampling(samp: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _exporter(exp: dict[str, Any]) -> list[str]:
+    lines = ["", f"exporter scrape of {exp['docks']} docks ({exp['keys']} keys), {exp['scrapes']} scrapes",
+             f"  {'':<14}{'first ms':>10}{'p50 ms':>10}{'p99 ms':>10}{'server ms':>11}{'round trips':>13}"]
+    for label in ("with_memory", "counts_only"):
+        e = exp[label]
+        lines.append(f"  {label.replace('_', ' '):<14}{e['first_ms']:10.1f}{e['p50_ms']:10.1f}{e['p99_ms']:10.1f}"
+                     f"{e['server_ms']:11.1f}{e['round_trips']:13.1f}")
+    return lines
+
+
 def _memory(mem: dict[str, Any]) -> list[str]:
     lines = ["", f"Redis memory for the whole batch ({mem['payload_bytes'] / 1e6:.1f} MB of tensor bytes)"]
     for name, s in mem["systems"].items():
@@ -130,7 +140,7 @@ def table(report: dict[str, Any]) -> str:
     """The report as text for a terminal."""
     lines = _header(report)
     sections = {"pipeline": _pipeline, "concurrent": _concurrent, "sampling": _sampling, "memory": _memory,
-                "soak": _soak}
+                "exporter": _exporter, "soak": _soak}
     for key, section in sections.items():
         if report.get(key):
             lines += section(report[key])

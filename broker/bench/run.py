@@ -16,6 +16,7 @@ import redis
 
 from .. import __version__
 from ..connection import redact
+from ..keys import scan_pattern
 from .docks import BenchDock
 from .options import MODES
 from .pipeline import RunResult, run_pipeline
@@ -125,13 +126,14 @@ def run(args: argparse.Namespace) -> int:
     positive = {"--prompts": args.prompts, "--n": args.n, "--groups-per-call": args.groups_per_call,
                 "--repeat": args.repeat, "--per-stage": args.per_stage, "--sampling-calls": args.sampling_calls,
                 "--clients": args.clients, "--seconds": args.seconds, "--lease-seconds": args.lease_seconds,
-                "--kill-every": args.kill_every}
+                "--kill-every": args.kill_every, "--exporter-docks": args.exporter_docks,
+                "--exporter-scrapes": args.exporter_scrapes}
     bad = [name for name, value in positive.items() if value <= 0] + (["--warmup"] if args.warmup < 0 else [])
     if bad:
         print(f"broker bench: {', '.join(bad)} must be positive", file=sys.stderr)
         return 2
     workload = Workload(prompts=args.prompts, n=args.n, seed=args.seed, groups_per_call=args.groups_per_call)
-    selected = [m for m in MODES if getattr(args, m)] or list(MODES)
+    selected = [m for m in MODES if getattr(args, m)] or ([] if args.exporter else list(MODES))
     prefix = f"bench-{secrets.token_hex(4)}"
     report: dict[str, Any] = {"bench": "broker", "version": __version__}
     if not args.soak:
@@ -193,7 +195,12 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
         _say("memory: the whole batch in the broker, then in the floor")
         opened = openers(url, prefix, workload)
         report["memory"] = measure(url, workload, {
-            "broker": (opened["broker"], f"td:{{{prefix}-broker}}:*"),
+            "broker": (opened["broker"], scan_pattern(f"{prefix}-broker")),
             "redis-floor": (opened["redis-floor"], f"bench:{{{prefix}-floor}}:*"),
         })
+    if args.exporter:
+        from .exporter import scrape_cost
+
+        _say(f"exporter: {args.exporter_docks} docks, {args.exporter_scrapes} scrapes")
+        report["exporter"] = scrape_cost(url, f"{prefix}-exporter", args.exporter_docks, args.exporter_scrapes)
     return ok
