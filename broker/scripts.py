@@ -4,9 +4,9 @@ Each wrapper is the single place that knows its script's contract: it builds the
 order the script's header gives, and turns the reply into Python values. The dock calls only these.
 
 A line ``-- @include NAME`` in a script is replaced by ``lua/include/NAME.lua`` so helpers are
-written once. Scripts are sent with EVALSHA through redis-py ``Script`` objects, which load the
-text again when the server answers NOSCRIPT (after a restart or ``SCRIPT FLUSH``); inside a pipeline
-``run_pipeline`` does that.
+written once; an include declares what it needs the same way (see ``expand_includes``). Scripts are
+sent with EVALSHA through redis-py ``Script`` objects, which load the text again when the server
+answers NOSCRIPT (after a restart or ``SCRIPT FLUSH``); inside a pipeline ``run_pipeline`` does that.
 """
 
 from __future__ import annotations
@@ -59,10 +59,45 @@ def lua_dir() -> Path:
 
 @functools.cache
 def script_text(name: str) -> str:
-    """Source of script ``name`` with its includes pasted in."""
+    """Source of script ``name`` with its includes pasted in (see ``expand_includes``)."""
     folder = lua_dir()
-    text = (folder / SCRIPT_FILES[name]).read_text(encoding="utf-8")
-    return _INCLUDE.sub(lambda m: (folder / "include" / f"{m.group(1)}.lua").read_text(encoding="utf-8"), text)
+    return expand_includes((folder / SCRIPT_FILES[name]).read_text(encoding="utf-8"),
+                           lambda include: (folder / "include" / f"{include}.lua").read_text(encoding="utf-8"))
+
+
+class IncludeError(Exception):
+    """A Lua include is missing or includes itself, directly or not (a packaging or editing mistake)."""
+
+
+def expand_includes(text: str, read: Callable[[str], str]) -> str:
+    """``text`` with each ``-- @include NAME`` line replaced by ``read(NAME)``, itself expanded.
+
+    An include declares what it needs with the same lines, so a script names only what it calls.
+    Each include is pasted once per script, where it is first needed, after what it needs (Lua
+    ``local function``s must be defined above their callers); a later mention pastes nothing. A
+    cycle or a missing include raises IncludeError naming the chain.
+    """
+    pasted: set[str] = set()
+
+    def expand(source: str, chain: tuple[str, ...]) -> str:
+        def paste(match: re.Match[str]) -> str:
+            include = match.group(1)
+            if include in chain:
+                raise IncludeError(f"Lua includes form a cycle: {' -> '.join((*chain, include))}")
+            if include in pasted:
+                return ""
+            try:
+                body = read(include)
+            except FileNotFoundError:
+                via = f" (needed by {' -> '.join(chain)})" if chain else ""
+                raise IncludeError(f"Lua include {include!r} not found{via}") from None
+            body = expand(body, (*chain, include))
+            pasted.add(include)
+            return body
+
+        return _INCLUDE.sub(paste, source)
+
+    return expand(text, ())
 
 
 #: Redis 7 script flag letting a script write when the server is at ``maxmemory``. Without it a full

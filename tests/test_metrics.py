@@ -36,7 +36,8 @@ def test_puts_and_gets_are_timed_and_counted(make_dock, registry):
 
     batch, rows = dock.get_experience("actor_train", ["prompts"], 2, lease=30)
     assert sample(registry, "broker_client_rows_total", dock="grpo", op="get") == 2
-    assert sample(registry, "broker_client_bytes_total", dock="grpo", op="get") == prompt_bytes / 4 * 2  # 2 of the 4 rows
+    got_bytes = sample(registry, "broker_client_bytes_total", dock="grpo", op="get")
+    assert got_bytes == prompt_bytes / 4 * 2  # 2 of the 4 rows
     dock.get_experience("actor_train", ["prompts"], 8)  # too few rows: empty
     assert sample(registry, "broker_client_call_seconds_count", dock="grpo", op="get", outcome="empty") == 1
     assert sample(registry, "broker_client_call_seconds_count", dock="grpo", op="get", outcome="ok") == 1

@@ -6,6 +6,9 @@ is limited to a few thousand values. Bit offsets follow Redis: bit 0 is the high
 ]]
 
 local BITFIELD_CHUNK = 1200   -- sub-commands per BITFIELD call
+-- Values per unpack(): Lua 5.1's unpack() pushes every value on the C stack, whose limit
+-- (LUAI_MAXCSTACK, 8000) a command with more arguments would pass.
+local UNPACK_CHUNK = 1000
 
 -- The first of KEYS[first..last] holding another type than `expected` (a missing key is fine),
 -- as a CORRUPT error message for redis.error_reply, or nil. Scripts are not rolled back on error,
@@ -48,8 +51,8 @@ end
 -- limited to a few thousand values); returns the sum of the integer replies.
 local function call_in_chunks(command, key, values)
   local total = 0
-  for first = 1, #values, 1000 do
-    total = total + redis.call(command, key, unpack(values, first, math.min(first + 999, #values)))
+  for first = 1, #values, UNPACK_CHUNK do
+    total = total + redis.call(command, key, unpack(values, first, math.min(first + UNPACK_CHUNK - 1, #values)))
   end
   return total
 end
@@ -57,8 +60,8 @@ end
 -- HMGET of `fields` of hash `key`, in chunks like call_in_chunks; returns the values in order.
 local function hmget_in_chunks(key, fields)
   local out = {}
-  for first = 1, #fields, 1000 do
-    local got = redis.call('HMGET', key, unpack(fields, first, math.min(first + 999, #fields)))
+  for first = 1, #fields, UNPACK_CHUNK do
+    local got = redis.call('HMGET', key, unpack(fields, first, math.min(first + UNPACK_CHUNK - 1, #fields)))
     for i = 1, #got do out[#out + 1] = got[i] end
   end
   return out

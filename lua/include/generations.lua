@@ -1,4 +1,4 @@
---[[ generations: the read fence, pasted in by `-- @include generations` (after bits).
+--[[ generations: the read fence, pasted in by `-- @include generations`.
 
 Handing rows out (a script) and reading their bytes (HMGET) are two round trips, and a clear can land
 between them. So every row has a generation, and the dock an epoch: a whole clear bumps the epoch
@@ -11,6 +11,7 @@ batch's). Both only ever grow (a u32 wraps after 2^32 clears of one row, not wit
 so values unchanged after the read mean no clear came between handout and read, as a seqlock reader
 concludes.
 ]]
+-- @include bits
 
 -- The epoch of the dock: 0 before the first whole clear.
 local function epoch_of(key)

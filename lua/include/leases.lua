@@ -1,4 +1,4 @@
---[[ leases: at-least-once delivery, pasted in by `-- @include leases` (after bits).
+--[[ leases: at-least-once delivery, pasted in by `-- @include leases`.
 
 A leased row is marked consumed like any other, and also listed in two keys of its consumer:
 td:{NAME}:leases:CONSUMER, a sorted set (member = row, score = deadline in ms of server time), and
@@ -13,6 +13,7 @@ Tokens of calls that handed out whole groups start with 'g'. When such a lease e
 comes back, its already acked rows included: group sampling offers only groups with no row out, so
 giving back half a group would strand it. Rows handed out one by one come back one by one.
 ]]
+-- @include bits
 
 -- Milliseconds of server time: one clock for every client, whatever their own clocks say.
 local function now_ms()
@@ -28,9 +29,9 @@ end
 
 -- Lists `rows` in `leases` with deadline `deadline` (ms) under `token`, replacing any lease they had.
 local function lease_rows(leases, tokens, rows, deadline, token)
-  for first = 1, #rows, 1000 do
+  for first = 1, #rows, UNPACK_CHUNK do
     local scored, owned = {}, {}
-    for i = first, math.min(first + 999, #rows) do
+    for i = first, math.min(first + UNPACK_CHUNK - 1, #rows) do
       scored[#scored + 1] = deadline; scored[#scored + 1] = rows[i]
       owned[#owned + 1] = rows[i]; owned[#owned + 1] = token
     end
