@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from broker import TransferDock
-from tests.servers import RedisServer, in_ci, redis62_binary, redis_server_binary
+from broker.local_redis import RedisServer
+from tests.helpers import in_ci, redis62_binary, redis_server_binary
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +37,13 @@ def real_url():
         pytest.skip("redis-server is not installed")
     with RedisServer() as server:
         yield server.url
+
+
+@pytest.fixture
+def url(real_url):
+    """The real server's URL, its database emptied: for tests that open docks from a URL (CLI, exporter)."""
+    redis.Redis.from_url(real_url).flushdb()
+    return real_url
 
 
 @pytest.fixture(scope="session")

@@ -17,12 +17,6 @@ from broker.cli import main
 pytestmark = pytest.mark.real
 
 
-@pytest.fixture
-def url(real_url):
-    redis.Redis.from_url(real_url).flushdb()
-    return real_url
-
-
 def make(url: str, name: str) -> TransferDock:
     dock = TransferDock(url, name, prompts_num=2, n_samples_per_prompt=2, columns=["prompts", "responses"],
                         consumers=["actor_train"])

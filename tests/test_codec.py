@@ -11,22 +11,9 @@ import torch
 
 from broker import DecodeError, InvalidExperienceError
 from broker.codec import DTYPES, decode, decode_rows, encode, encode_rows, encode_stacked
+from tests.helpers import bits, random_tensor
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (2, 3, 4)]
-
-
-def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """Random raw bits of ``dtype``: every bit pattern, NaNs and infinities included."""
-    g = torch.Generator().manual_seed(seed)
-    nbytes = torch.empty((), dtype=dtype).element_size() * int(torch.tensor(shape).prod().item() if shape else 1)
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-    if dtype is torch.bool:
-        raw = raw % 2
-    return raw.view(dtype).reshape(shape)
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))

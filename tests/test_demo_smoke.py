@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import in_ci, redis_server_binary
+from tests.helpers import in_ci, redis_server_binary
 
 pytest.importorskip("ray")
 

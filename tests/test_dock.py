@@ -27,18 +27,12 @@ from broker import (
 )
 from broker.codec import DTYPES
 from broker.keys import DockKeys
-from tests.test_codec import bits, random_tensor
+from tests.helpers import bits, fill, random_tensor
 
 
 def rows_of(n_rows: int, width: int = 3, offset: int = 0) -> list[torch.Tensor]:
     """Distinct per-row tensors of varying length: row i holds values 100*(i+offset)..."""
     return [torch.arange(width + i % 3, dtype=torch.int64) + 100 * (i + offset) for i in range(n_rows)]
-
-
-def fill(dock: TransferDock, columns=None, rows=None) -> None:
-    rows = list(range(dock.capacity)) if rows is None else rows
-    for col in columns or dock.columns:
-        dock.put_experience({col: [torch.tensor([r, len(col)]) for r in rows]}, indexes=rows)
 
 
 # -- creation and schema ------------------------------------------------------------------------
@@ -496,7 +490,7 @@ def test_dock_from_a_client_without_url_refuses_to_pickle():
 @pytest.mark.real
 def test_vanished_server_raises_connection_error(monkeypatch):
     from broker.connection import default_retry
-    from tests.servers import RedisServer
+    from broker.local_redis import RedisServer
 
     sockets = []
     open_socket = redis.Connection._connect

@@ -17,15 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker import TransferDock
 from broker.exporter import serve
-from tests.servers import RedisServer, free_port
+from broker.local_redis import RedisServer, free_port
+from tests.helpers import cli_output
 
 pytestmark = pytest.mark.real
-
-
-@pytest.fixture
-def url(real_url):
-    redis.Redis.from_url(real_url).flushdb()
-    return real_url
 
 
 def scrape(server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -229,23 +224,11 @@ def test_unreachable_redis_is_broker_up_0_not_an_http_error():
         server.close()
 
 
-def _cli_output(argv: list[str]) -> str:
-    import contextlib
-    import io
-
-    from broker.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(argv) == 0
-    return out.getvalue().strip()
-
-
 def test_the_reader_acl_user_gets_every_metric_and_can_write_nothing():
     with RedisServer() as server:
         make(server.url, "grpo").put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
         admin = server.client()
-        admin.execute_command(*_cli_output(["acl", "--reader", "--user", "watcher", "--password", "pw"]).split())
+        admin.execute_command(*cli_output(["acl", "--reader", "--user", "watcher", "--password", "pw"]).split())
         client = redis.Redis.from_url(f"redis://watcher:pw@127.0.0.1:{server.port}/0")
         http = serve(client, where=server.url, port=0, addr="127.0.0.1", memory_keys=1000)
         try:
@@ -267,7 +250,7 @@ def test_a_user_without_memory_usage_still_gets_the_counts():
     with RedisServer() as server:
         make(server.url, "grpo").put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
         admin = server.client()
-        rules = _cli_output(["acl", "--reader", "--user", "watcher", "--password", "pw"]).split()
+        rules = cli_output(["acl", "--reader", "--user", "watcher", "--password", "pw"]).split()
         admin.execute_command(*rules, "-memory")
         client = redis.Redis.from_url(f"redis://watcher:pw@127.0.0.1:{server.port}/0")
         http = serve(client, where=server.url, port=0, addr="127.0.0.1")

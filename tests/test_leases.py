@@ -12,7 +12,7 @@ import redis
 import torch
 
 from broker import InvalidExperienceError, TransferDock, UnknownConsumerError
-from tests.test_dock import fill
+from tests.helpers import fill
 
 
 def test_leased_rows_stay_out_until_acked(make_dock):

@@ -12,7 +12,7 @@ import redis
 import torch
 
 from broker import TransferDock
-from tests.test_dock import fill
+from tests.helpers import fill
 
 pytestmark = pytest.mark.real
 

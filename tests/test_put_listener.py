@@ -13,8 +13,8 @@ import redis
 import torch
 
 from broker import TransferDock
+from broker.local_redis import RedisServer
 from broker.put_listener import PutListener
-from tests.servers import RedisServer
 
 CHANNEL = "td:{w}:events"
 

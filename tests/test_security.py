@@ -11,7 +11,8 @@ import redis
 import torch
 
 from broker import BrokerConnectionError, RedisCommandError, TransferDock
-from tests.servers import RedisServer
+from broker.local_redis import RedisServer
+from tests.helpers import cli_output
 
 pytestmark = pytest.mark.real
 
@@ -51,7 +52,7 @@ def test_acl_user_confined_to_one_dock():
         admin = server.client()
         make(server.url, "b").put_experience({"prompts": torch.ones(4, 1)}, indexes=[0, 1, 2, 3])
         # Exactly what `broker acl` prints, as an operator would paste it into redis-cli.
-        command = _cli_output(["acl", "a", "--user", "worker-a", "--password", "pw-a"])
+        command = cli_output(["acl", "a", "--user", "worker-a", "--password", "pw-a"])
         assert command.split()[:4] == ["ACL", "SETUSER", "worker-a", "on"]
         admin.execute_command(*command.split())
         url_a = f"redis://worker-a:pw-a@127.0.0.1:{server.port}/0"
@@ -72,18 +73,6 @@ def test_acl_user_confined_to_one_dock():
             worker.eval("return redis.call('HGETALL', KEYS[1])", 1, "td:{b}:meta")
         assert admin.hlen("td:{b}:data:prompts") == 4  # dock B untouched
         dock_a.delete()
-
-
-def _cli_output(argv: list[str]) -> str:
-    import contextlib
-    import io
-
-    from broker.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(argv) == 0
-    return out.getvalue().strip()
 
 
 def _certificates(folder: Path) -> dict[str, str]:

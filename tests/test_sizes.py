@@ -12,7 +12,8 @@ import redis
 import torch
 
 from broker import ExperienceTooLargeError, InvalidExperienceError, TransferDock
-from tests.servers import RedisServer, redis62_binary, redis_server_binary
+from broker.local_redis import RedisServer
+from tests.helpers import redis62_binary, redis_server_binary
 
 pytestmark = pytest.mark.real
 

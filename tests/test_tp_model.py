@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.servers import free_port
+from broker.local_redis import free_port
 from workers.model import (
     ModelConfig,
     TransformerLM,

@@ -19,17 +19,11 @@ import torch
 
 from broker import TransferDock
 from broker.connection import redis_errors
+from broker.local_redis import free_port
 from broker.status import Survey
 from broker.watch import counts, rates, watch
-from tests.servers import free_port
 
 pytestmark = pytest.mark.real
-
-
-@pytest.fixture
-def url(real_url):
-    redis.Redis.from_url(real_url).flushdb()
-    return real_url
 
 
 def make(url: str, name: str = "grpo") -> TransferDock:
