@@ -14,7 +14,7 @@ import json
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .acl import reader_rules, worker_rules
 from .connection import connect, default_url, disconnect, redact, redis_errors
@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return args.run(args)
+        return run(args)
     except BrokerError as exc:
         print(f"broker: {exc}", file=sys.stderr)
         return 1

@@ -82,7 +82,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         ) from None
 
 
-def _dense_cpu(tensor: Any) -> torch.Tensor:
+def _dense_cpu(tensor: object) -> torch.Tensor:
     """``tensor`` as a plain strided CPU tensor the codec can copy, or InvalidExperienceError saying why not.
 
     Torch has many kinds of tensors that hold no plain array of numbers (meta, sparse, nested,
@@ -151,7 +151,7 @@ def encode(tensor: torch.Tensor) -> bytes:
         raise InvalidExperienceError(f"cannot store a {_type_name(tensor)} ({exc})") from None
     # Bytes, not a memoryview: redis-py would copy a memoryview into bytes once more before sending.
     # join reads the contiguous array through the buffer protocol: the payload's one copy.
-    return b"".join((prefix, array))
+    return b"".join((prefix, array))  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs say so only on 3.12+
 
 
 def encode_rows(rows: Sequence[Any]) -> list[bytes]:
@@ -187,7 +187,7 @@ def encode_stacked(tensor: torch.Tensor) -> list[bytes]:
         raise InvalidExperienceError("a stacked tensor needs a row dimension, got a 0-d tensor")
     try:
         array = tensor.numpy()
-        flat = memoryview(array).cast("B")  # refuses non-contiguous arrays
+        flat = memoryview(array).cast("B")  # type: ignore[arg-type]  # (as in encode) refuses non-contiguous arrays
         prefix = _ENCODED_PREFIXES[tensor.dtype, array.shape[1:]]
     except (KeyError, RuntimeError, TypeError):
         return encode_rows(tensor.unbind(0))  # caches the prefix; bfloat16, GPU and strided tensors land here

@@ -6,8 +6,8 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import redis
@@ -23,6 +23,8 @@ from .errors import (
     SchemaError,
     StoreFullError,
 )
+
+T = TypeVar("T")
 
 #: Where tools look when no URL is given.
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -41,7 +43,13 @@ class _ReconnectRetry(Retry):
     retry loop is marked, and the loops around it pass it on at once.
     """
 
-    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[[Exception], Any] | Callable[[Exception, int], Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
         def retryable(error: Exception) -> bool:
             if getattr(error, _RETRIED, False):
                 return False
@@ -77,7 +85,7 @@ class _RetryingPool(redis.BlockingConnectionPool):
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         def get() -> Any:
             try:
-                return super(_RetryingPool, self).get_connection(*args, **kwargs)
+                return super(_RetryingPool, self).get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
             except redis.ConnectionError as exc:
                 if str(exc) == "No connection available.":  # BlockingConnectionPool's wait ran out
                     raise _PoolExhausted(
@@ -189,11 +197,11 @@ def value_limit(client: redis.Redis) -> tuple[int, str]:
         limits = dict(DEFAULT_VALUE_LIMITS)
         for name in limits:
             try:
-                limits[name] = int(client.config_get(name).get(name, limits[name]))
+                limits[name] = int(client.config_get(name).get(name) or limits[name])
             except (redis.ResponseError, ValueError, TypeError):  # refused, unknown command, odd reply
                 pass
         limits["client-query-buffer-limit"] -= 2
-        setting = min(limits, key=limits.get)
+        setting = min(limits, key=lambda name: limits[name])
         known = _value_limits[client] = (limits[setting], setting)
     return known
 
@@ -213,7 +221,7 @@ def url_of(client: redis.Redis) -> str | None:
     return None
 
 
-def _auth(kwargs: dict) -> str:
+def _auth(kwargs: dict[str, Any]) -> str:
     user, password = kwargs.get("username"), kwargs.get("password")
     if not password:
         return ""

@@ -7,7 +7,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 import torch
@@ -102,7 +102,8 @@ class TransferDock:
         dock = cls.__new__(cls)
         dock._open(url_or_client, name, policy, seed)
         with dock._closed_on_error():
-            meta = dock._run(lambda: dock._client.hgetall(dock._keys.meta))
+            # bytes, not str: connect() refuses clients that decode responses
+            meta = cast("dict[bytes, bytes]", dock._run(lambda: dock._client.hgetall(dock._keys.meta)))
             if not meta:
                 raise DockNotFoundError(f"no dock named {name!r} at {dock._server}")
             dock._set_schema(Schema.from_meta(meta, where=dock._keys.meta), fingerprint(meta))
@@ -152,7 +153,7 @@ class TransferDock:
         listener = getattr(self, "_listener", None)  # absent when opening failed early
         if listener is not None:
             listener.close()
-        if self._owns_client:
+        if self._owns_client and self._url is not None:
             disconnect(self._url)
 
     def __enter__(self) -> TransferDock:
@@ -235,7 +236,7 @@ class TransferDock:
 
             def transaction(pipe: redis.client.Pipeline) -> None:
                 for col, mapping in encoded.items():
-                    pipe.hset(self._keys.data(col), mapping=mapping)
+                    pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
                 self._scripts.put(pipe, list(encoded), runs)
 
             def put() -> None:
@@ -289,6 +290,7 @@ class TransferDock:
             check_timeout(timeout)
             lease_ms = check_lease(lease)
             groups = check_flag("get_n_samples", get_n_samples)
+            got: tuple[Batch, list[int]] | None
             if indexes is not None:
                 rows = self._check.rows(indexes)
                 self._check.take_count(experience_count, rows)
@@ -317,8 +319,8 @@ class TransferDock:
                 got = self._scripts.take(consumer, columns, runs, lease_ms=lease_ms, token=token)
                 if not isinstance(got, Handout):
                     for col, cells in got.items():  # the script goes by runs; report in the caller's order
-                        cells = set(cells)
-                        missing[col] = [r for r in rows if r in cells]
+                        unwritten = set(cells)
+                        missing[col] = [r for r in rows if r in unwritten]
                     return None
                 batch = self._read(columns, rows, got, call)
                 if batch is not None:

@@ -22,6 +22,7 @@ Three layouts appear below, shown for the column ``"prompts"`` with rows ``[1, 1
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,7 +65,7 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def _require_non_empty(name: str, mapping: object) -> Mapping:
+def _require_non_empty(name: str, mapping: object) -> Mapping[Any, Any]:
     if not isinstance(mapping, Mapping):
         raise InvalidExperienceError(f"{name} must be a dict of columns, got {type(mapping).__name__}")
     if not mapping:

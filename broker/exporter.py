@@ -188,8 +188,8 @@ class DockCollector:
         memory = gauge("broker_dock_memory_bytes", "Redis memory of the dock's keys, sampled (see README)", ["dock"])
         for name, status in docks:
             if isinstance(status, BrokerError):
-                kind = (name, type(status).__name__)
-                self._errors[kind] = self._errors.get(kind, 0) + 1
+                found = (name, type(status).__name__)
+                self._errors[found] = self._errors.get(found, 0) + 1
                 dock_up.add_metric([name], 0)
                 continue
             dock_up.add_metric([name], 1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-class LeasedRows(list):
+class LeasedRows(list[int]):
     """Row indexes handed out under a lease, with the lease's ``token`` and ``consumer``.
 
     It is a plain list in every other way (compares, indexes, pickles and crosses Ray as one), so
@@ -20,7 +20,7 @@ class LeasedRows(list):
         self.token = token
         self.consumer = consumer
 
-    def __reduce__(self):  # list's default pickling would drop the slots
+    def __reduce__(self) -> tuple[type[LeasedRows], tuple[list[int], str, str]]:  # list's would drop the slots
         return LeasedRows, (list(self), self.token, self.consumer)
 
     def __repr__(self) -> str:

@@ -147,7 +147,8 @@ class PutListener:
                     # AttributeError on the torn-down connection). The waiters
                     # try again now, which reports a lasting fault to them through their own calls;
                     # the listener starts a fresh subscription after a pause.
-                    pubsub = _close_quietly(pubsub)
+                    _close_quietly(pubsub)
+                    pubsub = None
                     self._wake(subscribed=False)
                     time.sleep(backoff)
                     backoff = min(2 * backoff, 1.0)
@@ -166,4 +167,3 @@ def _close_quietly(pubsub: Any) -> None:
             pubsub.close()
         except (redis.RedisError, OSError):
             pass
-    return None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -48,12 +49,14 @@ class Schema:
                 raise SchemaError(f"duplicate {kind} names: {dupes}")
 
     @classmethod
-    def build(cls, prompts_num: int, n_samples_per_prompt: int, columns, consumers) -> Schema:
-        """Schema from user arguments (any sequences of names)."""
-        def as_tuple(names):  # a bare string stays one, so validation can name the mistake
+    def build(
+        cls, prompts_num: Any, n_samples_per_prompt: Any, columns: Iterable[str], consumers: Iterable[str]
+    ) -> Schema:
+        """Schema from user arguments (any sequences of names); ``__post_init__`` checks them."""
+        def as_tuple(names: Iterable[str]) -> Any:  # a bare string stays one, so validation can name the mistake
             return names if isinstance(names, str) else tuple(names)
 
-        def as_int(value):  # numpy integers are ints too; bools and floats are left for the check to name
+        def as_int(value: Any) -> Any:  # numpy integers are ints too; bools and floats are left for the check to name
             if isinstance(value, np.integer) and not isinstance(value, np.bool_):
                 return operator.index(value)
             return value

@@ -203,7 +203,7 @@ class DockScripts:
         lease_ms: int, reply_ttl_ms: int, request_id: str, token: str,
     ) -> Handout | None:
         """Pick ``count`` units (groups or rows) for ``consumer`` and mark them; None if too few qualify."""
-        k, schema = self._keys, self._schema
+        k, schema = self._keys, self._bound
         status = k.group_ready if groups else k.ready
         keys = [k.meta, k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.tokens(consumer),
                 k.redelivered(consumer), k.reply(request_id), k.scratch, k.epoch, k.generations,
@@ -266,18 +266,24 @@ class DockScripts:
 
     def clear(self, rows: Sequence[int]) -> int:
         """Forget ``rows`` (all rows when empty); returns the cells removed from data hashes."""
-        k, schema = self._keys, self._schema
+        k, schema = self._keys, self._bound
         keys = [k.meta, k.epoch, k.generations]
-        for kind in (k.data, k.ready, k.group_ready):
-            keys += [kind(c) for c in schema.columns]
-        for kind in (k.consumed, k.group_taken, k.leases, k.tokens, k.redelivered):
-            keys += [kind(c) for c in schema.consumers]
+        per_column: tuple[Callable[[str], str], ...] = (k.data, k.ready, k.group_ready)
+        per_consumer: tuple[Callable[[str], str], ...] = (k.consumed, k.group_taken, k.leases, k.tokens, k.redelivered)
+        keys += [kind(c) for kind in per_column for c in schema.columns]
+        keys += [kind(c) for kind in per_consumer for c in schema.consumers]
         args = [self._expected, len(schema.columns), len(schema.consumers), self._n, *rows]
         return int(self._call("clear", keys, args))
 
     @property
+    def _bound(self) -> Schema:
+        if self._schema is None:  # a programming error of the dock, not of its user
+            raise RuntimeError("DockScripts.bind was not called before a script that needs the schema")
+        return self._schema
+
+    @property
     def _n(self) -> int:
-        return self._schema.n_samples_per_prompt
+        return self._bound.n_samples_per_prompt
 
 
 class StatusScript:

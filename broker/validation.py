@@ -8,7 +8,7 @@ dock's schema (its rows, columns and consumers) are methods of :class:`DockCheck
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,7 @@ def check_timeout(timeout: Any) -> float | None:
     """Seconds to wait for puts: None (do not wait), a number >= 0, or ``float("inf")``."""
     if timeout is not None and not (is_number(timeout) and timeout >= 0):
         raise InvalidExperienceError(f"timeout must be None or a number >= 0, got {timeout!r}")
-    return timeout
+    return None if timeout is None else float(timeout)
 
 
 def check_lease(lease: Any) -> int:
@@ -110,7 +110,7 @@ def encode_column(column: str, value: Any, count: int) -> list[bytes]:
                 f"column {column!r}: stacked tensor of shape {tuple(value.shape)} has {value.shape[0]} rows "
                 f"for {count} indexes"
             )
-        encode = codec.encode_stacked
+        encode: Callable[[Any], list[bytes]] = codec.encode_stacked
     elif not isinstance(value, (list, tuple)):
         raise InvalidExperienceError(
             f"column {column!r}: expected a tensor or a list of tensors, got {type(value).__name__}"
@@ -187,11 +187,11 @@ class DockChecks:
         """The ``experience_columns`` of a read: a non-empty list of distinct column names."""
         if not isinstance(columns, (list, tuple)) or not columns:
             raise InvalidExperienceError("experience_columns must be a non-empty list of column names")
-        columns = list(columns)
-        self.columns(columns)
-        if len(set(columns)) != len(columns):
-            raise InvalidExperienceError(f"experience_columns lists a column twice: {columns}")
-        return columns
+        names: list[str] = list(columns)
+        self.columns(names)
+        if len(set(names)) != len(names):
+            raise InvalidExperienceError(f"experience_columns lists a column twice: {names}")
+        return names
 
     def consumer(self, consumer: Any) -> str:
         """One of the dock's consumers."""
@@ -206,16 +206,16 @@ class DockChecks:
         n, capacity = self._schema.n_samples_per_prompt, self._schema.capacity
         if not is_int(count) or count < 1:
             raise InvalidExperienceError(f"experience_count must be a positive int, got {count!r}")
-        count = int(count)
-        if count > capacity:
-            raise InvalidExperienceError(f"experience_count {count} exceeds the dock's {capacity} rows")
+        rows = int(count)
+        if rows > capacity:
+            raise InvalidExperienceError(f"experience_count {rows} exceeds the dock's {capacity} rows")
         if not groups:
-            return count
-        if count % n:
+            return rows
+        if rows % n:
             raise InvalidExperienceError(
-                f"experience_count {count} must be a multiple of n_samples_per_prompt={n} with get_n_samples"
+                f"experience_count {rows} must be a multiple of n_samples_per_prompt={n} with get_n_samples"
             )
-        return count // n
+        return rows // n
 
     @staticmethod
     def take_count(count: Any, rows: list[int]) -> None:

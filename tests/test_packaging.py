@@ -1,4 +1,4 @@
-"""A wheel built from this tree carries the Lua scripts, and a non-editable install finds them."""
+"""A wheel built from this tree carries the Lua scripts and py.typed, and a non-editable install finds them."""
 
 from __future__ import annotations
 
@@ -32,8 +32,11 @@ def test_non_editable_install_finds_the_lua_scripts(tmp_path):
     assert build.returncode == 0, build.stderr[-2000:]
     wheel = next(tmp_path.glob("*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for script in ("create", "put", "sample", "take", "clear"):
-        assert f"broker/lua/{script}.lua" in names
+    from broker.scripts import SCRIPT_FILES
+
+    for file in SCRIPT_FILES.values():
+        assert f"broker/lua/{file}" in names
+    assert "broker/py.typed" in names  # type checkers of users' code read the package's annotations
     assert "broker/lua/include/bits.lua" in names
 
     site = tmp_path / "site"

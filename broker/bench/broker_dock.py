@@ -21,7 +21,7 @@ class BrokerDock:
 
     def get(self, consumer: str, columns: tuple[str, ...], count: int) -> tuple[Rows, list[int]]:
         batch, rows = self.dock.get_experience(consumer, list(columns), count)
-        if rows is None:
+        if batch is None or rows is None:
             raise SampleError(f"{consumer}: fewer than {count} rows ready in {columns}")
         return batch, rows
 

@@ -44,7 +44,7 @@ def _stage_process(url: str, name: str, params: dict[str, Any], stage_name: str,
     count = stage.count
     while not dock.all_consumed(stage.name):
         batch, rows = dock.get_experience(stage.name, list(stage.reads), count, timeout=_WAIT)
-        if rows is None:
+        if batch is None or rows is None:
             # The batch may end in a smaller call, when its rows are not a multiple of the call size.
             left = workload.capacity - dock.status()["consumers"][stage.name]["consumed"]
             count = min(stage.count, left) if left > 0 else stage.count
@@ -63,7 +63,9 @@ def _stage_process(url: str, name: str, params: dict[str, Any], stage_name: str,
     out.put({"stage": stage_name, "end": last, "rows": checks.rows, "calls": calls, "busy": busy})
 
 
-def run_concurrent(url: str, name: str, workload: Workload, per_stage: int = 2, timeout: float = 600.0) -> dict:
+def run_concurrent(
+    url: str, name: str, workload: Workload, per_stage: int = 2, timeout: float = 600.0
+) -> dict[str, Any]:
     """Run the batch with all stages at once; returns wall seconds, per-stage figures and checksums."""
     dock = TransferDock(dock_target(url), name, prompts_num=workload.prompts, n_samples_per_prompt=workload.n,
                         columns=list(COLUMNS), consumers=list(workload.consumers))
@@ -85,7 +87,7 @@ def run_concurrent(url: str, name: str, workload: Workload, per_stage: int = 2, 
             data = workload.prompt_rows(rows)
             dock.put_experience(data, indexes=rows)
             checks.add("load", data, rows)
-        reports = []
+        reports: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
         while len(reports) < len(procs):
             try:

@@ -61,7 +61,8 @@ class LocalStatus:
         if len(free) * self.n < count:
             raise SampleError(f"{consumer}: {len(free) * self.n} rows ready in {columns}, asked for {count}")
         self.taken[consumer][free] = True
-        return (free[:, None] * self.n + np.arange(self.n)).reshape(-1).tolist()
+        rows: list[int] = (free[:, None] * self.n + np.arange(self.n)).reshape(-1).tolist()
+        return rows
 
     def reset(self) -> None:
         for flags in (*self.ready.values(), *self.taken.values()):

@@ -30,7 +30,7 @@ class _CountingConnection(redis.Connection):
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         type(self).sends += 1
-        super().send_packed_command(command, check_health)
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
 
 
 def _server_usec(client: redis.Redis) -> dict[str, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -26,11 +27,11 @@ def _key_usage(client: redis.Redis, pattern: str) -> int:
     return sum(int(client.memory_usage(k, samples=0) or 0) for k in client.scan_iter(match=pattern, count=1000))
 
 
-def measure(url: str, workload: Workload, systems: dict[str, tuple[Callable[[], BenchDock], str]]) -> dict:
+def measure(url: str, workload: Workload, systems: dict[str, tuple[Callable[[], BenchDock], str]]) -> dict[str, Any]:
     """``systems``: name -> (open the system, SCAN pattern of its keys). Runs the batch once in each."""
     client = redis.Redis.from_url(url)
     payload = workload.payload_bytes()
-    out: dict = {"payload_bytes": payload, "systems": {}}
+    out: dict[str, Any] = {"payload_bytes": payload, "systems": {}}
     try:
         for name, (open_dock, pattern) in systems.items():
             gc.collect()

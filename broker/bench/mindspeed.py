@@ -33,7 +33,9 @@ class MindSpeedTransferDock:
         self.n_samples_per_prompt = n_samples_per_prompt
         self.max_len = prompts_num * n_samples_per_prompt
         self.experience_columns = list(experience_columns) if experience_columns is not None else []
-        self.experience_data = {key: [None for _ in range(self.max_len)] for key in self.experience_columns}
+        self.experience_data: dict[str, list[Any]] = {
+            key: [None for _ in range(self.max_len)] for key in self.experience_columns
+        }
         self.experience_data_status = {
             key: torch.zeros(self.max_len, dtype=torch.int32) for key in self.experience_columns
         }
@@ -55,7 +57,7 @@ class MindSpeedTransferDock:
         if max(indexes) >= self.max_len:
             raise ValueError(f"index {max(indexes)} out of range {self.max_len}")
         self._wait_for_data(experience_columns, indexes)
-        experience = []
+        experience: list[list[torch.Tensor]] = []
         for single_column in experience_columns:
             if len(indexes) == 1:
                 experience.append([self.experience_data[single_column][indexes[0]]])
@@ -97,14 +99,14 @@ class MindSpeedGRPOTransferDock(MindSpeedTransferDock):
 
     def get_experience(self, consumer: str, experience_columns: list[str], experience_count: int | None = None,
                        dp_size: int = 1, indexes: list[int] | None = None, get_n_samples: bool = True,
-                       use_batch_seqlen_balance: bool = False) -> tuple[dict[str, torch.Tensor] | None, list | None]:
+                       use_batch_seqlen_balance: bool = False) -> tuple[Any, list[int] | None]:
         if consumer not in self.experience_consumers:
             raise ValueError(f"get experience ERROR: {consumer} not in TD experience_consumers")
         for experience_column in experience_columns:
             if experience_column not in self.experience_columns:
                 raise ValueError(f"get experience ERROR: {experience_column} not in TD experience_column")
         if indexes is None:
-            if experience_count > self.max_len:
+            if experience_count is None or experience_count > self.max_len:
                 raise ValueError(f"TD max_len: {self.max_len} need > experience_count: {experience_count}")
             if get_n_samples:
                 indexes = self._sample_ready_index_n_samples(consumer, experience_count, experience_columns)
@@ -125,15 +127,16 @@ class MindSpeedGRPOTransferDock(MindSpeedTransferDock):
                        is_prompt: bool = False) -> None:
         if not indexes:
             raise ValueError("put experience into TD without indexes, indexes must be provided")
-        data_dict = remove_padding_tensor_dict_to_dict(data_dict)
-        experience_columns, experience = trans_input_to_experience(data_dict)
+        experience_columns, experience = trans_input_to_experience(remove_padding_tensor_dict_to_dict(data_dict))
         self._put(experience_columns, experience, indexes)
 
-    def _sample_ready_index(self, consumer: str, experience_count: int, experience_columns: list[str]) -> list | None:
+    def _sample_ready_index(
+        self, consumer: str, experience_count: int, experience_columns: list[str]
+    ) -> list[int] | None:
         with self.consumer_sampling_lock[consumer]:
             not_consumed_indexes = self.experience_consumer_status[consumer] == 0
             data_ready_indexes = torch.all(
-                torch.stack([self.experience_data_status.get(c) == 1 for c in experience_columns]), dim=0
+                torch.stack([self.experience_data_status[c] == 1 for c in experience_columns]), dim=0
             )
             usable_indexes = (not_consumed_indexes & data_ready_indexes).nonzero(as_tuple=True)[0]
             if len(usable_indexes) < experience_count:
@@ -143,7 +146,7 @@ class MindSpeedGRPOTransferDock(MindSpeedTransferDock):
         return sampled_indexes
 
     def _sample_ready_index_n_samples(self, consumer: str, experience_count: int,
-                                      experience_columns: list[str]) -> list | None:
+                                      experience_columns: list[str]) -> list[int] | None:
         experience_count_n_samples = experience_count // self.n_samples_per_prompt
         with self.consumer_sampling_lock[consumer]:
             # MindSpeed wraps these in torch.tensor(...), a copy that only adds a warning; clone() is the same copy.
@@ -161,7 +164,7 @@ class MindSpeedGRPOTransferDock(MindSpeedTransferDock):
                     torch.reshape(value, (self.prompts_num, self.n_samples_per_prompt)).clone() == 1, dim=1
                 ).int()
             data_ready_indexes = torch.all(
-                torch.stack([experience_data_status_n_samples.get(c) == 1 for c in experience_columns]), dim=0
+                torch.stack([experience_data_status_n_samples[c] == 1 for c in experience_columns]), dim=0
             )
             usable_indexes = (not_consumed_indexes & data_ready_indexes).nonzero(as_tuple=True)[0]
             if len(usable_indexes) < experience_count_n_samples:

@@ -45,7 +45,7 @@ class RayDock:
         self.started_ray = start_ray()
         actor = ray.remote(MindSpeedGRPOTransferDock).options(**ACTOR_OPTIONS)
         self.actor: Any = actor.remote(workload.prompts, workload.n, list(COLUMNS), list(workload.consumers), seed)
-        ray.get(self.actor.all_consumed.remote(workload.consumers[0]))  # wait until the actor is up
+        ray.get(self.actor.all_consumed.remote(workload.consumers[0]))  # type: ignore[union-attr]  # up yet?
 
     def put(self, data: Rows, rows: list[int]) -> None:
         self._ray.get(self.actor.put_experience.remote(data_dict=padding_dict_to_tensor_dict(data), indexes=rows))
@@ -54,7 +54,7 @@ class RayDock:
         batch, rows = self._ray.get(self.actor.get_experience.remote(consumer, list(columns), count))
         if rows is None:
             raise SampleError(f"{consumer}: fewer than {count} rows ready in {columns}")
-        return remove_padding_tensor_dict_to_dict(batch), rows
+        return remove_padding_tensor_dict_to_dict(batch), rows  # type: ignore[return-value]  # lists once unpadded
 
     def reset(self) -> None:
         self._ray.get(self.actor.clear.remote())

@@ -29,7 +29,7 @@ class RedisFloorDock:
         fields = [str(r) for r in rows]
         pipe = self.client.pipeline(transaction=False)
         for col, values in data.items():
-            pipe.hset(self.keys[col], mapping={f: memoryview(v.numpy()).cast("B") for f, v in zip(fields, values)})
+            pipe.hset(self.keys[col], mapping={f: memoryview(v.numpy()).cast("B") for f, v in zip(fields, values)})  # type: ignore[arg-type]
         pipe.execute()
         self.status.mark_ready(list(data), rows)
 

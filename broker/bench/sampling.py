@@ -9,6 +9,7 @@ script comes from ``INFO commandstats`` (differences, so a shared server's count
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import redis
@@ -41,11 +42,12 @@ def _fill(dock: TransferDock, columns: list[str], chunk: int = 8192) -> None:
 
 
 def sampling_latency(url: str, name: str, sizes: tuple[int, ...] = (4096, 16384, 65536), n: int = 8,
-                     columns: int = 16, read_columns: int = 4, calls: int = 300) -> dict:
+                     columns: int = 16, read_columns: int = 4, calls: int = 300) -> dict[str, Any]:
     """Latency per dock size (rows) and policy, with the growth from the smallest to the largest size."""
     cols = [f"c{i:02d}" for i in range(columns)]
     client = redis.Redis.from_url(url)
-    out: dict = {"columns": columns, "read_columns": read_columns, "rows_per_call": n, "calls": calls, "sizes": {}}
+    out: dict[str, Any] = {"columns": columns, "read_columns": read_columns, "rows_per_call": n, "calls": calls,
+                           "sizes": {}}
     try:
         for rows in sizes:
             dock = TransferDock(dock_target(url), f"{name}-{rows}", prompts_num=rows // n, n_samples_per_prompt=n,
@@ -55,7 +57,7 @@ def sampling_latency(url: str, name: str, sizes: tuple[int, ...] = (4096, 16384,
                 t0 = time.perf_counter()
                 _fill(dock, cols)
                 fill = time.perf_counter() - t0
-                per_size: dict = {"fill_seconds": fill}
+                per_size: dict[str, Any] = {"fill_seconds": fill}
                 for policy in POLICIES:
                     times = []
                     dock.get_experience(policy, cols[:read_columns], n, policy=policy)  # warm: script load, connection

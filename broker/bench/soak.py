@@ -100,7 +100,7 @@ def _client(url: str, name: str, params: dict[str, Any], log_path: str, stop: An
         t0 = time.perf_counter()
         batch, rows = dock.get_experience(CONSUMER, [COLUMN], cfg.n, timeout=0.2, lease=lease)
         latency = time.perf_counter() - t0
-        if rows is None:
+        if batch is None or rows is None:
             log(EMPTY, latency=latency)
             continue
         group, gen = rows[0] // cfg.n, int(batch[COLUMN][0][1])
@@ -126,7 +126,9 @@ def _client(url: str, name: str, params: dict[str, Any], log_path: str, stop: An
         log(PUT_DONE, group, gen + 1, time.perf_counter() - t0)
 
 
-def _churn(dock: TransferDock, cfg: SoakConfig, log: _Log, rng: random.Random, gen: int, until: float) -> tuple:
+def _churn(
+    dock: TransferDock, cfg: SoakConfig, log: _Log, rng: random.Random, gen: int, until: float
+) -> tuple[int, int, int]:
     """Clear and refill until ``until``; returns (next generation, whole clears, partial clears)."""
     whole = partial = 0
     while time.monotonic() < until:
@@ -158,7 +160,7 @@ def _read_logs(folder: Path, pattern: str) -> list[tuple[int, int, int, float, f
     return records
 
 
-def run_soak(url: str, name: str, cfg: SoakConfig) -> dict:
+def run_soak(url: str, name: str, cfg: SoakConfig) -> dict[str, Any]:
     """Run the soak and return its figures and accounting; ``ok`` says whether every check passed."""
     from .concurrent import context
 
@@ -255,7 +257,9 @@ def _drain(dock: TransferDock, deadline: float) -> tuple[bool, float]:
     return False, time.monotonic() - start
 
 
-def _account(records: list, driver: list, cfg: SoakConfig, start: float, load_end: float, final: dict) -> dict:
+def _account(
+    records: list[Any], driver: list[Any], cfg: SoakConfig, start: float, load_end: float, final: dict[str, Any]
+) -> dict[str, Any]:
     """The checks and figures from the clients' records and the driver's (rates count the clients only)."""
     clients = records
     records = clients + driver
