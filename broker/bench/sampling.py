@@ -16,10 +16,9 @@ import redis
 import torch
 
 from ..dock import TransferDock
+from ..validation import POLICIES
 from .broker_dock import delete_dock
 from .docks import dock_target
-
-POLICIES = ("fifo", "random")
 
 
 def percentiles(seconds: list[float]) -> dict[str, float]:
