@@ -57,7 +57,26 @@ def test_every_shipped_script_expands_whole():
             assert text.count(marker) <= 1, (name, include)
 
 
-def test_leases_and_generations_declare_that_they_need_bits():
-    folder = lua_dir() / "include"
-    for include in ("leases", "generations"):
-        assert re.search(r"^-- @include bits$", (folder / f"{include}.lua").read_text(), re.MULTILINE)
+#: Top-level names an include defines: ``local function NAME`` and ``local NAME = ...``.
+_DEFINED = re.compile(r"^local (?:function )?(\w+)", re.MULTILINE)
+
+
+def _code(text: str) -> str:
+    """Lua source without its comments, so a helper named in prose does not count as called."""
+    return re.sub(r"--.*$", "", re.sub(r"--\[\[.*?\]\]", "", text, flags=re.DOTALL), flags=re.MULTILINE)
+
+
+def test_each_lua_file_includes_exactly_what_it_calls():
+    # A file must declare every include whose helpers it calls (leases.lua once relied on its scripts
+    # including bits), and only those: what an include needs is for the include to declare, so a
+    # file's list says what the file itself calls and never goes stale when an include changes.
+    folder = lua_dir()
+    includes = {p.stem: p.read_text(encoding="utf-8") for p in (folder / "include").glob("*.lua")}
+    defined = {name: set(_DEFINED.findall(text)) for name, text in includes.items()}
+    files = {f"include/{name}.lua": text for name, text in includes.items()}
+    files |= {file: (folder / file).read_text(encoding="utf-8") for file in SCRIPT_FILES.values()}
+    for path, text in files.items():
+        words = set(re.findall(r"\w+", _code(text)))
+        calls = {name for name, names in defined.items() if path != f"include/{name}.lua" and names & words}
+        declared = set(re.findall(r"^-- @include (\w+)[ \t]*$", text, re.MULTILINE))
+        assert declared == calls, f"{path}: includes {sorted(declared)} but calls helpers of {sorted(calls)}"
