@@ -17,7 +17,7 @@ import redis
 
 from broker import TransferDock
 from broker.local_redis import RedisServer
-from tests.helpers import in_ci, redis62_binary, redis_server_binary
+from tests.helpers import in_ci, redis62_binary, redis_server_binary, small_dock
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +87,6 @@ def make_dock(client):
 
     def make(prompts_num: int = 4, n: int = 2, columns=("prompts", "responses"),
              consumers=("actor_rollout", "actor_train"), name: str | None = None, **kwargs) -> TransferDock:
-        return TransferDock(client, name or f"t{next(_names)}", prompts_num=prompts_num, n_samples_per_prompt=n,
-                            columns=columns, consumers=consumers, **kwargs)
+        return small_dock(client, name or f"t{next(_names)}", prompts_num, n, columns, consumers, **kwargs)
 
     return make

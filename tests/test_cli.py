@@ -13,13 +13,14 @@ import torch
 
 from broker import TransferDock
 from broker.cli import main
+from tests.helpers import small_dock
 
 pytestmark = pytest.mark.real
 
 
 def make(url: str, name: str) -> TransferDock:
-    dock = TransferDock(url, name, prompts_num=2, n_samples_per_prompt=2, columns=["prompts", "responses"],
-                        consumers=["actor_train"])
+    """A dock with three prompts written and two of them consumed: something for status to show."""
+    dock = small_dock(url, name, prompts=2)
     dock.put_experience({"prompts": [torch.ones(2)] * 3}, indexes=[0, 1, 2])
     dock.get_experience("actor_train", ["prompts"], 2)
     return dock

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -15,10 +16,9 @@ import redis
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import TransferDock
 from broker.exporter import serve
 from broker.local_redis import RedisServer, free_port
-from tests.helpers import cli_output
+from tests.helpers import cli_output, small_dock
 
 pytestmark = pytest.mark.real
 
@@ -40,9 +40,8 @@ def value(samples, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
 
 
-def make(url: str, name: str, prompts: int = 4, n: int = 2) -> TransferDock:
-    return TransferDock(url, name, prompts_num=prompts, n_samples_per_prompt=n, columns=["prompts", "responses"],
-                        consumers=["actor_train", "reference"])
+# A second consumer, so that the per-consumer series have more than one value.
+make = functools.partial(small_dock, consumers=("actor_train", "reference"))
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 from pathlib import Path
 
@@ -12,15 +13,15 @@ import torch
 
 from broker import BrokerConnectionError, RedisCommandError, TransferDock
 from broker.local_redis import RedisServer
-from tests.helpers import cli_output
+from tests.helpers import cli_output, small_dock
 
 pytestmark = pytest.mark.real
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make(url: str, name: str) -> TransferDock:
-    return TransferDock(url, name, prompts_num=2, n_samples_per_prompt=2, columns=["prompts"], consumers=["train"])
+# One column and one consumer: all an ACL user needs to exercise every dock operation.
+make = functools.partial(small_dock, prompts=2, columns=("prompts",), consumers=("train",))
 
 
 def exercise(dock: TransferDock) -> None:

@@ -17,18 +17,13 @@ import pytest
 import redis
 import torch
 
-from broker import TransferDock
 from broker.connection import redis_errors
 from broker.local_redis import free_port
 from broker.status import Survey
 from broker.watch import counts, rates, watch
+from tests.helpers import small_dock
 
 pytestmark = pytest.mark.real
-
-
-def make(url: str, name: str = "grpo") -> TransferDock:
-    return TransferDock(url, name, prompts_num=4, n_samples_per_prompt=2, columns=["prompts", "responses"],
-                        consumers=["actor_train"])
 
 
 def test_rates_are_rows_per_second_between_readings():
@@ -58,7 +53,7 @@ class Frames(io.StringIO):
 
 
 def test_piped_output_appends_frames_without_escapes(url):
-    dock = make(url)
+    dock = small_dock(url, "grpo")
     out = Frames()
     client = redis.Redis.from_url(url)
 
@@ -81,7 +76,7 @@ def test_piped_output_appends_frames_without_escapes(url):
 
 
 def test_json_lines_one_per_reading(url):
-    make(url).put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
+    small_dock(url, "grpo").put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
     out = io.StringIO()
     watch(Survey(redis.Redis.from_url(url)), 0.05, out, where=url, as_lines=True, readings=3)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
@@ -98,7 +93,7 @@ def test_an_outage_is_shown_and_the_view_goes_on():
 
 
 def test_under_a_terminal_it_redraws_in_place_and_ends_cleanly_on_ctrl_c(url):
-    dock = make(url)
+    dock = small_dock(url, "grpo")
     parent, child = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, "-m", "broker", "status", "grpo", "--url", url, "--watch", "0.2"],
