@@ -20,6 +20,7 @@ from .acl import reader_rules, worker_rules
 from .connection import connect, default_url, disconnect, redact, redis_errors
 from .dock import TransferDock
 from .errors import BrokerError, DockNotFoundError
+from .exporter import DEFAULT_PORT, MEMORY_KEYS_PER_SCRAPE, serve
 from .status import Survey
 from .watch import as_json, format_reading, watch
 
@@ -53,8 +54,6 @@ def _report(survey: Survey, args: argparse.Namespace, where: str) -> int:
 
 
 def _exporter(args: argparse.Namespace) -> int:
-    from .exporter import serve  # prometheus_client is needed here only
-
     client, _ = connect(args.url)
     where = redact(args.url)
     try:
@@ -145,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Metric names are listed in the README.",
     )
     exporter.add_argument("names", nargs="*", metavar="NAME", help="docks to export (default: every dock)")
-    exporter.add_argument("--port", type=int, default=9808, help="HTTP port (default: %(default)s)")
+    exporter.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default: %(default)s)")
     exporter.add_argument("--addr", default="0.0.0.0", help="address to listen on (default: %(default)s)")
-    exporter.add_argument("--memory-keys", type=int, default=256, metavar="N",
+    exporter.add_argument("--memory-keys", type=int, default=MEMORY_KEYS_PER_SCRAPE, metavar="N",
                           help="keys whose MEMORY USAGE one scrape measures at most; 0 turns memory off "
                                "(default: %(default)s)")
     exporter.add_argument("--rescan-seconds", type=_positive_seconds, default=60.0, metavar="SECONDS",

@@ -2,9 +2,8 @@
 
 Each scrape is one round trip to Redis in the steady state: the status of every dock (one call of
 the status script per dock, as ``broker status``) and this scrape's share of memory samples, in one
-pipeline. The
-docks' schemas are kept between scrapes; the server is scanned for new docks at most every
-``rescan_seconds`` (see :class:`~broker.status.Survey`).
+pipeline. The docks' schemas are kept between scrapes; the server is scanned for new docks at most
+every ``rescan_seconds`` (see :class:`~broker.status.Survey`).
 
 Memory is sampled, not summed over every key: ``MEMORY USAGE`` costs the server a walk of the key's
 sampled elements, so each scrape measures at most ``memory_keys`` keys, taking the docks' keys in
@@ -40,8 +39,7 @@ from .status import DockRef, Survey
 
 log = logging.getLogger(__name__)
 
-#: The port registered for this exporter on Prometheus's list of default exporter ports would be the
-#: polite choice; 9808 is free there at the time of writing and is what the README's scrape config uses.
+#: HTTP port of ``broker exporter`` (the README's scrape config uses it).
 DEFAULT_PORT = 9808
 
 #: Keys whose memory one scrape measures at most.

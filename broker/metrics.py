@@ -31,9 +31,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 #: a get waiting for a slow rollout takes minutes.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
-OPERATIONS = ("put", "get", "ack", "clear")
-
-
 class _Metrics:
     """The metric objects, registered in one registry."""
 

@@ -57,13 +57,22 @@ def read_metas(client: redis.Redis, names: Sequence[str]) -> list[DockRef | Brok
 
 def read_statuses(client: redis.Redis, docks: Sequence[DockRef]) -> list[dict[str, Any] | BrokerError]:
     """The status of each dock (see ``TransferDock.status``), in one round trip."""
+    return _read_statuses(client, docks)[0]
+
+
+def _read_statuses(
+    client: redis.Redis, docks: Sequence[DockRef], also: Callable[[Pipeline], None] | None = None
+) -> tuple[list[dict[str, Any] | BrokerError], list[Any]]:
+    """Each dock's status, and the replies of what ``also`` queued after them in the same pipeline."""
     parse: list[Callable[[list[Any]], list[dict[str, Any] | BrokerError]]] = []
 
-    def build(pipe: Pipeline) -> None:
+    def build(pipe: Pipeline) -> None:  # run again, whole, if the server lost the script
         parse[:] = [queue_statuses(pipe, docks)]
+        if also is not None:
+            also(pipe)
 
     replies = run_pipeline(client, StatusScript.load, build, transaction=False)
-    return parse[0](replies)
+    return parse[0](replies[: len(docks)]), replies[len(docks) :]
 
 
 def queue_statuses(
@@ -139,8 +148,6 @@ def _bitmaps(dock: DockRef) -> list[tuple[str, int]]:
 
 def _counter(raw: Any, key: str) -> int:
     """A counter as read from Redis; garbage in it is reported, not crashed on."""
-    if isinstance(raw, Exception):
-        raise DecodeError(f"{key}: not a counter ({raw})")
     try:
         value = int(raw or 0)
     except ValueError:
@@ -168,7 +175,8 @@ class Survey:
     """The status of every dock on a server (or of the named ones), read again and again.
 
     For ``broker status --watch`` and the exporter, which read every few seconds. The schemas found
-    once are kept, so a reading is one round trip, the status MULTI, whatever the number of docks.
+    once are kept, so a reading is one round trip (a status script call per dock, in one pipeline),
+whatever the number of docks.
     The server is scanned for new docks at most every ``rescan_seconds`` (a SCAN costs a round trip
     per 1,000 keys); a dock whose meta vanished or changed since is read afresh within the same
     reading, so a dock deleted and created again with another schema shows its new counts at once.
@@ -189,20 +197,12 @@ class Survey:
         return self._refs
 
     def read(self, also: Callable[[Pipeline], None] | None = None) -> SurveyReading:
-        """Every dock's status, by name; ``also`` may queue more commands in the same MULTI, after the statuses."""
+        """Every dock's status, by name; ``also`` may queue more commands in the same pipeline, after the statuses."""
         names = self._fixed or self._discover()
         results: dict[str, dict[str, Any] | BrokerError] = self._learn([n for n in names if n not in self._refs])
         known = [n for n in names if n in self._refs]
-        parse: list[Callable[[list[Any]], list[dict[str, Any] | BrokerError]]] = []
-
-        def build(pipe: Pipeline) -> None:
-            parse[:] = [queue_statuses(pipe, [self._refs[n] for n in known])]
-            if also is not None:
-                also(pipe)
-
-        replies = run_pipeline(self._client, StatusScript.load, build, transaction=False)
-        queued = len(known)
-        results.update(zip(known, parse[0](replies[:queued])))
+        statuses, extra = _read_statuses(self._client, [self._refs[n] for n in known], also)
+        results.update(zip(known, statuses))
         # Deleted, or created again with another schema, since its meta was read: read it afresh now,
         # which costs round trips only when a dock changed.
         changed = [n for n in known if isinstance(results[n], (DockNotFoundError, SchemaError))]
@@ -212,8 +212,8 @@ class Survey:
         again = [n for n in changed if n in self._refs]
         if again:
             results.update(zip(again, read_statuses(self._client, [self._refs[n] for n in again])))
-        docks = [(n, results[n]) for n in names if not (self._gone(results[n]))]
-        return SurveyReading(docks, replies[queued:])
+        docks = [(n, results[n]) for n in names if not self._gone(results[n])]
+        return SurveyReading(docks, extra)
 
     def _discover(self) -> list[str]:
         now = time.monotonic()
