@@ -1,14 +1,29 @@
-"""Tensor wire format: a small msgpack header (dtype, shape) followed by the raw little-endian bytes.
+"""Wire format of one row: a tensor (a small msgpack header, then its raw bytes) or a plain value (msgpack).
 
 Layout of one encoded tensor::
 
     offset 0   b"TD"            magic
-    offset 2   u8  version      (1)
-    offset 3   u8  reserved     (0)
+    offset 2   u8  version      (1, or 2)
+    offset 3   u8  kind         0 = tensor (in version 1, a reserved 0)
     offset 4   u32 header_len   little-endian, length of the msgpack header
     offset 8   msgpack          [dtype name, [dim, ...]]
     ...        zero padding     so that the payload starts at a multiple of 16
     payload    prod(shape) * itemsize raw bytes, little-endian, C order
+
+Layout of one encoded value (a row that is not a tensor: a label, a dict of metadata, ...)::
+
+    offset 0   b"TD"            magic
+    offset 2   u8  version      (2)
+    offset 3   u8  kind         1 = value
+    offset 4   u32 length       little-endian, length of the msgpack that follows
+    offset 8   msgpack          the value
+
+Tensors are still written as version 1, so brokers from before values existed read them; a value is
+version 2, which such a broker refuses by name ("tensor format version 2") rather than misreading.
+A value is ``None``, ``bool``, ``int`` (64-bit), ``float``, ``str``, ``bytes`` and lists and dicts
+of those; what comes back equals what went in, except that tuples come back as lists, numpy scalars
+as Python numbers, and numpy arrays nested inside a value as (nested) lists. Dict keys may be
+strings, bytes or ints.
 
 Nothing here ever unpickles: a shared Redis is an attack surface, so decoding accepts only this
 layout and checks every field against the bytes actually present before touching the payload.
@@ -47,6 +62,9 @@ if sys.byteorder != "little":  # pragma: no cover - every platform torch ships f
 
 MAGIC = b"TD"
 VERSION = 1
+#: Version of rows that carry a kind byte: the one every value is written with.
+KIND_VERSION = 2
+KIND_TENSOR, KIND_VALUE = 0, 1
 _PREFIX = struct.Struct("<2sBBI")
 _ALIGN = 16
 _MAX_NDIM = 64
@@ -154,6 +172,70 @@ def encode(tensor: torch.Tensor) -> bytes:
     return b"".join((prefix, array))  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs say so only on 3.12+
 
 
+def is_tensor_like(row: Any) -> bool:
+    """Whether ``row`` is stored as a tensor: a torch tensor or a numeric numpy array."""
+    return isinstance(row, torch.Tensor) or (isinstance(row, np.ndarray) and row.dtype.kind in "biufc")
+
+
+def encode_row(row: Any) -> bytes:
+    """Encode one row: a tensor (or numeric numpy array) as a tensor, anything else as a value."""
+    return encode(as_tensor(row)) if is_tensor_like(row) else encode_value(row)
+
+
+def encode_value(value: Any) -> bytes:
+    """Encode a plain value (see the module docstring for what is accepted and what changes)."""
+    try:
+        packed = msgpack.packb(value, use_bin_type=True, default=_plain, datetime=False)
+    except InvalidExperienceError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:  # msgpack's own: int out of range, nesting too deep
+        raise InvalidExperienceError(f"cannot store this {_type_name(value)} as a value ({exc})") from None
+    if len(packed) > 0xFFFFFFFF:
+        raise InvalidExperienceError(f"a value of {len(packed):,} bytes is too large (4 GiB at most)")
+    try:  # what a reader could not decode is refused now, not found later: e.g. a tuple as a dict key
+        _unpack(packed)
+    except Exception as exc:
+        raise InvalidExperienceError(f"this {_type_name(value)} would not read back ({type(exc).__name__}: {exc})") from None
+    return _PREFIX.pack(MAGIC, KIND_VERSION, KIND_VALUE, len(packed)) + packed
+
+
+def _plain(obj: Any) -> Any:
+    """msgpack's fallback for types it does not know: numpy scalars and arrays become Python ones."""
+    if isinstance(obj, np.generic) and obj.dtype.kind in "biufcUS":
+        return obj.item()
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufUSO":
+        return obj.tolist()
+    if isinstance(obj, (np.ndarray, np.generic)):
+        raise InvalidExperienceError(f"a numpy array of dtype {obj.dtype} cannot be stored; use one of {', '.join(DTYPES)}")
+    if isinstance(obj, int):
+        raise InvalidExperienceError(f"int {obj} is outside the 64-bit range a value can hold")
+    if isinstance(obj, torch.Tensor):
+        raise InvalidExperienceError(
+            "a tensor nested inside a value cannot be stored; put it in a column of its own (one tensor per row)"
+        )
+    raise InvalidExperienceError(
+        f"a {_type_name(obj)} cannot be stored in a value; use None, bool, int, float, str, bytes, "
+        "and lists and dicts of those"
+    )
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise DecodeError(f"msgpack extension type {code} (the broker writes none)")
+
+
+def _unpack(packed: bytes | memoryview) -> Any:
+    return msgpack.unpackb(packed, raw=False, strict_map_key=False, ext_hook=_refuse_ext, timestamp=0)
+
+
+def _decode_value(data: bytes | bytearray | memoryview, length: int, size: int, where: Any) -> Any:
+    if 8 + length != size:
+        raise DecodeError(f"{where}: value of {length} bytes declared, {size - 8} stored")
+    try:
+        return _unpack(memoryview(data)[8:])
+    except Exception as exc:  # msgpack raises several unrelated types for garbage; a list as a dict key is a TypeError
+        raise DecodeError(f"{where}: unreadable value ({type(exc).__name__}: {exc})") from None
+
+
 def encode_rows(rows: Sequence[Any]) -> list[bytes]:
     """Encode many tensors: the same bytes as ``encode`` on each, with the per-row work cut short.
 
@@ -174,7 +256,7 @@ def encode_rows(rows: Sequence[Any]) -> list[bytes]:
         except (AttributeError, KeyError, RuntimeError, TypeError):
             # TypeError also covers a non-contiguous array, which join refuses: encode makes it contiguous.
             try:
-                out.append(encode(as_tensor(row)))
+                out.append(encode_row(row))
             except InvalidExperienceError as exc:
                 raise InvalidExperienceError(f"row {i}: {exc}") from None
     return out
@@ -226,8 +308,8 @@ def as_tensor(value: Any) -> Any:
 _NO_TORCH_DTYPE = frozenset({np.longdouble, np.clongdouble})
 
 
-def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> list[torch.Tensor]:
-    """Decode many tensors, as ``decode`` on each; ``where`` is their key and ``fields`` their fields.
+def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> list[Any]:
+    """Decode many rows, as ``decode`` on each; ``where`` is their key and ``fields`` their fields.
 
     What the caller gets: one CPU tensor per value, writable, owning its memory. The values (``bytes``,
     as a Redis client returns them) are first copied, in one pass, into one fresh writable buffer, and
@@ -245,7 +327,8 @@ def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> 
         return [decode(v, where=where, field=f) for v, f in zip(values, fields)]  # names the bad value
     buffer = bytearray().join(values)
     view = memoryview(buffer)
-    known, frombuffer, out = _DECODED_PREFIXES, torch.frombuffer, []
+    known, frombuffer = _DECODED_PREFIXES, torch.frombuffer
+    out: list[Any] = []
     start = 32  # prefix length of the last row; the common one for 1-d tensors
     at = 0
     for value, field in zip(values, fields):
@@ -253,7 +336,8 @@ def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> 
         hit = known.get(value[:start])
         if hit is None or size != hit[0]:
             out.append(decode(view[at : at + size], where=where, field=field))
-            start = _remember_prefix(value)
+            if value[2] == VERSION or value[3] == KIND_TENSOR:  # a tensor: remember its prefix
+                start = _remember_prefix(value)
         else:
             _, dtype, shape, count = hit
             tensor = frombuffer(buffer, dtype=dtype, count=count, offset=at + start)
@@ -262,8 +346,8 @@ def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> 
     return out
 
 
-def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field: str | None = None) -> torch.Tensor:
-    """Decode one tensor; ``where`` (a key) and ``field`` name its place in errors.
+def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field: str | None = None) -> Any:
+    """Decode one row, a tensor or a value; ``where`` (a key) and ``field`` name its place in errors.
 
     What the caller gets: a writable CPU tensor. Given ``bytes`` (or a read-only memoryview), it owns
     its memory, a fresh copy of ``data``: writing into it changes nothing else. Given a writable buffer
@@ -280,11 +364,15 @@ def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field:
     size = len(data) if not isinstance(data, memoryview) else data.nbytes
     if size < _PREFIX.size:
         raise DecodeError(f"{where}: {size} bytes is too short for an encoded tensor")
-    magic, version, _reserved, header_len = _PREFIX.unpack_from(data, 0)
+    magic, version, kind, header_len = _PREFIX.unpack_from(data, 0)
     if magic != MAGIC:
         raise DecodeError(f"{where}: not an encoded tensor (magic {bytes(magic)!r}, expected {MAGIC!r})")
-    if version != VERSION:
-        raise DecodeError(f"{where}: tensor format version {version}, this broker reads {VERSION}")
+    if version not in (VERSION, KIND_VERSION):
+        raise DecodeError(f"{where}: tensor format version {version}, this broker reads {VERSION} and {KIND_VERSION}")
+    if version == KIND_VERSION and kind != KIND_TENSOR:
+        if kind != KIND_VALUE:
+            raise DecodeError(f"{where}: unknown kind {kind} of row (0 is a tensor, 1 a value)")
+        return _decode_value(data, header_len, size, where)
     if 8 + header_len > size:
         raise DecodeError(f"{where}: header length {header_len} runs past the {size} bytes stored")
     header = bytes(data[8 : 8 + header_len])

@@ -39,7 +39,8 @@ from .validation import (
     lease_token,
 )
 
-Batch = dict[str, list[torch.Tensor]]
+#: A batch: per column, one row per index: a tensor, or the plain value that was put (see ``codec``).
+Batch = dict[str, list[Any]]
 T = TypeVar("T")
 
 #: Longest a waiting reader sleeps between checks even without a notification. Pub/sub delivers at

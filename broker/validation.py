@@ -96,8 +96,14 @@ def lease_token(rows: Any, consumer: str, token: Any) -> str:
 def encode_column(column: str, value: Any, count: int) -> list[bytes]:
     """The ``count`` rows of one column of a put, encoded; errors name the column.
 
-    ``value`` is a stacked tensor or numpy array (split along dim 0) or a list of per-row tensors.
+    ``value`` is a stacked tensor or numeric numpy array (split along dim 0), a numpy array of objects
+    or strings (verl's ``non_tensor_batch``: one value per element along dim 0), or a list of rows, each
+    a tensor or a plain value (see ``codec``).
     """
+    if isinstance(value, np.ndarray) and value.dtype.kind in "OUS":
+        if value.ndim == 0:
+            raise InvalidExperienceError(f"column {column!r}: a 0-d numpy array has no rows; wrap it in a list")
+        value = list(value)
     try:
         value = codec.as_tensor(value)
     except InvalidExperienceError as exc:
@@ -113,7 +119,7 @@ def encode_column(column: str, value: Any, count: int) -> list[bytes]:
         encode: Callable[[Any], list[bytes]] = codec.encode_stacked
     elif not isinstance(value, (list, tuple)):
         raise InvalidExperienceError(
-            f"column {column!r}: expected a tensor or a list of tensors, got {type(value).__name__}"
+            f"column {column!r}: expected a tensor, a numpy array or a list of rows, got {type(value).__name__}"
         )
     elif len(value) != count:
         raise InvalidExperienceError(f"column {column!r}: {len(value)} rows for {count} indexes")

@@ -123,10 +123,26 @@ def _fake(tensor: torch.Tensor) -> torch.Tensor:
 def test_unstorable_tensors_raise_invalid_experience_error(kind):
     from broker.codec import as_tensor
 
-    for encode_it in (lambda v: encode(as_tensor(v)), lambda v: encode_rows([v]),
-                      lambda v: encode_stacked(as_tensor(v)), lambda v: encode_rows([torch.zeros(1), v])):
+    as_rows = (lambda v: encode_rows([v]), lambda v: encode_rows([torch.zeros(1), v]))
+    as_tensors = (lambda v: encode(as_tensor(v)), lambda v: encode_stacked(as_tensor(v)))
+    for encode_it in as_tensors if kind in AS_VALUES else as_tensors + as_rows:
         with pytest.raises(InvalidExperienceError):
             encode_it(UNSTORABLE[kind]())
+
+
+#: Not tensors, but plain values: a list of rows stores them as values (msgpack), which read back equal.
+AS_VALUES = {
+    "string": "abc", "numpy scalar": 1.5, "python int": 3, "python float": 1.5, "python bool": True,
+    "bytes": b"abc", "None": None, "numpy object": [1, "a"], "numpy unicode": ["ab", "c"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(AS_VALUES))
+def test_rows_that_are_not_tensors_are_stored_as_values(kind):
+    rows = encode_rows([torch.zeros(2), UNSTORABLE[kind]()])
+    back = decode_rows(rows, where="k", fields=["0", "1"])
+    assert torch.equal(back[0], torch.zeros(2))
+    assert back[1] == AS_VALUES[kind] and type(back[1]) is type(AS_VALUES[kind])
 
 
 REFUSALS = {  # what a refusal must name, for each entry point
@@ -164,8 +180,9 @@ def test_refusals_name_what_is_wrong_and_which_row(kind):
     message = REFUSALS[kind]
     with pytest.raises(InvalidExperienceError, match=message):
         encode(as_tensor(UNSTORABLE[kind]()))
-    with pytest.raises(InvalidExperienceError, match=f"^row 2: .*{message}"):
-        encode_rows([torch.zeros(2), np.zeros(2, dtype=np.float32), UNSTORABLE[kind]()])
+    if kind not in AS_VALUES:
+        with pytest.raises(InvalidExperienceError, match=f"^row 2: .*{message}"):
+            encode_rows([torch.zeros(2), np.zeros(2, dtype=np.float32), UNSTORABLE[kind]()])
     if kind not in ("numpy scalar", "python int", "None"):  # a stacked column is one tensor or array
         with pytest.raises(InvalidExperienceError, match=message):
             encode_stacked(as_tensor(UNSTORABLE[kind]()))
@@ -275,10 +292,10 @@ def test_batch_encoder_takes_numpy_rows_and_names_the_bad_row():
     assert encode_rows([np.arange(3, dtype=np.int32)]) == [encode(torch.arange(3, dtype=torch.int32))]
     with pytest.raises(InvalidExperienceError, match="row 1: dtype torch.complex64 is not supported"):
         encode_rows([torch.zeros(2), torch.zeros(2, dtype=torch.complex64)])
-    with pytest.raises(InvalidExperienceError, match="row 0: .*numpy array of dtype object"):
+    with pytest.raises(InvalidExperienceError, match="row 0: a object cannot be stored in a value"):
         encode_rows([np.array([object()])])
-    with pytest.raises(InvalidExperienceError, match="row 2: expected a torch.Tensor, got str"):
-        encode_rows([torch.zeros(1), torch.zeros(1), "junk"])
+    with pytest.raises(InvalidExperienceError, match="row 2: a set cannot be stored in a value"):
+        encode_rows([torch.zeros(1), torch.zeros(1), {"junk"}])
 
 
 def test_decode_rows_agrees_with_decode_across_changing_prefixes():

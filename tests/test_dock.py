@@ -362,7 +362,7 @@ def test_waiting_get_returns_none_when_time_is_up(make_dock):
         ({"prompts": torch.ones(3, 2)}, [0, 1], InvalidExperienceError, r"shape \(3, 2\) has 3 rows for 2"),
         ({"prompts": torch.tensor(1.0)}, [0], InvalidExperienceError, "0-d tensor"),
         ({"prompts": "text"}, [0], InvalidExperienceError, "got str"),
-        ({"prompts": [[1, 2]]}, [0], InvalidExperienceError, "row 0: expected a torch.Tensor"),
+        ({"prompts": [{1, 2}]}, [0], InvalidExperienceError, "row 0: a set cannot be stored"),
         ({"prompts": [torch.ones(1, dtype=torch.complex64)]}, [0], InvalidExperienceError, "complex64"),
     ],
 )
