@@ -18,12 +18,12 @@ from .keys import PREFIX, DockKeys
 #: Commands sent by the client (dock methods and redis-py's connection set-up).
 CLIENT_COMMANDS = (
     "ping", "select", "multi", "exec", "discard", "evalsha", "eval", "script|load", "script|exists",
-    "hset", "hmget", "hgetall", "bitcount", "zcard", "get", "del", "subscribe", "unsubscribe",
+    "hset", "hget", "hmget", "hgetall", "bitcount", "bitfield", "zcard", "get", "del", "subscribe", "unsubscribe",
 )
 
 #: Commands the Lua scripts in lua/ call.
 SCRIPT_COMMANDS = (
-    "type", "exists", "time", "hset", "hmget", "hgetall", "hdel", "hlen", "get", "set", "del", "incr", "incrby",
+    "type", "exists", "time", "hset", "hget", "hmget", "hgetall", "hdel", "hlen", "get", "set", "del", "incr", "incrby",
     "strlen", "setrange", "getrange", "bitfield", "bitop", "bitpos", "bitcount", "zadd", "zrem", "zcard",
     "zrangebyscore", "publish",
 )

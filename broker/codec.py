@@ -185,7 +185,7 @@ def encode_row(row: Any) -> bytes:
 def encode_value(value: Any) -> bytes:
     """Encode a plain value (see the module docstring for what is accepted and what changes)."""
     try:
-        packed = msgpack.packb(value, use_bin_type=True, default=_plain, datetime=False)
+        packed: bytes = msgpack.packb(value, use_bin_type=True, default=_plain, datetime=False)
     except InvalidExperienceError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:  # msgpack's own: int out of range, nesting too deep
@@ -195,7 +195,9 @@ def encode_value(value: Any) -> bytes:
     try:  # what a reader could not decode is refused now, not found later: e.g. a tuple as a dict key
         _unpack(packed)
     except Exception as exc:
-        raise InvalidExperienceError(f"this {_type_name(value)} would not read back ({type(exc).__name__}: {exc})") from None
+        raise InvalidExperienceError(
+            f"this {_type_name(value)} would not read back ({type(exc).__name__}: {exc})"
+        ) from None
     return _PREFIX.pack(MAGIC, KIND_VERSION, KIND_VALUE, len(packed)) + packed
 
 
@@ -206,7 +208,9 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufUSO":
         return obj.tolist()
     if isinstance(obj, (np.ndarray, np.generic)):
-        raise InvalidExperienceError(f"a numpy array of dtype {obj.dtype} cannot be stored; use one of {', '.join(DTYPES)}")
+        raise InvalidExperienceError(
+            f"a numpy array of dtype {obj.dtype} cannot be stored; use one of {', '.join(DTYPES)}"
+        )
     if isinstance(obj, int):
         raise InvalidExperienceError(f"int {obj} is outside the 64-bit range a value can hold")
     if isinstance(obj, torch.Tensor):

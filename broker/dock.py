@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import uuid
@@ -10,14 +11,16 @@ from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 import redis
-import torch
 
 from . import codec, metrics
+from .balance import balanced_order
 from .connection import connect, disconnect, redact, redis_errors, value_limit
 from .errors import (
     BrokerError,
+    DecodeError,
     DockNotFoundError,
     ExperienceTimeoutError,
+    InvalidExperienceError,
     MissingDataError,
     SchemaError,
 )
@@ -28,6 +31,7 @@ from .schema import Schema, fingerprint
 from .scripts import DockScripts, Handout, rows_of, run_pipeline, runs_of, supports_flags
 from .status import DockRef, read_statuses
 from .validation import (
+    PAD_INDEX,
     DockChecks,
     abbrev,
     check_flag,
@@ -35,8 +39,12 @@ from .validation import (
     check_policy,
     check_sizes,
     check_timeout,
+    drop_padding,
     encode_column,
+    is_int,
     lease_token,
+    length_values,
+    metric_values,
 )
 
 #: A batch: per column, one row per index: a tensor, or the plain value that was put (see ``codec``).
@@ -74,14 +82,18 @@ class TransferDock:
         *,
         policy: str = "fifo",
         seed: int | None = None,
+        length_columns: Sequence[str] = (),
     ):
         """Create dock ``name``, or attach to it if it exists with the same schema.
 
         ``url_or_client`` is a URL (``redis://``, ``rediss://``, ``unix://``) or a client made with
         ``decode_responses=False`` (``fakeredis.FakeRedis()`` works). ``policy`` picks which qualifying
-        rows sampling hands out: ``"fifo"`` (lowest group first) or ``"random"`` (reproducible with ``seed``).
+        rows sampling hands out: ``"fifo"`` (lowest group first), ``"random"`` (reproducible with
+        ``seed``) or ``"seqlen"`` (a batch of average total length, see ``get_experience``).
+        ``length_columns`` are columns holding one integer per row (``prompt_length``,
+        ``response_length``): their sum is a row's cost when sampling or ordering balances load.
         """
-        wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers)
+        wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns)
         self._open(url_or_client, name, policy, seed)
         with self._closed_on_error():
             fields = wanted.to_meta()
@@ -221,15 +233,27 @@ class TransferDock:
     def put_experience(self, data_dict: Mapping[str, Any], indexes: Sequence[int]) -> None:
         """Write rows ``indexes`` of some columns and mark them ready, atomically.
 
-        Each value of ``data_dict`` is a stacked tensor (split along dim 0 into rows) or a list of
-        per-row tensors, with one row per index. Writing a row again replaces it.
+        Each value of ``data_dict`` is a stacked tensor (split along dim 0 into rows), a list of rows
+        (tensors or plain values, see ``codec``) or a numpy object array, with one row per index.
+        Writing a row again replaces it. Rows whose index is ``PAD_INDEX`` (-2, the padding
+        ``get_experience(..., dp_padding=True)`` adds) are skipped, with their data.
         """
         with metrics.observe(self.name, "put") as call:
+            given = indexes
+            data_dict, indexes = drop_padding(data_dict, indexes)
+            if not indexes and indexes is not given:
+                return  # nothing but padding
             rows = self._check.rows(indexes)
             self._check.data(data_dict)
             fields = [str(r) for r in rows]
             # Encode everything before the first Redis call: a bad tensor must not leave a half put.
             encoded = {c: dict(zip(fields, encode_column(c, value, len(rows)))) for c, value in data_dict.items()}
+            in_run_order = sorted(range(len(rows)), key=rows.__getitem__)
+            lengths = {}
+            for c in self._schema.length_columns:
+                if c in data_dict:
+                    values = length_values(c, data_dict[c], len(rows))
+                    lengths[c] = [values[i] for i in in_run_order]
             # The server would refuse an oversized value only by closing the connection mid-send, and the
             # client's retries would send it again and again.
             check_sizes(encoded, *self._run(lambda: value_limit(self._client)))
@@ -238,7 +262,7 @@ class TransferDock:
             def transaction(pipe: redis.client.Pipeline) -> None:
                 for col, mapping in encoded.items():
                     pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
-                self._scripts.put(pipe, list(encoded), runs)
+                self._scripts.put(pipe, list(encoded), runs, lengths)
 
             def put() -> None:
                 replies = run_pipeline(self._client, self._scripts.load_all, transaction, transaction=True)
@@ -256,13 +280,17 @@ class TransferDock:
     def get_experience(
         self,
         consumer: str,
-        experience_columns: Sequence[str],
+        experience_columns: Sequence[str] | None = None,
         experience_count: int | None = None,
         indexes: Sequence[int] | None = None,
         get_n_samples: bool = True,
         timeout: float | None = None,
         policy: str | None = None,
         lease: float | None = None,
+        *,
+        dp_size: int = 1,
+        balance: bool | Sequence[str] = False,
+        dp_padding: bool = False,
     ) -> tuple[Batch, list[int]] | tuple[None, None]:
         """Hand rows to ``consumer`` and return ``({column: [tensor per row]}, rows)``.
 
@@ -284,13 +312,29 @@ class TransferDock:
         token, and must be confirmed with :meth:`ack` within that time; rows not acked in time are
         offered to this consumer again (at-least-once delivery, for workers that may die).
         ``lease=None`` hands rows out for good.
+
+        ``experience_columns=None`` reads the columns registered for the consumer
+        (:meth:`register_consumer_columns`). ``policy="seqlen"`` picks, among the qualifying units,
+        a batch of average total length (MindSpeed's ``use_batch_seqlen_balance``; see lua/sample.lua).
+
+        For ``dp_size`` data-parallel ranks that each take one of ``dp_size`` equal consecutive
+        chunks: ``balance`` (True: by every length column of the dock; or a list of them) orders the
+        rows so that the chunks carry nearly equal token load (Karmarkar-Karp, see ``balance.py``),
+        whole groups together when ``get_n_samples`` and the groups split evenly; ``dp_padding``
+        fills a batch that is not a multiple of ``dp_size`` by repeating its last row under index
+        ``PAD_INDEX`` (-2), which puts skip.
         """
         with metrics.observe(self.name, "get") as call:
             self._check.consumer(consumer)
+            if experience_columns is None:
+                experience_columns = self.consumer_columns(consumer)
             columns = self._check.columns_to_read(experience_columns)
             check_timeout(timeout)
             lease_ms = check_lease(lease)
             groups = check_flag("get_n_samples", get_n_samples)
+            ranks = self._check.dp_size(dp_size)
+            weigh_by = self._check.balance(balance)
+            check_flag("dp_padding", dp_padding)
             got: tuple[Batch, list[int]] | None
             if indexes is not None:
                 rows = self._check.rows(indexes)
@@ -299,12 +343,56 @@ class TransferDock:
             else:
                 count = self._check.sample_count(experience_count, groups)
                 policy = check_policy(policy or self._policy)
-                got = self._wait(self._sampler(consumer, columns, count, groups, policy, lease_ms, call), timeout)
+                weights = (weigh_by or list(self._schema.length_columns)) if policy == "seqlen" else []
+                sampler = self._sampler(consumer, columns, count, groups, policy, lease_ms, call, weights)
+                got = self._wait(sampler, timeout)
             if got is None:
                 call.empty = True
                 return None, None
-            call.rows = len(got[1])
-            return got
+            batch, rows = got
+            if ranks > 1 and weigh_by and len(rows) >= ranks:
+                batch, rows = self._balanced(batch, rows, ranks, weigh_by, groups)
+            if ranks > 1 and dp_padding and len(rows) % ranks:
+                batch, rows = _padded(batch, rows, ranks)
+            call.rows = len(rows)
+            return batch, rows
+
+    def _balanced(
+        self, batch: Batch, rows: list[int], ranks: int, weigh_by: list[str], groups: bool
+    ) -> tuple[Batch, list[int]]:
+        """``batch`` reordered so that ``ranks`` equal chunks of it carry nearly equal load.
+
+        A row's cost is the sum of its length columns, read from their u32 arrays with one BITFIELD
+        per column in one round trip (the batch was handed out already: its order needs no atomicity).
+        A batch that does not split into ``ranks`` equal chunks is left as it is.
+        """
+        cost = self._row_costs(rows, weigh_by)
+        n = self.n_samples_per_prompt
+        if groups and len(rows) % n == 0 and (len(rows) // n) % ranks == 0:
+            # Rows of one group are consecutive in the batch: order whole groups.
+            group_cost = [sum(cost[g * n : (g + 1) * n]) for g in range(len(rows) // n)]
+            order = [g * n + j for g in balanced_order(group_cost, ranks) for j in range(n)]
+        elif len(rows) % ranks == 0:
+            order = balanced_order(cost, ranks)
+        else:
+            return batch, rows
+        new_rows = [rows[i] for i in order]
+        if isinstance(rows, LeasedRows):
+            new_rows = LeasedRows(new_rows, rows.token, rows.consumer)
+        return {c: [values[i] for i in order] for c, values in batch.items()}, new_rows
+
+    def _row_costs(self, rows: list[int], columns: list[str]) -> list[int]:
+        """Sum of the length columns of each row, from the length arrays the puts keep."""
+        def reads(pipe: redis.client.Pipeline) -> None:
+            for c in columns:
+                args = [x for r in rows for x in ("GET", "u32", f"#{r}")]
+                pipe.execute_command("BITFIELD", self._keys.lengths(c), *args)
+
+        replies = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads, transaction=False))
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return [sum(int(reply[i]) for reply in replies) for i in range(len(rows))]
 
     def _take_rows(
         self, consumer: str, columns: list[str], rows: list[int], lease_ms: int, timeout: float | None,
@@ -344,7 +432,7 @@ class TransferDock:
 
     def _sampler(
         self, consumer: str, columns: list[str], count: int, groups: bool, policy: str, lease_ms: int,
-        call: metrics.Call,
+        call: metrics.Call, weigh_by: Sequence[str] = (),
     ) -> Callable[[], tuple[Batch, list[int]] | None]:
         """One sampling attempt of ``count`` units (groups when ``groups``, else rows), checked already."""
 
@@ -354,14 +442,14 @@ class TransferDock:
                 # so a reply lost on a dropped connection is answered again, not sampled twice.
                 request_id = uuid.uuid4().hex
                 token = ("g" if groups else "r") + request_id if lease_ms else ""
-                seed = self._seeds.peek() if policy == "random" else 0
+                seed = self._seeds.peek() if policy != "fifo" else 0  # "seqlen" may fall back to random
                 handout = self._scripts.sample(
                     consumer, columns, groups=groups, count=count, policy=policy, seed=seed, lease_ms=lease_ms,
-                    reply_ttl_ms=_REPLY_TTL_MS, request_id=request_id, token=token,
+                    reply_ttl_ms=_REPLY_TTL_MS, request_id=request_id, token=token, weigh_by=weigh_by,
                 )
                 if handout is None:
                     return None
-                if policy == "random":
+                if policy != "fifo":
                     self._seeds.advance(seed)
                 rows = rows_of(handout.runs)
                 batch = self._read(columns, rows, handout, call)
@@ -428,6 +516,78 @@ class TransferDock:
         consumed, leased = self._run(lambda: self._scripts.reclaim(consumer))
         return consumed == self.capacity and leased == 0
 
+    # -- what the workers of a batch share beside rows -----------------------------------------
+
+    def register_consumer_columns(self, columns_of: Mapping[str, Sequence[str]]) -> None:
+        """Record the columns each consumer reads when ``get_experience`` is given none.
+
+        Stored in Redis (one field per consumer), so every process sees them; registering a consumer
+        again replaces its columns. A whole clear keeps them: they describe the pipeline, not a batch.
+        """
+        if not isinstance(columns_of, Mapping) or not columns_of:
+            raise InvalidExperienceError("columns_of must be a non-empty dict of consumer -> list of columns")
+        stored = {}
+        for consumer, columns in columns_of.items():
+            self._check.consumer(consumer)
+            stored[consumer] = json.dumps(self._check.columns_to_read(columns))
+        self._run(lambda: self._scripts.columns_of(stored))
+
+    def consumer_columns(self, consumer: str | None = None) -> list[str]:
+        """The columns registered for ``consumer``; with None, every column of the dock."""
+        if consumer is None:
+            return list(self.columns)
+        self._check.consumer(consumer)
+        raw = self._run(lambda: self._client.hget(self._keys.consumer_columns, consumer))
+        if raw is None:
+            raise InvalidExperienceError(
+                f"dock {self.name!r}: no experience_columns given and none registered for consumer {consumer!r} "
+                "(register_consumer_columns)"
+            )
+        try:
+            columns = json.loads(raw)
+        except ValueError:
+            raise DecodeError(f"{self._keys.consumer_columns} field {consumer}: not a JSON list") from None
+        if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
+            raise DecodeError(f"{self._keys.consumer_columns} field {consumer}: not a list of column names")
+        return columns
+
+    def update_metrics(self, key: str | Mapping[str, Any] = "", value: Any = None, cumulate: bool = False) -> None:
+        """Set a shared metric, or with ``cumulate`` append to its list (MindSpeed's ``Metric.update``).
+
+        ``value`` is a number or a list of numbers (tensors and numpy values too); ``key`` may be a
+        dict of several. Stored in Redis, so every worker on every node writes to the same place and
+        appends are never lost between workers. A whole ``clear()`` resets them.
+        """
+        values = metric_values(key, value, cumulate)
+        self._run(lambda: self._scripts.metrics(values, cumulate))
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Every shared metric: name -> number or list of numbers."""
+        raw = cast("dict[bytes, bytes]", self._run(lambda: self._client.hgetall(self._keys.metrics)))
+        out = {}
+        for name, text in raw.items():
+            try:
+                out[name.decode()] = json.loads(text)
+            except ValueError:
+                raise DecodeError(f"{self._keys.metrics} field {name!r}: not a JSON number or list") from None
+        return out
+
+    def prefetch_request_index(self, experience_num: int) -> list[int] | None:
+        """Atomically take the next ``experience_num`` rows of the batch (fewer at its end); None
+        once every row was handed out. Many rollout ranks calling at once never get the same row;
+        a whole ``clear()`` starts again from row 0."""
+        if not is_int(experience_num) or experience_num < 1:
+            raise InvalidExperienceError(f"experience_num must be a positive int, got {experience_num!r}")
+        return self._run(lambda: self._scripts.prefetch(int(experience_num)))
+
+    def get_cur_index(self) -> int:
+        """The next row ``prefetch_request_index`` would hand out (past the end once spent)."""
+        raw = self._run(lambda: self._client.get(self._keys.cursor))
+        try:
+            return int(raw or 0)
+        except ValueError:
+            raise DecodeError(f"{self._keys.cursor}: not an integer") from None
+
     def ack(self, consumer: str, indexes: Sequence[int], token: str | None = None) -> int:
         """Confirm that ``consumer`` is done with leased rows; returns how many this released.
 
@@ -439,7 +599,7 @@ class TransferDock:
         with metrics.observe(self.name, "ack") as call:
             self._check.consumer(consumer)
             token = lease_token(indexes, consumer, token)
-            rows = self._check.rows(indexes)
+            rows = self._check.rows([r for r in indexes if r != PAD_INDEX])  # padding was never leased
             call.rows = self._run(lambda: self._scripts.ack(consumer, token, rows))
             return call.rows
 
@@ -480,9 +640,83 @@ class TransferDock:
     def _run(self, call: Callable[[], T]) -> T:
         if self._closed:
             raise BrokerError(f"dock {self.name!r} at {self._server} was closed; open it again to use it")
+        try:
+            with redis_errors(self._where):
+                return call()
+        except SchemaError:
+            # Every script refuses to run on a schema other than the one this object knows, and runs
+            # nothing before it checks. If another process only grew the dock, adopt the grown schema
+            # and run the call again; anything else (recreated, edited) stays an error.
+            if not self._follow_growth():
+                raise
         with redis_errors(self._where):
             return call()
 
+    def _follow_growth(self) -> bool:
+        """Adopt the stored schema if it is this object's own, grown; whether it did."""
+        known = getattr(self, "_schema", None)
+        if known is None:
+            return False
+        with redis_errors(self._where):
+            meta = cast("dict[bytes, bytes]", self._client.hgetall(self._keys.meta))
+        if not meta:
+            return False
+        try:
+            stored = Schema.from_meta(meta, where=self._keys.meta)
+        except BrokerError:
+            return False
+        if not stored.contains(known) or fingerprint(meta) == self._fingerprint:
+            return False
+        self._set_schema(stored, fingerprint(meta))
+        return True
+
+    def refresh(self) -> Schema:
+        """Read the schema again, to see columns or consumers another process added; returns it."""
+        self._run(lambda: None)
+        if not self._follow_growth():
+            meta = cast("dict[bytes, bytes]", self._run(lambda: self._client.hgetall(self._keys.meta)))
+            if not meta:
+                raise DockNotFoundError(f"no dock named {self.name!r} at {self._server}")
+            stored = Schema.from_meta(meta, where=self._keys.meta)
+            if stored != self._schema:
+                raise SchemaError(f"dock {self.name!r} was recreated with another schema; open it again")
+        return self._schema
+
+    def grow(self, columns: Sequence[str] = (), consumers: Sequence[str] = ()) -> Schema:
+        """Add columns and consumers to the dock, keeping every row; returns the grown schema.
+
+        Names it has already are skipped, so many workers may grow it with the same names at once.
+        Other processes' dock objects adopt the grown schema at their next call. Removing names, or
+        changing the size, would lose rows and is not offered: make a new dock for that.
+        """
+        for _ in range(_FENCE_RETRIES):
+            self.refresh()
+            grown = self._schema.grown(columns, consumers)
+            if grown == self._schema:
+                return grown
+            try:
+                with redis_errors(self._where):  # not _run: a changed schema here means retry, not adopt
+                    self._scripts.grow(grown)
+            except SchemaError:
+                continue  # another process grew it between our read and our write: read again
+            meta = cast("dict[bytes, bytes]", self._run(lambda: self._client.hgetall(self._keys.meta)))
+            self._set_schema(Schema.from_meta(meta, where=self._keys.meta), fingerprint(meta))
+        raise BrokerError(f"dock {self.name!r}: other processes kept growing it; {_FENCE_RETRIES} tries failed")
+
+
+
+
+def _padded(batch: Batch, rows: list[int], ranks: int) -> tuple[Batch, list[int]]:
+    """``batch`` filled up to a multiple of ``ranks`` rows by repeating its last row as ``PAD_INDEX``.
+
+    MindSpeed's DP padding: every rank gets the same number of rows; the repeats are the same objects
+    as the last row, and puts skip their index, so a worker's results for them are dropped.
+    """
+    extra = -len(rows) % ranks
+    padded_rows = list(rows) + [PAD_INDEX] * extra
+    if isinstance(rows, LeasedRows):
+        padded_rows = LeasedRows(padded_rows, rows.token, rows.consumer)
+    return {c: values + [values[-1]] * extra for c, values in batch.items()}, padded_rows
 
 
 def _reattach(url: str, name: str, policy: str, seed: int | None) -> TransferDock:

@@ -25,6 +25,13 @@ key                                type    contents
 ``td:{NAME}:gen``                  string  u32 per row, big-endian (``BITFIELD ... GET u32 #ROW``): clears
                                            of that row so far
 ``td:{NAME}:events``               pubsub  channel; every put publishes on it to wake waiting readers
+``td:{NAME}:len:COLUMN``           string  u32 per row, big-endian: the value of row i of a length column
+                                           (``prompt_length``, ...), which balanced sampling sums
+``td:{NAME}:cursor``               string  counter: next row ``prefetch_request_index`` hands out
+``td:{NAME}:metrics``              hash    field = metric name, value = a number or a list of numbers, in
+                                           JSON; shared by every worker, reset by a whole clear
+``td:{NAME}:columns_of``           hash    field = consumer, value = JSON list of the columns it reads
+                                           when ``get_experience`` is given none
 =================================  ======  ============================================================
 """
 
@@ -121,6 +128,21 @@ class DockKeys:
     def redelivered(self, consumer: str) -> str:
         return f"{self.base}redelivered:{consumer}"
 
+    def lengths(self, column: str) -> str:
+        return f"{self.base}len:{column}"
+
+    @property
+    def cursor(self) -> str:
+        return self.base + "cursor"
+
+    @property
+    def metrics(self) -> str:
+        return self.base + "metrics"
+
+    @property
+    def consumer_columns(self) -> str:
+        return self.base + "columns_of"
+
     def reply(self, request_id: str) -> str:
         return f"{self.base}reply:{request_id}"
 
@@ -131,8 +153,14 @@ class DockKeys:
 
     def every_key(self, columns: Sequence[str], consumers: Sequence[str]) -> list[str]:
         """Every key the dock has (but reply keys, which expire by themselves): what ``delete`` removes."""
-        per_column = (self.data, self.ready, self.group_ready)
+        per_column = (self.data, self.ready, self.group_ready, self.lengths)
         per_consumer = (self.consumed, self.group_taken, self.leases, self.tokens, self.redelivered)
         keys = [kind(c) for kind in per_column for c in columns]
         keys += [kind(c) for kind in per_consumer for c in consumers]
-        return keys + [self.meta, self.scratch, self.epoch, self.generations]
+        return keys + [self.meta, self.scratch, self.epoch, self.generations, *self.batch_keys,
+                       self.consumer_columns]
+
+    @property
+    def batch_keys(self) -> list[str]:
+        """Keys that belong to one batch beside the rows (reset by a whole clear): cursor and metrics."""
+        return [self.cursor, self.metrics]

@@ -17,7 +17,7 @@ from .keys import check_name
 FORMAT_VERSION = 1
 
 #: Meta fields every script compares with what its client expects (lua/include/schema.lua), in order.
-CHECKED_FIELDS = ("format_version", "prompts_num", "n_samples_per_prompt", "columns", "consumers")
+CHECKED_FIELDS = ("format_version", "prompts_num", "n_samples_per_prompt", "columns", "consumers", "length_columns")
 
 #: Bitmaps of more rows than this would be slow to scan and big to hold; raise it deliberately.
 MAX_CAPACITY = 1 << 26
@@ -31,6 +31,9 @@ class Schema:
     n_samples_per_prompt: int
     columns: tuple[str, ...]
     consumers: tuple[str, ...]
+    #: Columns whose rows are one integer each (``prompt_length``, ``response_length``): puts also
+    #: record them in a u32 array per column (``DockKeys.lengths``), which balanced sampling reads.
+    length_columns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("prompts_num", "n_samples_per_prompt"):
@@ -47,10 +50,16 @@ class Schema:
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise SchemaError(f"duplicate {kind} names: {dupes}")
+        if isinstance(self.length_columns, str):
+            raise SchemaError(f"length_columns must be a list of column names, got {self.length_columns!r}")
+        unknown = [c for c in self.length_columns if c not in self.columns]
+        if unknown:
+            raise SchemaError(f"length_columns {unknown} are not columns of the dock ({list(self.columns)})")
 
     @classmethod
     def build(
-        cls, prompts_num: Any, n_samples_per_prompt: Any, columns: Iterable[str], consumers: Iterable[str]
+        cls, prompts_num: Any, n_samples_per_prompt: Any, columns: Iterable[str], consumers: Iterable[str],
+        length_columns: Iterable[str] = (),
     ) -> Schema:
         """Schema from user arguments (any sequences of names); ``__post_init__`` checks them."""
         def as_tuple(names: Iterable[str]) -> Any:  # a bare string stays one, so validation can name the mistake
@@ -61,7 +70,8 @@ class Schema:
                 return operator.index(value)
             return value
 
-        return cls(as_int(prompts_num), as_int(n_samples_per_prompt), as_tuple(columns), as_tuple(consumers))
+        return cls(as_int(prompts_num), as_int(n_samples_per_prompt), as_tuple(columns), as_tuple(consumers),
+                   as_tuple(length_columns))
 
     @property
     def capacity(self) -> int:
@@ -76,6 +86,7 @@ class Schema:
             "n_samples_per_prompt": str(self.n_samples_per_prompt),
             "columns": json.dumps(list(self.columns)),
             "consumers": json.dumps(list(self.consumers)),
+            "length_columns": json.dumps(list(self.length_columns)),
         }
 
     @classmethod
@@ -94,6 +105,7 @@ class Schema:
                 int(fields["n_samples_per_prompt"]),
                 tuple(json.loads(fields["columns"])),
                 tuple(json.loads(fields["consumers"])),
+                tuple(json.loads(fields.get("length_columns", "[]"))),  # absent in docks made before it existed
             )
         except (KeyError, ValueError, TypeError, SchemaError) as exc:
             raise DecodeError(f"{where}: malformed dock meta ({exc})") from None
@@ -109,7 +121,7 @@ class Schema:
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
                 out.append(f"{field}: stored {theirs}, requested {mine}")
-        for field in ("columns", "consumers"):
+        for field in ("columns", "consumers", "length_columns"):
             mine, theirs = set(getattr(self, field)), set(getattr(other, field))
             if mine != theirs:
                 parts = []
@@ -119,6 +131,25 @@ class Schema:
                     parts.append(f"requested only {sorted(mine - theirs)}")
                 out.append(f"{field}: " + ", ".join(parts))
         return out
+
+
+    def grown(self, columns: Iterable[str] = (), consumers: Iterable[str] = ()) -> Schema:
+        """This schema with ``columns`` and ``consumers`` added (those it has already are skipped)."""
+        def plus(names: tuple[str, ...], more: Iterable[str]) -> tuple[str, ...]:
+            if isinstance(more, str):
+                raise SchemaError(f"expected a list of names, got the string {more!r}")
+            return names + tuple(dict.fromkeys(m for m in more if m not in names))
+
+        return Schema(self.prompts_num, self.n_samples_per_prompt, plus(self.columns, columns),
+                      plus(self.consumers, consumers), self.length_columns)
+
+    def contains(self, other: Schema) -> bool:
+        """Whether this schema is ``other`` grown: same size and length columns, a superset of the names."""
+        return (
+            (self.prompts_num, self.n_samples_per_prompt, self.length_columns)
+            == (other.prompts_num, other.n_samples_per_prompt, other.length_columns)
+            and set(other.columns) <= set(self.columns) and set(other.consumers) <= set(self.consumers)
+        )
 
 
 def fingerprint(meta: Mapping[str, str] | Mapping[bytes, bytes]) -> str:

@@ -37,6 +37,10 @@ SCRIPT_FILES = {
     "ack": "ack.lua",
     "reclaim": "reclaim.lua",
     "clear": "clear.lua",
+    "prefetch": "prefetch.lua",
+    "metrics": "metrics.lua",
+    "grow": "grow.lua",
+    "columns_of": "columns_of.lua",
     "status": "status.lua",
 }
 
@@ -192,25 +196,35 @@ class DockScripts:
             return None
         return dict(zip(reply[1::2], reply[2::2]))
 
-    def put(self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int]) -> None:
-        """Queue the marking of rows ``runs`` of ``columns`` as written, after their HSETs on ``pipe``."""
+    def put(
+        self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]]
+    ) -> None:
+        """Queue the marking of rows ``runs`` of ``columns`` as written, after their HSETs on ``pipe``.
+
+        ``lengths`` holds, per length column written, its rows' values in the order of ``runs``.
+        """
         k = self._keys
         keys = [k.meta] + [key for c in columns for key in (k.data(c), k.ready(c), k.group_ready(c))]
-        self._queue(pipe, "put", keys, [self._expected, self._n, k.events, *runs])
+        keys += [k.lengths(c) for c in lengths]
+        args = [self._expected, self._n, k.events, len(lengths), len(runs), *runs]
+        self._queue(pipe, "put", keys, args + [v for values in lengths.values() for v in values])
 
     def sample(
         self, consumer: str, columns: Sequence[str], *, groups: bool, count: int, policy: str, seed: int,
-        lease_ms: int, reply_ttl_ms: int, request_id: str, token: str,
+        lease_ms: int, reply_ttl_ms: int, request_id: str, token: str, weigh_by: Sequence[str] = (),
     ) -> Handout | None:
-        """Pick ``count`` units (groups or rows) for ``consumer`` and mark them; None if too few qualify."""
+        """Pick ``count`` units (groups or rows) for ``consumer`` and mark them; None if too few qualify.
+
+        ``weigh_by``: the length columns the ``"seqlen"`` policy sums.
+        """
         k, schema = self._keys, self._bound
         status = k.group_ready if groups else k.ready
         keys = [k.meta, k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.tokens(consumer),
                 k.redelivered(consumer), k.reply(request_id), k.scratch, k.epoch, k.generations,
-                *(status(c) for c in columns)]
+                *(status(c) for c in columns), *(k.lengths(c) for c in weigh_by)]
         units = schema.prompts_num if groups else schema.capacity
         args = [self._expected, "groups" if groups else "rows", count, self._n, units, policy, seed, lease_ms,
-                reply_ttl_ms, token]
+                reply_ttl_ms, token, len(weigh_by)]
         reply = self._call("sample", keys, args)
         if not reply:
             return None
@@ -272,8 +286,31 @@ class DockScripts:
         per_consumer: tuple[Callable[[str], str], ...] = (k.consumed, k.group_taken, k.leases, k.tokens, k.redelivered)
         keys += [kind(c) for kind in per_column for c in schema.columns]
         keys += [kind(c) for kind in per_consumer for c in schema.consumers]
-        args = [self._expected, len(schema.columns), len(schema.consumers), self._n, *rows]
+        keys += [k.lengths(c) for c in schema.length_columns] + k.batch_keys
+        args = [self._expected, len(schema.columns), len(schema.consumers), self._n, len(schema.length_columns),
+                *rows]
         return int(self._call("clear", keys, args))
+
+    def prefetch(self, count: int) -> list[int] | None:
+        """The next ``count`` rows of the batch for a rollout rank (fewer at its end); None once it is spent."""
+        reply = self._call("prefetch", [self._keys.meta, self._keys.cursor],
+                           [self._expected, count, self._bound.capacity])
+        return list(range(int(reply[0]), int(reply[1]))) if reply else None
+
+    def metrics(self, values: dict[str, str], append: bool) -> int:
+        """Store metrics (name -> JSON text); ``append`` extends stored lists (see lua/metrics.lua)."""
+        args = [self._expected, "append" if append else "set", *(x for pair in values.items() for x in pair)]
+        return int(self._call("metrics", [self._keys.meta, self._keys.metrics], args))
+
+    def grow(self, grown: Schema) -> None:
+        """Store the columns and consumers of ``grown`` if the dock still holds the schema bound now."""
+        fields = grown.to_meta()
+        self._call("grow", [self._keys.meta], [self._expected, fields["columns"], fields["consumers"]])
+
+    def columns_of(self, columns: dict[str, str]) -> int:
+        """Record the columns (a JSON list) each consumer reads by default."""
+        args = [self._expected, *(x for pair in columns.items() for x in pair)]
+        return int(self._call("columns_of", [self._keys.meta, self._keys.consumer_columns], args))
 
     @property
     def _bound(self) -> Schema:

@@ -7,6 +7,7 @@ dock's schema (its rows, columns and consumers) are methods of :class:`DockCheck
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,8 +26,9 @@ from .errors import (
 from .leased_rows import LeasedRows
 from .schema import Schema
 
-#: Which qualifying rows sampling hands out: lowest group first, or a seeded random pick.
-POLICIES = ("fifo", "random")
+#: Which qualifying rows sampling hands out: lowest group first, a seeded random pick, or a batch of
+#: average total length by the dock's length columns (MindSpeed's use_batch_seqlen_balance).
+POLICIES = ("fifo", "random", "seqlen")
 
 #: Longest lease: long enough for any training step, short enough that a typo in milliseconds shows.
 MAX_LEASE_SECONDS = 86400 * 30
@@ -131,6 +133,96 @@ def encode_column(column: str, value: Any, count: int) -> list[bytes]:
         raise InvalidExperienceError(f"column {column!r}, {exc}") from None
 
 
+#: Index of a row repeated only to fill a batch up to a multiple of dp_size (MindSpeed's -2): puts skip it.
+PAD_INDEX = -2
+
+
+def drop_padding(data_dict: Any, indexes: Any, every_negative: bool = False) -> tuple[Any, Any]:
+    """``data_dict`` and ``indexes`` without the rows of index ``PAD_INDEX`` (or, with
+    ``every_negative``, of any negative index, as MindSpeed's puts skip them); anything malformed is
+    passed through untouched for the usual checks to name."""
+    if isinstance(indexes, (torch.Tensor, np.ndarray)):
+        indexes = indexes.tolist()
+    if not isinstance(indexes, Sequence) or isinstance(indexes, (str, bytes)) or not isinstance(data_dict, Mapping):
+        return data_dict, indexes
+    try:  # the common case, no padding, costs one C-level pass: puts carry thousands of rows
+        if (min(indexes, default=0) >= 0) if every_negative else (PAD_INDEX not in indexes):
+            return data_dict, indexes
+    except TypeError:
+        return data_dict, indexes
+    keep = [i for i, r in enumerate(indexes) if not (is_int(r) and (r < 0 if every_negative else r == PAD_INDEX))]
+    out: dict[Any, Any] = {}
+    for column, value in data_dict.items():
+        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim and len(value) == len(indexes):
+            out[column] = value[keep]
+        elif isinstance(value, (list, tuple)) and len(value) == len(indexes):
+            out[column] = [value[i] for i in keep]
+        else:
+            out[column] = value  # the wrong number of rows: the row-count check names it
+    return out, [indexes[i] for i in keep]
+
+
+def length_values(column: str, value: Any, count: int) -> list[int]:
+    """The integer of each row of a length column (one number per row, as ``prompt_length`` holds)."""
+    rows = list(value) if isinstance(value, (list, tuple)) else None
+    try:
+        if rows is None:
+            flat = torch.as_tensor(value).reshape(count, -1)
+            if flat.shape[1] != 1:
+                raise ValueError(f"rows of {flat.shape[1]} values")
+            numbers = flat[:, 0].tolist()
+        else:
+            numbers = []
+            for row in rows:
+                t = torch.as_tensor(row).reshape(-1)
+                if t.numel() != 1:
+                    raise ValueError(f"a row of {t.numel()} values")
+                numbers.append(t.item())
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise InvalidExperienceError(f"length column {column!r}: each row must be one integer ({exc})") from None
+    bad = [x for x in numbers if not (isinstance(x, int) or (isinstance(x, float) and x.is_integer()))
+           or not 0 <= x < 2**32]
+    if bad:
+        raise InvalidExperienceError(f"length column {column!r}: rows must be integers in [0, 2**32), got {bad[:5]}")
+    return [int(x) for x in numbers]
+
+
+def metric_values(key: Any, value: Any, cumulate: bool) -> dict[str, str]:
+    """Metric name -> JSON text of its value, for lua/metrics.lua; with ``cumulate`` every value a list."""
+    check_flag("cumulate", cumulate)
+    pairs = dict(key) if isinstance(key, Mapping) else {key: value}
+    if not pairs:
+        raise InvalidExperienceError("update_metrics: no metrics given")
+    out = {}
+    for name, v in pairs.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidExperienceError(f"a metric name must be a non-empty str, got {name!r}")
+        number = _metric_number(name, v)
+        if number is not None:
+            out[name] = json.dumps([number] if cumulate else number)
+            continue
+        if isinstance(v, (torch.Tensor, np.ndarray)):
+            v = v.tolist()
+        if not isinstance(v, (list, tuple)):
+            raise InvalidExperienceError(f"metric {name!r}: a number or a list of numbers, got {type(v).__name__}")
+        numbers = [_metric_number(name, x) for x in v]
+        if any(x is None for x in numbers):
+            raise InvalidExperienceError(f"metric {name!r}: every item must be a number, got {list(v)[:5]!r}")
+        out[name] = json.dumps(numbers)
+    return out
+
+
+def _metric_number(name: str, v: Any) -> float | int | None:
+    """``v`` as a plain number (also from a one-element tensor or a numpy scalar), or None if it is no number."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and v.dim() == 0:
+        v = v.item()
+    elif isinstance(v, np.generic) or (isinstance(v, np.ndarray) and v.ndim == 0):
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return v
+
+
 def check_sizes(encoded: Mapping[str, Mapping[str, bytes]], limit: int, setting: str) -> None:
     """Every encoded value of a put fits in one Redis value (``limit`` bytes, from server ``setting``)."""
     for col, values in encoded.items():
@@ -222,6 +314,33 @@ class DockChecks:
                 f"experience_count {rows} must be a multiple of n_samples_per_prompt={n} with get_n_samples"
             )
         return rows // n
+
+    @staticmethod
+    def dp_size(value: Any) -> int:
+        """How many data-parallel ranks a batch is cut for."""
+        if not is_int(value) or value < 1:
+            raise InvalidExperienceError(f"dp_size must be a positive int, got {value!r}")
+        return int(value)
+
+    def balance(self, value: Any) -> list[str]:
+        """The length columns a batch is balanced by: all of them for True, none for False."""
+        if value is False or value is None:
+            return []
+        if value is True:
+            if not self._schema.length_columns:
+                raise InvalidExperienceError(
+                    f"dock {self._name!r} has no length columns to balance by; create it with length_columns=[...]"
+                )
+            return list(self._schema.length_columns)
+        if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+            raise InvalidExperienceError(f"balance must be True, False or a list of length columns, got {value!r}")
+        bad = [c for c in value if c not in self._schema.length_columns]
+        if bad:
+            raise InvalidExperienceError(
+                f"balance names {bad}, which are not length columns of dock {self._name!r} "
+                f"({list(self._schema.length_columns)})"
+            )
+        return list(value)
 
     @staticmethod
     def take_count(count: Any, rows: list[int]) -> None:

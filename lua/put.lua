@@ -10,17 +10,30 @@ KEYS[3i-1]    td:{NAME}:data:COLUMN_i      data hash of the i-th column written 
                                            failed inside the MULTI left a non-hash here)
 KEYS[3i]      td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
 KEYS[3i+1]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
+then, for each of the L length columns written (after the k columns' triples):
+              td:{NAME}:len:COLUMN         u32 per row: the rows' values (see include/bits.lua set_u32)
 ARGV[1]       the schema the client expects (see include/schema.lua)
 ARGV[2]       n_samples_per_prompt (rows per group)
 ARGV[3]       pub/sub channel to announce the put on (td:{NAME}:events)
-ARGV[4..]     rows written, as runs: start, length, start, length, ... (ascending, disjoint)
+ARGV[4]       L, the number of length columns written
+ARGV[5]       R, the number of values that follow for the runs
+ARGV[6..5+R]  rows written, as runs: start, length, start, length, ... (ascending, disjoint)
+then, per length column, one value per row written, in the order of the runs
+
+Lengths are stored here, beside the ready bits and in the same transaction as the bytes, so that the
+sampling script can weigh rows by them without reading or decoding any row.
 
 Publishes and returns the number of rows written.
 ]]
 -- @include bits
 -- @include schema
 
-local starts, lengths = runs_from(4)
+local nlen, nruns = tonumber(ARGV[4]), tonumber(ARGV[5])
+local starts, lengths = {}, {}
+for i = 6, 5 + nruns, 2 do
+  starts[#starts + 1] = tonumber(ARGV[i]); lengths[#lengths + 1] = tonumber(ARGV[i + 1])
+end
+local last_triple = #KEYS - nlen          -- KEYS[2..last_triple] are the columns' triples
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then
@@ -29,21 +42,29 @@ if wrong_schema then
   -- longer the one this client knows, and it refuses to read or mark anything in it.)
   local rows, fields = rows_of_runs(starts, lengths), {}
   for i = 1, #rows do fields[i] = tostring(rows[i]) end
-  for k = 2, #KEYS, 3 do
+  for k = 2, last_triple, 3 do
     if redis.call('TYPE', KEYS[k])['ok'] == 'hash' then call_in_chunks('HDEL', KEYS[k], fields) end
   end
   return redis.error_reply(wrong_schema)
 end
-for k = 2, #KEYS, 3 do
+for k = 2, last_triple, 3 do
   local bad = wrong_type(k, k, 'hash') or wrong_type(k + 1, k + 2, 'string')
   if bad then return redis.error_reply(bad) end
 end
+local bad = wrong_type(last_triple + 1, #KEYS, 'string')
+if bad then return redis.error_reply(bad) end
 
 local n = tonumber(ARGV[2])
 local written = 0
 for i = 1, #lengths do written = written + lengths[i] end
 local groups = groups_of_runs(starts, lengths, n)
-for k = 3, #KEYS, 3 do
+local rows = rows_of_runs(starts, lengths)
+for j = 1, nlen do
+  local values, first = {}, 5 + nruns + (j - 1) * #rows
+  for i = 1, #rows do values[i] = ARGV[first + i] end
+  set_u32(KEYS[last_triple + j], rows, values)
+end
+for k = 3, last_triple, 3 do
   set_runs(KEYS[k], starts, lengths, 1)
   -- A put only adds rows, so it can complete groups but never break one.
   local full = group_states(KEYS[k], groups, n)

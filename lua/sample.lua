@@ -21,16 +21,26 @@ KEYS[9]     td:{NAME}:epoch                  see include/generations.lua
 KEYS[10]    td:{NAME}:gen
 KEYS[11..]  per requested column: td:{NAME}:gready:COLUMN in group mode,
             td:{NAME}:ready:COLUMN in row mode
+then        td:{NAME}:len:COLUMN for each of the L length columns the "seqlen" policy weighs by
 ARGV[1]     the schema the client expects (see include/schema.lua)
 ARGV[2]     mode: "groups" or "rows"
 ARGV[3]     how many units (groups or rows) to pick
 ARGV[4]     n_samples_per_prompt
 ARGV[5]     units in the dock: prompts_num in group mode, capacity in row mode
-ARGV[6]     policy: "fifo" (lowest units first) or "random"
+ARGV[6]     policy: "fifo" (lowest units first), "random", or "seqlen" (MindSpeed's
+            use_batch_seqlen_balance: a batch of average total length, see below)
 ARGV[7]     seed of the random policy, an integer in [0, 2^31)
 ARGV[8]     lease in ms; 0 hands rows out for good
 ARGV[9]     how long to keep the reply, in ms
 ARGV[10]    token of the lease (the client's request id, 'g' or 'r' first); unused without a lease
+ARGV[11]    L, the number of length columns at the end of KEYS (0 unless the policy is "seqlen")
+
+The "seqlen" policy: when the qualifying units split evenly into batches of `count`, they are dealt,
+longest first (the sum of the length columns over the unit's rows), each to the batch with the least
+total so far (then the fewest units, then the lowest number), and the first batch to fill is handed
+out: MindSpeed's get_seqlen_balanced_partitions(equal_size=True), of which it returns partition 0.
+Otherwise, as in MindSpeed, it picks at random. Lengths are read from the u32 arrays that puts keep
+(td:{NAME}:len:COLUMN), so weighing never reads or decodes a row.
 
 Returns an empty list if fewer units qualify than asked, else {epoch, generations, start, length,
 start, length, ...}: the picked rows as runs, ascending (a batch of whole groups is a few runs, not a
@@ -66,7 +76,9 @@ local lease_ms = tonumber(ARGV[8])
 local taken = groups_mode and gtaken or consumed
 -- A bitmap longer than the dock is not one of ours (BITOP would count its extra bits as candidates).
 local nbytes = math.ceil(units / 8)
-local too_long = longer_than(nbytes, taken, unpack(KEYS, 11))
+local nlen = tonumber(ARGV[11])
+local last_status = #KEYS - nlen          -- KEYS[11..last_status] are the status bitmaps
+local too_long = longer_than(nbytes, taken, unpack(KEYS, 11, last_status))
 if too_long then return redis.error_reply(too_long) end
 local now = now_ms()
 local _, corrupt = reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
@@ -80,7 +92,7 @@ local have = redis.call('STRLEN', scratch)
 if have < nbytes then
   redis.call('SETRANGE', scratch, have, string.rep('\255', nbytes - have))
 end
-redis.call('BITOP', 'AND', scratch, scratch, unpack(KEYS, 11))
+redis.call('BITOP', 'AND', scratch, scratch, unpack(KEYS, 11, last_status))
 
 local available = redis.call('BITCOUNT', scratch)
 if available < count then
@@ -88,8 +100,72 @@ if available < count then
   return {}
 end
 
+-- byte value -> offsets of its set bits, high bit (offset 0) first
+local offsets_in = {}
+for value = 0, 255 do
+  local list, rest = {}, value
+  for offset = 0, 7 do
+    local weight = 2 ^ (7 - offset)
+    if rest >= weight then list[#list + 1] = offset; rest = rest - weight end
+  end
+  offsets_in[value] = list
+end
+
+local policy = ARGV[6]
+if policy == 'seqlen' and (nlen == 0 or available % count ~= 0) then policy = 'random' end
+
 local picked = {}
-if ARGV[6] == 'random' then
+if policy == 'seqlen' then
+  local map, candidates = redis.call('GET', scratch), {}
+  for i = 1, #map do
+    for _, offset in ipairs(offsets_in[string.byte(map, i)]) do candidates[#candidates + 1] = (i - 1) * 8 + offset end
+  end
+  local arrays = {}
+  for j = 1, nlen do arrays[j] = redis.call('GET', KEYS[last_status + j]) or '' end
+  local rows_per = groups_mode and n or 1
+  local cost = {}
+  for i, unit in ipairs(candidates) do
+    local c = 0
+    for r = unit * rows_per, unit * rows_per + rows_per - 1 do
+      for j = 1, nlen do c = c + u32_at(arrays[j], r) end
+    end
+    cost[i] = c
+  end
+  local order = {}
+  for i = 1, #candidates do order[i] = i end
+  table.sort(order, function(a, b)
+    if cost[a] ~= cost[b] then return cost[a] > cost[b] end
+    return a > b
+  end)
+  -- A binary min-heap of the batches by (total, units, number); the first batch to reach `count`
+  -- units is the answer, so the deal stops there.
+  local k = available / count
+  local heap, members = {}, {}
+  for b = 1, k do heap[b] = {0, 0, b}; members[b] = {} end
+  local function less(x, y)
+    if x[1] ~= y[1] then return x[1] < y[1] end
+    if x[2] ~= y[2] then return x[2] < y[2] end
+    return x[3] < y[3]
+  end
+  local function sift_down(i)
+    while true do
+      local l, r, m = 2 * i, 2 * i + 1, i
+      if l <= #heap and less(heap[l], heap[m]) then m = l end
+      if r <= #heap and less(heap[r], heap[m]) then m = r end
+      if m == i then return end
+      heap[i], heap[m] = heap[m], heap[i]
+      i = m
+    end
+  end
+  for _, i in ipairs(order) do
+    local top = heap[1]
+    top[1], top[2] = top[1] + cost[i], top[2] + 1
+    local list = members[top[3]]
+    list[#list + 1] = candidates[i]
+    if top[2] == count then picked = list; break end
+    sift_down(1)
+  end
+elseif policy == 'random' then
   -- Draw `count` distinct ranks among the available units (Floyd's algorithm), then walk the
   -- bitmap once to turn ranks into bit offsets. A Park-Miller generator is exact in doubles, so
   -- a seed gives the same pick on Redis and on fakeredis.
@@ -103,15 +179,6 @@ if ARGV[6] == 'random' then
     ranks[#ranks + 1] = r
   end
   table.sort(ranks)
-  local offsets_in = {}   -- byte value -> offsets of its set bits, high bit (offset 0) first
-  for value = 0, 255 do
-    local list, rest = {}, value
-    for offset = 0, 7 do
-      local weight = 2 ^ (7 - offset)
-      if rest >= weight then list[#list + 1] = offset; rest = rest - weight end
-    end
-    offsets_in[value] = list
-  end
   local map = redis.call('GET', scratch)
   local seen, want = 0, 1
   for i = 1, #map do

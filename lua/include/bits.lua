@@ -226,3 +226,22 @@ local function numbers_from(first)
   for i = first, #ARGV do out[#out + 1] = tonumber(ARGV[i]) end
   return out
 end
+
+-- Sets the u32 number `index` (bits 32*index .. 32*index+31, big-endian) of `key` to values[i] for
+-- each indexes[i]: the arrays of length columns (td:{NAME}:len:COLUMN).
+local function set_u32(key, indexes, values)
+  local args = {}
+  for i = 1, #indexes do
+    args[#args + 1] = 'SET'; args[#args + 1] = 'u32'; args[#args + 1] = '#' .. indexes[i]
+    args[#args + 1] = values[i]
+  end
+  bitfield_batch(key, args, 4)
+end
+
+-- The u32 number `index` of a string read whole with GET (0 past its end), as set_u32 wrote it.
+local function u32_at(s, index)
+  local at = index * 4 + 1
+  if at + 3 > #s then return 0 end
+  local a, b, c, d = string.byte(s, at, at + 3)
+  return ((a * 256 + b) * 256 + c) * 256 + d
+end

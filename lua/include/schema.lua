@@ -7,7 +7,8 @@ one the client sends and refuses to run on a mismatch. The client turns the NODO
 prefixes into DockNotFoundError and SchemaError.
 ]]
 
-local SCHEMA_FIELDS = {'format_version', 'prompts_num', 'n_samples_per_prompt', 'columns', 'consumers'}
+local SCHEMA_FIELDS = {'format_version', 'prompts_num', 'n_samples_per_prompt', 'columns', 'consumers',
+  'length_columns'}
 
 -- nil if `meta` holds the schema `expected` (its fields' values joined by newlines, in
 -- SCHEMA_FIELDS order), else the error message to return.
@@ -23,8 +24,9 @@ local function schema_error(meta, expected)
     if not values[i] then values[i] = '<missing>' end
   end
   if table.concat(values, '\n') ~= expected then
-    return 'SCHEMA ' .. meta .. ' no longer holds the schema this dock was opened with (edited, or the '
-      .. 'dock was recreated with another schema); open the dock again'
+    -- The client reads the meta again on this error and goes on if the dock only grew (see grow.lua).
+    return 'SCHEMA ' .. meta .. ' no longer holds the schema this dock was opened with (edited, grown, or '
+      .. 'the dock was recreated with another schema); open the dock again'
   end
   return nil
 end

@@ -1,0 +1,67 @@
+"""Token-load balancing across data-parallel ranks: Karmarkar-Karp (largest differencing), as verl does.
+
+A batch handed to ``dp_size`` ranks is cut into ``dp_size`` equal chunks of rows. Rows differ in
+length, so a naive cut gives one rank far more tokens than another, and every rank waits for the
+slowest. ``balanced_order`` reorders the batch so the chunks carry nearly equal load.
+
+Run on the client, after sampling: the order of a batch already handed out needs no atomicity, so
+the sampling script stays as cheap as it is; the lengths come from the dock's length arrays in the
+same round trip as the rows' bytes (see ``TransferDock._read``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from .errors import InvalidExperienceError
+
+
+def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool) -> list[list[int]]:
+    """Split item indexes into ``k`` partitions of nearly equal total cost (largest differencing).
+
+    Each item starts as a partial solution of ``k`` partitions (with ``equal_size``, ``k`` items at a
+    time, one per partition, so every partition ends with ``len(costs) / k`` items). The two partial
+    solutions whose partitions differ most are merged, the heaviest partition of one with the lightest
+    of the other, until one is left. Partitions come back heaviest first, indexes ascending within each.
+    """
+    n = len(costs)
+    if k < 1 or n < k:
+        raise InvalidExperienceError(f"cannot split {n} items into {k} partitions")
+    if equal_size and n % k:
+        raise InvalidExperienceError(f"{n} items do not split into {k} partitions of equal size")
+    order = sorted(range(n), key=lambda i: (costs[i], i))
+    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
+    if equal_size:
+        seeds = [order[i : i + k] for i in range(0, n, k)]
+        starts = [[(costs[i], [i]) for i in chunk] for chunk in seeds]
+    else:
+        starts = [[(costs[i], [i])] + [(0.0, [])] * (k - 1) for i in order]
+    for tie, parts in enumerate(starts):
+        parts.sort(key=lambda p: -p[0])
+        heapq.heappush(heap, (-(parts[0][0] - parts[-1][0]), tie, parts))
+    tie = len(starts)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        # a is sorted heaviest first; pair it with b lightest first.
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))]
+        merged.sort(key=lambda p: -p[0])
+        tie += 1
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
+    return [sorted(items) for _, items in heap[0][2]]
+
+
+def balanced_order(costs: Sequence[float], dp_size: int) -> list[int]:
+    """A permutation of ``range(len(costs))`` whose ``dp_size`` equal consecutive chunks balance the load."""
+    parts = karmarkar_karp(costs, dp_size, equal_size=True)
+    return [i for part in parts for i in part]
+
+
+def imbalance(costs: Sequence[float], dp_size: int, order: Sequence[int] | None = None) -> float:
+    """max / mean of the chunk loads when ``costs`` (in ``order``) is cut into ``dp_size`` equal chunks."""
+    ordered = [costs[i] for i in order] if order is not None else list(costs)
+    size = len(ordered) // dp_size
+    loads = [sum(ordered[r * size : (r + 1) * size]) for r in range(dp_size)]
+    mean = sum(loads) / dp_size
+    return max(loads) / mean if mean else 1.0
