@@ -53,9 +53,40 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool) -> list[lis
 
 
 def balanced_order(costs: Sequence[float], dp_size: int) -> list[int]:
-    """A permutation of ``range(len(costs))`` whose ``dp_size`` equal consecutive chunks balance the load."""
+    """A permutation of ``range(len(costs))`` whose ``dp_size`` equal consecutive chunks balance the load.
+
+    Karmarkar-Karp, then swaps: with few items per chunk and a long tail of lengths (a whole group of
+    n long responses is one item), equal-size KK can leave the heaviest chunk well above the mean, so
+    items are swapped between the heaviest and the lightest chunk while that lowers the heavier of
+    the two (sizes stay equal).
+    """
     parts = karmarkar_karp(costs, dp_size, equal_size=True)
+    _swap_down(parts, costs)
     return [i for part in parts for i in part]
+
+
+def _swap_down(parts: list[list[int]], costs: Sequence[float], rounds: int = 1000) -> None:
+    """Swap one item each between the heaviest and the lightest partition while it lowers the heaviest."""
+    loads = [sum(costs[i] for i in p) for p in parts]
+    for _ in range(rounds):
+        hi = max(range(len(parts)), key=loads.__getitem__)
+        lo = min(range(len(parts)), key=loads.__getitem__)
+        gap = loads[hi] - loads[lo]
+        best, pick = gap, None
+        for a in parts[hi]:
+            for b in parts[lo]:
+                d = costs[a] - costs[b]
+                if 0 < d < gap and abs(gap - 2 * d) < best:  # both ends strictly inside the old range
+                    best, pick = abs(gap - 2 * d), (a, b, d)
+        if pick is None:
+            break
+        a, b, d = pick
+        parts[hi][parts[hi].index(a)] = b
+        parts[lo][parts[lo].index(b)] = a
+        loads[hi] -= d
+        loads[lo] += d
+    for p in parts:
+        p.sort()
 
 
 def imbalance(costs: Sequence[float], dp_size: int, order: Sequence[int] | None = None) -> float:
