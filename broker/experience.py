@@ -6,9 +6,15 @@ broadcasting. The helpers here convert between those layouts. They mirror the fu
 names in MindSpeed-RL (``mindspeed_rl/trainer/utils/transfer_dock.py`` and
 ``mindspeed_rl/utils/pad_process.py``) so that worker code can be ported unchanged, except that:
 
-* every padded batch is a plain ``dict[str, torch.Tensor]`` (no TensorDict dependency);
+* every padded batch is a plain ``dict[str, torch.Tensor]`` (no TensorDict dependency; the
+  ``broker.mindspeed`` adapter wraps it in a TensorDict where tensordict is installed);
 * dtypes are preserved (MindSpeed narrows int64 to int32 in ``trans_input_to_experience``);
-* rows must be 1-D: the multimodal 2-D ``position_ids`` paths are not supported;
+* rows of 2 and more dimensions: ``padding_dict_to_tensor_dict`` pads them along their first
+  dimension (which ``original_length`` records, as in MindSpeed) into ``(rows, longest, *rest)``;
+  ``pack_experience_columns`` / ``unpack_pad_experience`` pack 2-D rows ``(C, L_i)`` along their last
+  dimension into ``(C, sum L_i)``, as MindSpeed does for multimodal ``position_ids``;
+* columns of plain values (labels: strings, dicts) pass through the padding helpers as lists and
+  are left out of ``original_length``;
 * malformed input raises :class:`~broker.errors.InvalidExperienceError` naming the problem, where
   MindSpeed would fail later with an unrelated error or silently produce a wrong batch.
 
@@ -228,6 +234,29 @@ def trans_input_to_experience(
     return columns, experience
 
 
+def _one_dtype(column: str, rows: Sequence[Tensor]) -> None:
+    """A column has exactly one dtype (torch.cat would silently promote)."""
+    for i, row in enumerate(rows):
+        if row.dtype != rows[0].dtype:
+            raise InvalidExperienceError(
+                f"column {column!r} mixes dtypes: row 0 is {rows[0].dtype}, row {i} is {row.dtype}"
+            )
+
+
+def _pack_2d(column: str, rows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """2-D rows ``(C, L_i)`` (multimodal ``position_ids``) -> ``(C, sum L_i)`` and the lengths ``L_i``."""
+    first = rows[0]
+    for i, row in enumerate(rows):
+        if not isinstance(row, Tensor) or row.dim() != 2 or row.shape[0] != first.shape[0]:
+            shape = tuple(row.shape) if isinstance(row, Tensor) else type(row).__name__
+            raise InvalidExperienceError(
+                f"column {column!r} row {i} is {shape}: 2-D rows must share their first dimension "
+                f"({first.shape[0]} in row 0)"
+            )
+    _one_dtype(column, rows)
+    return torch.cat(list(rows), dim=1), torch.tensor([row.shape[1] for row in rows], dtype=torch.int64)
+
+
 def pack_experience_columns(
     experience_dict: Mapping[str, ColumnValue],
     experience_count: int,
@@ -250,7 +279,10 @@ def pack_experience_columns(
     batch_data: dict[str, Tensor] = {}
     batch_data_length: dict[str, Tensor] = {}
     for column, value in experience_dict.items():
-        flat, lengths = _flatten(column, value)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor) and value[0].dim() == 2:
+            flat, lengths = _pack_2d(column, value)
+        else:
+            flat, lengths = _flatten(column, value)
         if lengths.numel() != experience_count:
             raise InvalidExperienceError(
                 f"column {column!r} has {lengths.numel()} rows but experience_count is {experience_count}"
@@ -296,8 +328,8 @@ def unpack_pad_experience(
     # MindSpeed iterates the lengths dict; keep its column order.
     for column, lengths in batch_data_length.items():
         data = batch_data[column]
-        if not isinstance(data, Tensor) or data.dim() != 1:
-            raise InvalidExperienceError(f"batch_data[{column!r}] must be a packed 1-D tensor")
+        if not isinstance(data, Tensor) or data.dim() not in (1, 2):
+            raise InvalidExperienceError(f"batch_data[{column!r}] must be a packed 1-D (or 2-D) tensor")
         if (
             not isinstance(lengths, Tensor)
             or lengths.dim() != 1
@@ -311,20 +343,50 @@ def unpack_pad_experience(
         if bool((lengths < 0).any()):
             raise InvalidExperienceError(f"column {column!r} has negative row lengths: {lengths.tolist()}")
         total = int(lengths.sum())
-        if total != data.numel():
+        if total != data.shape[-1]:
             raise InvalidExperienceError(
-                f"column {column!r}: row lengths sum to {total} but the packed data has {data.numel()} values"
+                f"column {column!r}: row lengths sum to {total} but the packed data has {data.shape[-1]} values"
             )
         checked[column] = (data, lengths)
     _same_row_count({column: lengths.numel() for column, (_, lengths) in checked.items()})
 
     padded: dict[str, Tensor] = {}
     for column, (data, lengths) in checked.items():
-        if column in LENGTH_COLUMNS:
+        if data.dim() == 2:  # packed 2-D rows (C, sum L_i) -> (rows, C, width)
+            width = -(-int(lengths.max()) // multiple) * multiple
+            fill = torch.tensor(_pad_value(data, pad_id)).to(data.dtype).item()
+            out = torch.full((lengths.numel(), data.shape[0], width), fill, dtype=data.dtype, device=data.device)
+            for i, (start, n) in enumerate(zip((torch.cumsum(lengths, 0) - lengths).tolist(), lengths.tolist())):
+                out[i, :, :n] = data[:, start : start + n]
+            padded[column] = out
+        elif column in LENGTH_COLUMNS:
             padded[column] = _length_column(column, data, lengths)
         else:
             padded[column] = _pad_flat(data, lengths, _pad_value(data, pad_id), multiple)
     return padded
+
+
+def _is_value_column(value: object) -> bool:
+    """A list of plain values (labels, metadata): not padded, not in ``original_length``."""
+    return isinstance(value, (list, tuple)) and bool(value) and not any(isinstance(v, Tensor) for v in value)
+
+
+def _pad_nd(column: str, rows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Rows of 2+ dimensions -> ``(rows, longest, *rest)`` padded with 0 along dim 0, and their lengths."""
+    first = rows[0]
+    for i, row in enumerate(rows):
+        if not isinstance(row, Tensor) or row.dim() != first.dim() or row.shape[1:] != first.shape[1:]:
+            shape = tuple(row.shape) if isinstance(row, Tensor) else type(row).__name__
+            raise InvalidExperienceError(
+                f"column {column!r} row {i} is {shape}; rows of 2+ dimensions must agree past their first "
+                f"dimension ({tuple(first.shape)} for row 0)"
+            )
+    _one_dtype(column, rows)
+    lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.int64)
+    out = first.new_zeros((len(rows), int(lengths.max()), *first.shape[1:]))
+    for i, row in enumerate(rows):
+        out[i, : row.shape[0]] = row
+    return out, lengths
 
 
 def padding_dict_to_tensor_dict(experience_data: Mapping[str, ColumnValue]) -> dict[str, Tensor]:
@@ -350,26 +412,37 @@ def padding_dict_to_tensor_dict(experience_data: Mapping[str, ColumnValue]) -> d
             f"experience_data already has a column named {ORIGINAL_LENGTH_KEY!r}; that key is reserved"
         )
     flattened: dict[str, tuple[Tensor, Tensor]] = {}
+    values: dict[str, list[Any]] = {}
     for column, value in experience_data.items():
-        if isinstance(value, Tensor):
+        if _is_value_column(value):
+            values[column] = list(value)
+        elif isinstance(value, Tensor) and value.dim() > 2:
+            # Already padded rows of 2+ dimensions: every row counts as full length.
+            flattened[column] = (value, torch.full((value.shape[0],), value.shape[1], dtype=torch.int64))
+        elif isinstance(value, Tensor):
             # Already padded: keep the matrix itself, every row counts as full width.
             matrix = _check_matrix(column, value)
             full = torch.full((matrix.shape[0],), matrix.shape[1], dtype=torch.int64)
             flattened[column] = (matrix, full)
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor) and value[0].dim() > 1:
+            flattened[column] = _pad_nd(column, value)
         else:
             flattened[column] = _flatten(column, value)
-    _same_row_count({column: lengths.numel() for column, (_, lengths) in flattened.items()})
+    counts = {column: lengths.numel() for column, (_, lengths) in flattened.items()}
+    _same_row_count({**counts, **{column: len(v) for column, v in values.items()}})
 
-    batch: dict[str, Tensor] = {}
+    batch: dict[str, Any] = {}
     for column, (data, lengths) in flattened.items():
-        batch[column] = data if data.dim() == 2 else _pad_flat(data, lengths, 0, 1)
-    batch[ORIGINAL_LENGTH_KEY] = torch.cat([lengths for _, lengths in flattened.values()])
+        batch[column] = data if data.dim() >= 2 else _pad_flat(data, lengths, 0, 1)
+    batch.update(values)
+    if flattened:
+        batch[ORIGINAL_LENGTH_KEY] = torch.cat([lengths for _, lengths in flattened.values()])
     return batch
 
 
 def remove_padding_tensor_dict_to_dict(
-    data_dict: Mapping[str, Tensor] | None,
-) -> dict[str, list[Tensor]] | dict[str, Tensor]:
+    data_dict: Mapping[str, Any] | None,
+) -> dict[str, list[Any]] | dict[str, Any]:
     """Inverse of :func:`padding_dict_to_tensor_dict`: cut every padded row back to its true length.
 
     Row ``i`` of the ``k``-th column (counting only data columns, in order) is cut to
@@ -392,10 +465,12 @@ def remove_padding_tensor_dict_to_dict(
     original_length = data_dict[ORIGINAL_LENGTH_KEY]
     if not isinstance(original_length, Tensor) or original_length.dim() != 1:
         raise InvalidExperienceError(f"{ORIGINAL_LENGTH_KEY!r} must be a 1-D integer tensor")
-    columns = {column: value for column, value in data_dict.items() if column != ORIGINAL_LENGTH_KEY}
+    passed: dict[str, Any] = {c: list(v) for c, v in data_dict.items() if _is_value_column(v)}
+    columns = {column: value for column, value in data_dict.items()
+               if column != ORIGINAL_LENGTH_KEY and column not in passed}
     for column, value in columns.items():
-        if not isinstance(value, Tensor) or value.dim() != 2:
-            raise InvalidExperienceError(f"column {column!r} must be a padded 2-D tensor")
+        if not isinstance(value, Tensor) or value.dim() < 2:
+            raise InvalidExperienceError(f"column {column!r} must be a padded tensor of 2 or more dimensions")
     rows = _same_row_count({column: value.shape[0] for column, value in columns.items()}) if columns else 0
     if original_length.numel() != rows * len(columns):
         raise InvalidExperienceError(
@@ -403,7 +478,7 @@ def remove_padding_tensor_dict_to_dict(
             f"of {rows} rows need {rows * len(columns)}"
         )
 
-    result: dict[str, list[Tensor]] = {}
+    result: dict[str, list[Any]] = {}
     for k, (column, padded) in enumerate(columns.items()):
         lengths = original_length[k * rows : (k + 1) * rows].to(padded.device)
         if bool((lengths < 0).any()) or bool((lengths > padded.shape[1]).any()):
@@ -411,9 +486,13 @@ def remove_padding_tensor_dict_to_dict(
                 f"column {column!r} has width {padded.shape[1]} but {ORIGINAL_LENGTH_KEY!r} gives "
                 f"row lengths {lengths.tolist()}"
             )
+        if padded.dim() > 2:  # rows of 2+ dimensions, padded along their first
+            result[column] = [padded[i, :n] for i, n in enumerate(lengths.tolist())]
+            continue
         mask = torch.arange(padded.shape[1], device=padded.device) < lengths.unsqueeze(1)
         # One boolean gather then zero-copy splits, instead of slicing row by row.
         result[column] = list(torch.split(padded[mask], lengths.tolist()))
+    result.update(passed)
     return result
 
 

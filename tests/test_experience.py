@@ -457,7 +457,8 @@ BAD_CALLS = [
     (lambda: unpack_pad_experience({}, {}, 0, 1), "empty"),
     (lambda: unpack_pad_experience({"a": t([1])}, {"b": t([1])}, 0, 1), "different columns"),
     (lambda: unpack_pad_experience({"a": t([1, 2])}, {"a": t([1, 2])}, 0, 1), "sum to 3 but .* 2 values"),
-    (lambda: unpack_pad_experience({"a": t([[1, 2]])}, {"a": t([2])}, 0, 1), "packed 1-D tensor"),
+    (lambda: unpack_pad_experience({"a": t([[[1, 2]]])}, {"a": t([2])}, 0, 1), r"packed 1-D \(or 2-D\) tensor"),
+    (lambda: pack_experience_columns({"a": [t([[1, 2]]), t([[1], [2]])]}, 2), "must share their first dimension"),
     (lambda: unpack_pad_experience({"a": t([1])}, {"a": t([1.0])}, 0, 1), "1-D integer tensor"),
     (lambda: unpack_pad_experience({"a": t([1])}, {"a": t([2, -1])}, 0, 1), "negative row lengths"),
     (lambda: unpack_pad_experience({"a": t([1])}, {"a": t([1])}, 0, 0), "multiple must be a positive int"),
@@ -470,7 +471,7 @@ BAD_CALLS = [
     (lambda: padding_dict_to_tensor_dict({"a": ROWS, "b": [t([1])]}), "mismatched row counts"),
     (lambda: padding_dict_to_tensor_dict({"a": ROWS, "original_length": ROWS}), "reserved"),
     (lambda: padding_dict_to_tensor_dict({"a": t([1.0, 2.0])}), "must be 2-D"),
-    (lambda: padding_dict_to_tensor_dict({"a": [t([[1]])]}), "rows must be 1-D"),
+    (lambda: padding_dict_to_tensor_dict({"a": [t([[1, 2]]), t([[1]])]}), "must agree past their first dimension"),
     (lambda: padding_dict_to_tensor_dict({"a": "text"}), "list of 1-D tensors or a 2-D tensor, got str"),
     # remove_padding_tensor_dict_to_dict
     (
@@ -481,7 +482,8 @@ BAD_CALLS = [
         lambda: remove_padding_tensor_dict_to_dict({"a": t([[1, 2]]), "original_length": t([3])}),
         r"width 2 .* row lengths \[3\]",
     ),
-    (lambda: remove_padding_tensor_dict_to_dict({"a": t([1, 2]), "original_length": t([2])}), "padded 2-D"),
+    (lambda: remove_padding_tensor_dict_to_dict({"a": t([1, 2]), "original_length": t([2])}),
+     "padded tensor of 2 or more"),
     (lambda: remove_padding_tensor_dict_to_dict([1]), "must be a dict"),
     # trans_input_to_experience
     (lambda: trans_input_to_experience({}), "empty"),
@@ -509,3 +511,25 @@ def test_bad_input_raises(call, message):
 def test_invalid_experience_error_is_a_value_error():
     with pytest.raises(ValueError):
         pad_experience({}, 0)
+
+
+def test_rows_of_two_and_more_dimensions_pad_along_their_first_and_come_back():
+    pixels = [torch.rand(2, 3), torch.rand(4, 3)]  # patches x features, as multimodal pixel_values
+    same = [torch.rand(1, 8), torch.rand(1, 8)]     # MindSpeed's own test rows
+    padded = padding_dict_to_tensor_dict({"pixel_values": pixels, "prompts": same, "labels": ["a", "b"]})
+    assert padded["pixel_values"].shape == (2, 4, 3) and padded["prompts"].shape == (2, 1, 8)
+    assert padded["original_length"].tolist() == [2, 4, 1, 1]  # first dimensions, as MindSpeed records
+    back = remove_padding_tensor_dict_to_dict(padded)
+    assert all(torch.equal(a, b) for a, b in zip(back["pixel_values"], pixels))
+    assert all(torch.equal(a, b) for a, b in zip(back["prompts"], same))
+    assert back["labels"] == ["a", "b"]
+
+
+def test_two_dimensional_position_ids_pack_along_their_last_dimension_as_mindspeed():
+    rows = [torch.arange(6).reshape(3, 2), torch.arange(9).reshape(3, 3)]  # mrope: 3 x length
+    data, lengths = pack_experience_columns({"position_ids": rows}, 2)
+    assert data["position_ids"].shape == (3, 5) and lengths["position_ids"].tolist() == [2, 3]
+    out = unpack_pad_experience(data, lengths, pad_id=-1, multiple=2)["position_ids"]
+    assert out.shape == (2, 3, 4)
+    assert torch.equal(out[0, :, :2], rows[0]) and torch.equal(out[1, :, :3], rows[1])
+    assert bool((out[0, :, 2:] == -1).all()) and bool((out[1, :, 3:] == -1).all())

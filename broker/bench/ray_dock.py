@@ -54,7 +54,7 @@ class RayDock:
         batch, rows = self._ray.get(self.actor.get_experience.remote(consumer, list(columns), count))
         if rows is None:
             raise SampleError(f"{consumer}: fewer than {count} rows ready in {columns}")
-        return remove_padding_tensor_dict_to_dict(batch), rows  # type: ignore[return-value]  # lists once unpadded
+        return remove_padding_tensor_dict_to_dict(batch), rows
 
     def reset(self) -> None:
         self._ray.get(self.actor.clear.remote())
