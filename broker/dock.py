@@ -98,6 +98,8 @@ class TransferDock:
         with self._closed_on_error():
             fields = wanted.to_meta()
             stored = self._run(lambda: self._scripts.create(fields))
+            #: Whether this call made the dock (False: it existed, with this schema).
+            self.created = stored is None
             if stored is None:
                 self._set_schema(wanted, fingerprint(fields))
                 return
@@ -113,6 +115,7 @@ class TransferDock:
     ) -> TransferDock:
         """Open the existing dock ``name`` from the schema stored in Redis."""
         dock = cls.__new__(cls)
+        dock.created = False
         dock._open(url_or_client, name, policy, seed)
         with dock._closed_on_error():
             # bytes, not str: connect() refuses clients that decode responses
@@ -222,6 +225,11 @@ class TransferDock:
     @property
     def consumers(self) -> tuple[str, ...]:
         return self._schema.consumers
+
+    @property
+    def keys(self) -> DockKeys:
+        """The names of the dock's Redis keys (for inspection; write through the dock's methods)."""
+        return self._keys
 
     @property
     def client(self) -> redis.Redis:
@@ -587,6 +595,38 @@ class TransferDock:
             return int(raw or 0)
         except ValueError:
             raise DecodeError(f"{self._keys.cursor}: not an integer") from None
+
+    def reset_consumer(self, consumer: str, indexes: Sequence[int] | None = None) -> int:
+        """Offer rows (``None``: every row) to ``consumer`` again, ending their leases; returns how many
+        of them had been handed to it. Their data and the other consumers' marks stay."""
+        self._check.consumer(consumer)
+        rows = [] if indexes is None else self._check.rows(indexes)
+        return self._run(lambda: self._scripts.reset(consumer, rows))
+
+    def read_rows(self, columns: Sequence[str], indexes: Sequence[int]) -> Batch:
+        """The rows' values as stored now, ``None`` where a row is not written; marks nothing.
+
+        For inspection and MindSpeed's ``get_experience_data``: no consumer is involved, so unlike
+        ``get_experience`` it promises nothing about rows a clear removes meanwhile.
+        """
+        names = self._check.columns_to_read(columns)
+        rows = self._check.rows(indexes)
+        fields = [str(r) for r in rows]
+
+        def reads(pipe: redis.client.Pipeline) -> None:
+            for col in names:
+                pipe.hmget(self._keys.data(col), fields)
+
+        replies = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads, transaction=False))
+        out: Batch = {}
+        for col, values in zip(names, replies):
+            if isinstance(values, Exception):
+                raise values
+            present = [(f, v) for f, v in zip(fields, values) if v is not None]
+            decoded = iter(codec.decode_rows([v for _, v in present], where=self._keys.data(col),
+                                             fields=[f for f, _ in present]))
+            out[col] = [None if v is None else next(decoded) for v in values]
+        return out
 
     def ack(self, consumer: str, indexes: Sequence[int], token: str | None = None) -> int:
         """Confirm that ``consumer`` is done with leased rows; returns how many this released.

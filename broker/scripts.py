@@ -41,6 +41,7 @@ SCRIPT_FILES = {
     "metrics": "metrics.lua",
     "grow": "grow.lua",
     "columns_of": "columns_of.lua",
+    "reset": "reset.lua",
     "status": "status.lua",
 }
 
@@ -311,6 +312,11 @@ class DockScripts:
         """Record the columns (a JSON list) each consumer reads by default."""
         args = [self._expected, *(x for pair in columns.items() for x in pair)]
         return int(self._call("columns_of", [self._keys.meta, self._keys.consumer_columns], args))
+
+    def reset(self, consumer: str, rows: Sequence[int]) -> int:
+        """Make ``rows`` (all when empty) available to ``consumer`` again; returns how many were handed out."""
+        keys = [self._keys.meta, *self._consumer_keys(consumer)]
+        return int(self._call("reset", keys, [self._expected, self._n, *rows]))
 
     @property
     def _bound(self) -> Schema:

@@ -1,0 +1,639 @@
+"""MindSpeed-RL's data APIs on the broker: swap one import, keep the workers.
+
+``GRPOTransferDock`` takes MindSpeed-RL's constructor and has every public method of its
+``mindspeed_rl.trainer.utils.transfer_dock.GRPOTransferDock``, with the same parameters, return
+values (padded batches as its ``padding_dict_to_tensor_dict`` builds them, a TensorDict where
+``tensordict`` is installed, ``(None, None)`` when nothing is ready, indexes as lists of ints) and
+error classes (``ValueError`` for bad input). ``TransferQueueClient`` has the methods of its
+TransferQueue client (``mindspeed_rl/utils/transfer_queue/tq_client.py``); a topic is a dock on the
+same server. Both keep everything in Redis, so any number of processes on any number of machines
+may hold one, all attached to the same dock::
+
+    from broker.mindspeed import GRPOTransferDock          # was: from mindspeed_rl.trainer.utils import ...
+    td = GRPOTransferDock(prompts_num, n_samples_per_prompt, metrics=Metric(), url="redis://host:6379/0")
+
+Recommended: create one in each worker process (no actor hop: each call goes straight to Redis).
+Wrapped as a Ray actor, ``ray.remote(GRPOTransferDock).remote(...)``, it also runs existing
+``ray.get(td.get_experience.remote(...))`` code unchanged, with every call through that one actor.
+
+Deliberate differences from MindSpeed-RL (where its behaviour is a defect, ours is kept):
+
+* ``get_experience`` with explicit ``indexes`` waits at most ``timeout`` seconds (MindSpeed's logging
+  threshold, default 300 for the dock, the topic's ``timeout`` for the queue) for the rows and then
+  raises ``ExperienceTimeoutError`` naming the missing cells, having marked nothing; MindSpeed's dock
+  logs and waits forever, and its queue returns whichever subset was ready.
+* ``GBS_train`` limits sampling only with partial rollout (``max_age > 1``). MindSpeed's newest dock
+  also applies it without, so with the default ``GBS_train=0`` every sampling call with
+  ``get_n_samples=True`` returns ``(None, None)``.
+* Rows are handed out at least once with leases if asked (``lease=`` on the native dock); a crashed
+  MindSpeed actor loses the batch, here it stays in Redis.
+* Puts of rows past the dock's end raise (``RowIndexError``, a ``IndexError``); negative indexes
+  (the ``-2`` DP padding) are skipped, as MindSpeed does. MindSpeed's queue drops rows past the end
+  with a warning; its dock also lets a ``-2`` wrap to row ``max_len - 2`` in one path.
+* ``all_consumed`` returns a Python bool (MindSpeed's dock: a 0-d tensor, which ``not`` treats alike).
+* ``register_consumer_columns_dict`` replaces the columns of the consumers it names and keeps the
+  others (MindSpeed replaces the whole mapping).
+* Metric values are numbers or lists of numbers, shared through Redis; ``get_metrics()`` returns a
+  ``Metric`` holding a snapshot. ``cumulate=True`` with a number appends it (MindSpeed: TypeError).
+* Partial rollout (``max_age > 1``, ``is_prompt`` placeholders, ``data_status="partial_ready"``,
+  ages) is the next step of this broker; until then those calls raise ``PartialRolloutUnsupported``.
+* ``clear_and_resize_topic`` works (MindSpeed's raises TypeError).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import numpy as np
+import redis
+import torch
+
+from .connection import connect, default_url, disconnect
+from .dock import TransferDock
+from .errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
+from .experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
+from .status import dock_names
+from .validation import PAD_INDEX, drop_padding
+
+__all__ = [
+    "DEFAULT_COLUMNS",
+    "DEFAULT_CONSUMERS",
+    "DEFAULT_TOPIC",
+    "GRPOTransferDock",
+    "Metric",
+    "PartialRolloutUnsupported",
+    "TransferQueueClient",
+    "get_transfer_queue_client",
+]
+
+log = logging.getLogger(__name__)
+
+#: MindSpeed-RL's default columns and consumers, in its order.
+DEFAULT_COLUMNS = (
+    "prompts", "prompt_length", "responses", "response_length", "attention_mask", "labels", "input_ids",
+    "input_ids_length", "actor_rollout", "rm_scores", "token_level_rewards", "old_log_prob", "ref_log_prob",
+    "advantages", "returns",
+)
+DEFAULT_CONSUMERS = (
+    "trainer", "actor_rollout", "actor_image_embeds", "actor_log_prob", "ref_log_prob", "actor_train",
+    "compute_advantage", "rule_reward", "reward_scores", "grpo_metrics",
+)
+#: Consumers whose ``use_batch_seqlen_balance`` weighs rows by these columns (MindSpeed's mapper).
+SEQLEN_BALANCED = ("ref_log_prob", "actor_log_prob", "reward_scores", "actor_train")
+LENGTHS = ("prompt_length", "response_length")
+DEFAULT_TOPIC = "default_topic"
+#: Dock name of a ``GRPOTransferDock`` made without ``name=``; topics are docks named ``tq.TOPIC``.
+DEFAULT_DOCK = "grpo_transfer_dock"
+
+
+class PartialRolloutUnsupported(BrokerError, NotImplementedError):
+    """A partial-rollout feature (``max_age > 1``) that this broker does not offer yet."""
+
+
+class Metric:
+    """MindSpeed-RL's ``Metric``: a dict of named values; ``get_metrics()`` returns one as a snapshot.
+
+    Passed to the constructors, its values are written to the shared metrics of the dock once.
+    """
+
+    def __init__(self) -> None:
+        self.metric: dict[str, Any] = {}
+
+    def update(self, key: str = "", value: Any = None, cumulate: bool = False) -> None:
+        pairs = value if isinstance(value, Mapping) else {key: value}
+        for k, v in pairs.items():
+            if cumulate:
+                more = list(v) if isinstance(v, (list, tuple)) else [v]
+                stored = self.metric.get(k)
+                self.metric[k] = stored + more if isinstance(stored, list) else more
+            else:
+                self.metric[k] = v
+
+    def reset(self) -> None:
+        self.metric = {}
+
+    def compute_mean(self, key: str, value: Any = None) -> float:
+        values = self._numbers(key if value is None else value)
+        return sum(values) / len(values)
+
+    def compute_max(self, key: str, value: Any = None) -> float:
+        return max(self._numbers(key if value is None else value))
+
+    def compute_min(self, key: str, value: Any = None) -> float:
+        return min(self._numbers(key if value is None else value))
+
+    def _numbers(self, value: Any) -> list[float]:
+        value = self.metric[value] if isinstance(value, str) else value
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def __repr__(self) -> str:
+        return f"Metric({self.metric!r})"
+
+
+def _bad(message: str) -> InvalidExperienceError:
+    return InvalidExperienceError(message)
+
+
+def _as_dict(data: Any) -> dict[str, Any]:
+    """A data dict from what MindSpeed's workers hand over: a dict or a TensorDict."""
+    if isinstance(data, Mapping):
+        return dict(data)
+    if hasattr(data, "to_dict") and hasattr(data, "keys"):  # a TensorDict, without importing tensordict
+        return {k: data[k] for k in data.keys()}
+    raise _bad(f"data_dict must be a dict or a TensorDict of columns, got {type(data).__name__}")
+
+
+def _narrowed(data: Mapping[str, Any]) -> dict[str, Any]:
+    """int64 rows become int32, as MindSpeed's ``trans_input_to_experience`` stores them."""
+    def narrow(v: Any) -> Any:
+        return v.to(torch.int32) if isinstance(v, torch.Tensor) and v.dtype == torch.int64 else v
+
+    out = {}
+    for column, value in data.items():
+        if value is None:
+            continue  # MindSpeed skips None columns
+        out[column] = [narrow(v) for v in value] if isinstance(value, (list, tuple)) else narrow(value)
+    return out
+
+
+def _padded(batch: Mapping[str, list[Any]]) -> Any:
+    """MindSpeed's return format: padded tensors plus ``original_length``, as a TensorDict if possible."""
+    padded = padding_dict_to_tensor_dict(batch)
+    try:
+        from tensordict import TensorDict
+    except ImportError:
+        return padded
+    tensors = {k: v for k, v in padded.items() if isinstance(v, torch.Tensor)}
+    if len(tensors) != len(padded):
+        return padded  # label columns: a plain dict, as MindSpeed's queue builds around them
+    return TensorDict.from_dict(tensors)
+
+
+def _rows(indexes: Any) -> list[int]:
+    if isinstance(indexes, (torch.Tensor, np.ndarray)):
+        indexes = indexes.tolist()
+    return [int(i) for i in indexes]
+
+
+class _Docked:
+    """What the dock and the queue share: MindSpeed's checks and calls on one native dock."""
+
+    def _check_count(self, dock: TransferDock, count: Any, get_n_samples: bool, divides: bool) -> int:
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise _bad(f"experience_count must be a positive int, got {count!r}")
+        if count > dock.capacity:
+            raise _bad(f"TD max_len: {dock.capacity} need >= experience_count: {count}")
+        if divides and dock.capacity % count:
+            raise _bad(f"TD max_len:{dock.capacity} need be divisible by experience_count: {count}")
+        if get_n_samples and count % dock.n_samples_per_prompt:
+            raise _bad(
+                f"get_n_samples need experience_count:{count} must be divisible by n_samples_per_prompt: "
+                f"{dock.n_samples_per_prompt}"
+            )
+        return count
+
+    def _check_names(self, dock: TransferDock, consumer: Any, columns: Sequence[Any]) -> None:
+        # MindSpeed raises ValueError for both; ours are KeyErrors, so name them here first.
+        if consumer not in dock.consumers:
+            raise _bad(f"get experience ERROR: {consumer} not in TD experience_consumers {list(dock.consumers)}")
+        for column in columns:
+            if column not in dock.columns:
+                raise _bad(f"get experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
+
+    def _put(self, dock: TransferDock, data_dict: Any, indexes: Any, unpad: bool = True) -> None:
+        if indexes is None or len(indexes) == 0:
+            raise _bad("put experience into TD without indexes, indexes must be provided")
+        data = _as_dict(data_dict)
+        if unpad:
+            data = remove_padding_tensor_dict_to_dict(data)
+        data, rows = drop_padding(_narrowed(data), _rows(indexes), every_negative=True)
+        if not rows:
+            return
+        for column in data:
+            if column not in dock.columns:
+                raise _bad(f"put experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
+        dock.put_experience(data, rows)
+
+    def _get(
+        self, dock: TransferDock, consumer: str, columns: list[str], count: int | None, indexes: Any,
+        get_n_samples: bool, seqlen: bool, timeout: float | None,
+    ) -> tuple[dict[str, list[Any]], list[int]] | tuple[None, None]:
+        if indexes is not None:
+            rows = [r for r in _rows(indexes) if r != PAD_INDEX]
+            return dock.get_experience(consumer, columns, indexes=rows, timeout=timeout)
+        assert count is not None
+        policy = "seqlen" if seqlen and consumer in SEQLEN_BALANCED and dock.schema.length_columns else "random"
+        return dock.get_experience(consumer, columns, count, get_n_samples=get_n_samples, policy=policy)
+
+    @staticmethod
+    def _metric(dock: TransferDock) -> Metric:
+        snapshot = Metric()
+        snapshot.metric = dock.get_metrics()
+        return snapshot
+
+    @staticmethod
+    def _update_metrics(dock: TransferDock, key: Any, value: Any, cumulate: bool) -> None:
+        if isinstance(value, Mapping):
+            dock.update_metrics(dict(value), cumulate=cumulate)
+        else:
+            dock.update_metrics(key, value, cumulate=cumulate)
+
+    @staticmethod
+    def _bits(dock: TransferDock, keys: Sequence[str]) -> list[torch.Tensor]:
+        """Row bitmaps as int32 tensors of 0 and 1, one row per element (MindSpeed's status vectors)."""
+        out = []
+        for raw in cast("list[bytes | None]", dock.client.mget(list(keys))):
+            bits = np.unpackbits(np.frombuffer(raw or b"", dtype=np.uint8))[: dock.capacity]
+            status = np.zeros(dock.capacity, dtype=np.int32)
+            status[: len(bits)] = bits
+            out.append(torch.from_numpy(status))
+        return out
+
+    def _status(self, dock: TransferDock) -> dict[str, torch.Tensor]:
+        return dict(zip(dock.columns, self._bits(dock, [dock.keys.ready(c) for c in dock.columns])))
+
+
+def _open(url: str | redis.Redis | None, name: str, prompts_num: int, n: int, columns: Sequence[str],
+          consumers: Sequence[str]) -> TransferDock:
+    """Create the dock, or attach to it and grow it to hold ``columns`` and ``consumers``."""
+    target = url or default_url()
+    lengths = [c for c in LENGTHS if c in columns]
+    try:
+        return TransferDock(target, name, prompts_num, n, columns, consumers, policy="random",
+                            length_columns=lengths)
+    except SchemaError:
+        dock = TransferDock.attach(target, name, policy="random")
+    if (dock.prompts_num, dock.n_samples_per_prompt) != (prompts_num, n):
+        dock.close()
+        raise SchemaError(
+            f"dock {name!r} holds {dock.prompts_num} prompts x {dock.n_samples_per_prompt} samples, "
+            f"not {prompts_num} x {n}; clear it with `broker clear {name} --delete`, or pass another name="
+        )
+    dock.grow(columns, consumers)
+    return dock
+
+
+class GRPOTransferDock(_Docked):
+    """MindSpeed-RL's ``GRPOTransferDock``, every method, on a dock in Redis (see the module docstring)."""
+
+    def __init__(
+        self,
+        prompts_num: int,
+        n_samples_per_prompt: int,
+        metrics: Metric | None = None,
+        max_age: int = 1,
+        GBS_train: int = 0,  # noqa: N803 - MindSpeed's name
+        addition_columns: Sequence[str] | None = None,
+        addition_consumers: Sequence[str] | None = None,
+        timeout: float | None = None,
+        timeout_interval: float | None = None,
+        *,
+        url: str | redis.Redis | None = None,
+        name: str = DEFAULT_DOCK,
+    ) -> None:
+        if max_age != 1:
+            raise PartialRolloutUnsupported(f"max_age={max_age}: partial rollout is not offered yet; use max_age=1")
+        self.experience_columns = list(dict.fromkeys([*DEFAULT_COLUMNS, *(addition_columns or [])]))
+        self.experience_consumers = list(dict.fromkeys([*DEFAULT_CONSUMERS, *(addition_consumers or [])]))
+        self.prompts_num, self.n_samples_per_prompt = prompts_num, n_samples_per_prompt
+        self.max_len = prompts_num * n_samples_per_prompt
+        self.max_age, self.GBS_train = max_age, GBS_train
+        self.timeout = 300.0 if timeout is None else float(timeout)
+        self.timeout_interval = 5.0 if timeout_interval is None else float(timeout_interval)
+        self._url, self._name = url, name
+        self.dock = _open(url, name, prompts_num, n_samples_per_prompt, self.experience_columns,
+                          self.experience_consumers)
+        self.metrics = metrics
+        if metrics is not None and getattr(metrics, "metric", None):
+            self._update_metrics(self.dock, "", dict(metrics.metric), False)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # pickles as its arguments: attaches again
+        return _grpo_dock, (self.prompts_num, self.n_samples_per_prompt, self.experience_columns,
+                            self.experience_consumers, self.timeout, self.timeout_interval, self._url, self._name)
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def put_experience(self, data_dict: Any, indexes: Sequence[int] | None = None, is_prompt: bool = False) -> None:
+        """Write rows (MindSpeed's padded format or a TensorDict); negative indexes are skipped."""
+        self._put(self.dock, data_dict, indexes)
+
+    def get_experience(
+        self,
+        consumer: str,
+        experience_columns: list[str],
+        experience_count: int | None = None,
+        dp_size: int = 1,
+        indexes: list[int] | None = None,
+        get_n_samples: bool = True,
+        use_batch_seqlen_balance: bool = False,
+        allow_partial_ready_data: bool = False,
+    ) -> tuple[Any, list[int]] | tuple[None, None]:
+        """Hand ready rows to ``consumer`` as a padded batch, or ``(None, None)`` at once if too few are ready."""
+        self._check_names(self.dock, consumer, experience_columns)
+        if indexes is None:
+            self._check_count(self.dock, experience_count, get_n_samples, divides=True)
+        batch, rows = self._get(self.dock, consumer, list(experience_columns), experience_count, indexes,
+                                get_n_samples, use_batch_seqlen_balance, self.timeout)
+        if batch is None or rows is None:
+            return None, None
+        return _padded(batch), list(rows)
+
+    def all_consumed(self, consumer: str, get_n_samples: bool = True) -> bool:
+        return self.dock.all_consumed(consumer)
+
+    def clear(self, consumer: str = "actor_train") -> None:
+        """Forget the batch: rows, every consumer's marks, metrics and the request cursor."""
+        self.dock.clear()
+
+    def get_consumer_status(self) -> dict[str, torch.Tensor]:
+        """Per consumer, an int32 tensor with 1 for every row handed to it."""
+        consumers = self.dock.consumers
+        return dict(zip(consumers, self._bits(self.dock, [self.dock.keys.consumed(c) for c in consumers])))
+
+    # -- shared state -------------------------------------------------------------------------
+
+    def get_metrics(self) -> Metric:
+        return self._metric(self.dock)
+
+    def update_metrics(self, key: str = "", value: Any = None, cumulate: bool = False) -> None:
+        self._update_metrics(self.dock, key, value, cumulate)
+
+    def prefetch_request_index(self, experience_num: int) -> list[int] | None:
+        return self.dock.prefetch_request_index(experience_num)
+
+    def get_cur_index(self) -> int:
+        return self.dock.get_cur_index()
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def get_experience_data(self) -> dict[str, list[Any]]:
+        """Every row of every column (None where unwritten): a whole read, for debugging."""
+        return self.dock.read_rows(list(self.dock.columns), range(self.max_len))
+
+    def get_experience_status(self) -> dict[str, torch.Tensor]:
+        return self._status(self.dock)
+
+    def get_experience_len(self) -> int:
+        return self.max_len
+
+    # -- partial rollout (max_age > 1) --------------------------------------------------------
+
+    def get_incomplete_response_num(self) -> int:
+        """Prompts written minus responses finished; without partial rollout, no response is unfinished."""
+        return 0
+
+    def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:
+        raise PartialRolloutUnsupported("get_update_ready needs partial rollout (max_age > 1), not offered yet")
+
+    def find_all_consumed_n_samples_groups(self, consumer: str) -> Any:
+        raise PartialRolloutUnsupported("find_all_consumed_n_samples_groups needs partial rollout (max_age > 1)")
+
+    def sort_every_n_samples_by_age(self) -> None:
+        raise PartialRolloutUnsupported("sort_every_n_samples_by_age needs partial rollout (max_age > 1)")
+
+
+def _grpo_dock(prompts_num: int, n: int, columns: list[str], consumers: list[str], timeout: float,
+               interval: float, url: str | redis.Redis | None, name: str) -> GRPOTransferDock:
+    defaults = set(DEFAULT_COLUMNS), set(DEFAULT_CONSUMERS)
+    return GRPOTransferDock(prompts_num, n, None, 1, 0, [c for c in columns if c not in defaults[0]],
+                            [c for c in consumers if c not in defaults[1]], timeout, interval, url=url, name=name)
+
+
+class TransferQueueClient(_Docked):
+    """MindSpeed-RL's TransferQueue client: topics, each a dock named ``tq.TOPIC`` on one Redis server."""
+
+    def __init__(self, url: str | redis.Redis | None = None, *, prefix: str = "tq.") -> None:
+        self._url: str | redis.Redis = url or default_url()
+        self._prefix = prefix
+        self._docks: dict[str, TransferDock] = {}
+        self._timings: dict[str, float] = {"put": 0.0, "get": 0.0, "dispatch": 0.0}
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _tq_client, (self._url, self._prefix)
+
+    def _dock(self, topic: str | None) -> TransferDock:
+        topic = topic or DEFAULT_TOPIC
+        dock = self._docks.get(topic)
+        if dock is None:
+            try:
+                dock = TransferDock.attach(self._url, self._prefix + topic, policy="random")
+            except DockNotFoundError:
+                raise _bad(f"Unknown topic '{topic}'") from None
+            self._docks[topic] = dock
+        return dock
+
+    def _timeout(self, dock: TransferDock) -> float:
+        raw = dock.client.hget(dock.keys.meta, "tq_timeout")
+        return float(raw) if raw else 5.0
+
+    # -- topics -------------------------------------------------------------------------------
+
+    def add_topic(
+        self, prompts_num: int, n_samples_per_prompt: int, experience_columns: Sequence[str],
+        experience_consumers: Sequence[str], timeout: float = 5.0, metrics: Metric | None = None,
+        topic: str = DEFAULT_TOPIC, max_age: int = 1, GBS_train: int = 0,  # noqa: N803
+    ) -> None:
+        if not topic:
+            raise _bad("Topic must be non-empty")
+        if max_age != 1:
+            raise PartialRolloutUnsupported(f"max_age={max_age}: partial rollout is not offered yet")
+        lengths = [c for c in LENGTHS if c in experience_columns]
+        dock = TransferDock(self._url, self._prefix + topic, prompts_num, n_samples_per_prompt,
+                            experience_columns, experience_consumers, policy="random", length_columns=lengths)
+        if not dock.created:
+            dock.close()
+            raise _bad(f"Topic '{topic}' already exists")
+        dock.client.hset(dock.keys.meta, "tq_timeout", str(float(timeout)))  # not part of the schema
+        self._docks[topic] = dock
+        if metrics is not None and getattr(metrics, "metric", None):
+            self._update_metrics(dock, "", dict(metrics.metric), False)
+
+    def delete_topic(self, topic: str = DEFAULT_TOPIC) -> None:
+        self._dock(topic).delete()
+        self._docks.pop(topic or DEFAULT_TOPIC).close()
+
+    def clear_topic(self, topic: str = DEFAULT_TOPIC) -> None:
+        self._dock(topic).clear()
+
+    def clear_and_resize_topic(self, prompts_num: int, n_samples_per_prompt: int, topic: str = DEFAULT_TOPIC) -> None:
+        old = self._dock(topic)
+        columns, consumers, timeout = list(old.columns), list(old.consumers), self._timeout(old)
+        registered = {c: old.consumer_columns(c) for c in consumers if self._registered(old, c)}
+        self.delete_topic(topic)
+        self.add_topic(prompts_num, n_samples_per_prompt, columns, consumers, timeout, topic=topic)
+        if registered:
+            self.register_consumer_columns_dict(registered, topic)
+
+    @staticmethod
+    def _registered(dock: TransferDock, consumer: str) -> bool:
+        return bool(dock.client.hexists(dock.keys.consumer_columns, consumer))
+
+    def register_consumer_columns_dict(self, columns_dict: Mapping[str, Sequence[str]],
+                                       topic: str = DEFAULT_TOPIC) -> None:
+        self._dock(topic).register_consumer_columns(columns_dict)
+
+    def get_columns(self, consumer: str | None = None, topic: str = DEFAULT_TOPIC) -> list[str]:
+        return self._dock(topic).consumer_columns(consumer)
+
+    def get_max_len(self, topic: str = DEFAULT_TOPIC) -> int:
+        return self._dock(topic).capacity
+
+    def reset_all(self) -> None:
+        """Delete every topic of this client's prefix on the server."""
+        for key in self._dock_names():
+            TransferDock.attach(self._url, key).delete()
+        self._docks.clear()
+        self._timings = {"put": 0.0, "get": 0.0, "put_prompt": 0.0, "dispatch": 0.0}
+
+    def _dock_names(self) -> list[str]:
+        client, url = connect(self._url)
+        try:
+            return [n for n in dock_names(client) if n.startswith(self._prefix)]
+        finally:
+            if isinstance(self._url, str) and url is not None:
+                disconnect(url)
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def put_experience(self, data_dict: Any, indexes: Sequence[int] | None = None, unpad: bool = True,
+                       topic: str = DEFAULT_TOPIC, data_status: str = "ready") -> None:
+        if data_status != "ready":
+            raise PartialRolloutUnsupported(f"data_status={data_status!r}: partial rollout is not offered yet")
+        if indexes is None or len(indexes) == 0:
+            raise _bad("No indexes provided for put_experience")
+        start = time.perf_counter()
+        self._put(self._dock(topic), data_dict, indexes, unpad)
+        self._timings["put"] += time.perf_counter() - start
+
+    def get_experience(
+        self, consumer: str, experience_columns: list[str] | None = None, experience_count: int | None = None,
+        indexes: list[int] | None = None, get_n_samples: bool = True, pad: bool = True, topic: str = DEFAULT_TOPIC,
+        use_batch_seqlen_balance: bool = False, dp_size: int = 1, require_dp_padding: bool = False,
+        allow_partial_ready_data: bool = False,
+    ) -> tuple[Any, list[int]] | tuple[None, None]:
+        if allow_partial_ready_data:
+            raise PartialRolloutUnsupported("allow_partial_ready_data needs partial rollout, not offered yet")
+        dock = self._dock(topic)
+        if experience_columns is None:
+            if not self._registered(dock, consumer):
+                raise _bad(
+                    f"No experience_columns provided, and no experience columns registered for consumer "
+                    f"'{consumer}' in topic '{topic}'."
+                )
+            experience_columns = dock.consumer_columns(consumer)
+        if experience_count is None and indexes is None:
+            raise _bad("Either experience_count or indexes must be provided for get_experience")
+        self._check_names(dock, consumer, experience_columns)
+        if indexes is None:
+            self._check_count(dock, experience_count, get_n_samples, divides=False)
+        start = time.perf_counter()
+        batch, rows = self._get(dock, consumer, list(experience_columns), experience_count, indexes,
+                                get_n_samples, use_batch_seqlen_balance, self._timeout(dock))
+        self._timings["get"] += time.perf_counter() - start
+        if batch is None or rows is None:
+            log.debug("Get none experience.")
+            return None, None
+        order = sorted(range(len(rows)), key=rows.__getitem__)  # the queue returns rows by index
+        out, rows = {c: [v[i] for i in order] for c, v in batch.items()}, [rows[i] for i in order]
+        if require_dp_padding and experience_count and 0 < len(rows) < experience_count and len(rows) % dp_size:
+            extra = -len(rows) % dp_size
+            out = {c: v + [v[-1]] * extra for c, v in out.items()}
+            rows = rows + [PAD_INDEX] * extra
+        return (_padded(out) if pad else out), rows
+
+    def all_consumed(self, consumer: str, topic: str = DEFAULT_TOPIC, get_n_samples: bool = True) -> bool:
+        return self._dock(topic).all_consumed(consumer)
+
+    def all_updated(self, column: str, topic: str = DEFAULT_TOPIC) -> bool:
+        dock = self._dock(topic)
+        if column not in dock.columns:
+            raise _bad(f"Column '{column}' not recognized.")
+        return bool(dock.status()["columns"][column]["ready"] == dock.capacity)
+
+    def reset_consumer_status(self, consumer: str, topic: str = DEFAULT_TOPIC,
+                              indexes: Sequence[int] | None = None) -> None:
+        self._dock(topic).reset_consumer(consumer, list(indexes) if indexes else None)
+
+    # -- shared state -------------------------------------------------------------------------
+
+    def get_metrics(self, topic: str = DEFAULT_TOPIC) -> Metric:
+        return self._metric(self._dock(topic))
+
+    def update_metrics(self, key: str = "", value: Any = None, cumulate: bool = False,
+                       topic: str = DEFAULT_TOPIC) -> None:
+        self._update_metrics(self._dock(topic), key, value, cumulate)
+
+    def prefetch_request_index(self, experience_num: int, topic: str = DEFAULT_TOPIC) -> list[int] | None:
+        return self._dock(topic).prefetch_request_index(experience_num)
+
+    def get_cur_index(self, topic: str = DEFAULT_TOPIC) -> int:
+        return self._dock(topic).get_cur_index()
+
+    # -- multimodal labels: a column of plain values -------------------------------------------
+
+    def put_mm_labels(self, topic: str, labels: Sequence[Any], index: Sequence[int]) -> None:
+        if not labels or not index:
+            raise _bad("Both mm_labels and index should be provided.")
+        self._dock(topic).put_experience({"labels": list(labels)}, _rows(index))
+
+    def get_mm_labels(self, topic: str, index: Sequence[int]) -> list[Any] | None:
+        if not index:
+            return None
+        return self._dock(topic).read_rows(["labels"], _rows(index))["labels"]
+
+    # -- partial rollout ----------------------------------------------------------------------
+
+    def increment_ages(self, topic: str = DEFAULT_TOPIC) -> None:
+        raise PartialRolloutUnsupported("increment_ages needs partial rollout (max_age > 1), not offered yet")
+
+    def refine_topic_for_partial_rollout(self, topic: str = DEFAULT_TOPIC) -> None:
+        raise PartialRolloutUnsupported("refine_topic_for_partial_rollout needs partial rollout, not offered yet")
+
+    def clear_data_status(self, columns: Sequence[str], indexes: Sequence[int], topic: str = DEFAULT_TOPIC) -> None:
+        raise PartialRolloutUnsupported("clear_data_status needs partial rollout, not offered yet")
+
+    def get_partial_rollout_stop_signal(self, require_max_age_all_finished: bool = True,
+                                        topic: str = DEFAULT_TOPIC) -> bool:
+        raise PartialRolloutUnsupported("get_partial_rollout_stop_signal needs partial rollout, not offered yet")
+
+    def get_incomplete_response_num(self, topic: str = DEFAULT_TOPIC) -> int:
+        return 0
+
+    # -- timings (kept in this client, as MindSpeed's are per client) ---------------------------
+
+    def create_timing_item(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise _bad("Timing item name must be a non-empty string")
+        if name in self._timings:
+            raise _bad(f"Timing item '{name}' already exists")
+        self._timings[name] = 0.0
+
+    def accumulate_timing(self, name: str, seconds: float) -> None:
+        if name not in self._timings:
+            raise _bad(f"Unknown timing name '{name}'")
+        self._timings[name] += float(seconds)
+
+    def get_timing(self, name: str) -> float:
+        if name not in self._timings:
+            raise _bad(f"Unknown timing name '{name}'")
+        return round(self._timings[name], 6)
+
+    def get_timings(self) -> dict[str, float]:
+        return {k: round(v, 6) for k, v in self._timings.items()}
+
+    def reset_timings(self) -> None:
+        self._timings = dict.fromkeys(self._timings, 0.0)
+
+
+def _tq_client(url: str | redis.Redis, prefix: str) -> TransferQueueClient:
+    return TransferQueueClient(url, prefix=prefix)
+
+
+def get_transfer_queue_client(name: str | None = None, *, url: str | None = None) -> TransferQueueClient:
+    """MindSpeed's factory; ``name`` (its manager actor's name) is accepted and unused: there is no manager."""
+    return TransferQueueClient(url or os.environ.get("REDIS_URL"))
+
