@@ -197,7 +197,10 @@ class _Docked:
         return count
 
     def _check_names(self, dock: TransferDock, consumer: Any, columns: Sequence[Any]) -> None:
-        # MindSpeed raises ValueError for both; ours are KeyErrors, so name them here first.
+        # MindSpeed raises ValueError for both; ours are KeyErrors, so name them here first. A name this
+        # object has not seen may have been added by another process (grow): read the schema again.
+        if consumer not in dock.consumers or not set(columns) <= set(dock.columns):
+            dock.refresh()
         if consumer not in dock.consumers:
             raise _bad(f"get experience ERROR: {consumer} not in TD experience_consumers {list(dock.consumers)}")
         for column in columns:
@@ -213,6 +216,8 @@ class _Docked:
         data, rows = drop_padding(_narrowed(data), _rows(indexes), every_negative=True)
         if not rows:
             return
+        if not set(data) <= set(dock.columns):
+            dock.refresh()
         for column in data:
             if column not in dock.columns:
                 raise _bad(f"put experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
