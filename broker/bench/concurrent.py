@@ -1,14 +1,18 @@
-"""Concurrent mode: every stage at once, ``per_stage`` processes each, pipelined through one broker dock.
+"""Concurrent mode: every stage at once, ``per_stage`` processes each, pipelined through one shared dock.
 
-Stage processes wait for rows with ``get_experience(..., timeout=)`` (woken by the dock's pub/sub),
-so ref, actor and reward start on the first groups rollout writes. The wall time runs from a barrier
-that every process has reached (interpreter start-up is not counted) to the end of the last call
-that did work: a process idling in a wait after its partner took the last rows does not count.
+Run for every system that processes can share: the broker, the MindSpeed adapter (one object per
+process), the adapter as one Ray actor, and MindSpeed's own single actor. (The floors keep their
+status in one process and are left out.) Broker stage processes wait for rows with
+``get_experience(..., timeout=)`` (woken by the dock's pub/sub); the MindSpeed-style systems have no
+wait and poll, as MindSpeed's workers do. The wall time runs from a barrier that every process has
+reached (interpreter start-up and Ray connection are not counted) to the end of the last call that
+did work: a process idling after its partner took the last rows does not count.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing as mp
 import queue
 import time
@@ -17,12 +21,22 @@ from typing import Any
 import torch
 
 from ..dock import TransferDock
+from ..experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
 from .broker_dock import delete_dock
 from .docks import dock_target
-from .workload import COLUMNS, Checksums, Workload
+from .workload import COLUMNS, Checksums, Rows, Workload
+
+#: Systems the concurrent mode runs, in order.
+CONCURRENT_SYSTEMS = ("broker", "adapter", "adapter-ray", "ray")
 
 #: Longest a stage process waits in one call before checking whether its consumer is done.
 _WAIT = 0.25
+
+#: Ray namespace of the actors the stage processes look up by name.
+_NAMESPACE = "broker-bench"
+
+#: Pause of a polling stage process after a sampling call found nothing (MindSpeed's workers poll).
+_POLL = 0.002
 
 
 def context() -> Any:
@@ -32,27 +46,80 @@ def context() -> Any:
     return ctx
 
 
-def _stage_process(url: str, name: str, params: dict[str, Any], stage_name: str, barrier: Any, out: Any) -> None:
+class _Client:
+    """What a stage process calls, the same for every system: get (None if nothing), put, all_consumed."""
+
+    def __init__(self, system: str, url: str, name: str, workload: Workload, ray_address: str | None):
+        self.system, self.workload = system, workload
+        if system == "broker":
+            self.dock = TransferDock.attach(dock_target(url), name)
+        elif system == "adapter":
+            from .adapter import open_adapter
+
+            self.td = open_adapter(url, name, workload)
+        else:
+            import ray
+
+            ray.init(address=ray_address, log_to_driver=False, logging_level=logging.ERROR,
+                     _node_ip_address="127.0.0.1")
+            self.ray, self.actor = ray, ray.get_actor(name, namespace=_NAMESPACE)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.system == "adapter":
+            return getattr(self.td, method)(*args, **kwargs)
+        return self.ray.get(getattr(self.actor, method).remote(*args, **kwargs))
+
+    def get(self, consumer: str, columns: list[str], count: int) -> tuple[Rows, list[int]] | None:
+        if self.system == "broker":
+            batch, rows = self.dock.get_experience(consumer, columns, count, timeout=_WAIT)
+            return None if batch is None or rows is None else (batch, rows)
+        padded, rows = self._call("get_experience", consumer, columns, count)
+        if rows is None:
+            time.sleep(_POLL)
+            return None
+        return remove_padding_tensor_dict_to_dict(padded), rows
+
+    def put(self, data: Rows, rows: list[int]) -> None:
+        if self.system == "broker":
+            self.dock.put_experience(data, indexes=rows)
+        else:
+            self._call("put_experience", data_dict=padding_dict_to_tensor_dict(data), indexes=rows)
+
+    def all_consumed(self, consumer: str) -> bool:
+        if self.system == "broker":
+            return self.dock.all_consumed(consumer)
+        return bool(self._call("all_consumed", consumer))
+
+    def left(self, consumer: str) -> int:
+        """Rows not yet handed to ``consumer`` (the broker's status; the others' calls divide the batch)."""
+        if self.system == "broker":
+            return self.workload.capacity - int(self.dock.status()["consumers"][consumer]["consumed"])
+        return self.workload.capacity
+
+
+def _stage_process(system: str, url: str, name: str, params: dict[str, Any], stage_name: str, barrier: Any,
+                   out: Any, ray_address: str | None) -> None:
     torch.set_num_threads(1)  # a dozen processes on a few cores: intra-op threads would only fight
     workload = Workload(**params)
     stage = workload.stage(stage_name)
     workload.response_length(0)  # draw the batch before the clock starts
-    dock = TransferDock.attach(dock_target(url), name)
+    dock = _Client(system, url, name, workload, ray_address)
     results, busy, calls = [], 0.0, 0
     barrier.wait()
     last = time.monotonic()
     count = stage.count
     while not dock.all_consumed(stage.name):
-        batch, rows = dock.get_experience(stage.name, list(stage.reads), count, timeout=_WAIT)
-        if batch is None or rows is None:
+        got = dock.get(stage.name, list(stage.reads), count)
+        if got is None:
             # The batch may end in a smaller call, when its rows are not a multiple of the call size.
-            left = workload.capacity - dock.status()["consumers"][stage.name]["consumed"]
+            left = dock.left(stage.name)
             count = min(stage.count, left) if left > 0 else stage.count
             continue
+        batch, rows = got
         t0 = time.perf_counter()  # busy = compute and put; the get includes waiting for upstream stages
         result = stage.fn(batch, rows)
         if stage.writes:
-            dock.put_experience(result, rows)
+            dock.put(result, rows)
         busy += time.perf_counter() - t0
         calls += 1
         results.append((result, rows))
@@ -63,18 +130,75 @@ def _stage_process(url: str, name: str, params: dict[str, Any], stage_name: str,
     out.put({"stage": stage_name, "end": last, "rows": checks.rows, "calls": calls, "busy": busy})
 
 
+class _Driver:
+    """The system's dock for one concurrent run: made before the stage processes, removed after."""
+
+    def __init__(self, system: str, url: str, name: str, workload: Workload):
+        self.system, self.ray_address, self.started_ray = system, None, False
+        if system == "broker":
+            self.dock = TransferDock(dock_target(url), name, prompts_num=workload.prompts,
+                                     n_samples_per_prompt=workload.n, columns=list(COLUMNS),
+                                     consumers=list(workload.consumers))
+            self.dock.clear()
+            return
+        if system == "adapter":
+            from .adapter import AdapterDock
+
+            self.bench: Any = AdapterDock(url, name, workload)
+            return
+        import ray
+
+        from ..mindspeed import GRPOTransferDock
+        from .mindspeed import MindSpeedGRPOTransferDock
+        from .ray_dock import ACTOR_OPTIONS, start_ray
+
+        self.ray, self.started_ray = ray, start_ray()
+        # Joined on the loopback address: Ray reports the node's detected IP, which may not route here.
+        self.ray_address = "127.0.0.1:" + ray.get_runtime_context().gcs_address.rsplit(":", 1)[1]
+        self.actor: Any
+        if system == "adapter-ray":
+            self.actor = ray.remote(GRPOTransferDock).options(name=name, namespace=_NAMESPACE, **ACTOR_OPTIONS).remote(
+                workload.prompts, workload.n, addition_columns=list(COLUMNS),
+                addition_consumers=list(workload.consumers), url=url, name=name)
+        else:
+            self.actor = ray.remote(MindSpeedGRPOTransferDock).options(name=name, namespace=_NAMESPACE, **ACTOR_OPTIONS).remote(
+                workload.prompts, workload.n, list(COLUMNS), list(workload.consumers), workload.seed)
+        ray.get(self.actor.clear.remote())
+
+    def put(self, data: Rows, rows: list[int]) -> None:
+        if self.system == "broker":
+            self.dock.put_experience(data, indexes=rows)
+        elif self.system == "adapter":
+            self.bench.put(data, rows)
+        else:
+            self.ray.get(self.actor.put_experience.remote(data_dict=padding_dict_to_tensor_dict(data), indexes=rows))
+
+    def close(self) -> None:
+        if self.system == "broker":
+            delete_dock(self.dock)
+        elif self.system == "adapter":
+            self.bench.td.dock.delete()
+        else:
+            if self.system == "adapter-ray":
+                self.ray.get(self.actor.clear.remote())
+            self.ray.kill(self.actor)
+            if self.started_ray:
+                self.ray.shutdown()
+
+
 def run_concurrent(
-    url: str, name: str, workload: Workload, per_stage: int = 2, timeout: float = 600.0
+    url: str, name: str, workload: Workload, per_stage: int = 2, timeout: float = 600.0, system: str = "broker",
 ) -> dict[str, Any]:
     """Run the batch with all stages at once; returns wall seconds, per-stage figures and checksums."""
-    dock = TransferDock(dock_target(url), name, prompts_num=workload.prompts, n_samples_per_prompt=workload.n,
-                        columns=list(COLUMNS), consumers=list(workload.consumers))
-    dock.clear()
-    ctx = context()
+    driver = _Driver(system, url, name, workload)
+    # Ray's stage processes are spawned: a forkserver started before Ray lacks what Ray put in the
+    # driver's environment to join its cluster (its auth token). Start-up is not timed either way.
+    ctx = mp.get_context("spawn") if driver.ray_address else context()
     out = ctx.Queue()
     barrier = ctx.Barrier(1 + per_stage * len(workload.stages))
     params = dataclasses.asdict(workload)
-    procs = [ctx.Process(target=_stage_process, args=(url, name, params, s.name, barrier, out), daemon=True)
+    procs = [ctx.Process(target=_stage_process, daemon=True,
+                         args=(system, url, name, params, s.name, barrier, out, driver.ray_address))
              for s in workload.stages for _ in range(per_stage)]
     for p in procs:
         p.start()
@@ -85,7 +209,7 @@ def run_concurrent(
         for first in range(0, workload.capacity, workload.call_rows):
             rows = list(range(first, min(first + workload.call_rows, workload.capacity)))
             data = workload.prompt_rows(rows)
-            dock.put_experience(data, indexes=rows)
+            driver.put(data, rows)
             checks.add("load", data, rows)
         reports: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
@@ -103,7 +227,7 @@ def run_concurrent(
         for p in procs:
             if p.is_alive():
                 p.kill()
-        delete_dock(dock)
+        driver.close()
     stages: dict[str, dict[str, float]] = {}
     for r in reports:
         checks.merge(_as_checksums(r["rows"], r["stage"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-SYSTEMS = ("broker", "ray", "redis-floor", "inprocess")
+SYSTEMS = ("broker", "adapter", "adapter-ray", "ray", "redis-floor", "inprocess")
 MODES = ("pipeline", "concurrent", "sampling", "memory")
 
 

@@ -30,8 +30,9 @@ def start_ray() -> bool:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # address="local": a cluster of our own, even when another one runs on this machine (ray.init()
     # would join it, and the baseline's actor would share its CPUs with someone else's job).
+    # On the loopback address: the concurrent mode's stage processes join it there.
     ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.ERROR, object_store_memory=1 << 30)
+             logging_level=logging.ERROR, object_store_memory=1 << 30, _node_ip_address="127.0.0.1")
     return True
 
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-LABELS = {"broker": "broker", "ray": "ray single actor", "redis-floor": "redis floor", "inprocess": "in-process"}
+LABELS = {"broker": "broker", "adapter": "mindspeed adapter", "adapter-ray": "adapter as actor",
+          "ray": "ray single actor", "redis-floor": "redis floor", "inprocess": "in-process"}
 
 #: The issue's targets: (key in "targets", how to read it).
 TARGETS = {
     "broker_over_floor": "broker end-to-end <= 1.15 x the Redis floor",
     "ray_over_broker": "broker >= 5 x faster than the single-actor dock",
+    "adapter_over_broker": "MindSpeed adapter, one object per process, end-to-end <= 1.2 x the broker",
+    "ray_over_adapter_ray": "the adapter as a Ray actor faster than MindSpeed's own single actor",
+    "concurrent_adapter_over_broker": "concurrent: the adapter per process <= 1.2 x the broker",
+    "concurrent_ray_over_adapter_ray": "concurrent: the adapter as an actor faster than the single actor",
     "sampling_p99_ms": "sampling p99 <= 2 ms at 65,536 rows x 16 columns",
     "sampling_growth": "sampling p50 grows sub-linearly with rows",
     "memory_per_payload_byte": "Redis memory <= 1.15 x payload bytes",
@@ -27,6 +32,19 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if "broker" in systems and "ray" in systems:
         value = systems["ray"]["seconds"] / systems["broker"]["seconds"]
         out["ray_over_broker"] = {"value": value, "met": value >= 5.0}
+    if "broker" in systems and "adapter" in systems:
+        value = systems["adapter"]["seconds"] / systems["broker"]["seconds"]
+        out["adapter_over_broker"] = {"value": value, "met": value <= 1.2}
+    if "adapter-ray" in systems and "ray" in systems:
+        value = systems["ray"]["seconds"] / systems["adapter-ray"]["seconds"]
+        out["ray_over_adapter_ray"] = {"value": value, "met": value > 1.0}
+    conc = report.get("concurrent", {}).get("systems", {})
+    if "broker" in conc and "adapter" in conc:
+        value = conc["adapter"]["seconds"] / conc["broker"]["seconds"]
+        out["concurrent_adapter_over_broker"] = {"value": value, "met": value <= 1.2}
+    if "adapter-ray" in conc and "ray" in conc:
+        value = conc["ray"]["seconds"] / conc["adapter-ray"]["seconds"]
+        out["concurrent_ray_over_adapter_ray"] = {"value": value, "met": value > 1.0}
     sampling = report.get("sampling")
     if sampling:
         largest = sampling["sizes"][max(sampling["sizes"], key=int)]
@@ -74,12 +92,18 @@ def _pipeline(pipe: dict[str, Any]) -> list[str]:
 
 
 def _concurrent(conc: dict[str, Any]) -> list[str]:
-    same = "equal to the sequential run" if conc["checksums_equal"] else "DIFFER from the sequential run"
-    lines = ["", f"concurrent: {conc['processes']} processes ({conc['per_stage']} per stage) through the broker: "
-                 f"{conc['seconds']:.3f} s wall; checksum {conc['checksum']} {same}"]
-    for stage, s in conc["stages"].items():
-        lines.append(f"  {stage:<18} done at {s['done_at']:7.3f} s, {s['calls']:4d} calls, "
-                     f"{s['busy_seconds']:7.3f} s compute+put")
+    lines = ["", f"concurrent: {conc['processes']} processes ({conc['per_stage']} per stage), all stages at once",
+             f"  {'system':<18}{'wall s':>10}{'x broker':>10}  checksum"]
+    base = conc["systems"].get("broker")
+    for name, c in conc["systems"].items():
+        ratio = f"{c['seconds'] / base['seconds']:.2f}" if base else "-"
+        same = "equal to the sequential run" if c["checksums_equal"] else "DIFFERS from the sequential run"
+        lines.append(f"  {LABELS.get(name, name):<18}{c['seconds']:>10.3f}{ratio:>10}  {c['checksum']} {same}")
+    for name, c in conc["systems"].items():
+        lines.append(f"  {LABELS.get(name, name)}:")
+        for stage, s in c["stages"].items():
+            lines.append(f"    {stage:<18} done at {s['done_at']:7.3f} s, {s['calls']:4d} calls, "
+                         f"{s['busy_seconds']:7.3f} s compute+put")
     return lines
 
 

@@ -60,18 +60,27 @@ def openers(url: str, prefix: str, workload: Workload) -> dict[str, Callable[[],
         from .inprocess import InProcessDock
         return InProcessDock(workload)
 
-    return {"broker": broker, "ray": ray, "redis-floor": floor, "inprocess": inprocess}
+    def adapter() -> BenchDock:
+        from .adapter import AdapterDock
+        return AdapterDock(url, f"{prefix}-adapter", workload)
+
+    def adapter_ray() -> BenchDock:
+        from .adapter import AdapterRayDock
+        return AdapterRayDock(url, f"{prefix}-adapter-ray", workload)
+
+    return {"broker": broker, "adapter": adapter, "adapter-ray": adapter_ray, "ray": ray, "redis-floor": floor,
+            "inprocess": inprocess}
 
 
 def pipeline_mode(url: str, prefix: str, workload: Workload, systems: tuple[str, ...], repeat: int,
                   warmup: int) -> dict[str, Any]:
     """Every system over the same batch, passes interleaved so drift in machine load hits all alike."""
-    if "ray" in systems:
+    if "ray" in systems or "adapter-ray" in systems:
         try:
             import ray  # noqa: F401
         except ImportError:
-            _say("ray is not installed (pip install 'redis-transfer-dock[workers]'): skipping the ray system")
-            systems = tuple(s for s in systems if s != "ray")
+            _say("ray is not installed (pip install 'redis-transfer-dock[workers]'): skipping the ray systems")
+            systems = tuple(s for s in systems if s not in ("ray", "adapter-ray"))
     opened = openers(url, prefix, workload)
     docks: dict[str, BenchDock] = {}
     runs: dict[str, list[RunResult]] = {s: [] for s in systems}
@@ -89,7 +98,7 @@ def pipeline_mode(url: str, prefix: str, workload: Workload, systems: tuple[str,
                 if i >= warmup:
                     runs[s].append(result)
     finally:
-        for dock in docks.values():
+        for dock in reversed(list(docks.values())):  # the first Ray system started Ray: it stops it, last
             dock.close()
     out: dict[str, Any] = {"repeat": repeat, "warmup": warmup, "systems": {}}
     for s, results in runs.items():
@@ -173,16 +182,21 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
         report["pipeline"] = pipeline_mode(url, prefix, workload, args.systems, args.repeat, args.warmup)
         ok = report["pipeline"]["checksums_equal"]
     if "concurrent" in selected:
-        from .concurrent import run_concurrent
+        from .concurrent import CONCURRENT_SYSTEMS, run_concurrent
 
         reference = reference_checksums(workload)
-        _say(f"concurrent: {args.per_stage * len(workload.stages)} stage processes")
-        conc = run_concurrent(url, f"{prefix}-concurrent", workload, per_stage=args.per_stage)
-        checks = conc.pop("checksums")
-        conc["checksum"] = checks.total()
-        conc["checksums_equal"] = conc["checksum"] == reference.total()
-        report["concurrent"] = conc
-        ok = ok and conc["checksums_equal"]
+        systems = [s for s in CONCURRENT_SYSTEMS if s in args.systems]
+        report["concurrent"] = {"per_stage": args.per_stage, "processes": args.per_stage * len(workload.stages),
+                                "systems": {}}
+        for system in systems:
+            _say(f"concurrent: {system}, {args.per_stage * len(workload.stages)} stage processes")
+            conc = run_concurrent(url, f"{prefix}-concurrent-{system}", workload, per_stage=args.per_stage,
+                                  system=system)
+            checks = conc.pop("checksums")
+            conc["checksum"] = checks.total()
+            conc["checksums_equal"] = conc["checksum"] == reference.total()
+            report["concurrent"]["systems"][system] = conc
+            ok = ok and conc["checksums_equal"]
     if "sampling" in selected:
         from .sampling import sampling_latency
 
