@@ -80,8 +80,11 @@ def _clear(args: argparse.Namespace) -> int:
         print(f"broker: clearing dock {args.name!r} deletes all its rows; add --yes to do it", file=sys.stderr)
         return 2
     with TransferDock.attach(args.url, args.name) as dock:
-        dock.clear()
-    print(f"cleared dock {args.name} at {redact(args.url)}")
+        if args.delete:
+            dock.delete()
+        else:
+            dock.clear()
+    print(f"{'deleted' if args.delete else 'cleared'} dock {args.name} at {redact(args.url)}")
     return 0
 
 
@@ -136,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     clear = commands.add_parser("clear", parents=[url], help="delete every row and status bit of a dock")
     clear.add_argument("name")
     clear.add_argument("--yes", action="store_true", help="confirm")
+    clear.add_argument("--delete", action="store_true",
+                       help="delete the dock itself too (its schema), so it can be made again with another size")
     clear.set_defaults(run=_clear)
 
     exporter = commands.add_parser(

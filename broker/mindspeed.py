@@ -289,7 +289,7 @@ def _open(url: str | redis.Redis | None, name: str, prompts_num: int, n: int, co
         dock.close()
         raise SchemaError(
             f"dock {name!r} holds {dock.prompts_num} prompts x {dock.n_samples_per_prompt} samples, "
-            f"not {prompts_num} x {n}; clear it with `broker clear {name} --delete`, or pass another name="
+            f"not {prompts_num} x {n}; delete it with `broker clear {name} --yes --delete`, or pass another name="
         )
     dock.grow(columns, consumers)
     return dock

@@ -37,17 +37,20 @@ def test_every_mode_and_every_system_agree_and_no_key_is_left(real_url, capsys):
     assert "checksums all equal" in out and "equal to the sequential run" in out
     report = _json_line(out)
     systems = report["pipeline"]["systems"]
-    assert set(systems) == {"broker", "ray", "redis-floor", "inprocess"}
+    assert set(systems) == {"broker", "adapter", "adapter-ray", "ray", "redis-floor", "inprocess"}
     assert report["pipeline"]["checksums_equal"]
     assert len({s["checksum"] for s in systems.values()}) == 1
     assert systems["broker"]["ratio_to_broker"] == 1.0
     assert set(systems["broker"]["stages"]) == {"load", *WORKLOAD.consumers}
-    assert report["concurrent"]["checksum"] == systems["broker"]["checksum"]
+    concurrent = report["concurrent"]["systems"]
+    assert set(concurrent) == {"broker", "adapter", "adapter-ray", "ray"}  # every system processes can share
+    assert {c["checksum"] for c in concurrent.values()} == {systems["broker"]["checksum"]}
     assert set(report["sampling"]["sizes"]) == {"64", "256"}
     assert report["memory"]["payload_bytes"] == WORKLOAD.payload_bytes()
     assert report["memory"]["systems"]["broker"]["per_payload_byte"] > 1.0
     assert set(report["targets"]) == {"broker_over_floor", "ray_over_broker", "sampling_p99_ms", "sampling_growth",
-                                      "memory_per_payload_byte"}
+                                      "memory_per_payload_byte", "adapter_over_broker", "ray_over_adapter_ray",
+                                      "concurrent_adapter_over_broker", "concurrent_ray_over_adapter_ray"}
     assert client.dbsize() == 0  # a user's server gets back exactly what it had
 
 

@@ -70,6 +70,14 @@ def test_clear_needs_yes(url, capsys):
     assert dock.status()["consumers"]["actor_train"]["consumed"] == 0
 
 
+def test_clear_delete_removes_the_dock_so_it_can_be_made_with_another_size(url, capsys):
+    make(url, "resized")
+    assert main(["clear", "resized", "--url", url, "--yes", "--delete"]) == 0
+    assert "deleted dock resized" in capsys.readouterr().out
+    left = redis.Redis.from_url(url).keys("td:{resized}:*")
+    assert [k for k in left if b":reply:" not in k] == []  # sampling replies expire by themselves
+
+
 def test_unreachable_server_is_a_clear_error(capsys):
     assert main(["status", "--url", "redis://127.0.0.1:1/0"]) == 1
     assert "127.0.0.1:1" in capsys.readouterr().err

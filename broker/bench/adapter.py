@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..dock import TransferDock
 from ..experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
 from ..mindspeed import GRPOTransferDock
+from .broker_dock import delete_dock
 from .docks import SampleError, dock_target
 from .workload import COLUMNS, Rows, Workload
 
@@ -44,7 +46,7 @@ class AdapterDock:
         self.call("clear")
 
     def close(self) -> None:
-        self.call("clear")
+        delete_dock(self.td.dock)
 
 
 class AdapterRayDock(AdapterDock):
@@ -53,6 +55,7 @@ class AdapterRayDock(AdapterDock):
     def __init__(self, url: str, name: str, workload: Workload):
         import ray
 
+        self.url, self.name = url, name
         from .ray_dock import ACTOR_OPTIONS, start_ray
 
         self._ray = ray
@@ -65,7 +68,7 @@ class AdapterRayDock(AdapterDock):
         return self._ray.get(getattr(self.td, method).remote(*args, **kwargs))
 
     def close(self) -> None:
-        self.call("clear")
         self._ray.kill(self.td)
         if self.started_ray:
             self._ray.shutdown()
+        delete_dock(TransferDock.attach(dock_target(self.url), self.name))

@@ -135,6 +135,7 @@ class _Driver:
 
     def __init__(self, system: str, url: str, name: str, workload: Workload):
         self.system, self.ray_address, self.started_ray = system, None, False
+        self.url, self.name = url, name
         if system == "broker":
             self.dock = TransferDock(dock_target(url), name, prompts_num=workload.prompts,
                                      n_samples_per_prompt=workload.n, columns=list(COLUMNS),
@@ -156,12 +157,13 @@ class _Driver:
         # Joined on the loopback address: Ray reports the node's detected IP, which may not route here.
         self.ray_address = "127.0.0.1:" + ray.get_runtime_context().gcs_address.rsplit(":", 1)[1]
         self.actor: Any
+        named = {"name": name, "namespace": _NAMESPACE, **ACTOR_OPTIONS}
         if system == "adapter-ray":
-            self.actor = ray.remote(GRPOTransferDock).options(name=name, namespace=_NAMESPACE, **ACTOR_OPTIONS).remote(
+            self.actor = ray.remote(GRPOTransferDock).options(**named).remote(
                 workload.prompts, workload.n, addition_columns=list(COLUMNS),
                 addition_consumers=list(workload.consumers), url=url, name=name)
         else:
-            self.actor = ray.remote(MindSpeedGRPOTransferDock).options(name=name, namespace=_NAMESPACE, **ACTOR_OPTIONS).remote(
+            self.actor = ray.remote(MindSpeedGRPOTransferDock).options(**named).remote(
                 workload.prompts, workload.n, list(COLUMNS), list(workload.consumers), workload.seed)
         ray.get(self.actor.clear.remote())
 
@@ -177,13 +179,13 @@ class _Driver:
         if self.system == "broker":
             delete_dock(self.dock)
         elif self.system == "adapter":
-            self.bench.td.dock.delete()
+            self.bench.close()
         else:
-            if self.system == "adapter-ray":
-                self.ray.get(self.actor.clear.remote())
             self.ray.kill(self.actor)
             if self.started_ray:
                 self.ray.shutdown()
+            if self.system == "adapter-ray":
+                delete_dock(TransferDock.attach(dock_target(self.url), self.name))
 
 
 def run_concurrent(
