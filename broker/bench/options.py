@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 SYSTEMS = ("broker", "adapter", "adapter-ray", "ray", "redis-floor", "inprocess")
-MODES = ("pipeline", "concurrent", "sampling", "memory")
+MODES = ("pipeline", "concurrent", "sampling", "memory", "balance")
 
 
 def _systems(text: str) -> tuple[str, ...]:
@@ -40,7 +40,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths (default: %(default)s)")
     g.add_argument("--groups-per-call", type=int, default=16,
                    help="groups each stage reads per call (default: %(default)s, i.e. 128 rows at n=8)")
-    g = p.add_argument_group("modes (default: all four; naming any runs only those named)")
+    g = p.add_argument_group("modes (default: all five; naming any runs only those named)")
     for mode in MODES:
         g.add_argument(f"--{mode}", action="store_true", help=f"run the {mode} mode")
     g.add_argument("--systems", type=_systems, default=SYSTEMS,

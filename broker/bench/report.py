@@ -14,6 +14,7 @@ TARGETS = {
     "ray_over_broker": "broker >= 5 x faster than the single-actor dock",
     "adapter_over_broker": "MindSpeed adapter, one object per process, end-to-end <= 1.2 x the broker",
     "ray_over_adapter_ray": "the adapter as a Ray actor faster than MindSpeed's own single actor",
+    "dp_balance_max_over_mean": "DP-balanced batches: max/mean chunk load <= 1.05 at dp_size=4",
     "concurrent_adapter_over_broker": "concurrent: the adapter per process <= 1.2 x the broker",
     "concurrent_ray_over_adapter_ray": "concurrent: the adapter as an actor faster than the single actor",
     "sampling_p99_ms": "sampling p99 <= 2 ms at 65,536 rows x 16 columns",
@@ -45,6 +46,10 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if "adapter-ray" in conc and "ray" in conc:
         value = conc["ray"]["seconds"] / conc["adapter-ray"]["seconds"]
         out["concurrent_ray_over_adapter_ray"] = {"value": value, "met": value > 1.0}
+    bal = report.get("balance")
+    if bal:
+        out["dp_balance_max_over_mean"] = {"value": bal["balanced_max"], "naive": bal["naive_max"],
+                                           "met": bal["balanced_max"] <= 1.05}
     sampling = report.get("sampling")
     if sampling:
         largest = sampling["sizes"][max(sampling["sizes"], key=int)]
@@ -107,6 +112,13 @@ def _concurrent(conc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _balance(bal: dict[str, Any]) -> list[str]:
+    return ["", f"DP balance: {bal['calls']} calls of {bal['rows_per_call']} rows cut for {bal['dp_size']} ranks, "
+                "max/mean chunk load (mean over calls / worst call)",
+            f"  balanced (Karmarkar-Karp)  {bal['balanced_mean']:.4f} / {bal['balanced_max']:.4f}",
+            f"  naive cut                  {bal['naive_mean']:.4f} / {bal['naive_max']:.4f}"]
+
+
 def _sampling(samp: dict[str, Any]) -> list[str]:
     lines = ["", f"sampling latency of one get_experience ({samp['read_columns']} of {samp['columns']} columns, "
                  f"{samp['rows_per_call']} rows, {samp['calls']} calls)",
@@ -163,8 +175,8 @@ def _soak(soak: dict[str, Any]) -> list[str]:
 def table(report: dict[str, Any]) -> str:
     """The report as text for a terminal."""
     lines = _header(report)
-    sections = {"pipeline": _pipeline, "concurrent": _concurrent, "sampling": _sampling, "memory": _memory,
-                "exporter": _exporter, "soak": _soak}
+    sections = {"pipeline": _pipeline, "concurrent": _concurrent, "balance": _balance, "sampling": _sampling,
+                "memory": _memory, "exporter": _exporter, "soak": _soak}
     for key, section in sections.items():
         if report.get(key):
             lines += section(report[key])

@@ -203,6 +203,11 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
         _say(f"sampling: docks of {', '.join(map(str, args.sampling_sizes))} rows x 16 columns")
         report["sampling"] = sampling_latency(url, f"{prefix}-sampling", sizes=args.sampling_sizes,
                                               calls=args.sampling_calls)
+    if "balance" in selected:
+        from .balance import dp_balance
+
+        _say("balance: each call's rows cut for 4 DP ranks, balanced and naive")
+        report["balance"] = dp_balance(url, f"{prefix}-balance", workload)
     if "memory" in selected:
         from .memory import measure
 
