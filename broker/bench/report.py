@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 LABELS = {"broker": "broker", "adapter": "mindspeed adapter", "adapter-ray": "adapter as actor",
@@ -26,26 +27,20 @@ TARGETS = {
 def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each target the run can judge: its value and whether it is met."""
     out: dict[str, dict[str, Any]] = {}
-    systems = report.get("pipeline", {}).get("systems", {})
-    if "broker" in systems and "redis-floor" in systems:
-        value = systems["broker"]["seconds"] / systems["redis-floor"]["seconds"]
-        out["broker_over_floor"] = {"value": value, "met": value <= 1.15}
-    if "broker" in systems and "ray" in systems:
-        value = systems["ray"]["seconds"] / systems["broker"]["seconds"]
-        out["ray_over_broker"] = {"value": value, "met": value >= 5.0}
-    if "broker" in systems and "adapter" in systems:
-        value = systems["adapter"]["seconds"] / systems["broker"]["seconds"]
-        out["adapter_over_broker"] = {"value": value, "met": value <= 1.2}
-    if "adapter-ray" in systems and "ray" in systems:
-        value = systems["ray"]["seconds"] / systems["adapter-ray"]["seconds"]
-        out["ray_over_adapter_ray"] = {"value": value, "met": value > 1.0}
-    conc = report.get("concurrent", {}).get("systems", {})
-    if "broker" in conc and "adapter" in conc:
-        value = conc["adapter"]["seconds"] / conc["broker"]["seconds"]
-        out["concurrent_adapter_over_broker"] = {"value": value, "met": value <= 1.2}
-    if "adapter-ray" in conc and "ray" in conc:
-        value = conc["ray"]["seconds"] / conc["adapter-ray"]["seconds"]
-        out["concurrent_ray_over_adapter_ray"] = {"value": value, "met": value > 1.0}
+    #: (target, mode, numerator system, denominator system, met when the ratio is ...)
+    ratios: list[tuple[str, str, str, str, Callable[[float], bool]]] = [
+        ("broker_over_floor", "pipeline", "broker", "redis-floor", lambda v: v <= 1.15),
+        ("ray_over_broker", "pipeline", "ray", "broker", lambda v: v >= 5.0),
+        ("adapter_over_broker", "pipeline", "adapter", "broker", lambda v: v <= 1.2),
+        ("ray_over_adapter_ray", "pipeline", "ray", "adapter-ray", lambda v: v > 1.0),
+        ("concurrent_adapter_over_broker", "concurrent", "adapter", "broker", lambda v: v <= 1.2),
+        ("concurrent_ray_over_adapter_ray", "concurrent", "ray", "adapter-ray", lambda v: v > 1.0),
+    ]
+    for key, mode, top, bottom, met in ratios:
+        systems = report.get(mode, {}).get("systems", {})
+        if top in systems and bottom in systems:
+            value = systems[top]["seconds"] / systems[bottom]["seconds"]
+            out[key] = {"value": value, "met": met(value)}
     bal = report.get("balance")
     if bal:
         out["dp_balance_max_over_mean"] = {"value": bal["balanced_max"], "naive": bal["naive_max"],
