@@ -639,7 +639,7 @@ class TransferDock:
         with metrics.observe(self.name, "ack") as call:
             self._check.consumer(consumer)
             token = lease_token(indexes, consumer, token)
-            rows = self._check.rows([r for r in indexes if r != PAD_INDEX])  # padding was never leased
+            rows = self._check.rows(drop_padding({}, indexes)[1])  # padding rows were never leased
             call.rows = self._run(lambda: self._scripts.ack(consumer, token, rows))
             return call.rows
 

@@ -136,8 +136,8 @@ class Schema:
     def grown(self, columns: Iterable[str] = (), consumers: Iterable[str] = ()) -> Schema:
         """This schema with ``columns`` and ``consumers`` added (those it has already are skipped)."""
         def plus(names: tuple[str, ...], more: Iterable[str]) -> tuple[str, ...]:
-            if isinstance(more, str):
-                raise SchemaError(f"expected a list of names, got the string {more!r}")
+            if isinstance(more, str) or not isinstance(more, (list, tuple)):
+                raise SchemaError(f"expected a list of names, got {more!r}")
             return names + tuple(dict.fromkeys(m for m in more if m not in names))
 
         return Schema(self.prompts_num, self.n_samples_per_prompt, plus(self.columns, columns),

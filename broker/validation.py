@@ -190,6 +190,8 @@ def length_values(column: str, value: Any, count: int) -> list[int]:
 def metric_values(key: Any, value: Any, cumulate: bool) -> dict[str, str]:
     """Metric name -> JSON text of its value, for lua/metrics.lua; with ``cumulate`` every value a list."""
     check_flag("cumulate", cumulate)
+    if not isinstance(key, (str, Mapping)):
+        raise InvalidExperienceError(f"a metric name must be a non-empty str (or a dict of them), got {key!r}")
     pairs = dict(key) if isinstance(key, Mapping) else {key: value}
     if not pairs:
         raise InvalidExperienceError("update_metrics: no metrics given")

@@ -116,6 +116,15 @@ CALLS = {
     "all_consumed": lambda d, a, b: d.all_consumed(a),
     "create": lambda d, a, b: TransferDock(d.client, "fuzz", prompts_num=a, n_samples_per_prompt=b,
                                            columns=["prompts"], consumers=["train"]),
+    "get_dp": lambda d, a, b: d.get_experience("train", ["prompts"], 2, dp_size=a, balance=b),
+    "metrics": lambda d, a, b: d.update_metrics(a, b),
+    "metrics_cumulate": lambda d, a, b: d.update_metrics("m", a, cumulate=b),
+    "prefetch": lambda d, a, b: d.prefetch_request_index(a),
+    "columns_of": lambda d, a, b: d.register_consumer_columns(a),
+    "columns_of_train": lambda d, a, b: d.register_consumer_columns({"train": b}),
+    "grow": lambda d, a, b: d.grow(a, b),
+    "reset": lambda d, a, b: d.reset_consumer(a, b),
+    "read_rows": lambda d, a, b: d.read_rows(a, b),
 }
 
 

@@ -156,6 +156,8 @@ def test_a_change_that_would_lose_rows_is_refused(make_dock, client):
         small_dock(client, dock.name, 2, 1, ("other",), ("actor_train",))
     with pytest.raises(SchemaError, match="expected a list of names"):
         dock.grow(columns="labels")
+    with pytest.raises(SchemaError, match="expected a list of names"):
+        dock.grow(columns=None)
     assert dock.refresh().columns == ("prompts",)
 
 
