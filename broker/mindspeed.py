@@ -429,6 +429,7 @@ class TransferQueueClient(_Docked):
         self._url: str | redis.Redis = url or default_url()
         self._prefix = prefix
         self._docks: dict[str, TransferDock] = {}
+        self._timeouts: dict[str, float] = {}
         self._timings: dict[str, float] = {"put": 0.0, "get": 0.0, "dispatch": 0.0}
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -446,8 +447,11 @@ class TransferQueueClient(_Docked):
         return dock
 
     def _timeout(self, dock: TransferDock) -> float:
-        raw = dock.client.hget(dock.keys.meta, "tq_timeout")
-        return float(raw) if raw else 5.0
+        """The topic's ``timeout`` (add_topic's), read once per topic: it does not change."""
+        if dock.name not in self._timeouts:
+            raw = dock.client.hget(dock.keys.meta, "tq_timeout")
+            self._timeouts[dock.name] = float(raw) if raw else 5.0
+        return self._timeouts[dock.name]
 
     # -- topics -------------------------------------------------------------------------------
 
@@ -472,7 +476,9 @@ class TransferQueueClient(_Docked):
             self._update_metrics(dock, "", dict(metrics.metric), False)
 
     def delete_topic(self, topic: str = DEFAULT_TOPIC) -> None:
-        self._dock(topic).delete()
+        dock = self._dock(topic)
+        dock.delete()
+        self._timeouts.pop(dock.name, None)
         self._docks.pop(topic or DEFAULT_TOPIC).close()
 
     def clear_topic(self, topic: str = DEFAULT_TOPIC) -> None:
@@ -506,6 +512,7 @@ class TransferQueueClient(_Docked):
         for key in self._dock_names():
             TransferDock.attach(self._url, key).delete()
         self._docks.clear()
+        self._timeouts.clear()
         self._timings = {"put": 0.0, "get": 0.0, "put_prompt": 0.0, "dispatch": 0.0}
 
     def _dock_names(self) -> list[str]:
