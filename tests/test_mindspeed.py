@@ -348,3 +348,15 @@ def test_mindspeeds_worker_loop_runs_through_the_adapter_in_many_processes(url):
         seen = [r for s, rows, _ in results if s == stage for r in rows]
         assert sorted(seen) == list(range(16)), stage  # every row, once, per stage
     assert all(not bad for _, _, bad in results)
+
+
+def test_reset_all_deletes_every_topic_of_the_client(client):
+    queue = TransferQueueClient(client)
+    for topic in ("a", "b"):
+        queue.add_topic(2, 1, ["prompts"], ["actor_rollout"], topic=topic)
+    GRPOTransferDock(2, 1, url=client, name="not_a_topic")
+    queue.reset_all()
+    for topic in ("a", "b"):
+        with pytest.raises(ValueError, match=f"Unknown topic '{topic}'"):
+            queue.get_experience("actor_rollout", ["prompts"], 1, topic=topic)
+    assert client.exists("td:{not_a_topic}:meta")  # another dock on the server stays
