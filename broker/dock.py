@@ -359,7 +359,8 @@ class TransferDock:
                 return None, None
             batch, rows = got
             if ranks > 1 and weigh_by and len(rows) >= ranks:
-                batch, rows = self._balanced(batch, rows, ranks, weigh_by, groups)
+                # Explicit rows come in the caller's order, not as whole groups: balance them as rows.
+                batch, rows = self._balanced(batch, rows, ranks, weigh_by, groups and indexes is None)
             if ranks > 1 and dp_padding and len(rows) % ranks:
                 batch, rows = _padded(batch, rows, ranks)
             call.rows = len(rows)

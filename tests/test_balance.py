@@ -178,3 +178,10 @@ def test_clearing_rows_zeroes_their_lengths(make_dock, client):
     assert dock._row_costs([0, 1], list(LENGTHS)) == [13, 0]
     dock.clear()
     assert not client.exists(dock._keys.lengths("prompt_length"))
+
+
+def test_explicit_rows_are_balanced_as_rows_not_as_groups(make_dock):
+    dock = length_dock(make_dock, prompts_num=2, n=2)
+    put_lengths(dock, [0, 0, 0, 0], [10, 10, 1, 1])  # as groups of two: 20 against 2
+    _, rows = dock.get_experience("actor_train", ["prompts"], indexes=[0, 1, 2, 3], dp_size=2, balance=True)
+    assert imbalance([[10, 10, 1, 1][r] for r in rows], 2) == 1.0
