@@ -58,10 +58,10 @@ import torch
 
 from .connection import connect, default_url, disconnect
 from .dock import TransferDock
-from .errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
+from .errors import BrokerError, DockNotFoundError, InvalidExperienceError, RowIndexError, SchemaError
 from .experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
 from .status import dock_names
-from .validation import PAD_INDEX, drop_padding
+from .validation import PAD_INDEX, drop_padding, is_int
 
 __all__ = [
     "DEFAULT_COLUMNS",
@@ -181,8 +181,14 @@ def _padded(batch: Mapping[str, list[Any]]) -> Any:
 
 
 def _rows(indexes: Any) -> list[int]:
+    """Row indexes as ints; anything else raises (int() would turn 0.5 into row 0 silently)."""
     if isinstance(indexes, (torch.Tensor, np.ndarray)):
         indexes = indexes.tolist()
+    if isinstance(indexes, (str, bytes)) or not isinstance(indexes, Sequence):
+        raise RowIndexError(f"indexes must be a list of row numbers, got {type(indexes).__name__}")
+    bad = [i for i in indexes if not is_int(i)]
+    if bad:
+        raise RowIndexError(f"indexes must be ints, got {bad[:5]!r}")
     return [int(i) for i in indexes]
 
 
@@ -215,12 +221,13 @@ class _Docked:
                 raise _bad(f"get experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
 
     def _put(self, dock: TransferDock, data_dict: Any, indexes: Any, unpad: bool = True) -> None:
-        if indexes is None or len(indexes) == 0:
+        rows = None if indexes is None else _rows(indexes)
+        if not rows:
             raise _bad("put experience into TD without indexes, indexes must be provided")
         data = _as_dict(data_dict)
         if unpad:
             data = remove_padding_tensor_dict_to_dict(data)
-        data, rows = drop_padding(_narrowed(data), _rows(indexes), every_negative=True)
+        data, rows = drop_padding(_narrowed(data), rows, every_negative=True)
         if not rows:
             return
         if not set(data) <= set(dock.columns):
@@ -529,7 +536,7 @@ class TransferQueueClient(_Docked):
                        topic: str = DEFAULT_TOPIC, data_status: str = "ready") -> None:
         if data_status != "ready":
             raise PartialRolloutUnsupported(f"data_status={data_status!r}: partial rollout is not offered yet")
-        if indexes is None or len(indexes) == 0:
+        if indexes is None or (isinstance(indexes, Sequence) and len(indexes) == 0):
             raise _bad("No indexes provided for put_experience")
         start = time.perf_counter()
         self._put(self._dock(topic), data_dict, indexes, unpad)

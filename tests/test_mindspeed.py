@@ -360,3 +360,13 @@ def test_reset_all_deletes_every_topic_of_the_client(client):
         with pytest.raises(ValueError, match=f"Unknown topic '{topic}'"):
             queue.get_experience("actor_rollout", ["prompts"], 1, topic=topic)
     assert client.exists("td:{not_a_topic}:meta")  # another dock on the server stays
+
+
+@pytest.mark.parametrize("indexes", [[0.5], ["1"], "01", 3])
+def test_indexes_that_are_not_ints_are_refused_not_rounded(td, client, indexes):
+    before = snapshot(client)
+    with pytest.raises(RowIndexError):
+        td.put_experience({"prompts": [torch.ones(1)]}, indexes)
+    with pytest.raises(RowIndexError):
+        td.get_experience("actor_train", ["prompts"], indexes=indexes)
+    assert snapshot(client) == before
