@@ -409,8 +409,12 @@ class GRPOTransferDock(_Docked):
     # -- partial rollout (max_age > 1) --------------------------------------------------------
 
     def get_incomplete_response_num(self) -> int:
-        """Prompts written minus responses finished; without partial rollout, no response is unfinished."""
-        return 0
+        """Prompt rows written minus responses finished, as MindSpeed counts them.
+
+        Without partial rollout MindSpeed marks no response finished, so this is the number of prompt
+        rows written (its own value then); partial rollout will count finished responses.
+        """
+        return int(self.dock.status()["columns"]["prompts"]["ready"])
 
     def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:
         raise PartialRolloutUnsupported("get_update_ready needs partial rollout (max_age > 1), not offered yet")
@@ -634,7 +638,9 @@ class TransferQueueClient(_Docked):
         raise PartialRolloutUnsupported("get_partial_rollout_stop_signal needs partial rollout, not offered yet")
 
     def get_incomplete_response_num(self, topic: str = DEFAULT_TOPIC) -> int:
-        return 0
+        """Prompt rows written minus response rows written, as MindSpeed's queue counts them."""
+        ready = {c: v["ready"] for c, v in self._dock(topic).status()["columns"].items()}
+        return int(ready.get("prompts", 0) - ready.get("responses", 0))
 
     # -- timings (kept in this client, as MindSpeed's are per client) ---------------------------
 

@@ -370,3 +370,17 @@ def test_indexes_that_are_not_ints_are_refused_not_rounded(td, client, indexes):
     with pytest.raises(RowIndexError):
         td.get_experience("actor_train", ["prompts"], indexes=indexes)
     assert snapshot(client) == before
+
+
+def test_incomplete_response_num_counts_as_mindspeeds_does_without_partial_rollout(td):
+    assert td.get_incomplete_response_num() == 0
+    td.put_experience({"prompts": [torch.ones(2)] * 3}, [0, 5, 9])
+    assert td.get_incomplete_response_num() == 3  # prompts written; no response marked finished
+
+
+def test_the_queue_counts_prompts_without_responses(client):
+    queue = TransferQueueClient(client)
+    queue.add_topic(4, 1, ["prompts", "responses"], ["actor_rollout"], topic="inc")
+    queue.put_experience({"prompts": [torch.ones(1)] * 3}, [0, 1, 2], topic="inc")
+    queue.put_experience({"responses": [torch.ones(1)]}, [1], topic="inc")
+    assert queue.get_incomplete_response_num(topic="inc") == 2
