@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import Any
 
 from .errors import InvalidExperienceError
+from .leased_rows import like
+from .validation import PAD_INDEX
 
 
 def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool) -> list[list[int]]:
@@ -96,3 +99,14 @@ def imbalance(costs: Sequence[float], dp_size: int, order: Sequence[int] | None 
     loads = [sum(ordered[r * size : (r + 1) * size]) for r in range(dp_size)]
     mean = sum(loads) / dp_size
     return max(loads) / mean if mean else 1.0
+
+
+def dp_padded(batch: dict[str, list[Any]], rows: list[int], ranks: int) -> tuple[dict[str, list[Any]], list[int]]:
+    """``batch`` filled up to a multiple of ``ranks`` rows by repeating its last row as ``PAD_INDEX``.
+
+    MindSpeed's DP padding: every rank gets the same number of rows; the repeats are the same objects
+    as the last row, and puts skip their index, so a worker's results for them are dropped.
+    """
+    extra = -len(rows) % ranks
+    padded = {c: values + [values[-1]] * extra for c, values in batch.items()}
+    return padded, like(rows, list(rows) + [PAD_INDEX] * extra)

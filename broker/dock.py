@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 import redis
 
 from . import codec, metrics
-from .balance import balanced_order
+from .balance import balanced_order, dp_padded
 from .connection import connect, disconnect, redact, redis_errors, value_limit
 from .errors import (
     BrokerError,
@@ -25,13 +25,12 @@ from .errors import (
     SchemaError,
 )
 from .keys import DockKeys
-from .leased_rows import LeasedRows
+from .leased_rows import LeasedRows, like
 from .put_listener import PutListener
 from .schema import Schema, fingerprint
 from .scripts import DockScripts, Handout, rows_of, run_pipeline, runs_of, supports_flags
 from .status import DockRef, read_statuses
 from .validation import (
-    PAD_INDEX,
     DockChecks,
     abbrev,
     check_flag,
@@ -118,11 +117,7 @@ class TransferDock:
         dock.created = False
         dock._open(url_or_client, name, policy, seed)
         with dock._closed_on_error():
-            # bytes, not str: connect() refuses clients that decode responses
-            meta = cast("dict[bytes, bytes]", dock._run(lambda: dock._client.hgetall(dock._keys.meta)))
-            if not meta:
-                raise DockNotFoundError(f"no dock named {name!r} at {dock._server}")
-            dock._set_schema(Schema.from_meta(meta, where=dock._keys.meta), fingerprint(meta))
+            dock._set_schema(*dock._run(dock._stored))
         return dock
 
     @contextmanager
@@ -362,7 +357,7 @@ class TransferDock:
                 # Explicit rows come in the caller's order, not as whole groups: balance them as rows.
                 batch, rows = self._balanced(batch, rows, ranks, weigh_by, groups and indexes is None)
             if ranks > 1 and dp_padding and len(rows) % ranks:
-                batch, rows = _padded(batch, rows, ranks)
+                batch, rows = dp_padded(batch, rows, ranks)
             call.rows = len(rows)
             return batch, rows
 
@@ -385,10 +380,7 @@ class TransferDock:
             order = balanced_order(cost, ranks)
         else:
             return batch, rows
-        new_rows = [rows[i] for i in order]
-        if isinstance(rows, LeasedRows):
-            new_rows = LeasedRows(new_rows, rows.token, rows.consumer)
-        return {c: [values[i] for i in order] for c, values in batch.items()}, new_rows
+        return {c: [values[i] for i in order] for c, values in batch.items()}, like(rows, [rows[i] for i in order])
 
     def _row_costs(self, rows: list[int], columns: list[str]) -> list[int]:
         """Sum of the length columns of each row, from the length arrays the puts keep."""
@@ -693,34 +685,36 @@ class TransferDock:
         with redis_errors(self._where):
             return call()
 
+    def _stored(self) -> tuple[Schema, str]:
+        """The schema stored in Redis and its fingerprint; DockNotFoundError if there is none."""
+        with redis_errors(self._where):
+            # bytes, not str: connect() refuses clients that decode responses
+            meta = cast("dict[bytes, bytes]", self._client.hgetall(self._keys.meta))
+        if not meta:
+            raise DockNotFoundError(f"no dock named {self.name!r} at {self._server}")
+        return Schema.from_meta(meta, where=self._keys.meta), fingerprint(meta)
+
     def _follow_growth(self) -> bool:
         """Adopt the stored schema if it is this object's own, grown; whether it did."""
         known = getattr(self, "_schema", None)
         if known is None:
             return False
-        with redis_errors(self._where):
-            meta = cast("dict[bytes, bytes]", self._client.hgetall(self._keys.meta))
-        if not meta:
-            return False
         try:
-            stored = Schema.from_meta(meta, where=self._keys.meta)
-        except BrokerError:
+            stored, stored_fingerprint = self._stored()
+        except (DockNotFoundError, DecodeError):  # gone, or not ours: the script's error stands
             return False
-        if not stored.contains(known) or fingerprint(meta) == self._fingerprint:
+        if not stored.contains(known) or stored_fingerprint == self._fingerprint:
             return False
-        self._set_schema(stored, fingerprint(meta))
+        self._set_schema(stored, stored_fingerprint)
         return True
 
     def refresh(self) -> Schema:
         """Read the schema again, to see columns or consumers another process added; returns it."""
-        self._run(lambda: None)
-        if not self._follow_growth():
-            meta = cast("dict[bytes, bytes]", self._run(lambda: self._client.hgetall(self._keys.meta)))
-            if not meta:
-                raise DockNotFoundError(f"no dock named {self.name!r} at {self._server}")
-            stored = Schema.from_meta(meta, where=self._keys.meta)
-            if stored != self._schema:
+        stored, stored_fingerprint = self._run(self._stored)
+        if stored_fingerprint != self._fingerprint:
+            if not stored.contains(self._schema):
                 raise SchemaError(f"dock {self.name!r} was recreated with another schema; open it again")
+            self._set_schema(stored, stored_fingerprint)
         return self._schema
 
     def grow(self, columns: Sequence[str] = (), consumers: Sequence[str] = ()) -> Schema:
@@ -739,25 +733,11 @@ class TransferDock:
                 with redis_errors(self._where):  # not _run: a changed schema here means retry, not adopt
                     self._scripts.grow(grown)
             except SchemaError:
-                continue  # another process grew it between our read and our write: read again
-            meta = cast("dict[bytes, bytes]", self._run(lambda: self._client.hgetall(self._keys.meta)))
-            self._set_schema(Schema.from_meta(meta, where=self._keys.meta), fingerprint(meta))
+                pass  # another process grew it between our read and our write
+            # Either way the next refresh reads what is stored now, and returns once it holds our names.
         raise BrokerError(f"dock {self.name!r}: other processes kept growing it; {_FENCE_RETRIES} tries failed")
 
 
-
-
-def _padded(batch: Batch, rows: list[int], ranks: int) -> tuple[Batch, list[int]]:
-    """``batch`` filled up to a multiple of ``ranks`` rows by repeating its last row as ``PAD_INDEX``.
-
-    MindSpeed's DP padding: every rank gets the same number of rows; the repeats are the same objects
-    as the last row, and puts skip their index, so a worker's results for them are dropped.
-    """
-    extra = -len(rows) % ranks
-    padded_rows = list(rows) + [PAD_INDEX] * extra
-    if isinstance(rows, LeasedRows):
-        padded_rows = LeasedRows(padded_rows, rows.token, rows.consumer)
-    return {c: values + [values[-1]] * extra for c, values in batch.items()}, padded_rows
 
 
 def _reattach(url: str, name: str, policy: str, seed: int | None) -> TransferDock:

@@ -25,3 +25,8 @@ class LeasedRows(list[int]):
 
     def __repr__(self) -> str:
         return f"LeasedRows({list(self)!r}, token={self.token!r}, consumer={self.consumer!r})"
+
+
+def like(rows: list[int], new_rows: list[int]) -> list[int]:
+    """``new_rows`` (a reordering or padding of ``rows``) under the same lease as ``rows``, if it had one."""
+    return LeasedRows(new_rows, rows.token, rows.consumer) if isinstance(rows, LeasedRows) else new_rows

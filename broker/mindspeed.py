@@ -56,6 +56,7 @@ import numpy as np
 import redis
 import torch
 
+from .balance import dp_padded
 from .connection import connect, default_url, disconnect
 from .dock import TransferDock
 from .errors import BrokerError, DockNotFoundError, InvalidExperienceError, RowIndexError, SchemaError
@@ -169,7 +170,7 @@ def _narrowed(data: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _padded(batch: Mapping[str, list[Any]]) -> Any:
+def _mindspeed_batch(batch: Mapping[str, list[Any]]) -> Any:
     """MindSpeed's return format: padded tensors plus ``original_length``, as a TensorDict if possible."""
     padded = padding_dict_to_tensor_dict(batch)
     if TensorDict is None:
@@ -366,7 +367,7 @@ class GRPOTransferDock(_Docked):
                                 get_n_samples, use_batch_seqlen_balance, self.timeout)
         if batch is None or rows is None:
             return None, None
-        return _padded(batch), list(rows)
+        return _mindspeed_batch(batch), list(rows)
 
     def all_consumed(self, consumer: str, get_n_samples: bool = True) -> bool:
         return self.dock.all_consumed(consumer)
@@ -576,11 +577,9 @@ class TransferQueueClient(_Docked):
             return None, None
         order = sorted(range(len(rows)), key=rows.__getitem__)  # the queue returns rows by index
         out, rows = {c: [v[i] for i in order] for c, v in batch.items()}, [rows[i] for i in order]
-        if require_dp_padding and experience_count and 0 < len(rows) < experience_count and len(rows) % dp_size:
-            extra = -len(rows) % dp_size
-            out = {c: v + [v[-1]] * extra for c, v in out.items()}
-            rows = rows + [PAD_INDEX] * extra
-        return (_padded(out) if pad else out), rows
+        if require_dp_padding and experience_count and 0 < len(rows) < experience_count:  # MindSpeed's rule
+            out, rows = dp_padded(out, rows, dp_size)
+        return (_mindspeed_batch(out) if pad else out), rows
 
     def all_consumed(self, consumer: str, topic: str = DEFAULT_TOPIC, get_n_samples: bool = True) -> bool:
         return self._dock(topic).all_consumed(consumer)
