@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 from ..dock import TransferDock
-from ..experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
 from .broker_dock import delete_dock
-from .docks import dock_target
+from .docks import ActorCalls, MindSpeedCalls, dock_target
 from .workload import COLUMNS, Checksums, Rows, Workload
 
 #: Systems the concurrent mode runs, in order.
@@ -50,49 +49,43 @@ class _Client:
     """What a stage process calls, the same for every system: get (None if nothing), put, all_consumed."""
 
     def __init__(self, system: str, url: str, name: str, workload: Workload, ray_address: str | None):
-        self.system, self.workload = system, workload
+        self.workload = workload
+        self.dock: TransferDock | None = None
+        self.calls: MindSpeedCalls
         if system == "broker":
             self.dock = TransferDock.attach(dock_target(url), name)
         elif system == "adapter":
-            from .adapter import open_adapter
+            from .adapter import AdapterDock
 
-            self.td = open_adapter(url, name, workload)
+            self.calls = AdapterDock(url, name, workload)
         else:
             import ray
 
             ray.init(address=ray_address, log_to_driver=False, logging_level=logging.ERROR,
                      _node_ip_address="127.0.0.1")
-            self.ray, self.actor = ray, ray.get_actor(name, namespace=_NAMESPACE)
-
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if self.system == "adapter":
-            return getattr(self.td, method)(*args, **kwargs)
-        return self.ray.get(getattr(self.actor, method).remote(*args, **kwargs))
+            self.calls = ActorCalls(ray, ray.get_actor(name, namespace=_NAMESPACE))
 
     def get(self, consumer: str, columns: list[str], count: int) -> tuple[Rows, list[int]] | None:
-        if self.system == "broker":
+        if self.dock is not None:
             batch, rows = self.dock.get_experience(consumer, columns, count, timeout=_WAIT)
             return None if batch is None or rows is None else (batch, rows)
-        padded, rows = self._call("get_experience", consumer, columns, count)
-        if rows is None:
+        got = self.calls.try_get(consumer, columns, count)
+        if got is None:
             time.sleep(_POLL)
-            return None
-        return remove_padding_tensor_dict_to_dict(padded), rows
+        return got
 
     def put(self, data: Rows, rows: list[int]) -> None:
-        if self.system == "broker":
+        if self.dock is not None:
             self.dock.put_experience(data, indexes=rows)
         else:
-            self._call("put_experience", data_dict=padding_dict_to_tensor_dict(data), indexes=rows)
+            self.calls.put(data, rows)
 
     def all_consumed(self, consumer: str) -> bool:
-        if self.system == "broker":
-            return self.dock.all_consumed(consumer)
-        return bool(self._call("all_consumed", consumer))
+        return self.dock.all_consumed(consumer) if self.dock is not None else self.calls.all_consumed(consumer)
 
     def left(self, consumer: str) -> int:
         """Rows not yet handed to ``consumer`` (the broker's status; the others' calls divide the batch)."""
-        if self.system == "broker":
+        if self.dock is not None:
             return self.workload.capacity - int(self.dock.status()["consumers"][consumer]["consumed"])
         return self.workload.capacity
 
@@ -134,8 +127,9 @@ class _Driver:
     """The system's dock for one concurrent run: made before the stage processes, removed after."""
 
     def __init__(self, system: str, url: str, name: str, workload: Workload):
-        self.system, self.ray_address, self.started_ray = system, None, False
-        self.url, self.name = url, name
+        self.system, self.url, self.name, self.ray_address = system, url, name, None
+        self.dock: TransferDock | None = None
+        self.calls: Any
         if system == "broker":
             self.dock = TransferDock(dock_target(url), name, prompts_num=workload.prompts,
                                      n_samples_per_prompt=workload.n, columns=list(COLUMNS),
@@ -145,45 +139,42 @@ class _Driver:
         if system == "adapter":
             from .adapter import AdapterDock
 
-            self.bench: Any = AdapterDock(url, name, workload)
+            self.calls = AdapterDock(url, name, workload)
             return
         import ray
 
         from ..mindspeed import GRPOTransferDock
+        from .adapter import adapter_arguments
         from .mindspeed import MindSpeedGRPOTransferDock
         from .ray_dock import ACTOR_OPTIONS, start_ray
 
-        self.ray, self.started_ray = ray, start_ray()
+        started = start_ray()
         # Joined on the loopback address: Ray reports the node's detected IP, which may not route here.
         self.ray_address = "127.0.0.1:" + ray.get_runtime_context().gcs_address.rsplit(":", 1)[1]
-        self.actor: Any
         named = {"name": name, "namespace": _NAMESPACE, **ACTOR_OPTIONS}
+        actor: Any
         if system == "adapter-ray":
-            self.actor = ray.remote(GRPOTransferDock).options(**named).remote(
-                workload.prompts, workload.n, addition_columns=list(COLUMNS),
-                addition_consumers=list(workload.consumers), url=url, name=name)
+            actor = ray.remote(GRPOTransferDock).options(**named).remote(
+                **adapter_arguments(workload), url=url, name=name)
         else:
-            self.actor = ray.remote(MindSpeedGRPOTransferDock).options(**named).remote(
+            actor = ray.remote(MindSpeedGRPOTransferDock).options(**named).remote(
                 workload.prompts, workload.n, list(COLUMNS), list(workload.consumers), workload.seed)
-        ray.get(self.actor.clear.remote())
+        self.calls = ActorCalls(ray, actor, started)
+        self.calls.reset()
 
     def put(self, data: Rows, rows: list[int]) -> None:
-        if self.system == "broker":
+        if self.dock is not None:
             self.dock.put_experience(data, indexes=rows)
-        elif self.system == "adapter":
-            self.bench.put(data, rows)
         else:
-            self.ray.get(self.actor.put_experience.remote(data_dict=padding_dict_to_tensor_dict(data), indexes=rows))
+            self.calls.put(data, rows)
 
     def close(self) -> None:
-        if self.system == "broker":
+        if self.dock is not None:
             delete_dock(self.dock)
         elif self.system == "adapter":
-            self.bench.close()
+            self.calls.close()
         else:
-            self.ray.kill(self.actor)
-            if self.started_ray:
-                self.ray.shutdown()
+            self.calls.stop()
             if self.system == "adapter-ray":
                 delete_dock(TransferDock.attach(dock_target(self.url), self.name))
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import redis
 
+from ..experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
 from .workload import Rows, Workload
 
 
@@ -37,6 +39,54 @@ class BenchDock(Protocol):
 
 class SampleError(RuntimeError):
     """A sampling call found too few rows: the driver asked for more than the pipeline has produced."""
+
+
+class MindSpeedCalls:
+    """A dock with MindSpeed-RL's call shape, reached through ``call``: every MindSpeed-style system.
+
+    Pads a batch before each put and unpads it after each get, as MindSpeed's workers do
+    (``collect_transfer_dock_data`` and ``dispatch_transfer_dock_data``), so each system pays the
+    same for its batch format.
+    """
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def put(self, data: Rows, rows: list[int]) -> None:
+        self.call("put_experience", data_dict=padding_dict_to_tensor_dict(data), indexes=rows)
+
+    def try_get(self, consumer: str, columns: Sequence[str], count: int) -> tuple[Rows, list[int]] | None:
+        """The rows, or None if too few are ready (MindSpeed's ``(None, None)``)."""
+        batch, rows = self.call("get_experience", consumer, list(columns), count)
+        return None if rows is None else (remove_padding_tensor_dict_to_dict(batch), rows)
+
+    def get(self, consumer: str, columns: tuple[str, ...], count: int) -> tuple[Rows, list[int]]:
+        got = self.try_get(consumer, columns, count)
+        if got is None:
+            raise SampleError(f"{consumer}: fewer than {count} rows ready in {columns}")
+        return got
+
+    def all_consumed(self, consumer: str) -> bool:
+        return bool(self.call("all_consumed", consumer))
+
+    def reset(self) -> None:
+        self.call("clear")
+
+
+class ActorCalls(MindSpeedCalls):
+    """A MindSpeed-style dock inside a Ray actor: every call ``ray.get(actor.method.remote(...))``."""
+
+    def __init__(self, ray: Any, actor: Any, started_ray: bool = False):
+        self._ray, self.actor, self.started_ray = ray, actor, started_ray
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._ray.get(getattr(self.actor, method).remote(*args, **kwargs))
+
+    def stop(self) -> None:
+        """Kill the actor, and stop Ray if the benchmark started it for this system."""
+        self._ray.kill(self.actor)
+        if self.started_ray:
+            self._ray.shutdown()
 
 
 class LocalStatus:

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
-from ..experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
-from .docks import SampleError
+from .docks import ActorCalls
 from .mindspeed import MindSpeedGRPOTransferDock
-from .workload import COLUMNS, Rows, Workload
+from .workload import COLUMNS, Workload
 
 #: MindSpeed declares ``@ray.remote(max_concurrency=100, num_cpus=10)``; CPUs are only a scheduling
 #: claim, and 10 would not fit on a 2-core machine, so the actor claims none.
@@ -36,31 +34,17 @@ def start_ray() -> bool:
     return True
 
 
-class RayDock:
+class RayDock(ActorCalls):
     """Client side of the actor, with the padding a MindSpeed worker does around each call."""
 
     def __init__(self, workload: Workload, seed: int = 0):
         import ray
 
-        self._ray = ray
-        self.started_ray = start_ray()
+        started = start_ray()
         actor = ray.remote(MindSpeedGRPOTransferDock).options(**ACTOR_OPTIONS)
-        self.actor: Any = actor.remote(workload.prompts, workload.n, list(COLUMNS), list(workload.consumers), seed)
-        ray.get(self.actor.all_consumed.remote(workload.consumers[0]))  # type: ignore[union-attr]  # up yet?
-
-    def put(self, data: Rows, rows: list[int]) -> None:
-        self._ray.get(self.actor.put_experience.remote(data_dict=padding_dict_to_tensor_dict(data), indexes=rows))
-
-    def get(self, consumer: str, columns: tuple[str, ...], count: int) -> tuple[Rows, list[int]]:
-        batch, rows = self._ray.get(self.actor.get_experience.remote(consumer, list(columns), count))
-        if rows is None:
-            raise SampleError(f"{consumer}: fewer than {count} rows ready in {columns}")
-        return remove_padding_tensor_dict_to_dict(batch), rows
-
-    def reset(self) -> None:
-        self._ray.get(self.actor.clear.remote())
+        super().__init__(ray, actor.remote(workload.prompts, workload.n, list(COLUMNS), list(workload.consumers), seed),
+                         started)
+        self.call("all_consumed", workload.consumers[0])  # up yet?
 
     def close(self) -> None:
-        self._ray.kill(self.actor)
-        if self.started_ray:
-            self._ray.shutdown()
+        self.stop()
