@@ -59,7 +59,14 @@ import torch
 from .balance import dp_padded
 from .connection import connect, default_url, disconnect
 from .dock import TransferDock
-from .errors import BrokerError, DockNotFoundError, InvalidExperienceError, RowIndexError, SchemaError
+from .errors import (
+    BrokerError,
+    DockNotFoundError,
+    InvalidExperienceError,
+    RowIndexError,
+    SchemaError,
+    UnknownConsumerError,
+)
 from .experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
 from .status import dock_names
 from .validation import PAD_INDEX, drop_padding, is_int
@@ -557,12 +564,13 @@ class TransferQueueClient(_Docked):
             raise PartialRolloutUnsupported("allow_partial_ready_data needs partial rollout, not offered yet")
         dock = self._dock(topic)
         if experience_columns is None:
-            if not self._registered(dock, consumer):
+            try:
+                experience_columns = dock.consumer_columns(consumer)
+            except (InvalidExperienceError, UnknownConsumerError):
                 raise _bad(
                     f"No experience_columns provided, and no experience columns registered for consumer "
                     f"'{consumer}' in topic '{topic}'."
-                )
-            experience_columns = dock.consumer_columns(consumer)
+                ) from None
         if experience_count is None and indexes is None:
             raise _bad("Either experience_count or indexes must be provided for get_experience")
         self._check_names(dock, consumer, experience_columns)
