@@ -20,12 +20,15 @@ from .errors import (
     StoreFullError,
     UnknownColumnError,
     UnknownConsumerError,
+    VersionError,
 )
 from .leased_rows import LeasedRows
+from .rollout import Rollout
 
 __all__ = [
     "TransferDock",
     "LeasedRows",
+    "Rollout",
     "BrokerError",
     "BrokerConnectionError",
     "DecodeError",
@@ -40,5 +43,6 @@ __all__ = [
     "StoreFullError",
     "UnknownColumnError",
     "UnknownConsumerError",
+    "VersionError",
 ]
 __version__ = "0.1.0"

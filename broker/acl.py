@@ -18,21 +18,21 @@ from .keys import PREFIX, DockKeys
 #: Commands sent by the client (dock methods and redis-py's connection set-up).
 CLIENT_COMMANDS = (
     "ping", "select", "multi", "exec", "discard", "evalsha", "eval", "script|load", "script|exists",
-    "hset", "hget", "hmget", "hgetall", "bitcount", "bitfield", "zcard", "get", "del", "subscribe", "unsubscribe",
+    "hset", "hget", "hmget", "hgetall", "hlen", "bitcount", "bitfield", "zcard", "get", "del", "subscribe", "unsubscribe",
 )
 
 #: Commands the Lua scripts in lua/ call.
 SCRIPT_COMMANDS = (
     "type", "exists", "time", "hset", "hget", "hmget", "hgetall", "hdel", "hlen", "get", "set", "del", "incr", "incrby",
     "strlen", "setrange", "getrange", "bitfield", "bitop", "bitpos", "bitcount", "zadd", "zrem", "zcard",
-    "zrangebyscore", "publish",
+    "zrangebyscore", "publish", "getbit", "setbit", "hincrby", "rename", "zcount", "zscore",
 )
 
 
 #: Commands the exporter and ``broker status`` send, and those lua/status.lua calls: reads only.
 READER_COMMANDS = (
     "ping", "select", "scan", "hgetall", "evalsha", "script|load", "memory|usage",
-    "type", "hmget", "bitcount", "strlen", "zcard", "get",
+    "type", "hmget", "bitcount", "strlen", "zcard", "get", "zcount", "hlen",
 )
 
 

@@ -22,6 +22,7 @@ from .errors import (
     RedisCommandError,
     SchemaError,
     StoreFullError,
+    VersionError,
 )
 
 T = TypeVar("T")
@@ -266,7 +267,8 @@ def redis_errors(where: str) -> Iterator[None]:
 
 
 #: Error prefixes of the Lua scripts, and the broker error each stands for.
-_SCRIPT_ERRORS = {"CORRUPT ": DecodeError, "NODOCK ": DockNotFoundError, "SCHEMA ": SchemaError}
+_SCRIPT_ERRORS = {"CORRUPT ": DecodeError, "NODOCK ": DockNotFoundError, "SCHEMA ": SchemaError,
+                  "VERSION ": VersionError}
 
 
 def script_error(exc: redis.ResponseError) -> BrokerError | None:

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 import redis
+import torch
 
 from . import codec, metrics
 from .balance import balanced_order, dp_padded
@@ -27,17 +28,21 @@ from .errors import (
 from .keys import DockKeys
 from .leased_rows import LeasedRows, like
 from .put_listener import PutListener
+from .rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
 from .schema import Schema, fingerprint
-from .scripts import DockScripts, Handout, rows_of, run_pipeline, runs_of, supports_flags
+from .scripts import DockScripts, Handout, Selection, rows_of, run_pipeline, runs_of, supports_flags
 from .status import DockRef, read_statuses
 from .validation import (
     DockChecks,
     abbrev,
+    bitmap_count,
     check_flag,
     check_lease,
     check_policy,
     check_sizes,
     check_timeout,
+    check_version,
+    completion_flags,
     drop_padding,
     encode_column,
     is_int,
@@ -48,6 +53,18 @@ from .validation import (
 
 #: A batch: per column, one row per index: a tensor, or the plain value that was put (see ``codec``).
 Batch = dict[str, list[Any]]
+
+#: The column the rollout consumer of a partial-rollout dock may ask for beside the stored ones: each
+#: row's age (iterations its group has been kept), a one-element int32 tensor as MindSpeed returns it.
+AGE_COLUMN = "age"
+
+#: Key of the completion flags inside a put while padding rows are dropped with the data (no column
+#: name holds a NUL).
+_FLAGS = "\0rollout_completed"
+#: Sampling with no partial rollout and no staleness bound.
+_PLAIN = Selection()
+#: Key of the rows' ages inside a batch on its way out (renamed "age" if the caller asked for it).
+_AGES = "\0age"
 T = TypeVar("T")
 
 #: Longest a waiting reader sleeps between checks even without a notification. Pub/sub delivers at
@@ -82,6 +99,7 @@ class TransferDock:
         policy: str = "fifo",
         seed: int | None = None,
         length_columns: Sequence[str] = (),
+        rollout: Rollout | None = None,
     ):
         """Create dock ``name``, or attach to it if it exists with the same schema.
 
@@ -91,8 +109,9 @@ class TransferDock:
         ``seed``) or ``"seqlen"`` (a batch of average total length, see ``get_experience``).
         ``length_columns`` are columns holding one integer per row (``prompt_length``,
         ``response_length``): their sum is a row's cost when sampling or ordering balances load.
+        ``rollout`` turns on partial rollout and the staleness bound (see :class:`broker.Rollout`).
         """
-        wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns)
+        wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout)
         self._open(url_or_client, name, policy, seed)
         with self._closed_on_error():
             fields = wanted.to_meta()
@@ -222,6 +241,11 @@ class TransferDock:
         return self._schema.consumers
 
     @property
+    def rollout(self) -> Rollout:
+        """The dock's partial-rollout and staleness settings."""
+        return self._schema.rollout
+
+    @property
     def keys(self) -> DockKeys:
         """The names of the dock's Redis keys (for inspection; write through the dock's methods)."""
         return self._keys
@@ -233,20 +257,50 @@ class TransferDock:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def put_experience(self, data_dict: Mapping[str, Any], indexes: Sequence[int]) -> None:
+    def put_experience(
+        self, data_dict: Mapping[str, Any], indexes: Sequence[int], *, is_prompt: bool = False,
+        rollout_completed: Any = None, version: int | None = None,
+    ) -> None:
         """Write rows ``indexes`` of some columns and mark them ready, atomically.
 
         Each value of ``data_dict`` is a stacked tensor (split along dim 0 into rows), a list of rows
         (tensors or plain values, see ``codec``) or a numpy object array, with one row per index.
         Writing a row again replaces it. Rows whose index is ``PAD_INDEX`` (-2, the padding
         ``get_experience(..., dp_padding=True)`` adds) are skipped, with their data.
+
+        On a partial-rollout dock (see :class:`broker.Rollout`): ``is_prompt=True`` also writes the
+        placeholder responses (``[-1]``, ``[0]`` in a length column) of the response columns not given;
+        a put of response columns gives ``rollout_completed``, one flag per row (MindSpeed's
+        ``tensor([1])`` works): unfinished rows go back to the rollout consumer, and a group whose rows
+        are all finished becomes visible to the other consumers. ``version`` records the policy
+        version that produced the rows (the staleness bound keeps each group's oldest).
         """
         with metrics.observe(self.name, "put") as call:
+            rollout = self._schema.rollout
+            check_flag("is_prompt", is_prompt)
+            version = None if version is None else check_version(version)
             given = indexes
+            if rollout_completed is not None:
+                if not rollout.partial:
+                    raise InvalidExperienceError(
+                        f"dock {self.name!r} has no partial rollout (max_age > 1): rollout_completed means nothing here"
+                    )
+                data_dict = {**data_dict, _FLAGS: rollout_completed}  # padding rows drop their flags too
             data_dict, indexes = drop_padding(data_dict, indexes)
             if not indexes and indexes is not given:
                 return  # nothing but padding
             rows = self._check.rows(indexes)
+            flags = None
+            if rollout_completed is not None:
+                data_dict = dict(data_dict)
+                flags = completion_flags(data_dict.pop(_FLAGS), len(rows))
+            if rollout.partial and is_prompt:
+                data_dict = {**self._placeholders(len(rows), skip=data_dict), **data_dict}
+            elif rollout.partial and flags is None and any(c in data_dict for c in rollout.response_columns):
+                raise InvalidExperienceError(
+                    f"dock {self.name!r} has partial rollout on: a put of response columns "
+                    f"{[c for c in rollout.response_columns if c in data_dict]} must give rollout_completed"
+                )
             self._check.data(data_dict)
             fields = [str(r) for r in rows]
             # Encode everything before the first Redis call: a bad tensor must not leave a half put.
@@ -261,11 +315,14 @@ class TransferDock:
             # client's retries would send it again and again.
             check_sizes(encoded, *self._run(lambda: value_limit(self._client)))
             runs = runs_of(rows)
+            flags_in_run_order = None if flags is None else [flags[i] for i in in_run_order]
 
             def transaction(pipe: redis.client.Pipeline) -> None:
                 for col, mapping in encoded.items():
                     pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
                 self._scripts.put(pipe, list(encoded), runs, lengths)
+                if flags_in_run_order is not None or version is not None:
+                    self._scripts.finish(pipe, runs, flags_in_run_order, version)
 
             def put() -> None:
                 replies = run_pipeline(self._client, self._scripts.load_all, transaction, transaction=True)
@@ -277,6 +334,15 @@ class TransferDock:
             self._run(put)
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
+
+    def _placeholders(self, count: int, skip: Mapping[Any, Any] = {}) -> dict[str, list[Any]]:
+        """The placeholder responses of ``count`` prompt rows, for the response columns not in ``skip``."""
+        out = {}
+        for c in self._schema.rollout.response_columns:
+            if c not in skip:
+                value = PLACEHOLDER_LENGTH if c in self._schema.length_columns else PLACEHOLDER_RESPONSE
+                out[c] = [torch.tensor([value], dtype=torch.int32)] * count
+        return out
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -294,6 +360,7 @@ class TransferDock:
         dp_size: int = 1,
         balance: bool | Sequence[str] = False,
         dp_padding: bool = False,
+        max_staleness: int | None = None,
     ) -> tuple[Batch, list[int]] | tuple[None, None]:
         """Hand rows to ``consumer`` and return ``({column: [tensor per row]}, rows)``.
 
@@ -326,11 +393,29 @@ class TransferDock:
         whole groups together when ``get_n_samples`` and the groups split evenly; ``dp_padding``
         fills a batch that is not a multiple of ``dp_size`` by repeating its last row under index
         ``PAD_INDEX`` (-2), which puts skip.
+
+        On a partial-rollout dock (see :class:`broker.Rollout`) the rollout consumer is handed unfinished
+        rows one by one (``get_n_samples=False``), oldest group first, and as many as there are when
+        fewer than ``experience_count`` are (at least one); the response columns of those rows stop
+        being ready until the rollout puts them again; ``"age"`` among the columns returns each row's
+        age. Every other consumer is handed only groups whose rows are all finished, oldest first, and
+        at most ``gbs_train`` groups per iteration (see ``clear(consumer=...)``). Under a staleness
+        bound (the dock's ``max_staleness``, or this call's) a consumer other than the rollout one is
+        never handed a group produced by a version older than the current one minus the bound; such
+        groups are dropped or regenerated as the dock's ``stale_policy`` says, and counted.
         """
         with metrics.observe(self.name, "get") as call:
             self._check.consumer(consumer)
             if experience_columns is None:
                 experience_columns = self.consumer_columns(consumer)
+            rollout = self._schema.rollout
+            generating = rollout.partial and consumer == rollout.consumer
+            want_age = (
+                generating and isinstance(experience_columns, (list, tuple))
+                and AGE_COLUMN in experience_columns and AGE_COLUMN not in self._schema.columns
+            )
+            if want_age:
+                experience_columns = [c for c in experience_columns if c != AGE_COLUMN]
             columns = self._check.columns_to_read(experience_columns)
             check_timeout(timeout)
             lease_ms = check_lease(lease)
@@ -338,8 +423,19 @@ class TransferDock:
             ranks = self._check.dp_size(dp_size)
             weigh_by = self._check.balance(balance)
             check_flag("dp_padding", dp_padding)
+            staleness = self._staleness(consumer, max_staleness)
             got: tuple[Batch, list[int]] | None
+            if generating and groups:
+                raise InvalidExperienceError(
+                    "get_n_samples not supported for rollout when actor_rollout enables partial_rollout: "
+                    f"consumer {consumer!r} of dock {self.name!r} takes unfinished rows one by one"
+                )
             if indexes is not None:
+                if generating:
+                    raise InvalidExperienceError(
+                        f"dock {self.name!r}: the rollout consumer of a partial-rollout dock samples its rows "
+                        "(oldest first); explicit indexes are not supported for it"
+                    )
                 rows = self._check.rows(indexes)
                 self._check.take_count(experience_count, rows)
                 got = self._take_rows(consumer, columns, rows, lease_ms, timeout, call)
@@ -347,12 +443,16 @@ class TransferDock:
                 count = self._check.sample_count(experience_count, groups)
                 policy = check_policy(policy or self._policy)
                 weights = (weigh_by or list(self._schema.length_columns)) if policy == "seqlen" else []
-                sampler = self._sampler(consumer, columns, count, groups, policy, lease_ms, call, weights)
+                select = self._selection(consumer, columns, groups, staleness)
+                sampler = self._sampler(consumer, columns, count, groups, policy, lease_ms, call, weights, select)
                 got = self._wait(sampler, timeout)
             if got is None:
                 call.empty = True
                 return None, None
             batch, rows = got
+            if want_age:
+                batch[AGE_COLUMN] = batch.pop(_AGES)
+            batch.pop(_AGES, None)
             if ranks > 1 and weigh_by and len(rows) >= ranks:
                 # Explicit rows come in the caller's order, not as whole groups: balance them as rows.
                 batch, rows = self._balanced(batch, rows, ranks, weigh_by, groups and indexes is None)
@@ -431,11 +531,47 @@ class TransferDock:
             missing,
         )
 
+    def _staleness(self, consumer: str, max_staleness: int | None) -> int | None:
+        """The staleness bound of a call: None for the rollout consumer and without a bound."""
+        rollout = self._schema.rollout
+        if max_staleness is not None:
+            if not is_int(max_staleness) or max_staleness < 0:
+                raise InvalidExperienceError(f"max_staleness must be None or an int >= 0, got {max_staleness!r:.40}")
+            bound: int | None = int(max_staleness)
+        else:
+            bound = rollout.max_staleness
+        return None if consumer == rollout.consumer else bound
+
+    def _selection(self, consumer: str, columns: list[str], groups: bool, staleness: int | None) -> Selection:
+        """How partial rollout and the staleness bound shape one sampling call (see ``Selection``)."""
+        rollout, k = self._schema.rollout, self._keys
+        if not rollout.partial:
+            return Selection(max_staleness=staleness)
+        oldest_first = tuple(range(rollout.age_buckets - 1, 0, -1))  # age 0 is what is left after the tiers
+        if consumer == rollout.consumer:
+            return Selection(tiers=tuple(k.age(a) for a in oldest_first), fewer=True,
+                             unready=rollout.response_columns, max_staleness=staleness)
+        return Selection(
+            tiers=tuple((k.group_age if groups else k.age)(a) for a in oldest_first),
+            require=(k.group_finished if groups else k.rows_finished,),
+            cap=rollout.gbs_train * self.n_samples_per_prompt, max_staleness=staleness,
+        )
+
     def _sampler(
         self, consumer: str, columns: list[str], count: int, groups: bool, policy: str, lease_ms: int,
-        call: metrics.Call, weigh_by: Sequence[str] = (),
+        call: metrics.Call, weigh_by: Sequence[str] = (), select: Selection = _PLAIN,
     ) -> Callable[[], tuple[Batch, list[int]] | None]:
         """One sampling attempt of ``count`` units (groups when ``groups``, else rows), checked already."""
+        rollout = self._schema.rollout
+        # The rollout consumer's response columns are not ready while rows are out for generation, and
+        # a row it is handed back (lease expired, or put unfinished) still holds its partial response:
+        # only the other columns decide which rows qualify; the read takes the responses as they are.
+        status_columns = [c for c in columns if c not in select.unready] if select.unready else columns
+        if not status_columns:
+            raise InvalidExperienceError(
+                f"dock {self.name!r}: the rollout consumer must read a column beside the response columns "
+                f"{list(rollout.response_columns)} (the prompt), which decides the rows it may take"
+            )
 
         def sample() -> tuple[Batch, list[int]] | None:
             for _ in range(_FENCE_RETRIES):
@@ -444,10 +580,14 @@ class TransferDock:
                 request_id = uuid.uuid4().hex
                 token = ("g" if groups else "r") + request_id if lease_ms else ""
                 seed = self._seeds.peek() if policy != "fifo" else 0  # "seqlen" may fall back to random
-                handout = self._scripts.sample(
-                    consumer, columns, groups=groups, count=count, policy=policy, seed=seed, lease_ms=lease_ms,
-                    reply_ttl_ms=_REPLY_TTL_MS, request_id=request_id, token=token, weigh_by=weigh_by,
+                sampled = self._scripts.sample(
+                    consumer, status_columns, groups=groups, count=count, policy=policy, seed=seed,
+                    lease_ms=lease_ms, reply_ttl_ms=_REPLY_TTL_MS, request_id=request_id, token=token,
+                    weigh_by=weigh_by, select=select,
                 )
+                if sampled.stale:
+                    self._discard_stale(list(sampled.stale), select.max_staleness)
+                handout = sampled.handout
                 if handout is None:
                     return None
                 if policy != "fifo":
@@ -455,6 +595,8 @@ class TransferDock:
                 rows = rows_of(handout.runs)
                 batch = self._read(columns, rows, handout, call)
                 if batch is not None:
+                    if select.tiers:
+                        batch, rows = self._oldest_first(batch, rows, handout.tiers, len(select.tiers))
                     return batch, self._handed_out(rows, token, consumer)
                 # A clear took some of the rows between sampling and reading: give back the rest
                 # (they were never delivered) and sample again.
@@ -462,6 +604,17 @@ class TransferDock:
             return None
 
         return sample
+
+    @staticmethod
+    def _oldest_first(batch: Batch, rows: list[int], tiers: Sequence[int], top: int) -> tuple[Batch, list[int]]:
+        """The batch in the order sampling picked it, oldest group first, with each row's age.
+
+        Tier t (1 = the first) holds the groups of age ``top - t + 1``; rows of no tier are of age 0.
+        """
+        order = sorted(range(len(rows)), key=lambda i: (tiers[i] == 0, tiers[i], rows[i]))
+        out = {c: [values[i] for i in order] for c, values in batch.items()}
+        out[_AGES] = [torch.tensor([top - tiers[i] + 1 if tiers[i] else 0], dtype=torch.int32) for i in order]
+        return out, [rows[i] for i in order]
 
     @staticmethod
     def _handed_out(rows: list[int], token: str, consumer: str) -> list[int]:
@@ -512,10 +665,125 @@ class TransferDock:
 
         It first gives back the consumer's rows whose lease expired, so a loop ``while not
         all_consumed(...)`` redoes the rows of a worker that died, even one that took explicit rows.
+
+        On a partial-rollout dock an iteration is ``gbs_train`` groups, as in MindSpeed: the rollout
+        consumer is done once that many groups are finished, any other once it holds that many groups.
         """
         self._check.consumer(consumer)
         consumed, leased = self._run(lambda: self._scripts.reclaim(consumer))
-        return consumed == self.capacity and leased == 0
+        rollout = self._schema.rollout
+        if not rollout.partial:
+            return consumed == self.capacity and leased == 0
+        if consumer == rollout.consumer:
+            return self._finished_groups() >= rollout.gbs_train
+        return consumed == rollout.gbs_train * self.n_samples_per_prompt and leased == 0
+
+    def _finished_groups(self) -> int:
+        return int(self._run(lambda: self._client.bitcount(self._keys.group_finished)))
+
+    def _partial(self, what: str) -> Rollout:
+        rollout = self._schema.rollout
+        if not rollout.partial:
+            raise InvalidExperienceError(f"dock {self.name!r} has no partial rollout (max_age > 1): {what} needs it")
+        return rollout
+
+    def age_groups(self) -> None:
+        """Make every group that has started generating one iteration older (what
+        ``clear(consumer=...)`` does after forgetting the trained rows)."""
+        self._partial("age_groups")
+        self._run(lambda: self._scripts.clear(iteration_of=""))
+
+    def unready(self, columns: Sequence[str], indexes: Sequence[int]) -> int:
+        """Mark rows of columns not ready, keeping their bytes (the TransferQueue's
+        ``clear_data_status``); returns how many cells were ready."""
+        names = self._check.columns_to_read(columns)
+        rows = self._check.rows(indexes)
+        return self._run(lambda: self._scripts.unready(names, rows))
+
+    def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:
+        """The stop signal of a partial-rollout iteration (MindSpeed's): at least ``gbs_train`` groups
+        finished, and with ``require_max_age_all_finished`` every group of age ``max_age - 1``
+        finished too, so no response waits more than ``max_age`` iterations."""
+        rollout = self._partial("get_update_ready")
+        check_flag("require_max_age_all_finished", require_max_age_all_finished)
+        k = self._keys
+
+        def reads(pipe: redis.client.Pipeline) -> None:
+            pipe.get(k.group_finished)
+            pipe.get(k.group_age(rollout.max_age - 1))
+
+        finished, last_age = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads,
+                                                            transaction=True))
+        finished, last_age = finished or b"", last_age or b""
+        if bitmap_count(finished) < rollout.gbs_train:
+            return False
+        if not require_max_age_all_finished:
+            return True
+        # Groups of the last age that are not finished: last_age AND NOT finished, over prompts_num / 8 bytes.
+        return not any(a & ~f & 0xFF for a, f in zip(last_age, finished.ljust(len(last_age), b"\0")))
+
+    def get_incomplete_response_num(self) -> int:
+        """Rows holding a prompt whose response is not finished (MindSpeed's count): rows with a
+        response or its placeholder, less the finished ones."""
+        rollout = self._partial("get_incomplete_response_num")
+        k = self._keys
+
+        def reads(pipe: redis.client.Pipeline) -> None:
+            pipe.hlen(k.data(rollout.response_columns[0]))
+            pipe.bitcount(k.finished)
+
+        held, finished = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads,
+                                                        transaction=True))
+        return max(0, int(held) - int(finished))
+
+    def set_version(self, version: int) -> None:
+        """Set the current policy version (the trainer, after each update); versions only grow."""
+        v = check_version(version)
+        self._run(lambda: self._scripts.version(v))
+
+    def version(self) -> int:
+        """The current policy version (0 until ``set_version``)."""
+        raw = self._run(lambda: self._client.get(self._keys.version))
+        try:
+            return int(raw or 0)
+        except ValueError:
+            raise DecodeError(f"{self._keys.version}: not an integer") from None
+
+    def reserve_groups(self, count: int, column: str) -> list[int] | None:
+        """Claim ``count`` free groups for new prompts, lowest first (None, claiming nothing, if fewer
+        are free): a group is free when it is neither claimed nor written in ``column``, and stays
+        claimed until it is forgotten. Writers calling at once never get the same group. Under partial
+        rollout this is where the next batch goes: rows never move here, so the groups freed by
+        ``clear(consumer=...)`` are wherever the trained ones were."""
+        if not is_int(count) or count < 1:
+            raise InvalidExperienceError(f"count must be a positive int, got {count!r:.40}")
+        self._check.columns([column])
+        return self._run(lambda: self._scripts.reserve(int(count), column))
+
+    def drop_groups(self, consumer: str, groups: Sequence[int]) -> int:
+        """Discard whole groups ``consumer`` rejects (DAPO's dynamic sampling: all n rewards equal):
+        their rows are forgotten and free for new prompts at once, and they are counted under the
+        consumer in ``status()["discarded"]``. Returns how many groups were dropped.
+
+        A worker still holding rows of a dropped group finds them gone at its read (the read fence), and
+        its ack releases nothing.
+        """
+        self._check.consumer(consumer)
+        picked = self._check.groups(groups)
+        return self._run(lambda: self._scripts.discard(picked, regenerate=False, field=consumer, max_staleness=None))
+
+    def _discard_stale(self, groups: list[int], max_staleness: int | None) -> None:
+        """Apply the staleness policy to groups a sampling call found stale and left out."""
+        rollout = self._schema.rollout
+        regenerate = rollout.stale_policy == "regenerate"
+        placeholders = None
+        if regenerate:
+            one = self._placeholders(1)
+            placeholders = {c: encode_column(c, rows, 1)[0] for c, rows in one.items()}
+        self._run(lambda: self._scripts.discard(
+            groups, regenerate=regenerate, field="regenerated" if regenerate else "stale",
+            max_staleness=max_staleness, placeholders=placeholders,
+        ))
 
     # -- what the workers of a batch share beside rows -----------------------------------------
 
@@ -650,13 +918,26 @@ class TransferDock:
             raise result
         return result
 
-    def clear(self, indexes: Sequence[int] | None = None) -> None:
+    def clear(self, indexes: Sequence[int] | None = None, *, consumer: str | None = None, age: bool = True) -> None:
         """Forget every row (``indexes=None``) or some rows: their bytes, status bits and leases.
 
         A reader that was handed some of these rows and has not read them yet gets rows handed out
         afresh instead (see ``get_experience``); an ack of their old leases releases nothing.
+
+        ``consumer=...`` ends an iteration instead (MindSpeed's ``clear(consumer)`` under partial
+        rollout): the rows handed to that consumer (the trainer's) are forgotten, every group kept grows
+        one iteration older, unfinished responses stay for the next iteration, and the cursor of
+        ``prefetch_request_index`` and the metrics start again. ``age=False`` leaves the ageing to
+        :meth:`age_groups` (the TransferQueue's two calls).
         """
         with metrics.observe(self.name, "clear") as call:
+            if consumer is not None:
+                if indexes is not None:
+                    raise InvalidExperienceError("clear takes indexes or consumer, not both")
+                self._check.consumer(consumer)
+                check_flag("age", age)
+                self._run(lambda: self._scripts.clear(iteration_of=consumer, age=age))
+                return
             rows = [] if indexes is None else self._check.rows(indexes)
             self._run(lambda: self._scripts.clear(rows))
             call.rows = len(rows) if rows else self.capacity
@@ -667,7 +948,7 @@ class TransferDock:
         Replies that sampling calls keep for retries (``td:{NAME}:reply:*``) are left to expire within a
         minute: finding them would need a SCAN of the whole server.
         """
-        keys = self._keys.every_key(self.columns, self.consumers)
+        keys = self._keys.every_key(self.columns, self.consumers, self._schema.rollout.age_buckets)
         self._run(lambda: self._client.delete(*keys))
 
     def _run(self, call: Callable[[], T]) -> T:

@@ -77,3 +77,7 @@ class RedisCommandError(BrokerError):
 
 class StoreFullError(RedisCommandError):
     """Redis reached its ``maxmemory`` and refused a write; the call that got this applied nothing."""
+
+
+class VersionError(InvalidExperienceError):
+    """A policy version that would move the dock's version backwards."""

@@ -21,6 +21,7 @@ key                                type    contents
 ``td:{NAME}:reply:REQUEST``        string  rows a sampling call returned, kept briefly so a retry
                                            after a lost reply gets the same rows
 ``td:{NAME}:scratch``              string  work space of the sampling script; deleted before it returns
+``td:{NAME}:scratch2``             string  more of it (tiers of oldest-first sampling)
 ``td:{NAME}:epoch``                string  counter: whole clears so far (the read fence, with gen)
 ``td:{NAME}:gen``                  string  u32 per row, big-endian (``BITFIELD ... GET u32 #ROW``): clears
                                            of that row so far
@@ -32,6 +33,23 @@ key                                type    contents
                                            JSON; shared by every worker, reset by a whole clear
 ``td:{NAME}:columns_of``           hash    field = consumer, value = JSON list of the columns it reads
                                            when ``get_experience`` is given none
+``td:{NAME}:finished``             bitmap  partial rollout: bit i set when row i's response is finished
+``td:{NAME}:gfinished``            bitmap  bit g set when all n rows of group g are finished
+``td:{NAME}:rfinished``            bitmap  bit i set when every row of row i's group is finished (the
+                                           group bit spread over its rows, for row-wise sampling)
+``td:{NAME}:grolled``              bitmap  bit g set once the rollout put any response of group g: from
+                                           then on the group ages
+``td:{NAME}:age:K``                bitmap  rows of groups of age K (K = 0 .. max_age; the last holds every
+                                           group that old or older); a clear that ends an iteration ages
+                                           them by renaming the bitmaps, not by touching rows
+``td:{NAME}:gage:K``               bitmap  the same, one bit per group
+``td:{NAME}:claimed``              bitmap  bit g set when group g was reserved for new prompts
+                                           (``reserve_groups``); a group forgotten is free again
+``td:{NAME}:gversions``            zset    member = group, score = oldest policy version of its rows
+``td:{NAME}:version``              string  the current policy version (``set_version``); kept by clears
+``td:{NAME}:discarded``            hash    groups discarded since the last whole clear: field = the consumer
+                                           that dropped them, or ``stale`` / ``regenerated``
+``td:{NAME}:admitted``             string  rows ``prefetch_request_index`` admitted under a staleness bound
 =================================  ======  ============================================================
 """
 
@@ -92,6 +110,10 @@ class DockKeys:
         return self.base + "scratch"
 
     @property
+    def scratch2(self) -> str:
+        return self.base + "scratch2"
+
+    @property
     def epoch(self) -> str:
         return self.base + "epoch"
 
@@ -143,6 +165,56 @@ class DockKeys:
     def consumer_columns(self) -> str:
         return self.base + "columns_of"
 
+    @property
+    def finished(self) -> str:
+        return self.base + "finished"
+
+    @property
+    def group_finished(self) -> str:
+        return self.base + "gfinished"
+
+    @property
+    def rows_finished(self) -> str:
+        return self.base + "rfinished"
+
+    @property
+    def group_rolled(self) -> str:
+        return self.base + "grolled"
+
+    def age(self, k: int) -> str:
+        return f"{self.base}age:{k}"
+
+    def group_age(self, k: int) -> str:
+        return f"{self.base}gage:{k}"
+
+    @property
+    def claimed(self) -> str:
+        return self.base + "claimed"
+
+    @property
+    def group_versions(self) -> str:
+        return self.base + "gversions"
+
+    @property
+    def version(self) -> str:
+        return self.base + "version"
+
+    @property
+    def discarded(self) -> str:
+        return self.base + "discarded"
+
+    @property
+    def admitted(self) -> str:
+        return self.base + "admitted"
+
+    def rollout_keys(self, age_buckets: int) -> list[str]:
+        """The rows' generation status: what a whole clear deletes and a partial one edits, in the order
+        the scripts take them: finished, gfinished, rfinished, grolled, claimed, gversions, then the age
+        bitmaps of rows (0 .. age_buckets-1) and of groups."""
+        return [self.finished, self.group_finished, self.rows_finished, self.group_rolled, self.claimed,
+                self.group_versions,
+                *(self.age(a) for a in range(age_buckets)), *(self.group_age(a) for a in range(age_buckets))]
+
     def reply(self, request_id: str) -> str:
         return f"{self.base}reply:{request_id}"
 
@@ -151,16 +223,17 @@ class DockKeys:
         """SCAN pattern of the replies the dock's sampling calls keep for retries."""
         return self.base + "reply:*"
 
-    def every_key(self, columns: Sequence[str], consumers: Sequence[str]) -> list[str]:
+    def every_key(self, columns: Sequence[str], consumers: Sequence[str], age_buckets: int = 0) -> list[str]:
         """Every key the dock has (but reply keys, which expire by themselves): what ``delete`` removes."""
         per_column = (self.data, self.ready, self.group_ready, self.lengths)
         per_consumer = (self.consumed, self.group_taken, self.leases, self.tokens, self.redelivered)
         keys = [kind(c) for kind in per_column for c in columns]
         keys += [kind(c) for kind in per_consumer for c in consumers]
-        return keys + [self.meta, self.scratch, self.epoch, self.generations, *self.batch_keys,
-                       self.consumer_columns]
+        return keys + [self.meta, self.scratch, self.scratch2, self.epoch, self.generations, *self.batch_keys,
+                       self.consumer_columns, *self.rollout_keys(age_buckets), self.version, self.admitted]
 
     @property
     def batch_keys(self) -> list[str]:
-        """Keys that belong to one batch beside the rows (reset by a whole clear): cursor and metrics."""
-        return [self.cursor, self.metrics]
+        """Keys that belong to one batch beside the rows (reset by a whole clear): cursor, metrics and the
+        count of discarded groups."""
+        return [self.cursor, self.metrics, self.discarded]

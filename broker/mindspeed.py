@@ -39,8 +39,19 @@ Deliberate differences from MindSpeed-RL (where its behaviour is a defect, ours 
   others (MindSpeed replaces the whole mapping).
 * Metric values are numbers or lists of numbers, shared through Redis; ``get_metrics()`` returns a
   ``Metric`` holding a snapshot. ``cumulate=True`` with a number appends it (MindSpeed: TypeError).
-* Partial rollout (``max_age > 1``, ``is_prompt`` placeholders, ``data_status="partial_ready"``,
-  ages) is the next step of this broker; until then those calls raise ``PartialRolloutUnsupported``.
+* Partial rollout (``max_age > 1``) keeps MindSpeed's semantics (placeholders, oldest first, fewer
+  rows for the rollout, ``rollout_completed``, finished groups only for the others, ``GBS_train``,
+  ages, the stop signal) without its re-sort of the whole dock after each iteration: rows never move,
+  and "oldest first" comes from age bitmaps. So the free rows after a ``clear`` are wherever the
+  trained groups were, not at ``[GBS_train*n, 2*GBS_train*n)``: a prompt put (``is_prompt=True``;
+  on the queue, a put of ``prompts`` to a partial-rollout topic) lands in free groups, claimed
+  atomically, whatever indexes it names. Indexes handed out afterwards are where the rows are.
+  ``sort_every_n_samples_by_age`` has nothing to do. ``GBS_train=0`` with ``max_age > 1`` is refused
+  when the dock is made (MindSpeed: at the first put). Groups older than ``max_age`` share its age
+  bitmap, so ``age`` reads at most ``max_age``. On the queue, ``data_status`` stands for
+  ``rollout_completed`` (``"ready"`` finished, ``"partial_ready"`` not) unless the data carries it,
+  and ``allow_partial_ready_data`` is for the rollout consumer only (the others never see unfinished
+  rows).
 * ``clear_and_resize_topic`` works (MindSpeed's raises TypeError).
 """
 
@@ -60,7 +71,6 @@ from .balance import dp_padded
 from .connection import connect, default_url, disconnect
 from .dock import TransferDock
 from .errors import (
-    BrokerError,
     DockNotFoundError,
     InvalidExperienceError,
     RowIndexError,
@@ -68,6 +78,7 @@ from .errors import (
     UnknownConsumerError,
 )
 from .experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
+from .rollout import Rollout
 from .status import dock_names
 from .validation import PAD_INDEX, drop_padding, is_int
 
@@ -77,7 +88,6 @@ __all__ = [
     "DEFAULT_TOPIC",
     "GRPOTransferDock",
     "Metric",
-    "PartialRolloutUnsupported",
     "TransferQueueClient",
     "get_transfer_queue_client",
 ]
@@ -102,13 +112,14 @@ DEFAULT_CONSUMERS = (
 #: Consumers whose ``use_batch_seqlen_balance`` weighs rows by these columns (MindSpeed's mapper).
 SEQLEN_BALANCED = ("ref_log_prob", "actor_log_prob", "reward_scores", "actor_train")
 LENGTHS = ("prompt_length", "response_length")
+#: Under partial rollout: the consumer that generates, the columns it writes, and its completion flag.
+ROLLOUT_CONSUMER = "actor_rollout"
+AGE = "age"
+RESPONSE_COLUMNS = ("responses", "response_length")
+COMPLETED = "rollout_completed"
 DEFAULT_TOPIC = "default_topic"
 #: Dock name of a ``GRPOTransferDock`` made without ``name=``; topics are docks named ``tq.TOPIC``.
 DEFAULT_DOCK = "grpo_transfer_dock"
-
-
-class PartialRolloutUnsupported(BrokerError, NotImplementedError):
-    """A partial-rollout feature (``max_age > 1``) that this broker does not offer yet."""
 
 
 class Metric:
@@ -228,22 +239,57 @@ class _Docked:
             if column not in dock.columns:
                 raise _bad(f"get experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
 
-    def _put(self, dock: TransferDock, data_dict: Any, indexes: Any, unpad: bool = True) -> None:
+    def _put(self, dock: TransferDock, data_dict: Any, indexes: Any, unpad: bool = True, *,
+             is_prompt: bool | None = False, finished: bool | None = None) -> None:
+        """A MindSpeed put. ``finished`` (the queue's ``data_status``) stands for ``rollout_completed``;
+        ``is_prompt=None``: a put of the ``prompts`` column is a prompt put (the queue has no flag)."""
         rows = None if indexes is None else _rows(indexes)
         if not rows:
             raise _bad("put experience into TD without indexes, indexes must be provided")
         data = _as_dict(data_dict)
         if unpad:
             data = remove_padding_tensor_dict_to_dict(data)
+        partial = dock.rollout.partial
+        if partial and COMPLETED in data:
+            data = {**data, COMPLETED: data[COMPLETED]}  # kept aside below, with its padding rows dropped
         data, rows = drop_padding(_narrowed(data), rows, every_negative=True)
         if not rows:
             return
+        flags = None
+        if is_prompt is None:
+            is_prompt = partial and "prompts" in data
+        if partial:
+            data = dict(data)
+            flags = data.pop(COMPLETED, None)
+            if is_prompt:
+                flags = None  # placeholders: not a response, finished or not
+            elif flags is None and finished is not None and any(c in data for c in RESPONSE_COLUMNS):
+                flags = [finished] * len(rows)
+            if flags is None and any(c in data for c in RESPONSE_COLUMNS) and not is_prompt:
+                raise _bad("partial rollout enabled, when putting responses, rollout_completed status must be "
+                           "provided in data dict")
         if not set(data) <= set(dock.columns):
             dock.refresh()
         for column in data:
             if column not in dock.columns:
                 raise _bad(f"put experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
-        dock.put_experience(data, rows)
+        if partial and is_prompt:
+            rows = self._free_rows(dock, rows)
+        dock.put_experience(data, rows, is_prompt=is_prompt, rollout_completed=flags)
+
+    @staticmethod
+    def _free_rows(dock: TransferDock, rows: list[int]) -> list[int]:
+        """Rows of free groups for new prompts, in place of the rows given (partial rollout: see the
+        module docstring). The groups are claimed atomically, so concurrent writers never share one."""
+        n = dock.n_samples_per_prompt
+        if len(rows) % n:
+            raise _bad(f"is_prompt put of {len(rows)} rows: under partial rollout prompts come as whole groups "
+                       f"of n_samples_per_prompt={n}")
+        groups = dock.reserve_groups(len(rows) // n, "prompts")
+        if groups is None:
+            raise _bad(f"no room for {len(rows) // n} more prompt groups in TD of {dock.prompts_num} groups "
+                       "(train and clear some first)")
+        return [g * n + j for g in groups for j in range(n)]
 
     #: How long a sampling call that finds too few rows waits for a put before it returns (None, None).
     empty_wait: float = 0.05
@@ -290,21 +336,39 @@ class _Docked:
         return dict(zip(dock.columns, self._bits(dock, [dock.keys.ready(c) for c in dock.columns])))
 
 
+def _rollout(max_age: int, gbs_train: int) -> Rollout | None:
+    """MindSpeed's partial rollout (``max_age > 1``) as the native dock's settings."""
+    if max_age == 1:
+        return None
+    return Rollout(consumer=ROLLOUT_CONSUMER, response_columns=RESPONSE_COLUMNS, max_age=max_age,
+                   gbs_train=gbs_train)
+
+
 def _open(url: str | redis.Redis | None, name: str, prompts_num: int, n: int, columns: Sequence[str],
-          consumers: Sequence[str]) -> TransferDock:
+          consumers: Sequence[str], rollout: Rollout | None = None) -> TransferDock:
     """Create the dock, or attach to it and grow it to hold ``columns`` and ``consumers``."""
     target = url or default_url()
     lengths = [c for c in LENGTHS if c in columns]
     try:
         return TransferDock(target, name, prompts_num, n, columns, consumers, policy="random",
-                            length_columns=lengths)
-    except SchemaError:
+                            length_columns=lengths, rollout=rollout)
+    except SchemaError as exc:
+        if "exists with a different schema" not in str(exc):
+            raise  # our own arguments are wrong (GBS_train=0 with partial rollout, ...)
         dock = TransferDock.attach(target, name, policy="random")
     if (dock.prompts_num, dock.n_samples_per_prompt) != (prompts_num, n):
         dock.close()
         raise SchemaError(
             f"dock {name!r} holds {dock.prompts_num} prompts x {dock.n_samples_per_prompt} samples, "
             f"not {prompts_num} x {n}; delete it with `broker clear {name} --yes --delete`, or pass another name="
+        )
+    if dock.rollout != (rollout or Rollout()):
+        stored, wanted = dock.rollout, rollout or Rollout()
+        dock.close()
+        raise SchemaError(
+            f"dock {name!r} was made with max_age={stored.max_age}, GBS_train={stored.gbs_train}, not "
+            f"max_age={wanted.max_age}, GBS_train={wanted.gbs_train}; delete it with "
+            f"`broker clear {name} --yes --delete`, or pass another name="
         )
     dock.grow(columns, consumers)
     return dock
@@ -328,8 +392,8 @@ class GRPOTransferDock(_Docked):
         url: str | redis.Redis | None = None,
         name: str = DEFAULT_DOCK,
     ) -> None:
-        if max_age != 1:
-            raise PartialRolloutUnsupported(f"max_age={max_age}: partial rollout is not offered yet; use max_age=1")
+        if not is_int(max_age) or max_age < 1:
+            raise _bad(f"max_age must be a positive int, got {max_age!r}")
         self.experience_columns = list(dict.fromkeys([*DEFAULT_COLUMNS, *(addition_columns or [])]))
         self.experience_consumers = list(dict.fromkeys([*DEFAULT_CONSUMERS, *(addition_consumers or [])]))
         self.prompts_num, self.n_samples_per_prompt = prompts_num, n_samples_per_prompt
@@ -339,21 +403,27 @@ class GRPOTransferDock(_Docked):
         self.empty_wait = _Docked.empty_wait
         self.timeout_interval = 5.0 if timeout_interval is None else float(timeout_interval)
         self._url, self._name = url, name
+        self.enable_partial_rollout = max_age > 1
         self.dock = _open(url, name, prompts_num, n_samples_per_prompt, self.experience_columns,
-                          self.experience_consumers)
+                          self.experience_consumers, _rollout(max_age, GBS_train))
         self.metrics = metrics
         if metrics is not None and getattr(metrics, "metric", None):
             self._update_metrics(self.dock, "", dict(metrics.metric), False)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # pickles as its arguments: attaches again
         return _grpo_dock, (self.prompts_num, self.n_samples_per_prompt, self.experience_columns,
-                            self.experience_consumers, self.timeout, self.timeout_interval, self._url, self._name)
+                            self.experience_consumers, self.timeout, self.timeout_interval, self._url, self._name,
+                            self.max_age, self.GBS_train)
 
     # -- data ---------------------------------------------------------------------------------
 
     def put_experience(self, data_dict: Any, indexes: Sequence[int] | None = None, is_prompt: bool = False) -> None:
-        """Write rows (MindSpeed's padded format or a TensorDict); negative indexes are skipped."""
-        self._put(self.dock, data_dict, indexes)
+        """Write rows (MindSpeed's padded format or a TensorDict); negative indexes are skipped.
+
+        Under partial rollout, responses come with ``rollout_completed`` (one ``[0]``/``[1]`` per row),
+        and prompts put with ``is_prompt=True`` get placeholder responses and land in free groups (see
+        the module docstring)."""
+        self._put(self.dock, data_dict, indexes, is_prompt=is_prompt)
 
     def get_experience(
         self,
@@ -367,21 +437,36 @@ class GRPOTransferDock(_Docked):
         allow_partial_ready_data: bool = False,
     ) -> tuple[Any, list[int]] | tuple[None, None]:
         """Hand ready rows to ``consumer`` as a padded batch, or ``(None, None)`` at once if too few are ready."""
-        self._check_names(self.dock, consumer, experience_columns)
+        columns = list(experience_columns)
+        generating = self.enable_partial_rollout and consumer == ROLLOUT_CONSUMER
+        self._check_names(self.dock, consumer, [c for c in columns if not (generating and c == AGE)])
+        if generating and get_n_samples:
+            raise _bad("get_n_samples not supported for rollout when actor_rollout enables partial_rollout")
         if indexes is None:
-            self._check_count(self.dock, experience_count, get_n_samples, divides=True)
-        batch, rows = self._get(self.dock, consumer, list(experience_columns), experience_count, indexes,
+            self._check_count(self.dock, experience_count, get_n_samples, divides=not self.enable_partial_rollout)
+        batch, rows = self._get(self.dock, consumer, columns, experience_count, indexes,
                                 get_n_samples, use_batch_seqlen_balance, self.timeout)
         if batch is None or rows is None:
             return None, None
+        if generating and experience_count is not None and 0 < len(rows) < experience_count and dp_size > 1:
+            # MindSpeed's rollout takes what is there and pads it for its DP ranks with index -2.
+            batch, rows = dp_padded(batch, list(rows), dp_size)
         return _mindspeed_batch(batch), list(rows)
 
     def all_consumed(self, consumer: str, get_n_samples: bool = True) -> bool:
         return self.dock.all_consumed(consumer)
 
     def clear(self, consumer: str = "actor_train") -> None:
-        """Forget the batch: rows, every consumer's marks, metrics and the request cursor."""
-        self.dock.clear()
+        """Forget the batch: rows, every consumer's marks, metrics and the request cursor.
+
+        Under partial rollout: forget what ``consumer`` trained on, age every group kept, reset the
+        cursor and metrics (MindSpeed's ``clear``, without its re-sort: see the module docstring)."""
+        if self.enable_partial_rollout:
+            if consumer not in self.dock.consumers:
+                self._check_names(self.dock, consumer, [])
+            self.dock.clear(consumer=consumer)
+        else:
+            self.dock.clear()
 
     def get_consumer_status(self) -> dict[str, torch.Tensor]:
         """Per consumer, an int32 tensor with 1 for every row handed to it."""
@@ -420,24 +505,42 @@ class GRPOTransferDock(_Docked):
         """Prompt rows written minus responses finished, as MindSpeed counts them.
 
         Without partial rollout MindSpeed marks no response finished, so this is the number of prompt
-        rows written (its own value then); partial rollout will count finished responses.
+        rows written (its own value then).
         """
+        if self.enable_partial_rollout:
+            return self.dock.get_incomplete_response_num()
         return int(self.dock.status()["columns"]["prompts"]["ready"])
 
     def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:
-        raise PartialRolloutUnsupported("get_update_ready needs partial rollout (max_age > 1), not offered yet")
+        """MindSpeed's stop signal: ``GBS_train`` groups finished, and (if required) every group of age
+        ``max_age - 1`` finished."""
+        self._partial("get_update_ready")
+        return self.dock.get_update_ready(require_max_age_all_finished)
 
-    def find_all_consumed_n_samples_groups(self, consumer: str) -> Any:
-        raise PartialRolloutUnsupported("find_all_consumed_n_samples_groups needs partial rollout (max_age > 1)")
+    def find_all_consumed_n_samples_groups(self, consumer: str) -> tuple[int, torch.Tensor, list[int]]:
+        """Finished groups: (how many, an int32 row mask of their rows, their first rows), as MindSpeed's."""
+        if consumer != ROLLOUT_CONSUMER:
+            raise _bad(f"Consumer {consumer} is not supported for partial rollout stop signal.")
+        self._partial("find_all_consumed_n_samples_groups")
+        (mask,) = self._bits(self.dock, [self.dock.keys.rows_finished])
+        n = self.n_samples_per_prompt
+        starts = [g * n for g in range(self.prompts_num) if bool(mask[g * n])]
+        return len(starts), mask, starts
 
     def sort_every_n_samples_by_age(self) -> None:
-        raise PartialRolloutUnsupported("sort_every_n_samples_by_age needs partial rollout (max_age > 1)")
+        """Nothing to do: sampling already goes oldest group first (age bitmaps), and rows never move."""
+        self._partial("sort_every_n_samples_by_age")
+
+    def _partial(self, what: str) -> None:
+        if not self.enable_partial_rollout:
+            raise _bad(f"{what} needs partial rollout (max_age > 1); this dock has max_age={self.max_age}")
 
 
 def _grpo_dock(prompts_num: int, n: int, columns: list[str], consumers: list[str], timeout: float,
-               interval: float, url: str | redis.Redis | None, name: str) -> GRPOTransferDock:
+               interval: float, url: str | redis.Redis | None, name: str, max_age: int = 1,
+               gbs_train: int = 0) -> GRPOTransferDock:
     defaults = set(DEFAULT_COLUMNS), set(DEFAULT_CONSUMERS)
-    return GRPOTransferDock(prompts_num, n, None, 1, 0, [c for c in columns if c not in defaults[0]],
+    return GRPOTransferDock(prompts_num, n, None, max_age, gbs_train, [c for c in columns if c not in defaults[0]],
                             [c for c in consumers if c not in defaults[1]], timeout, interval, url=url, name=name)
 
 
@@ -481,11 +584,16 @@ class TransferQueueClient(_Docked):
     ) -> None:
         if not topic:
             raise _bad("Topic must be non-empty")
-        if max_age != 1:
-            raise PartialRolloutUnsupported(f"max_age={max_age}: partial rollout is not offered yet")
+        if not is_int(max_age) or max_age < 1:
+            raise _bad(f"max_age must be a positive int, got {max_age!r}")
         lengths = [c for c in LENGTHS if c in experience_columns]
+        rollout = _rollout(max_age, GBS_train)
+        if rollout is not None:
+            rollout = Rollout(consumer=ROLLOUT_CONSUMER, max_age=max_age, gbs_train=GBS_train,
+                              response_columns=tuple(c for c in RESPONSE_COLUMNS if c in experience_columns))
         dock = TransferDock(self._url, self._prefix + topic, prompts_num, n_samples_per_prompt,
-                            experience_columns, experience_consumers, policy="random", length_columns=lengths)
+                            experience_columns, experience_consumers, policy="random", length_columns=lengths,
+                            rollout=rollout)
         if not dock.created:
             dock.close()
             raise _bad(f"Topic '{topic}' already exists")
@@ -506,9 +614,11 @@ class TransferQueueClient(_Docked):
     def clear_and_resize_topic(self, prompts_num: int, n_samples_per_prompt: int, topic: str = DEFAULT_TOPIC) -> None:
         old = self._dock(topic)
         columns, consumers, timeout = list(old.columns), list(old.consumers), self._timeout(old)
+        rollout = old.rollout
         registered = {c: old.consumer_columns(c) for c in consumers if self._registered(old, c)}
         self.delete_topic(topic)
-        self.add_topic(prompts_num, n_samples_per_prompt, columns, consumers, timeout, topic=topic)
+        self.add_topic(prompts_num, n_samples_per_prompt, columns, consumers, timeout, topic=topic,
+                       max_age=rollout.max_age, GBS_train=rollout.gbs_train)
         if registered:
             self.register_consumer_columns_dict(registered, topic)
 
@@ -546,12 +656,17 @@ class TransferQueueClient(_Docked):
 
     def put_experience(self, data_dict: Any, indexes: Sequence[int] | None = None, unpad: bool = True,
                        topic: str = DEFAULT_TOPIC, data_status: str = "ready") -> None:
-        if data_status != "ready":
-            raise PartialRolloutUnsupported(f"data_status={data_status!r}: partial rollout is not offered yet")
+        """Write rows. On a partial-rollout topic, responses put with ``data_status="partial_ready"`` are
+        unfinished and ``"ready"`` ones finished, unless the data carries ``rollout_completed``."""
+        if data_status not in ("ready", "partial_ready"):
+            raise _bad(f"data_status must be 'ready' or 'partial_ready', got {data_status!r}")
         if indexes is None or (isinstance(indexes, Sequence) and len(indexes) == 0):
             raise _bad("No indexes provided for put_experience")
+        dock = self._dock(topic)
+        if data_status == "partial_ready" and not dock.rollout.partial:
+            raise _bad(f"data_status='partial_ready' needs partial rollout (max_age > 1) on topic '{topic}'")
         start = time.perf_counter()
-        self._put(self._dock(topic), data_dict, indexes, unpad)
+        self._put(dock, data_dict, indexes, unpad, is_prompt=None, finished=data_status == "ready")
         self._timings["put"] += time.perf_counter() - start
 
     def get_experience(
@@ -560,9 +675,10 @@ class TransferQueueClient(_Docked):
         use_batch_seqlen_balance: bool = False, dp_size: int = 1, require_dp_padding: bool = False,
         allow_partial_ready_data: bool = False,
     ) -> tuple[Any, list[int]] | tuple[None, None]:
-        if allow_partial_ready_data:
-            raise PartialRolloutUnsupported("allow_partial_ready_data needs partial rollout, not offered yet")
         dock = self._dock(topic)
+        if allow_partial_ready_data and not (dock.rollout.partial and consumer == ROLLOUT_CONSUMER):
+            raise _bad(f"allow_partial_ready_data: only '{ROLLOUT_CONSUMER}' of a partial-rollout topic reads "
+                       "unfinished rows here")
         if experience_columns is None:
             try:
                 experience_columns = dock.consumer_columns(consumer)
@@ -583,7 +699,8 @@ class TransferQueueClient(_Docked):
         if batch is None or rows is None:
             log.debug("Get none experience.")
             return None, None
-        order = sorted(range(len(rows)), key=rows.__getitem__)  # the queue returns rows by index
+        # The queue returns rows by index; under partial rollout oldest first, as the dock picked them.
+        order = list(range(len(rows))) if dock.rollout.partial else sorted(range(len(rows)), key=rows.__getitem__)
         out, rows = {c: [v[i] for i in order] for c, v in batch.items()}, [rows[i] for i in order]
         if require_dp_padding and experience_count and 0 < len(rows) < experience_count:  # MindSpeed's rule
             out, rows = dp_padded(out, rows, dp_size)
@@ -632,21 +749,39 @@ class TransferQueueClient(_Docked):
     # -- partial rollout ----------------------------------------------------------------------
 
     def increment_ages(self, topic: str = DEFAULT_TOPIC) -> None:
-        raise PartialRolloutUnsupported("increment_ages needs partial rollout (max_age > 1), not offered yet")
+        """Every group that has started generating grows one iteration older."""
+        self._partial_dock(topic, "increment_ages").age_groups()
 
     def refine_topic_for_partial_rollout(self, topic: str = DEFAULT_TOPIC) -> None:
-        raise PartialRolloutUnsupported("refine_topic_for_partial_rollout needs partial rollout, not offered yet")
+        """Forget the rows ``actor_train`` trained on; reset the cursor and metrics. Nothing moves:
+        sampling goes oldest first by the age bitmaps (see the module docstring)."""
+        self._partial_dock(topic, "refine_topic_for_partial_rollout").clear(consumer="actor_train", age=False)
 
     def clear_data_status(self, columns: Sequence[str], indexes: Sequence[int], topic: str = DEFAULT_TOPIC) -> None:
-        raise PartialRolloutUnsupported("clear_data_status needs partial rollout, not offered yet")
+        """Mark rows of columns not ready, keeping their data."""
+        dock = self._dock(topic)
+        self._check_names(dock, dock.consumers[0], list(columns))
+        dock.unready(list(columns), [r for r in _rows(indexes) if r >= 0])
 
     def get_partial_rollout_stop_signal(self, require_max_age_all_finished: bool = True,
                                         topic: str = DEFAULT_TOPIC) -> bool:
-        raise PartialRolloutUnsupported("get_partial_rollout_stop_signal needs partial rollout, not offered yet")
+        """``GBS_train`` groups finished, and (if required) every group of age ``max_age - 1``."""
+        dock = self._partial_dock(topic, "get_partial_rollout_stop_signal")
+        return dock.get_update_ready(require_max_age_all_finished)
+
+    def _partial_dock(self, topic: str | None, what: str) -> TransferDock:
+        dock = self._dock(topic)
+        if not dock.rollout.partial:
+            raise _bad(f"{what} needs partial rollout (max_age > 1) on topic '{topic or DEFAULT_TOPIC}'")
+        return dock
 
     def get_incomplete_response_num(self, topic: str = DEFAULT_TOPIC) -> int:
-        """Prompt rows written minus response rows written, as MindSpeed's queue counts them."""
-        ready = {c: v["ready"] for c, v in self._dock(topic).status()["columns"].items()}
+        """Prompt rows written minus response rows written, as MindSpeed's queue counts them (under
+        partial rollout: minus responses finished)."""
+        dock = self._dock(topic)
+        if dock.rollout.partial:
+            return dock.get_incomplete_response_num()
+        ready = {c: v["ready"] for c, v in dock.status()["columns"].items()}
         return int(ready.get("prompts", 0) - ready.get("responses", 0))
 
     # -- timings (kept in this client, as MindSpeed's are per client) ---------------------------

@@ -12,12 +12,14 @@ import numpy as np
 
 from .errors import DecodeError, SchemaError
 from .keys import check_name
+from .rollout import Rollout
 
 #: Version of the key layout and meta format; a dock written by another version is refused.
 FORMAT_VERSION = 1
 
 #: Meta fields every script compares with what its client expects (lua/include/schema.lua), in order.
-CHECKED_FIELDS = ("format_version", "prompts_num", "n_samples_per_prompt", "columns", "consumers", "length_columns")
+CHECKED_FIELDS = ("format_version", "prompts_num", "n_samples_per_prompt", "columns", "consumers", "length_columns",
+                  "rollout")
 
 #: Bitmaps of more rows than this would be slow to scan and big to hold; raise it deliberately.
 MAX_CAPACITY = 1 << 26
@@ -34,6 +36,8 @@ class Schema:
     #: Columns whose rows are one integer each (``prompt_length``, ``response_length``): puts also
     #: record them in a u32 array per column (``DockKeys.lengths``), which balanced sampling reads.
     length_columns: tuple[str, ...] = ()
+    #: Partial rollout and the staleness bound (see ``rollout.py``); ``Rollout()`` turns both off.
+    rollout: Rollout = Rollout()
 
     def __post_init__(self) -> None:
         for field in ("prompts_num", "n_samples_per_prompt"):
@@ -55,11 +59,14 @@ class Schema:
         unknown = [c for c in self.length_columns if c not in self.columns]
         if unknown:
             raise SchemaError(f"length_columns {unknown} are not columns of the dock ({list(self.columns)})")
+        if not isinstance(self.rollout, Rollout):
+            raise SchemaError(f"rollout must be a broker.Rollout, got {self.rollout!r}")
+        self.rollout.check(self.columns, self.consumers)
 
     @classmethod
     def build(
         cls, prompts_num: Any, n_samples_per_prompt: Any, columns: Iterable[str], consumers: Iterable[str],
-        length_columns: Iterable[str] = (),
+        length_columns: Iterable[str] = (), rollout: Rollout | None = None,
     ) -> Schema:
         """Schema from user arguments (any sequences of names); ``__post_init__`` checks them."""
         def as_tuple(names: Iterable[str]) -> Any:  # a bare string stays one, so validation can name the mistake
@@ -71,7 +78,7 @@ class Schema:
             return value
 
         return cls(as_int(prompts_num), as_int(n_samples_per_prompt), as_tuple(columns), as_tuple(consumers),
-                   as_tuple(length_columns))
+                   as_tuple(length_columns), Rollout() if rollout is None else rollout)
 
     @property
     def capacity(self) -> int:
@@ -87,6 +94,7 @@ class Schema:
             "columns": json.dumps(list(self.columns)),
             "consumers": json.dumps(list(self.consumers)),
             "length_columns": json.dumps(list(self.length_columns)),
+            "rollout": self.rollout.to_json(),
         }
 
     @classmethod
@@ -106,6 +114,7 @@ class Schema:
                 tuple(json.loads(fields["columns"])),
                 tuple(json.loads(fields["consumers"])),
                 tuple(json.loads(fields.get("length_columns", "[]"))),  # absent in docks made before it existed
+                Rollout.from_json(fields.get("rollout", "{}")),  # likewise
             )
         except (KeyError, ValueError, TypeError, SchemaError) as exc:
             raise DecodeError(f"{where}: malformed dock meta ({exc})") from None
@@ -130,6 +139,8 @@ class Schema:
                 if mine - theirs:
                     parts.append(f"requested only {sorted(mine - theirs)}")
                 out.append(f"{field}: " + ", ".join(parts))
+        if self.rollout != other.rollout:
+            out.append(f"rollout: stored {other.rollout}, requested {self.rollout}")
         return out
 
 
@@ -141,13 +152,13 @@ class Schema:
             return names + tuple(dict.fromkeys(m for m in more if m not in names))
 
         return Schema(self.prompts_num, self.n_samples_per_prompt, plus(self.columns, columns),
-                      plus(self.consumers, consumers), self.length_columns)
+                      plus(self.consumers, consumers), self.length_columns, self.rollout)
 
     def contains(self, other: Schema) -> bool:
         """Whether this schema is ``other`` grown: same size and length columns, a superset of the names."""
         return (
-            (self.prompts_num, self.n_samples_per_prompt, self.length_columns)
-            == (other.prompts_num, other.n_samples_per_prompt, other.length_columns)
+            (self.prompts_num, self.n_samples_per_prompt, self.length_columns, self.rollout)
+            == (other.prompts_num, other.n_samples_per_prompt, other.length_columns, other.rollout)
             and set(other.columns) <= set(self.columns) and set(other.consumers) <= set(self.consumers)
         )
 

@@ -42,6 +42,11 @@ SCRIPT_FILES = {
     "grow": "grow.lua",
     "columns_of": "columns_of.lua",
     "reset": "reset.lua",
+    "finish": "finish.lua",
+    "discard": "discard.lua",
+    "version": "version.lua",
+    "reserve": "reserve.lua",
+    "unready": "unready.lua",
     "status": "status.lua",
 }
 
@@ -148,6 +153,35 @@ class Handout:
     runs: tuple[int, ...]
     epoch: int
     generations: bytes
+    #: Per row, in run order, the tier sampling took it from (1 = the first tier; 0 = none of them).
+    tiers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What one sampling call did: the rows it handed out (None: too few qualified), and the stale
+    groups it left out, which the caller discards (see lua/discard.lua)."""
+
+    handout: Handout | None
+    stale: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How a sampling call picks beyond its columns and policy (see lua/sample.lua's ARGV[12..16])."""
+
+    #: Bitmaps (of groups in group mode, else of rows) to pick from first, in order: the age bitmaps.
+    tiers: tuple[str, ...] = ()
+    #: Extra status bitmaps every unit must be in (the finished groups, for other consumers).
+    require: tuple[str, ...] = ()
+    #: Hand out what qualifies when fewer than asked do.
+    fewer: bool = False
+    #: Hand out nothing once the consumer holds this many rows (0: no cap).
+    cap: int = 0
+    #: Columns whose readiness the handout takes back (the rollout's response columns).
+    unready: tuple[str, ...] = ()
+    #: Versions a handed-out group may lag the current one, or None: no staleness bound.
+    max_staleness: int | None = None
 
 
 class DockScripts:
@@ -213,23 +247,35 @@ class DockScripts:
     def sample(
         self, consumer: str, columns: Sequence[str], *, groups: bool, count: int, policy: str, seed: int,
         lease_ms: int, reply_ttl_ms: int, request_id: str, token: str, weigh_by: Sequence[str] = (),
-    ) -> Handout | None:
-        """Pick ``count`` units (groups or rows) for ``consumer`` and mark them; None if too few qualify.
+        select: Selection | None = None,
+    ) -> Sampled:
+        """Pick ``count`` units (groups or rows) for ``consumer`` and mark them; no handout if too few qualify.
 
-        ``weigh_by``: the length columns the ``"seqlen"`` policy sums.
+        ``weigh_by``: the length columns the ``"seqlen"`` policy sums; ``select``: see ``Selection``.
         """
         k, schema = self._keys, self._bound
+        select = select or Selection()
         status = k.group_ready if groups else k.ready
         keys = [k.meta, k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.tokens(consumer),
                 k.redelivered(consumer), k.reply(request_id), k.scratch, k.epoch, k.generations,
-                *(status(c) for c in columns), *(k.lengths(c) for c in weigh_by)]
+                *(status(c) for c in columns), *select.require, *(k.lengths(c) for c in weigh_by), *select.tiers,
+                *(key for c in select.unready for key in (k.ready(c), k.group_ready(c)))]
+        if select.tiers:
+            keys.append(k.scratch2)
+        if select.max_staleness is not None:
+            keys += [k.version, k.group_versions]
         units = schema.prompts_num if groups else schema.capacity
         args = [self._expected, "groups" if groups else "rows", count, self._n, units, policy, seed, lease_ms,
-                reply_ttl_ms, token, len(weigh_by)]
+                reply_ttl_ms, token, len(weigh_by), len(select.tiers), int(select.fewer), select.cap,
+                len(select.unready), "" if select.max_staleness is None else select.max_staleness]
         reply = self._call("sample", keys, args)
         if not reply:
-            return None
-        return Handout(tuple(int(x) for x in reply[2:]), int(reply[0]), reply[1])
+            return Sampled(None)
+        stale = _numbers(reply[3])
+        if int(reply[0]) < 0:
+            return Sampled(None, stale)
+        runs = tuple(int(x) for x in reply[4:])
+        return Sampled(Handout(runs, int(reply[0]), reply[1], _numbers(reply[2])), stale)
 
     def take(
         self, consumer: str, columns: Sequence[str], runs: Sequence[int], *, lease_ms: int, token: str
@@ -279,8 +325,8 @@ class DockScripts:
         consumed, leased = self._call("reclaim", keys, [self._expected, self._n])
         return int(consumed), int(leased)
 
-    def clear(self, rows: Sequence[int]) -> int:
-        """Forget ``rows`` (all rows when empty); returns the cells removed from data hashes."""
+    def _forget_layout(self) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV[2..6] of the scripts that forget rows (lua/include/forget.lua)."""
         k, schema = self._keys, self._bound
         keys = [k.meta, k.epoch, k.generations]
         per_column: tuple[Callable[[str], str], ...] = (k.data, k.ready, k.group_ready)
@@ -288,15 +334,79 @@ class DockScripts:
         keys += [kind(c) for kind in per_column for c in schema.columns]
         keys += [kind(c) for kind in per_consumer for c in schema.consumers]
         keys += [k.lengths(c) for c in schema.length_columns] + k.batch_keys
-        args = [self._expected, len(schema.columns), len(schema.consumers), self._n, len(schema.length_columns),
-                *rows]
-        return int(self._call("clear", keys, args))
+        keys += k.rollout_keys(schema.rollout.age_buckets)
+        args = [len(schema.columns), len(schema.consumers), self._n, len(schema.length_columns),
+                schema.rollout.age_buckets]
+        return keys, args
+
+    def clear(self, rows: Sequence[int] = (), *, iteration_of: str | None = None, age: bool = True) -> int:
+        """Forget ``rows`` (all rows when empty), or end the iteration of consumer ``iteration_of``
+        (ageing the groups kept unless not ``age``), or with ``iteration_of=""`` only age them
+        (lua/clear.lua); returns the cells removed from data hashes."""
+        keys, layout = self._forget_layout()
+        if iteration_of == "":
+            mode: list[Any] = ["age"]
+        elif iteration_of is not None:
+            mode = ["iteration" if age else "trained", self._bound.consumers.index(iteration_of) + 1]
+        else:
+            mode = ["rows", *rows] if rows else ["all"]
+        return int(self._call("clear", keys, [self._expected, *layout, *mode]))
+
+    def discard(
+        self, groups: Sequence[int], *, regenerate: bool, field: str, max_staleness: int | None,
+        placeholders: dict[str, bytes] | None = None,
+    ) -> int:
+        """Drop or regenerate ``groups``, counted under ``field`` (lua/discard.lua); returns how many were.
+
+        ``max_staleness``: discard only groups still older than the current version minus it.
+        ``placeholders``: the encoded placeholder of each response column, written by "regenerate".
+        """
+        schema = self._bound
+        keys, layout = self._forget_layout()
+        keep = [schema.columns.index(c) + 1 for c in schema.rollout.prompt_columns] if regenerate else []
+        pairs = [x for c, b in (placeholders or {}).items() for x in (schema.columns.index(c) + 1, b)]
+        args = [self._expected, *layout, "regenerate" if regenerate else "drop", field,
+                "" if max_staleness is None else max_staleness, len(keep), *keep, len(pairs) // 2, *pairs, *groups]
+        return int(self._call("discard", keys + [self._keys.admitted, self._keys.version], args))
+
+    def finish(self, pipe: Pipeline, runs: Sequence[int], flags: Sequence[bool] | None, version: int | None) -> None:
+        """Queue what a rollout put records beside its bytes (lua/finish.lua): completion ``flags`` per
+        row in the order of ``runs``, and the ``version`` of the rows."""
+        k, rollout = self._keys, self._bound.rollout
+        keys = [k.meta, k.finished, k.group_finished, k.rows_finished, k.group_rolled, k.age(0), k.group_age(0),
+                k.group_versions, *self._consumer_keys(rollout.consumer)]
+        args = [self._expected, self._n, "0" if flags is None else "1", "" if version is None else version,
+                len(runs), *runs, *(("1" if f else "0") for f in (flags or ()))]
+        self._queue(pipe, "finish", keys, args)
+
+    def reserve(self, count: int, column: str) -> list[int] | None:
+        """Claim ``count`` free groups for new prompts of ``column`` (lua/reserve.lua); None if too few are free."""
+        k = self._keys
+        reply = self._call("reserve", [k.meta, k.claimed, k.group_ready(column), k.scratch],
+                           [self._expected, count, self._bound.prompts_num])
+        return [int(g) for g in reply] if reply else None
+
+    def unready(self, columns: Sequence[str], rows: Sequence[int]) -> int:
+        """Mark ``rows`` of ``columns`` not ready, keeping their bytes (lua/unready.lua)."""
+        k = self._keys
+        keys = [k.meta, *(key for c in columns for key in (k.ready(c), k.group_ready(c)))]
+        return int(self._call("unready", keys, [self._expected, self._n, *rows]))
+
+    def version(self, version: int) -> int:
+        """Set the dock's current policy version (lua/version.lua); versions only grow."""
+        return int(self._call("version", [self._keys.meta, self._keys.version], [self._expected, version]))
 
     def prefetch(self, count: int) -> list[int] | None:
-        """The next ``count`` rows of the batch for a rollout rank (fewer at its end); None once it is spent."""
-        reply = self._call("prefetch", [self._keys.meta, self._keys.cursor],
-                           [self._expected, count, self._bound.capacity])
-        return list(range(int(reply[0]), int(reply[1]))) if reply else None
+        """The next ``count`` rows of the batch for a rollout rank (fewer at its end); None once it is
+        spent, or while the staleness bound's admission control refuses (lua/prefetch.lua)."""
+        k, schema = self._keys, self._bound
+        rollout = schema.rollout
+        batch = rollout.gbs_train * self._n if rollout.bounded else 0
+        reply = self._call("prefetch", [k.meta, k.cursor, k.admitted, k.version],
+                           [self._expected, count, schema.capacity, batch, rollout.max_staleness or 0])
+        if not reply or int(reply[0]) < 0:
+            return None
+        return list(range(int(reply[0]), int(reply[1])))
 
     def metrics(self, values: dict[str, str], append: bool) -> int:
         """Store metrics (name -> JSON text); ``append`` extends stored lists (see lua/metrics.lua)."""
@@ -339,22 +449,39 @@ class StatusScript:
     @classmethod
     def queue(cls, pipe: Pipeline, keys: DockKeys, schema: Schema, fingerprint: str) -> None:
         """Queue the read of the dock's counts; ``fingerprint`` is the schema the caller expects."""
+        rollout = schema.rollout
         bitmaps = [kind(c) for c in schema.columns for kind in (keys.ready, keys.group_ready)]
         bitmaps += [kind(c) for c in schema.consumers for kind in (keys.consumed, keys.group_taken)]
+        bitmaps += [keys.finished, keys.group_finished, *(keys.group_age(a) for a in range(rollout.age_buckets))]
         rest = [kind(c) for c in schema.consumers for kind in (keys.leases, keys.redelivered)]
+        responses = keys.data(rollout.response_columns[0]) if rollout.response_columns else keys.meta
+        rest += [keys.version, keys.discarded, keys.group_versions, responses]
+        staleness = "" if rollout.max_staleness is None else rollout.max_staleness
         pipe.execute_command("EVALSHA", cls.sha, 1 + len(bitmaps) + len(rest), keys.meta, *bitmaps, *rest,
-                             fingerprint, len(bitmaps))
+                             fingerprint, len(bitmaps), staleness)
 
     @staticmethod
-    def parse(reply: list[Any], schema: Schema) -> tuple[list[tuple[int, int]], list[tuple[int, Any]]]:
-        """(bits set, bytes) per bitmap, in ``queue``'s order; (leased rows, raw counter) per consumer."""
-        bitmaps = 2 * (len(schema.columns) + len(schema.consumers))
-        pairs = list(zip(reply[0::2], reply[1::2]))
-        return pairs[:bitmaps], pairs[bitmaps:]
+    def parse(
+        reply: list[Any], schema: Schema
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, Any]], tuple[Any, str, int, int]]:
+        """(bits set, bytes) per bitmap, in ``queue``'s order; (leased rows, raw counter) per consumer;
+        (raw version, "field=count,..." discarded, stale groups, rows holding a response)."""
+        bitmaps = 2 * (len(schema.columns) + len(schema.consumers)) + 2 + schema.rollout.age_buckets
+        head, tail = reply[:-4], reply[-4:]
+        pairs = list(zip(head[0::2], head[1::2]))
+        text = tail[1].decode() if isinstance(tail[1], bytes) else str(tail[1])
+        return pairs[:bitmaps], pairs[bitmaps:], (tail[0], text, int(tail[2]), int(tail[3]))
 
     @classmethod
     def load(cls, client: redis.Redis) -> None:
         client.script_load(cls.text)
+
+
+def _numbers(text: bytes | str) -> tuple[int, ...]:
+    """The integers of a script's comma-separated list ("" is none)."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    return tuple(int(x) for x in text.split(",")) if text else ()
 
 
 def run_pipeline(

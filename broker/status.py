@@ -108,7 +108,7 @@ def queue_statuses(
 def _parse(dock: DockRef, reply: list[Any]) -> dict[str, Any]:
     """A dock's status from its status script's reply; counts no broker could have written raise DecodeError."""
     s, k = dock.schema, dock.keys
-    bitmaps, consumers_raw = StatusScript.parse(reply, s)
+    bitmaps, consumers_raw, (version, discarded_text, stale, held) = StatusScript.parse(reply, s)
     counts: dict[str, int] = {}
     for (key, bits), (count, size) in zip(_bitmaps(dock), bitmaps):
         if count > bits or size > -(-bits // 8):
@@ -123,7 +123,11 @@ def _parse(dock: DockRef, reply: list[Any]) -> dict[str, Any]:
             "leased": leased,
             "redelivered": _counter(redelivered, k.redelivered(consumer)),
         }
-    return {
+    discarded = {}
+    for part in filter(None, discarded_text.split(",")):
+        reason, _, times = part.rpartition("=")
+        discarded[reason] = _counter(times, k.discarded)
+    out = {
         "name": k.name,
         "prompts_num": s.prompts_num,
         "n_samples_per_prompt": s.n_samples_per_prompt,
@@ -132,7 +136,21 @@ def _parse(dock: DockRef, reply: list[Any]) -> dict[str, Any]:
             col: {"ready": counts[k.ready(col)], "groups_ready": counts[k.group_ready(col)]} for col in s.columns
         },
         "consumers": consumers,
+        "version": _counter(version, k.version),
+        "discarded": discarded,
     }
+    r = s.rollout
+    if r.partial:
+        finished = counts[k.finished]
+        out["rollout"] = {
+            "finished_rows": finished,
+            "finished_groups": counts[k.group_finished],
+            "unfinished_rows": max(0, held - finished),
+            "groups_by_age": {a: counts[k.group_age(a)] for a in range(r.age_buckets)},
+        }
+    if r.bounded:
+        out["stale_groups"] = stale
+    return out
 
 
 def _bitmaps(dock: DockRef) -> list[tuple[str, int]]:
@@ -143,6 +161,8 @@ def _bitmaps(dock: DockRef) -> list[tuple[str, int]]:
         out += [(k.ready(col), s.capacity), (k.group_ready(col), s.prompts_num)]
     for consumer in s.consumers:
         out += [(k.consumed(consumer), s.capacity), (k.group_taken(consumer), s.prompts_num)]
+    out += [(k.finished, s.capacity), (k.group_finished, s.prompts_num)]
+    out += [(k.group_age(a), s.prompts_num) for a in range(s.rollout.age_buckets)]
     return out
 
 

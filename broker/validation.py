@@ -246,6 +246,24 @@ class DockChecks:
         self._columns = frozenset(schema.columns)
         self._consumers = frozenset(schema.consumers)
 
+    def groups(self, groups: Any) -> list[int]:
+        """Group numbers as plain ints: a non-empty list of distinct groups in ``[0, prompts_num)``."""
+        count = self._schema.prompts_num
+        if isinstance(groups, (torch.Tensor, np.ndarray)):
+            groups = groups.tolist()
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or not groups:
+            raise RowIndexError(f"groups must be a non-empty list of group numbers, got {groups!r:.60}")
+        bad = [g for g in groups if not is_int(g)]
+        if bad:
+            raise RowIndexError(f"groups must be ints, got {bad[:5]!r}")
+        out = [int(g) for g in groups]
+        outside = [g for g in out if not 0 <= g < count]
+        if outside:
+            raise RowIndexError(f"groups {abbrev(outside)} are outside the dock's range [0, {count})")
+        if len(set(out)) != len(out):
+            raise RowIndexError(f"groups listed more than once: {abbrev(sorted(out))}")
+        return out
+
     def rows(self, indexes: Any) -> list[int]:
         """Row numbers as plain ints: a non-empty list of distinct rows in ``[0, capacity)``."""
         capacity = self._schema.capacity
@@ -351,3 +369,44 @@ class DockChecks:
             raise InvalidExperienceError(
                 f"experience_count={count!r} with {len(rows)} indexes: leave it out, or make it the number of indexes"
             )
+
+
+def completion_flags(value: Any, count: int) -> list[bool]:
+    """``rollout_completed`` of a put: one flag per row (bool, 0/1, or a one-element tensor or array
+    as MindSpeed's ``tensor([1])``), as a list of bools."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        value = value.reshape(len(value), -1).tolist() if value.ndim else None
+    if not isinstance(value, (list, tuple)) or len(value) != count:
+        raise InvalidExperienceError(
+            f"rollout_completed must hold one flag per row ({count}), got {abbrev_value(value)}"
+        )
+    out = []
+    for i, flag in enumerate(value):
+        if isinstance(flag, (torch.Tensor, np.ndarray)):
+            flag = flag.reshape(-1).tolist()
+        if isinstance(flag, (list, tuple)) and len(flag) == 1:
+            flag = flag[0]
+        if isinstance(flag, (bool, np.bool_)) or (is_int(flag) and flag in (0, 1)) or flag in (0.0, 1.0):
+            out.append(bool(flag))
+        else:
+            raise InvalidExperienceError(f"rollout_completed[{i}] must be 0 or 1 (or True/False), got {flag!r:.40}")
+    return out
+
+
+def bitmap_count(bitmap: bytes) -> int:
+    """Bits set in a bitmap read with GET."""
+    return int.from_bytes(bitmap, "big").bit_count() if bitmap else 0
+
+
+def check_version(version: Any) -> int:
+    """A policy version: an int >= 0 (numpy ints too)."""
+    if not is_int(version) or version < 0:
+        raise InvalidExperienceError(f"version must be an int >= 0, got {version!r:.40}")
+    return int(version)
+
+
+def abbrev_value(value: Any) -> str:
+    """A short description of a value for an error message."""
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)}"
+    return f"{type(value).__name__}"

@@ -1,76 +1,88 @@
---[[ clear: forget rows (or the whole dock): their bytes, ready marks and every consumer's marks.
+--[[ clear: forget rows, or the whole dock, or end a partial-rollout iteration.
 
 Readers that were handed the rows before the clear see it at their read (the epoch or the rows'
 generations changed, see include/generations.lua) and never get the bytes written after it. Leases of
 the rows end with them, so an ack from before the clear releases nothing written since.
 
-KEYS[1]           td:{NAME}:meta
-KEYS[2]           td:{NAME}:epoch                bumped by a whole clear
-KEYS[3]           td:{NAME}:gen                  bumped for each row of a partial clear
-KEYS[4..k+3]      td:{NAME}:data:COLUMN          for every column of the dock
-KEYS[k+4..2k+3]   td:{NAME}:ready:COLUMN
-KEYS[2k+4..3k+3]  td:{NAME}:gready:COLUMN
-then, for every consumer, m keys of each kind in this order:
-                  td:{NAME}:consumed:CONSUMER, td:{NAME}:gtaken:CONSUMER, td:{NAME}:leases:CONSUMER,
-                  td:{NAME}:tokens:CONSUMER, td:{NAME}:redelivered:CONSUMER (reset only by a whole clear)
-then              td:{NAME}:len:COLUMN for each of the L length columns
-then              the batch's own keys, td:{NAME}:cursor and td:{NAME}:metrics (reset only by a whole
-                  clear: they belong to the batch, not to rows)
-ARGV[1]           the schema the client expects (see include/schema.lua)
-ARGV[2]           k, the number of columns
-ARGV[3]           m, the number of consumers
-ARGV[4]           n_samples_per_prompt
-ARGV[5]           L, the number of length columns
-ARGV[6..]         rows to clear, decimal; none clears every row
+KEYS        the dock's keys in the layout of include/forget.lua
+ARGV[1]     the schema the client expects (see include/schema.lua)
+ARGV[2..6]  k, m, n_samples_per_prompt, L, A (see include/forget.lua)
+ARGV[7]     what to clear:
+            "all"        every row, and the batch's keys (cursor, metrics, discarded counts);
+            "rows"       the rows in ARGV[8..], decimal;
+            "iteration"  the end of a partial-rollout iteration (MindSpeed's clear(consumer)): the rows
+                         handed to the consumer at position ARGV[8] (1..m) are forgotten, every group
+                         kept grows one iteration older, and the cursor and metrics start again. If
+                         the consumer was handed nothing, nothing ages (MindSpeed's first clear).
+            "trained"    the same without the ageing (the queue's refine_topic_for_partial_rollout);
+            "age"        only the ageing (the queue's increment_ages).
 
-Returns the number of rows cleared from data hashes (cells, summed over columns).
+Ageing is a rename of the age bitmaps (age:a becomes age:a+1, the oldest two merge), not a pass over
+rows: MindSpeed re-sorts its whole dock by age here, copying every row, so that "oldest first" is
+"lowest index first"; the bitmaps give sampling the same order (see sample.lua's tiers) and leave the
+rows where they are.
+
+Returns the number of cells removed from data hashes.
 ]]
 -- @include bits
 -- @include schema
--- @include leases
--- @include generations
+-- @include forget
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
-local k, m, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local data, ready, gready = 3, 3 + k, 3 + 2 * k         -- KEYS[data + c] is column c's data hash
-local consumed, gtaken, leases, tokens = 3 + 3 * k, 3 + 3 * k + m, 3 + 3 * k + 2 * m, 3 + 3 * k + 3 * m
-local redelivered = 3 + 3 * k + 4 * m
-local nlen = tonumber(ARGV[5])
-local len_keys = 3 + 3 * k + 5 * m      -- KEYS[len_keys + j] is the j-th length column's array
+local L = forget_layout()
+local mode = ARGV[7]
 
-if #ARGV == 5 then
+if mode == 'all' then
   local bad = wrong_type(2, 2, 'string')
   if bad then return redis.error_reply(bad) end
   local cells = 0
-  for c = 1, k do
-    if redis.call('TYPE', KEYS[data + c])['ok'] == 'hash' then cells = cells + redis.call('HLEN', KEYS[data + c]) end
+  for c = 1, L.k do
+    if redis.call('TYPE', KEYS[L.data + c])['ok'] == 'hash' then cells = cells + redis.call('HLEN', KEYS[L.data + c]) end
   end
   redis.call('DEL', unpack(KEYS, 4))
   redis.call('INCR', KEYS[2])
   return cells
 end
 
-local bad = wrong_type(2, 3, 'string') or wrong_type(data + 1, data + k, 'hash')
-  or wrong_type(ready + 1, gtaken + m, 'string') or wrong_type(leases + 1, leases + m, 'zset')
-  or wrong_type(tokens + 1, tokens + m, 'hash') or wrong_type(len_keys + 1, len_keys + nlen, 'string')
+local bad = forget_wrong_type(L)
 if bad then return redis.error_reply(bad) end
 
-local rows = numbers_from(6)
-local groups = groups_of(rows, n)
-local cells, fields, zeros = 0, {}, {}
-for i = 1, #rows do fields[i] = ARGV[i + 5]; zeros[i] = 0 end
-bump_generations(KEYS[3], rows)
-for c = 1, k do
-  cells = cells + call_in_chunks('HDEL', KEYS[data + c], fields)
-  set_bits(KEYS[ready + c], rows, 0)
-  set_bits(KEYS[gready + c], groups, 0)   -- a group missing a row is no longer complete
+if mode == 'rows' then
+  return forget_rows(L, numbers_from(8), {}, false)
 end
-for j = 1, nlen do
-  if redis.call('EXISTS', KEYS[len_keys + j]) == 1 then set_u32(KEYS[len_keys + j], rows, zeros) end
+
+local cells = 0
+if mode ~= 'age' then                       -- 'iteration' or 'trained'
+  local trained = offsets_of(KEYS[L.consumed + tonumber(ARGV[8])])
+  redis.call('DEL', KEYS[L.cursor], KEYS[L.metrics])
+  -- As MindSpeed's: an iteration that trained nothing (the first clear, before any batch) ages nothing.
+  if #trained == 0 then return 0 end
+  cells = forget_rows(L, trained, {}, false)
+  if mode == 'trained' then return cells end
 end
-for u = 1, m do
-  drop_leases(KEYS[leases + u], KEYS[tokens + u], fields)
-  give_back(KEYS[consumed + u], KEYS[gtaken + u], rows, n)
+-- Ageing: every group kept grows one iteration older.
+local function older(first)
+  local function key(a) return KEYS[first + 1 + a] end  -- the bitmap of age a
+  local top = L.nages - 1
+  if top < 1 then return end
+  if redis.call('EXISTS', key(top - 1)) == 1 then      -- the oldest two merge
+    if redis.call('EXISTS', key(top)) == 1 then
+      redis.call('BITOP', 'OR', key(top), key(top), key(top - 1))
+      redis.call('DEL', key(top - 1))
+    else
+      redis.call('RENAME', key(top - 1), key(top))
+    end
+  end
+  for a = top - 1, 1, -1 do                             -- age a-1 becomes age a
+    if redis.call('EXISTS', key(a - 1)) == 1 then
+      redis.call('RENAME', key(a - 1), key(a))
+    else
+      redis.call('DEL', key(a))
+    end
+  end
+  redis.call('DEL', key(0))
 end
+older(L.age)
+older(L.gage)
 return cells

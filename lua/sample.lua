@@ -33,7 +33,21 @@ ARGV[7]     seed of the random policy, an integer in [0, 2^31)
 ARGV[8]     lease in ms; 0 hands rows out for good
 ARGV[9]     how long to keep the reply, in ms
 ARGV[10]    token of the lease (the client's request id, 'g' or 'r' first); unused without a lease
-ARGV[11]    L, the number of length columns at the end of KEYS (0 unless the policy is "seqlen")
+ARGV[11]    L, the number of length columns after the status bitmaps (0 unless the policy is "seqlen")
+ARGV[12]    T, the number of tier bitmaps after the length columns (0: none). With tiers the picks come
+            from tier 1 first (lowest units first), then tier 2, ..., then the rest: partial rollout
+            passes the age bitmaps, oldest first, so that "oldest first" is bitmap algebra over
+            capacity / 8 bytes per age instead of MindSpeed's re-sort of the whole dock by age.
+ARGV[13]    "1": hand out what qualifies when fewer than ARGV[3] units do (at least one); "0": all or nothing
+ARGV[14]    cap: hand out nothing once the consumer holds this many rows (MindSpeed's GBS_train x n);
+            0 for no cap
+ARGV[15]    U, the number of columns whose readiness the handout takes back (the rollout consumer's
+            response columns: being generated, they are not ready for anyone else); their
+            td:{NAME}:ready:COLUMN and td:{NAME}:gready:COLUMN follow the tiers, in pairs
+ARGV[16]    "" or max_staleness: groups of td:{NAME}:gversions older than the current version
+            (td:{NAME}:version) minus it are left out and reported, never handed out
+then, when T > 0: td:{NAME}:scratch2, more work space; when ARGV[16] is set: td:{NAME}:version and
+            td:{NAME}:gversions
 
 The "seqlen" policy: when the qualifying units split evenly into batches of `count`, they are dealt,
 longest first (the sum of the length columns over the unit's rows), each to the batch with the least
@@ -42,10 +56,12 @@ out: MindSpeed's get_seqlen_balanced_partitions(equal_size=True), of which it re
 Otherwise, as in MindSpeed, it picks at random. Lengths are read from the u32 arrays that puts keep
 (td:{NAME}:len:COLUMN), so weighing never reads or decodes a row.
 
-Returns an empty list if fewer units qualify than asked, else {epoch, generations, start, length,
-start, length, ...}: the picked rows as runs, ascending (a batch of whole groups is a few runs, not a
-list of every row), with the epoch and the rows' generations (4 bytes each, in run order) that the
-read of their bytes checks.
+Returns an empty list if fewer units qualify than asked (or the cap is reached), else {epoch,
+generations, tiers, stale, start, length, start, length, ...}: the picked rows as runs, ascending (a
+batch of whole groups is a few runs, not a list of every row), with the epoch and the rows'
+generations (4 bytes each, in run order) that the read of their bytes checks, the tier each row came
+from ("t,t,..." in run order, 0 for none; "" without tiers) and the stale groups left out ("g,g,...").
+When stale groups were left out and nothing is handed out, the reply is {-1, "", "", stale}.
 ]]
 -- @include bits
 -- @include schema
@@ -54,18 +70,19 @@ read of their bytes checks.
 
 local kept = redis.call('GET', KEYS[7])
 if kept then
-  -- Kept as "epoch|start,length,...|generations"; the generations are raw bytes, so they come last.
-  local bar = string.find(kept, '|', 1, true)
-  local bar2 = string.find(kept, '|', bar + 1, true)
-  local reply = {tonumber(string.sub(kept, 1, bar - 1)), string.sub(kept, bar2 + 1)}
-  for number in string.gmatch(string.sub(kept, bar + 1, bar2 - 1), '%d+') do reply[#reply + 1] = tonumber(number) end
+  -- Kept as "epoch|start,length,...|tiers|stale|generations"; the generations are raw bytes, so last.
+  local bars, at = {}, 0
+  for i = 1, 4 do at = string.find(kept, '|', at + 1, true); bars[i] = at end
+  local reply = {tonumber(string.sub(kept, 1, bars[1] - 1)), string.sub(kept, bars[4] + 1),
+    string.sub(kept, bars[2] + 1, bars[3] - 1), string.sub(kept, bars[3] + 1, bars[4] - 1)}
+  for number in string.gmatch(string.sub(kept, bars[1] + 1, bars[2] - 1), '%d+') do reply[#reply + 1] = tonumber(number) end
   return reply
 end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
 local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type(5, 5, 'hash')
-  or wrong_type(6, 6, 'string') or wrong_type(9, #KEYS, 'string')
+  or wrong_type(6, 6, 'string') or wrong_type(9, #KEYS - (ARGV[16] ~= '' and 1 or 0), 'string')
 if bad then return redis.error_reply(bad) end
 
 local consumed, gtaken, leases, tokens, redelivered = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -76,13 +93,30 @@ local lease_ms = tonumber(ARGV[8])
 local taken = groups_mode and gtaken or consumed
 -- A bitmap longer than the dock is not one of ours (BITOP would count its extra bits as candidates).
 local nbytes = math.ceil(units / 8)
-local nlen = tonumber(ARGV[11])
-local last_status = #KEYS - nlen          -- KEYS[11..last_status] are the status bitmaps
+local nlen, ntiers, fewer, cap = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1', tonumber(ARGV[14])
+local nunready, bounded = tonumber(ARGV[15]), ARGV[16] ~= ''
+local tail = (ntiers > 0 and 1 or 0) + (bounded and 2 or 0)
+local last_status = #KEYS - nlen - ntiers - 2 * nunready - tail   -- KEYS[11..last_status]: status bitmaps
+local first_tier = last_status + nlen + 1
+local first_unready = first_tier + ntiers
+local scratch2 = ntiers > 0 and KEYS[first_unready + 2 * nunready] or nil
+local gversions = bounded and KEYS[#KEYS] or nil
+local fresh_from = nil
+if bounded then
+  local current = tonumber(redis.call('GET', KEYS[#KEYS - 1]) or '0')
+  if not current then return redis.error_reply('CORRUPT ' .. KEYS[#KEYS - 1] .. ' holds no integer') end
+  fresh_from = current - tonumber(ARGV[16])
+end
 local too_long = longer_than(nbytes, taken, unpack(KEYS, 11, last_status))
 if too_long then return redis.error_reply(too_long) end
+if gversions then
+  bad = wrong_type(#KEYS, #KEYS, 'zset')
+  if bad then return redis.error_reply(bad) end
+end
 local now = now_ms()
 local _, corrupt = reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
 if corrupt then return redis.error_reply(corrupt) end
+if cap > 0 and redis.call('BITCOUNT', consumed) >= cap then return {} end
 
 -- scratch = NOT taken AND status_1 AND ... AND status_k. BITOP NOT only covers the bytes the taken
 -- bitmap has, so pad it with 0xff up to the full size; bits past `units` are cleared by the AND
@@ -94,9 +128,34 @@ if have < nbytes then
 end
 redis.call('BITOP', 'AND', scratch, scratch, unpack(KEYS, 11, last_status))
 
+-- Stale groups that would qualify are left out here, atomically with the pick, and reported: the
+-- client discards them next (discard.lua), which checks their version again.
+local stale = {}
+if gversions then
+  local old = redis.call('ZRANGEBYSCORE', gversions, '-inf', '(' .. fresh_from)
+  for _, member in ipairs(old) do
+    local g = tonumber(member)
+    if groups_mode then
+      if redis.call('GETBIT', scratch, g) == 1 then
+        stale[#stale + 1] = g
+        redis.call('SETBIT', scratch, g, 0)
+      end
+    else
+      local _, any = group_states(scratch, {g}, n)
+      if any[1] then
+        stale[#stale + 1] = g
+        set_runs(scratch, {g * n}, {n}, 0)
+      end
+    end
+  end
+end
+local stale_text = table.concat(stale, ',')
+
 local available = redis.call('BITCOUNT', scratch)
-if available < count then
+if fewer and available > 0 and available < count then count = available end
+if available < count or available == 0 then
   redis.call('DEL', scratch)
+  if #stale > 0 then return {-1, '', '', stale_text} end
   return {}
 end
 
@@ -111,7 +170,39 @@ for value = 0, 255 do
   offsets_in[value] = list
 end
 
+-- Appends to `picked` the lowest set bits of bitmap `key` until it holds `count`: BITPOS skips to the
+-- first one, then the bitmap is read in 64-byte chunks and decoded here, rather than one BITPOS and
+-- SETBIT per unit.
+local function fifo_pick(key, count, picked)
+  local first = redis.call('BITPOS', key, 1)
+  if first < 0 then return end
+  local byte = math.floor(first / 8)
+  while #picked < count do
+    local chunk = redis.call('GETRANGE', key, byte, byte + 63)
+    if #chunk == 0 then return end
+    for i = 1, #chunk do
+      local value = string.byte(chunk, i)
+      for offset = 0, 7 do
+        if value == 0 or #picked == count then break end
+        local weight = 2 ^ (7 - offset)
+        if value >= weight then
+          value = value - weight
+          picked[#picked + 1] = (byte + i - 1) * 8 + offset
+        end
+      end
+      if #picked == count then break end
+    end
+    if #picked < count then
+      local next_bit = redis.call('BITPOS', key, 1, byte + 64)
+      if next_bit < 0 then return end
+      byte = math.floor(next_bit / 8)
+    end
+  end
+end
+
+local picked_tier = nil   -- unit -> tier it was picked from, with tiers
 local policy = ARGV[6]
+if ntiers > 0 then policy = 'fifo' end
 if policy == 'seqlen' and (nlen == 0 or available % count ~= 0) then policy = 'random' end
 
 local picked = {}
@@ -191,26 +282,24 @@ elseif policy == 'random' then
     seen = seen + #offsets
   end
 else
-  -- Lowest units first: BITPOS skips to the first candidate, then the bitmap is read in 64-byte
-  -- chunks and decoded here, rather than one BITPOS and SETBIT per unit.
-  local byte = math.floor(redis.call('BITPOS', scratch, 1) / 8)
-  while #picked < count do
-    local chunk = redis.call('GETRANGE', scratch, byte, byte + 63)
-    for i = 1, #chunk do
-      local value = string.byte(chunk, i)
-      for offset = 0, 7 do
-        if value == 0 or #picked == count then break end
-        local weight = 2 ^ (7 - offset)
-        if value >= weight then
-          value = value - weight
-          picked[#picked + 1] = (byte + i - 1) * 8 + offset
-        end
-      end
-      if #picked == count then break end
-    end
-    if #picked < count then
-      byte = math.floor(redis.call('BITPOS', scratch, 1, byte + 64) / 8)
-    end
+  -- Lowest units first, tier by tier (see ARGV[12]); the rest after the last tier.
+  local tier_of = {}
+  for t = 1, ntiers do
+    redis.call('BITOP', 'AND', scratch2, scratch, KEYS[first_tier + t - 1])
+    local before = #picked
+    fifo_pick(scratch2, count, picked)
+    for i = before + 1, #picked do tier_of[picked[i]] = t end
+    if #picked == count then break end
+    -- Not enough in this tier: take it out of the candidates (NOT, padded as above, then AND).
+    redis.call('BITOP', 'NOT', scratch2, KEYS[first_tier + t - 1])
+    local have2 = redis.call('STRLEN', scratch2)
+    if have2 < nbytes then redis.call('SETRANGE', scratch2, have2, string.rep('\255', nbytes - have2)) end
+    redis.call('BITOP', 'AND', scratch, scratch, scratch2)
+  end
+  if #picked < count then fifo_pick(scratch, count, picked) end
+  if ntiers > 0 then
+    redis.call('DEL', scratch2)
+    picked_tier = tier_of
   end
 end
 redis.call('DEL', scratch)
@@ -226,12 +315,24 @@ if groups_mode then
   for i = 1, #starts do starts[i], lengths[i] = starts[i] * n, lengths[i] * n end
 end
 mark_runs_taken(consumed, gtaken, starts, lengths, n)
-if lease_ms > 0 then lease_rows(leases, tokens, rows_of_runs(starts, lengths), now + lease_ms, ARGV[10]) end
+local rows = rows_of_runs(starts, lengths)
+if lease_ms > 0 then lease_rows(leases, tokens, rows, now + lease_ms, ARGV[10]) end
+for u = 1, nunready do
+  set_runs(KEYS[first_unready + 2 * u - 2], starts, lengths, 0)
+  set_bits(KEYS[first_unready + 2 * u - 1], groups_of_runs(starts, lengths, n), 0)
+end
+local tiers = ''
+if picked_tier then
+  local list = {}
+  for i, r in ipairs(rows) do list[i] = picked_tier[groups_mode and math.floor(r / n) or r] or 0 end
+  tiers = table.concat(list, ',')
+end
 local epoch = epoch_of(KEYS[9])
 local generations = generations_of_runs(KEYS[10], starts, lengths)
 local runs = {}
 for i = 1, #starts do runs[2 * i - 1], runs[2 * i] = starts[i], lengths[i] end
-redis.call('SET', KEYS[7], epoch .. '|' .. table.concat(runs, ',') .. '|' .. generations, 'PX', ARGV[9])
-local reply = {epoch, generations}
-for i = 1, #runs do reply[i + 2] = runs[i] end
+redis.call('SET', KEYS[7], epoch .. '|' .. table.concat(runs, ',') .. '|' .. tiers .. '|' .. stale_text .. '|'
+  .. generations, 'PX', ARGV[9])
+local reply = {epoch, generations, tiers, stale_text}
+for i = 1, #runs do reply[i + 4] = runs[i] end
 return reply

@@ -8,13 +8,19 @@ that no broker could have written (more bits than rows) are for the client to ju
 
 KEYS[1]     td:{NAME}:meta
 KEYS[2..]   for each column: td:{NAME}:ready:COLUMN, td:{NAME}:gready:COLUMN; then for each consumer:
-            td:{NAME}:consumed:CONSUMER, td:{NAME}:gtaken:CONSUMER (the bitmaps); then for each
-            consumer: td:{NAME}:leases:CONSUMER, td:{NAME}:redelivered:CONSUMER
+            td:{NAME}:consumed:CONSUMER, td:{NAME}:gtaken:CONSUMER; then the generation bitmaps
+            td:{NAME}:finished, td:{NAME}:gfinished and td:{NAME}:gage:0 .. gage:A-1 (the bitmaps);
+            then for each consumer: td:{NAME}:leases:CONSUMER, td:{NAME}:redelivered:CONSUMER; then
+            td:{NAME}:version, td:{NAME}:discarded, td:{NAME}:gversions, and the data hash of the
+            first response column (td:{NAME}:data:COLUMN; td:{NAME}:meta when there is none)
 ARGV[1]     the schema the client expects (see include/schema.lua)
-ARGV[2]     the number of bitmaps: 2 x columns + 2 x consumers
+ARGV[2]     the number of bitmaps: 2 x columns + 2 x consumers + 2 + A
+ARGV[3]     max_staleness, or "" without a staleness bound
 
 Returns, flat: bits set and bytes of each bitmap, in KEYS order; then for each consumer the rows
-leased and the redelivered counter as stored (false if unset).
+leased and the redelivered counter as stored (false if unset); then the version as stored, the
+discarded counts as one "field=count,..." string, the stale groups (older than version -
+max_staleness; 0 without a bound) and the rows holding a response or its placeholder.
 ]]
 -- @include schema
 
@@ -39,7 +45,7 @@ for i = 2, bitmaps + 1 do
   out[#out + 1] = bits
   out[#out + 1] = redis.call('STRLEN', KEYS[i])
 end
-for i = bitmaps + 2, #KEYS, 2 do
+for i = bitmaps + 2, #KEYS - 4, 2 do
   local leased, err = read('ZCARD', KEYS[i], 'lease set')
   if err then return redis.error_reply(err) end
   local counter
@@ -48,4 +54,28 @@ for i = bitmaps + 2, #KEYS, 2 do
   out[#out + 1] = leased
   out[#out + 1] = counter
 end
+local version, discarded, gversions, responses = KEYS[#KEYS - 3], KEYS[#KEYS - 2], KEYS[#KEYS - 1], KEYS[#KEYS]
+local err
+local current
+current, err = read('GET', version, 'counter')
+if err then return redis.error_reply(err) end
+out[#out + 1] = current
+local counts
+counts, err = read('HGETALL', discarded, 'hash')
+if err then return redis.error_reply(err) end
+local parts = {}
+for i = 1, #counts, 2 do parts[#parts + 1] = counts[i] .. '=' .. counts[i + 1] end
+out[#out + 1] = table.concat(parts, ',')
+local stale = 0
+if ARGV[3] ~= '' and redis.call('TYPE', gversions)['ok'] == 'zset' then
+  local bound = (tonumber(current) or 0) - tonumber(ARGV[3])
+  stale = redis.call('ZCOUNT', gversions, '-inf', '(' .. bound)
+end
+out[#out + 1] = stale
+local held = 0
+if responses ~= KEYS[1] then
+  held, err = read('HLEN', responses, 'hash')
+  if err then return redis.error_reply(err) end
+end
+out[#out + 1] = held
 return out

@@ -21,7 +21,6 @@ from broker.mindspeed import (
     DEFAULT_CONSUMERS,
     GRPOTransferDock,
     Metric,
-    PartialRolloutUnsupported,
     TransferQueueClient,
     get_transfer_queue_client,
 )
@@ -246,13 +245,15 @@ def test_bad_input_to_the_queue_raises_value_error_and_changes_nothing(tq, clien
     assert snapshot(client) == before
 
 
-def test_partial_rollout_is_refused_by_name_until_it_is_offered(client):
-    with pytest.raises(PartialRolloutUnsupported, match="max_age=2"):
+def test_partial_rollout_needs_gbs_train_and_partial_data_needs_partial_rollout(client):
+    with pytest.raises(ValueError, match="GBS for update must be provided"):
         GRPOTransferDock(2, 1, max_age=2, url=client, name=f"ms{next(_names)}")
     queue = TransferQueueClient(client)
     queue.add_topic(2, 1, ["prompts"], ["actor_rollout"], topic="pr")
-    with pytest.raises(PartialRolloutUnsupported, match="partial_ready"):
+    with pytest.raises(ValueError, match="partial_ready"):
         queue.put_experience({"prompts": [torch.ones(1)]}, [0], topic="pr", data_status="partial_ready")
+    with pytest.raises(ValueError, match="allow_partial_ready_data"):
+        queue.get_experience("actor_rollout", ["prompts"], 1, topic="pr", allow_partial_ready_data=True)
 
 
 def test_the_factory_and_timings(client, monkeypatch):

@@ -245,3 +245,31 @@ local function u32_at(s, index)
   local a, b, c, d = string.byte(s, at, at + 3)
   return ((a * 256 + b) * 256 + c) * 256 + d
 end
+
+-- The offsets of the set bits of bitmap `key`, ascending: one GET and a walk of its bytes, skipping
+-- zero bytes, so the cost is its size plus one step per bit set.
+local function offsets_of(key)
+  local map, out = redis.call('GET', key) or '', {}
+  for i = 1, #map do
+    local value = string.byte(map, i)
+    if value ~= 0 then
+      for offset = 0, 7 do
+        local weight = 2 ^ (7 - offset)
+        if value >= weight then
+          value = value - weight
+          out[#out + 1] = (i - 1) * 8 + offset
+        end
+      end
+    end
+  end
+  return out
+end
+
+-- The rows of `groups` (n rows each), ascending when `groups` is.
+local function rows_of_groups(groups, n)
+  local rows = {}
+  for _, g in ipairs(groups) do
+    for r = g * n, g * n + n - 1 do rows[#rows + 1] = r end
+  end
+  return rows
+end

@@ -1,0 +1,96 @@
+--[[ discard: take whole groups out of play, counted: groups a consumer rejects (DAPO's dynamic
+sampling drops groups whose n rewards are all equal), and groups found stale under the staleness bound.
+
+"drop" forgets the groups' rows (include/forget.lua): they are free for new prompts at once.
+"regenerate" forgets everything but the prompt columns, writes the placeholder responses a prompt put
+writes, and keeps the groups' age: the rollout consumer is offered them again, oldest first.
+
+Under the staleness bound (ARGV[9] given) only groups still older than it are discarded: sampling
+finds stale groups and leaves them out atomically (see sample.lua), and the client that found them
+discards them next. Two clients may find the same group; the version check here (the group leaves
+td:{NAME}:gversions when it is discarded) makes the second one skip it, so each is counted once, and a
+group regenerated meanwhile with a fresh version is left alone.
+
+KEYS        the dock's keys in the layout of include/forget.lua, then td:{NAME}:admitted and
+            td:{NAME}:version
+ARGV[1]     the schema the client expects (see include/schema.lua)
+ARGV[2..6]  k, m, n_samples_per_prompt, L, A (see include/forget.lua)
+ARGV[7]     "drop" or "regenerate"
+ARGV[8]     the field of td:{NAME}:discarded to count the groups under (a consumer, "stale", ...)
+ARGV[9]     "" to discard the groups whatever their version, else max_staleness: only groups older
+            than the current version minus it are discarded
+ARGV[10]    P, then P column positions (1..k) kept by "regenerate"
+then        Q, then Q pairs: the column position of a response column, its placeholder bytes
+then        the groups, decimal
+
+Returns the number of groups discarded.
+]]
+-- @include bits
+-- @include schema
+-- @include forget
+
+local wrong_schema = schema_error(KEYS[1], ARGV[1])
+if wrong_schema then return redis.error_reply(wrong_schema) end
+local L = forget_layout()
+local bad = forget_wrong_type(L) or wrong_type(#KEYS - 1, #KEYS, 'string')
+if bad then return redis.error_reply(bad) end
+local mode, field = ARGV[7], ARGV[8]
+local admitted_key = KEYS[#KEYS - 1]
+local fresh_from = nil
+if ARGV[9] ~= '' then
+  local current = tonumber(redis.call('GET', KEYS[#KEYS]) or '0')
+  if not current then return redis.error_reply('CORRUPT ' .. KEYS[#KEYS] .. ' holds no integer') end
+  fresh_from = current - tonumber(ARGV[9])
+end
+
+local at = 10
+local keep = {}
+for i = 1, tonumber(ARGV[at]) do keep[tonumber(ARGV[at + i])] = true end
+at = at + tonumber(ARGV[at]) + 1
+local placeholders = {}
+for i = 1, tonumber(ARGV[at]) do
+  placeholders[#placeholders + 1] = {tonumber(ARGV[at + 2 * i - 1]), ARGV[at + 2 * i]}
+end
+at = at + 2 * tonumber(ARGV[at]) + 1
+
+local groups, seen = {}, {}
+for i = at, #ARGV do
+  local g = tonumber(ARGV[i])
+  if not seen[g] then
+    seen[g] = true
+    if not fresh_from then
+      groups[#groups + 1] = g
+    else
+      local version = redis.call('ZSCORE', KEYS[L.gversions], g)
+      if version and tonumber(version) < fresh_from then groups[#groups + 1] = g end
+    end
+  end
+end
+table.sort(groups)
+if #groups == 0 then return 0 end
+local rows = rows_of_groups(groups, L.n)
+
+if mode == 'drop' then
+  forget_rows(L, rows, {}, false)
+  -- Rows admitted for generation and dropped will never train: admission may offer them again.
+  local admitted = tonumber(redis.call('GET', admitted_key) or '0') or 0
+  if admitted > 0 then redis.call('SET', admitted_key, math.max(0, admitted - #rows)) end
+else
+  forget_rows(L, rows, keep, true)
+  local fields = {}
+  for i = 1, #rows do fields[i] = tostring(rows[i]) end
+  for _, pair in ipairs(placeholders) do
+    local c, bytes = pair[1], pair[2]
+    for first = 1, #fields, UNPACK_CHUNK do
+      local args = {}
+      for i = first, math.min(first + UNPACK_CHUNK - 1, #fields) do
+        args[#args + 1] = fields[i]; args[#args + 1] = bytes
+      end
+      redis.call('HSET', KEYS[L.data + c], unpack(args))
+    end
+    set_bits(KEYS[L.ready + c], rows, 1)
+    set_bits(KEYS[L.gready + c], groups, 1)
+  end
+end
+redis.call('HINCRBY', KEYS[L.discarded], field, #groups)
+return #groups

@@ -1,0 +1,86 @@
+--[[ forget: remove rows from a dock, pasted in by `-- @include forget` (clear.lua, discard.lua).
+
+Both scripts take the dock's keys in one layout, which `forget_layout` reads from ARGV[2..6]:
+
+KEYS[1]           td:{NAME}:meta
+KEYS[2]           td:{NAME}:epoch                bumped by a whole clear
+KEYS[3]           td:{NAME}:gen                  bumped for each row forgotten
+then k keys of each kind, for every column: td:{NAME}:data:COLUMN, td:{NAME}:ready:COLUMN,
+                  td:{NAME}:gready:COLUMN
+then m keys of each kind, for every consumer: td:{NAME}:consumed:CONSUMER, td:{NAME}:gtaken:CONSUMER,
+                  td:{NAME}:leases:CONSUMER, td:{NAME}:tokens:CONSUMER, td:{NAME}:redelivered:CONSUMER
+then              td:{NAME}:len:COLUMN for each of the L length columns
+then              the batch's keys: td:{NAME}:cursor, td:{NAME}:metrics, td:{NAME}:discarded
+then              the generation status: td:{NAME}:finished, gfinished, rfinished, grolled, claimed, gversions,
+                  then td:{NAME}:age:0 .. age:A-1, then td:{NAME}:gage:0 .. gage:A-1
+ARGV[2..6]        k, m, n_samples_per_prompt, L, A
+
+Forgetting a row deletes its bytes, clears its ready bits and every consumer's marks and leases, zeroes
+its lengths, and bumps its generation, so a reader handed it before sees the change at its read (see
+include/generations.lua). Groups touched lose their group state (complete, finished, age, version): a
+group missing a row is no longer the group it was.
+]]
+-- @include bits
+-- @include leases
+-- @include generations
+
+local function forget_layout()
+  local k, m, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+  local nlen, nages = tonumber(ARGV[5]), tonumber(ARGV[6])
+  local L = {k = k, m = m, n = n, nlen = nlen, nages = nages}
+  L.data, L.ready, L.gready = 3, 3 + k, 3 + 2 * k           -- KEYS[L.data + c] is column c's data hash
+  L.consumed, L.gtaken = 3 + 3 * k, 3 + 3 * k + m
+  L.leases, L.tokens, L.redelivered = 3 + 3 * k + 2 * m, 3 + 3 * k + 3 * m, 3 + 3 * k + 4 * m
+  L.lengths = 3 + 3 * k + 5 * m                             -- KEYS[L.lengths + j]: j-th length array
+  L.cursor, L.metrics, L.discarded = L.lengths + nlen + 1, L.lengths + nlen + 2, L.lengths + nlen + 3
+  L.finished, L.gfinished, L.rfinished = L.discarded + 1, L.discarded + 2, L.discarded + 3
+  L.grolled, L.claimed, L.gversions = L.discarded + 4, L.discarded + 5, L.discarded + 6
+  L.age, L.gage = L.gversions, L.gversions + nages          -- KEYS[L.age + 1 + a]: age bitmap of age a
+  L.last = L.gversions + 2 * nages
+  return L
+end
+
+-- A CORRUPT message for the first key of the layout holding the wrong type, or nil.
+local function forget_wrong_type(L)
+  return wrong_type(2, 3, 'string') or wrong_type(L.data + 1, L.data + L.k, 'hash')
+    or wrong_type(L.ready + 1, L.gtaken + L.m, 'string') or wrong_type(L.leases + 1, L.leases + L.m, 'zset')
+    or wrong_type(L.tokens + 1, L.tokens + L.m, 'hash') or wrong_type(L.lengths + 1, L.lengths + L.nlen, 'string')
+    or wrong_type(L.discarded, L.discarded, 'hash') or wrong_type(L.finished, L.claimed, 'string')
+    or wrong_type(L.gversions, L.gversions, 'zset') or wrong_type(L.gversions + 1, L.last, 'string')
+end
+
+-- Forgets `rows` (ascending). `keep` maps column positions (1..k) whose bytes and ready bits stay;
+-- with `keep_age` the groups keep their age and their place in the ageing. Returns the cells removed.
+local function forget_rows(L, rows, keep, keep_age)
+  local groups = groups_of(rows, L.n)
+  local fields, zeros, cells = {}, {}, 0
+  for i = 1, #rows do fields[i] = tostring(rows[i]); zeros[i] = 0 end
+  bump_generations(KEYS[3], rows)
+  for c = 1, L.k do
+    if not keep[c] then
+      cells = cells + call_in_chunks('HDEL', KEYS[L.data + c], fields)
+      set_bits(KEYS[L.ready + c], rows, 0)
+      set_bits(KEYS[L.gready + c], groups, 0)   -- a group missing a row is no longer complete
+    end
+  end
+  for j = 1, L.nlen do
+    if redis.call('EXISTS', KEYS[L.lengths + j]) == 1 then set_u32(KEYS[L.lengths + j], rows, zeros) end
+  end
+  for u = 1, L.m do
+    drop_leases(KEYS[L.leases + u], KEYS[L.tokens + u], fields)
+    give_back(KEYS[L.consumed + u], KEYS[L.gtaken + u], rows, L.n)
+  end
+  set_bits(KEYS[L.finished], rows, 0)
+  set_bits(KEYS[L.rfinished], rows_of_groups(groups, L.n), 0)
+  set_bits(KEYS[L.gfinished], groups, 0)
+  call_in_chunks('ZREM', KEYS[L.gversions], groups)
+  if not keep_age then                           -- a regenerated group keeps its place, age and prompt
+    set_bits(KEYS[L.claimed], groups, 0)
+    set_bits(KEYS[L.grolled], groups, 0)
+    for a = 1, L.nages do
+      set_bits(KEYS[L.age + a], rows, 0)
+      set_bits(KEYS[L.gage + a], groups, 0)
+    end
+  end
+  return cells
+end

@@ -1,0 +1,27 @@
+--[[ version: set the dock's current policy version (the trainer, after each weight update).
+
+Versions only grow: a trainer restarted from an older checkpoint, or two trainers, would otherwise
+make rows look fresher than they are and let stale rows through the staleness bound.
+
+KEYS[1]     td:{NAME}:meta
+KEYS[2]     td:{NAME}:version
+ARGV[1]     the schema the client expects (see include/schema.lua)
+ARGV[2]     the new version, an integer >= 0
+
+Returns the version now set, or a VERSION error naming the stored one if the new one is lower.
+]]
+-- @include bits
+-- @include schema
+
+local wrong_schema = schema_error(KEYS[1], ARGV[1])
+if wrong_schema then return redis.error_reply(wrong_schema) end
+local bad = wrong_type(2, 2, 'string')
+if bad then return redis.error_reply(bad) end
+local now = tonumber(redis.call('GET', KEYS[2]) or '0')
+if not now then return redis.error_reply('CORRUPT ' .. KEYS[2] .. ' holds no integer') end
+local v = tonumber(ARGV[2])
+if v < now then
+  return redis.error_reply('VERSION ' .. KEYS[2] .. ' is at version ' .. now .. '; versions only grow, got ' .. v)
+end
+redis.call('SET', KEYS[2], v)
+return v
