@@ -18,7 +18,8 @@ from .keys import PREFIX, DockKeys
 #: Commands sent by the client (dock methods and redis-py's connection set-up).
 CLIENT_COMMANDS = (
     "ping", "select", "multi", "exec", "discard", "evalsha", "eval", "script|load", "script|exists",
-    "hset", "hget", "hmget", "hgetall", "hlen", "bitcount", "bitfield", "zcard", "get", "del", "subscribe", "unsubscribe",
+    "hset", "hget", "hmget", "hgetall", "hlen", "bitcount", "bitfield", "zcard", "get", "del", "subscribe",
+    "unsubscribe",
 )
 
 #: Commands the Lua scripts in lua/ call.
