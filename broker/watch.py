@@ -81,7 +81,29 @@ def format_table(status: dict[str, Any], rates: Rates | None = None) -> str:
         lines.append(
             f"  {consumer:<{width}}{s['consumed']:>8}/{cap:<5}{s['leased']:>10}{s['redelivered']:>13}{drained}"
         )
+    lines += _generation_lines(status)
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _generation_lines(status: dict[str, Any]) -> list[str]:
+    """Partial rollout and staleness, when the dock has them: unfinished rows, groups by age (the last
+    age counts every group that old or older), the version, stale and discarded groups."""
+    lines = []
+    rollout = status.get("rollout")
+    if rollout:
+        ages = list(rollout["groups_by_age"].items())
+        by_age = " ".join(f"{a}{'+' if i == len(ages) - 1 else ''}:{g}" for i, (a, g) in enumerate(ages))
+        lines.append(f"  rollout: {rollout['unfinished_rows']} unfinished rows, {rollout['finished_groups']} "
+                     f"finished groups; groups by age {by_age}")
+    if "stale_groups" in status or status.get("version") or status.get("discarded"):
+        parts = [f"version {status.get('version', 0)}"]
+        if "stale_groups" in status:
+            parts.append(f"{status['stale_groups']} stale groups")
+        discarded = status.get("discarded") or {}
+        if discarded:
+            parts.append("discarded groups: " + ", ".join(f"{k} {v}" for k, v in sorted(discarded.items())))
+        lines.append("  " + "; ".join(parts))
+    return lines
 
 
 def format_reading(docks: list[tuple[str, Any]], rates: Rates | None = None) -> str:
