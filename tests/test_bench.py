@@ -14,6 +14,7 @@ from broker.bench.docks import BenchDock
 from broker.bench.inprocess import InProcessDock
 from broker.bench.pipeline import run_pipeline
 from broker.bench.redis_floor import RedisFloorDock
+from broker.bench.sampling import ages_latency
 from broker.bench.workload import Rows, Workload
 from broker.cli import main
 
@@ -46,10 +47,22 @@ def test_every_mode_and_every_system_agree_and_no_key_is_left(real_url, capsys):
     assert set(concurrent) == {"broker", "adapter", "adapter-ray", "ray"}  # every system processes can share
     assert {c["checksum"] for c in concurrent.values()} == {systems["broker"]["checksum"]}
     assert set(report["sampling"]["sizes"]) == {"64", "256"}
+    ages = report["sampling"]["ages"]
+    assert set(ages["sizes"]) == {"256"}  # 64 rows are too few groups to spread over every age
+    aged = ages["sizes"]["256"]
+    assert all(count > 0 for count in aged["groups_by_age"].values()) and len(aged["groups_by_age"]) == 5
+    plain = report["sampling"]["sizes"]["256"]["fifo"]
+    for kind in ("trainer", "rollout"):
+        assert aged[kind]["calls"] > 0 and aged[kind]["p99_ms"] >= aged[kind]["p50_ms"] > 0
+        assert aged[kind]["server_us_per_get"] > 0
+        assert aged[f"{kind}_over_plain"]["p99"] == aged[kind]["p99_ms"] / plain["p99_ms"]
+    assert "with ages in play" in out
+    assert report["targets"]["sampling_p99_ages_ms"]["rows"] == 256
     assert report["balance"]["balanced_max"] <= report["balance"]["naive_max"]
     assert report["memory"]["payload_bytes"] == WORKLOAD.payload_bytes()
     assert report["memory"]["systems"]["broker"]["per_payload_byte"] > 1.0
     assert set(report["targets"]) == {"broker_over_floor", "ray_over_broker", "sampling_p99_ms", "sampling_growth",
+                                      "sampling_p99_ages_ms",
                                       "memory_per_payload_byte", "adapter_over_broker", "ray_over_adapter_ray",
                                       "dp_balance_max_over_mean",
                                       "concurrent_adapter_over_broker", "concurrent_ray_over_adapter_ray"}
@@ -127,3 +140,15 @@ def test_bytes_damaged_in_transit_change_the_checksum(real_url):
         floor.close()
     assert bad.total() != good.total()
     assert bad.by_stage()["ref_log_prob"] != good.by_stage()["ref_log_prob"]
+
+
+def test_sampling_with_ages_walks_the_emptied_oldest_ages_and_cleans_up(real_url):
+    client = redis.Redis.from_url(real_url)
+    client.flushdb()
+    assert ages_latency(real_url, "bench-test-ages-small", 160, calls=5) is None  # 19 groups: too few per age
+    aged = ages_latency(real_url, "bench-test-ages", 512, calls=5)
+    assert aged is not None
+    # 63 groups in 5 cohorts and the spare one: every age holds groups, the two oldest taken by the trainer.
+    assert aged["groups_by_age"] == {"0": 13, "1": 12, "2": 13, "3": 13, "4": 13}
+    assert aged["trainer"]["calls"] == 5 and aged["rollout"]["calls"] == 5
+    assert client.dbsize() == 0

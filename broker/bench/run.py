@@ -200,7 +200,8 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
     if "sampling" in selected:
         from .sampling import sampling_latency
 
-        _say(f"sampling: docks of {', '.join(map(str, args.sampling_sizes))} rows x 16 columns")
+        _say(f"sampling: docks of {', '.join(map(str, args.sampling_sizes))} rows x 16 columns, "
+             "without and with ages in play")
         report["sampling"] = sampling_latency(url, f"{prefix}-sampling", sizes=args.sampling_sizes,
                                               calls=args.sampling_calls)
     if "balance" in selected:
