@@ -98,10 +98,61 @@ class RunConfig:
     trace: bool = False
     layouts: dict[str, Layout] = field(default_factory=lambda: {role: Layout() for role in ROLES})
     batch_rows: dict[str, int] = field(default_factory=lambda: dict(BATCH_ROWS))
+    #: Partial rollout (MindSpeed's ``partial_rollout_max_split``): a response is generated in up to
+    #: ``max_age`` passes of ``token_budget`` tokens each, an unfinished one kept for a later pass; 1: off.
+    max_age: int = 1
+    #: Off-policy rollout: the rollout runs ahead of the trainer with weights up to this many versions
+    #: old, and the dock drops groups older than that; None: synchronous (every batch generated with
+    #: the weights it is trained against).
+    max_staleness: int | None = None
 
     @property
     def capacity(self) -> int:
+        """Rows trained per iteration (the global batch): prompts x n."""
         return self.prompts * self.n
+
+    @property
+    def partial(self) -> bool:
+        return self.max_age > 1
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.max_staleness is not None
+
+    @property
+    def tracked(self) -> bool:
+        """Whether the dock keeps groups across iterations (ages, versions), i.e. either option is on."""
+        return self.partial or self.asynchronous
+
+    @property
+    def dock_groups(self) -> int:
+        """Groups the dock holds: one global batch when synchronous; twice that under partial rollout
+        (MindSpeed's td_max_len = 2 x GBS: this iteration's prompts and the ones left unfinished); the
+        batch being trained plus ``max_staleness`` batches generated ahead when asynchronous."""
+        if self.partial:
+            return 2 * self.prompts
+        if self.asynchronous:
+            return (self.max_staleness + 1) * self.prompts
+        return self.prompts
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one rollout pass may add to a response: ceil(max_new_tokens / max_age)."""
+        return math.ceil(task.MAX_NEW_TOKENS / self.max_age)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        # "versions": the weights version that generated each row, for the trainer's version lag.
+        return COLUMNS + ("versions",) if self.tracked else COLUMNS
+
+    def inputs(self, role: str) -> tuple[str, ...]:
+        """Columns ``role`` reads: the rollout also reads the partial responses (and their ages) when
+        it continues them; the trainer also reads the versions when they are recorded."""
+        if role == "actor_rollout" and self.tracked:
+            return INPUTS[role] + ("responses", "response_length", "age")
+        if role == "actor_train" and self.tracked:
+            return INPUTS[role] + ("versions",)
+        return INPUTS[role]
 
     def model(self) -> ModelConfig:
         return demo_model_config()
@@ -123,6 +174,15 @@ class RunConfig:
             raise ValueError("GRPO needs --n >= 2 samples per prompt to compare")
         if self.prompts < 1:
             raise ValueError("--prompts must be >= 1")
+        if self.max_age < 1:
+            raise ValueError("--max-age must be >= 1")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("--max-staleness must be >= 0")
+        if self.partial and self.asynchronous:
+            raise ValueError("--max-age and --max-staleness cannot be combined in the demo yet")
+        if self.tracked and self.guarantee_order:
+            raise ValueError("--guarantee-order takes fixed rows; --max-age and --max-staleness hand rows out "
+                             "oldest first")
         heads = self.model().n_heads
         for role, layout in self.layouts.items():
             if role not in ROLES:

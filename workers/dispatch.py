@@ -9,7 +9,8 @@ same way (``unpack_pad_experience``, width a multiple of the TP size).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,9 +41,13 @@ class Dispatcher:
 
     def all_consumed(self) -> bool:
         """Rank 0 asks the broker; MAX over the group so every rank leaves the loop together."""
+        return self.agree(lambda: self.dock.all_consumed(self.consumer))
+
+    def agree(self, decide: Callable[[], bool]) -> bool:
+        """``decide()`` on rank 0 (the one that talks to the broker), the same answer on every rank."""
         done = torch.zeros(1, dtype=torch.int64)
         if self.state.is_tp_src:
-            done[0] = int(self.dock.all_consumed(self.consumer))
+            done[0] = int(decide())
         if self.state.tp_group is not None:
             dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.state.tp_group)
         return bool(done[0])
@@ -53,19 +58,21 @@ class Dispatcher:
         count: int,
         indexes: Sequence[int] | None = None,
         timeout: float | None = None,
+        **get_kwargs: Any,
     ) -> tuple[dict[str, Tensor], list[int]] | None:
         """A padded batch of ``count`` rows and their indexes on every rank, or None on every rank.
 
-        Without ``indexes`` rank 0 samples whole groups; with them (guarantee_order) it takes exactly
-        those rows, and rows not written within ``timeout`` count as an empty get, to be retried.
+        Without ``indexes`` rank 0 samples whole groups (or what ``get_kwargs`` says, e.g. the rows one
+        by one); with them (guarantee_order) it takes exactly those rows, and rows not written within
+        ``timeout`` count as an empty get, to be retried. ``count`` 0 (on rank 0): nothing is asked for.
         """
         columns = list(columns)
         header = torch.zeros(1 + 2 * len(columns), dtype=torch.int64)
         data: dict[str, Tensor] = {}
         lengths: dict[str, Tensor] = {}
         rows: list[int] = []
-        if self.state.is_tp_src:
-            got = self._get(columns, count, indexes, timeout)
+        if self.state.is_tp_src and (count > 0 or indexes is not None):
+            got = self._get(columns, count, indexes, timeout, get_kwargs)
             if got is not None:
                 batch, rows = got
                 data, lengths = pack_experience_columns({c: batch[c] for c in columns}, len(rows))
@@ -94,21 +101,35 @@ class Dispatcher:
         return padded, rows
 
     def _get(
-        self, columns: list[str], count: int, indexes: Sequence[int] | None, timeout: float | None
+        self, columns: list[str], count: int, indexes: Sequence[int] | None, timeout: float | None,
+        get_kwargs: Mapping[str, Any],
     ) -> tuple[dict[str, list[Tensor]], list[int]] | None:
         if indexes is None:
-            batch, rows = self.dock.get_experience(self.consumer, columns, count, timeout=timeout)
-            return None if batch is None else (batch, rows)
+            batch, rows = self.dock.get_experience(self.consumer, columns, count, timeout=timeout, **get_kwargs)
+            return None if batch is None else (_one_dtype(batch), rows)
         try:
             batch, rows = self.dock.get_experience(self.consumer, columns, indexes=list(indexes), timeout=timeout)
         except ExperienceTimeoutError:
             return None
         return batch, rows
 
-    def collect(self, output: Mapping[str, Sequence[Tensor]], indexes: Sequence[int]) -> None:
+    def collect(self, output: Mapping[str, Sequence[Tensor]], indexes: Sequence[int], **put_kwargs: Any) -> None:
         """Rank 0 writes the group's result back; the other ranks computed the same and drop theirs."""
         if output and self.state.is_tp_src:
-            self.dock.put_experience(dict(output), list(indexes))
+            self.dock.put_experience(dict(output), list(indexes), **put_kwargs)
+
+
+def _one_dtype(batch: dict[str, list[Tensor]]) -> dict[str, list[Tensor]]:
+    """Rows of a column in one dtype: a partial-rollout dock's placeholder responses are int32 ([-1],
+    [0]), the responses generated so far int64, and a packed column takes one dtype."""
+    for column, values in batch.items():
+        dtypes = {v.dtype for v in values if isinstance(v, Tensor)}
+        if len(dtypes) > 1:
+            common = dtypes.pop()
+            for d in dtypes:
+                common = torch.promote_types(common, d)
+            batch[column] = [v.to(common) for v in values]
+    return batch
 
 
 def guaranteed_ranges(capacity: int, dp_size: int, dp_rank: int, count: int) -> list[list[int]]:

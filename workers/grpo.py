@@ -27,7 +27,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         overrides[role] = Layout.parse(text)
     if args.iterations < 1:
         raise ValueError("--iterations must be >= 1")
-    base = RunConfig(prompts=args.prompts, n=args.n, seed=args.seed, guarantee_order=args.guarantee_order)
+    base = RunConfig(prompts=args.prompts, n=args.n, seed=args.seed, guarantee_order=args.guarantee_order,
+                     max_age=args.max_age, max_staleness=args.max_staleness)
     cfg = with_layouts(base, args.dp, args.tp, overrides)
     cfg.validate()
     return cfg
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from broker.connection import redact
     from broker.local_redis import redis_for_run
 
+    from . import task
     from .cluster import start_ray, wait_for_cpus
     from .pipeline import Pipeline, create_dock
     from .report import MetricsLog, first_last, plot
@@ -68,8 +70,15 @@ def run(args: argparse.Namespace) -> int:
                 print(f"ray: only {cluster_cpus:g} of the {args.cpus} CPUs asked for joined; going on with those",
                       flush=True)
             dock = create_dock(target.url, name, cfg)
-            print(f"dock: {name}, {cfg.prompts} prompts x {cfg.n} samples = {cfg.capacity} rows "
+            print(f"dock: {name}, {cfg.dock_groups} prompts x {cfg.n} samples = {cfg.dock_groups * cfg.n} rows "
                   f"(watch: broker status --url {redact(target.url)} {name})", flush=True)
+            if cfg.partial:
+                print(f"partial rollout: max age {cfg.max_age}, at most {cfg.token_budget} of {task.MAX_NEW_TOKENS} "
+                      f"tokens per response per pass; {cfg.prompts} of the dock's {cfg.dock_groups} groups trained "
+                      "per iteration", flush=True)
+            if cfg.asynchronous:
+                print(f"asynchronous rollout: up to {cfg.max_staleness} versions behind the trainer; "
+                      f"{cfg.prompts} of the dock's {cfg.dock_groups} groups trained per iteration", flush=True)
             pipeline = Pipeline(dock, cfg, cluster_cpus)
             layout = ", ".join(f"{role} {cfg.layouts[role]}" for role in ROLES)
             print(f"roles (DPxTP): {layout}; {pipeline.cpus_per_rank:g} CPU per rank; model roles "
@@ -84,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
                 records.append(metrics)
                 line = (f"reward {metrics['reward']:.3f} | {metrics['samples_per_s']:.0f} samples/s | "
                         f"{metrics['tokens_per_s']:.0f} tok/s | {metrics['seconds']:.1f} s")
+                if cfg.partial:
+                    ages = ", ".join(f"{a}:{c}" for a, c in metrics["groups_by_age"].items())
+                    line += f" | groups by age {ages}"
+                if cfg.asynchronous:
+                    line += (f" | version lag {metrics.get('version_lag', 0.0):.2f} | "
+                             f"stale dropped {metrics['stale_dropped']}")
                 bar.set_postfix_str(line, refresh=False)
                 bar.update(1)
                 if args.no_progress:

@@ -38,6 +38,15 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                              "Model roles default to --dp x --tp, rule_reward and compute_advantage to 1x1")
     parser.add_argument("--guarantee-order", action="store_true",
                         help="each DP rank takes a fixed range of rows in order, instead of sampling ready rows")
+    parser.add_argument("--max-age", type=int, default=1, metavar="N",
+                        help="partial rollout (MindSpeed's partial_rollout_max_split): a rollout pass generates at "
+                             "most ceil(max_new_tokens / N) tokens per response, and an unfinished response is "
+                             "continued in a later pass, possibly in a later iteration; the dock holds 2 x "
+                             "--prompts groups (default: %(default)s, off)")
+    parser.add_argument("--max-staleness", type=int, default=None, metavar="K",
+                        help="asynchronous rollout: generation runs ahead of training with weights up to K "
+                             "versions old, overlapping across iterations; the dock drops groups older than "
+                             "that (default: off, synchronous)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
     parser.add_argument("--out", default="grpo-demo",
                         help="folder for metrics.jsonl and grpo.png (default: %(default)s)")

@@ -55,7 +55,13 @@ def plot(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> N
 
     t0 = records[0]["start"]
     lanes = _lanes(records)
-    fig, (ax_r, ax_t, ax_z) = plt.subplots(3, 1, figsize=(11, 10), gridspec_kw={"height_ratios": [1.1, 1, 1]})
+    ages = any(r.get("max_age", 1) > 1 for r in records)
+    versions = not ages and any(r.get("max_staleness") is not None for r in records)
+    if ages or versions:
+        fig, (ax_r, ax_t, ax_z, ax_x) = plt.subplots(
+            4, 1, figsize=(11, 13), gridspec_kw={"height_ratios": [1.1, 1, 1, 0.9]})
+    else:
+        fig, (ax_r, ax_t, ax_z) = plt.subplots(3, 1, figsize=(11, 10), gridspec_kw={"height_ratios": [1.1, 1, 1]})
 
     its = [r["iteration"] for r in records]
     ax_r.plot(its, [r["reward"] for r in records], marker="o", label="mean reward")
@@ -87,7 +93,49 @@ def plot(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> N
     left, right = zoom[0]["start"] - t0, zoom[-1]["start"] + zoom[-1]["seconds"] - t0
     ax_z.set_xlim(left, right + 0.02 * (right - left))  # the trainer finishes last: keep its end in view
     ax_z.set_title(f"the last {len(zoom)} iterations, magnified")
+    if ages:
+        _plot_ages(ax_x, records)
+    elif versions:
+        _plot_versions(ax_x, records)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_ages(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
+    """Partial rollout: the groups the dock held at the end of each iteration, stacked by age."""
+    its = [r["iteration"] for r in records]
+    top = max(int(a) for r in records for a in r["groups_by_age"])
+    bottom = [0] * len(records)
+    for age in range(top + 1):
+        counts = [int(r["groups_by_age"].get(str(age), 0)) for r in records]
+        ax.bar(its, counts, bottom=bottom, label=f"age {age}", color=COLOURS[age % len(COLOURS)])
+        bottom = [b + c for b, c in zip(bottom, counts)]
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("groups")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left", ncol=top + 1)
+    ax.set_title("partial rollout: groups held at each iteration's end by age (iterations kept); "
+                 "age >= 1 were carried over unfinished or untrained")
+
+
+def _plot_versions(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
+    """Asynchronous rollout: how many versions the trained data lagged, and stale groups dropped."""
+    its = [r["iteration"] for r in records]
+    ax.plot(its, [r.get("version_lag", 0.0) for r in records], marker="o", label="mean version lag of trained rows")
+    ax.plot(its, [r.get("version_lag_max", 0.0) for r in records], marker=".", linestyle="--",
+            label="largest version lag")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("versions behind")
+    ax.grid(alpha=0.3)
+    bars = ax.twinx()
+    bars.bar(its, [r.get("stale_dropped", 0) for r in records], alpha=0.3, color="tab:red",
+             label="stale groups dropped by the dock")
+    bars.set_ylabel("groups dropped")
+    bars.set_ylim(bottom=0, top=max([1, *(r.get("stale_dropped", 0) for r in records)]) * 1.2)
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = bars.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, loc="upper left")
+    ax.set_title("asynchronous rollout: version lag of the trained data (trainer's version - generator's) "
+                 "and stale groups dropped")

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import task
 from .algo import group_advantages, grpo_loss
-from .config import INPUTS, OUTPUTS, RunConfig
+from .config import OUTPUTS, RunConfig
 from .model import TransformerLM, build_model, generate, response_log_probs
 from .parallel import ParallelState, average_gradients, clip_grad_norm_tp
 
@@ -56,7 +56,7 @@ class Role:
     def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
         self.cfg = cfg
         self.state = state
-        self.inputs = INPUTS[self.name]
+        self.inputs = cfg.inputs(self.name)
         self.outputs = OUTPUTS[self.name]
         self._stats: dict[str, float] = {}
 
@@ -96,16 +96,56 @@ class Rollout(ModelRole):
 
     name = "actor_rollout"
 
+    #: The weights' version (trainer updates they include), set by the worker with the weights.
+    version = 0
+
     @torch.no_grad()
     def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
         # Seeded from the rows, not the rank: every TP rank draws the same way, and a rerun samples alike.
         gen = torch.Generator().manual_seed(hash((self.cfg.seed, iteration, indexes[0])) & 0x7FFF_FFFF_FFFF)
+        if self.cfg.tracked:
+            return self._continue(batch, gen)
         out = generate(self.model, _prompts(batch), task.MAX_NEW_TOKENS, self.cfg.temperature, gen, eos_id=task.EOS)
         is_eos = out == task.EOS
         # First EOS position + 1, or the full width for a response that never stopped.
         lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, out.shape[1])
         self.add(tokens=float(lengths.sum()), rows=len(indexes))
         return {"responses": _per_row(out, lengths), "response_length": [n.reshape(1) for n in lengths]}
+
+    def _continue(self, batch: Mapping[str, Tensor], gen: torch.Generator) -> Output:
+        """One pass of at most ``token_budget`` tokens per row, continuing each row's partial response
+        (prompt + what earlier passes generated is the input). A row is finished once it produced EOS or
+        reached ``MAX_NEW_TOKENS``; the others go back to the dock unfinished, under the
+        ``rollout_completed`` key the worker hands to the put."""
+        prompts = _prompts(batch)
+        done = batch["response_length"][:, 0].long()  # 0 for a fresh prompt (its placeholder response)
+        old = batch["responses"].long()
+        rows = len(done)
+        responses: list[Tensor] = [torch.empty(0)] * rows
+        finished = [0] * rows
+        tokens = 0
+        # The model takes no mask: rows continue in sub-batches of one prefix length (a few: passes
+        # add whole budgets until a row finishes).
+        for length in sorted(set(done.tolist())):
+            sel = (done == length).nonzero().flatten()
+            steps = min(self.cfg.token_budget, task.MAX_NEW_TOKENS - length)
+            prefix = torch.cat([prompts[sel], old[sel, :length]], dim=1)
+            out = generate(self.model, prefix, steps, self.cfg.temperature, gen, eos_id=task.EOS)
+            is_eos = out == task.EOS
+            new = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, out.shape[1])
+            for k, i in enumerate(sel.tolist()):
+                responses[i] = torch.cat([old[i, :length], out[k, : int(new[k])]])
+                finished[i] = int(bool(is_eos[k].any()) or length + int(new[k]) >= task.MAX_NEW_TOKENS)
+            tokens += int(new.sum())
+        ages = batch["age"][:, 0] if "age" in batch else torch.zeros(rows, dtype=torch.int32)
+        self.add(tokens=float(tokens), rows=rows, passes=1, finished=float(sum(finished)),
+                 **{f"pass_rows_age{int(a)}": float((ages == a).sum()) for a in ages.unique()})
+        return {
+            "responses": responses,
+            "response_length": [torch.tensor([r.numel()]) for r in responses],
+            "versions": [torch.tensor([self.version])] * rows,
+            "rollout_completed": [torch.tensor([f]) for f in finished],
+        }
 
 
 class LogProb(ModelRole):
@@ -189,6 +229,11 @@ class Trainer(ModelRole):
             "old_log_probs": batch["old_log_probs"],
             "ref_log_probs": batch["ref_log_probs"],
         }
+        if "versions" in batch:
+            # How many updates behind the trained weights (iteration - 1 so far) each row's generator was.
+            lag = (iteration - 1) - batch["versions"][:, 0].long()
+            self.add(version_lag=float(lag.sum()), trained_rows=float(len(indexes)))
+            self._stats["version_lag_max"] = max(self._stats.get("version_lag_max", 0.0), float(lag.max()))
         self._step(minibatch)
         if self.cfg.epochs > 1:
             self._held.append(minibatch)

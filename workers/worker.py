@@ -40,6 +40,8 @@ class RoleWorker:
         self.state: ParallelState | None = None
         self.role: Role | None = None
         self.dispatcher: Dispatcher | None = None
+        #: Rows admitted by the dock's admission control and not generated yet (asynchronous rollout).
+        self._owed = 0
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the group's rendezvous."""
@@ -62,6 +64,8 @@ class RoleWorker:
         assert self.role is not None and self.dispatcher is not None and self.state is not None, "setup() first"
         if weights is not None:
             self.role.load_weights(weights)
+        if self.role_name == "actor_rollout" and self.cfg.tracked:
+            return self._rollout_iteration(iteration)
         cfg, state = self.cfg, self.state
         count = cfg.rows_per_get(self.role_name)
         plan = guaranteed_ranges(cfg.capacity, state.dp_size, state.dp_rank, count) if cfg.guarantee_order else None
@@ -97,6 +101,13 @@ class RoleWorker:
         start = time.time()
         if self.role.finish_iteration(iteration):
             busy.append((start, time.time()))
+        if isinstance(self.role, Trainer) and cfg.tracked and state.dp_rank == 0 and state.is_tp_src:
+            self.dock.set_version(iteration)  # the weights now include `iteration` updates
+        return self._result(rows_done, busy, trace)
+
+    def _result(self, rows_done: int, busy: list[tuple[float, float]], trace: list[dict[str, Any]]) -> dict[str, Any]:
+        assert self.role is not None and self.state is not None
+        state = self.state
         return {
             "role": self.role_name,
             "rank": self.rank,
@@ -107,6 +118,64 @@ class RoleWorker:
             "stats": self.role.take_stats(),
             "trace": trace,
         }
+
+    def _rollout_iteration(self, iteration: int) -> dict[str, Any]:
+        """The rollout's loop when the dock keeps groups across iterations.
+
+        Partial rollout (``--max-age``): passes over unfinished rows, oldest first, each adding at most the
+        token budget, until the dock's stop signal (``get_update_ready``: GBS_train groups finished and
+        none of the oldest age left unfinished). Asynchronous (``--max-staleness``): generate whatever the
+        dock's admission control (``prefetch_request_index``) lets through with the weights this rank
+        has, and stop once it refuses (the rollout is as far ahead as the bound allows) or the trainer
+        published newer weights.
+        """
+        assert self.role is not None and self.dispatcher is not None
+        cfg, dock, dispatcher = self.cfg, self.dock, self.dispatcher
+        version = iteration - 1  # the weights this rank has: the trainer's after iteration - 1 updates
+        self.role.version = version  # type: ignore[attr-defined]
+        count = cfg.rows_per_get(self.role_name)
+        busy: list[tuple[float, float]] = []
+        trace: list[dict[str, Any]] = []
+        rows_done = 0
+        last_progress = time.monotonic()
+
+        def stop() -> bool:  # rank 0 only
+            if cfg.partial:
+                return dock.get_update_ready(require_max_age_all_finished=True)
+            if dock.version() > version:
+                return True  # newer weights are out; this rank gets them with the next iteration
+            if self._owed == 0:
+                admitted = dock.prefetch_request_index(count)
+                if admitted is None:
+                    if dock.all_consumed(self.role_name):
+                        return True
+                    time.sleep(0.05)  # the other rollout ranks still generate the rows this iteration trains
+                else:
+                    self._owed = len(admitted)
+            return False
+
+        while not dispatcher.agree(stop):
+            ask = count if cfg.partial else min(count, self._owed)
+            got = dispatcher.dispatch(self.role.inputs, ask, timeout=cfg.poll_seconds, get_n_samples=False)
+            if got is None:
+                if time.monotonic() - last_progress > cfg.stall_seconds:
+                    raise TimeoutError(
+                        f"{self.role_name} rank {self.rank}: no rows to generate for {cfg.stall_seconds:.0f} s in "
+                        f"iteration {iteration}; dock status {dock.status()['rollout']}"
+                    )
+                continue
+            start = time.time()
+            batch, rows = got
+            output = self.role.compute(batch, rows, iteration)
+            completed = output.pop("rollout_completed")
+            dispatcher.collect(output, rows, rollout_completed=completed, version=version)
+            busy.append((start, time.time()))
+            if cfg.trace:
+                trace.append({"indexes": rows, "checksum": checksum(batch, rows)})
+            self._owed = max(0, self._owed - len(rows))
+            rows_done += len(rows)
+            last_progress = time.monotonic()
+        return self._result(rows_done, busy, trace)
 
     def export_weights(self) -> dict[str, Tensor] | None:
         """The trainer's full weights from its first TP group's rank 0; None on every other rank."""
