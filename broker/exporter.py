@@ -184,6 +184,19 @@ class DockCollector:
             labels=["dock", "consumer"],
         )
         memory = gauge("broker_dock_memory_bytes", "Redis memory of the dock's keys, sampled (see README)", ["dock"])
+        version = gauge("broker_dock_version", "The dock's current policy version (set_version)", ["dock"])
+        discarded = CounterMetricFamily(
+            "broker_dock_discarded_groups",
+            "Groups dropped by a consumer, dropped as stale, or regenerated (resets on a whole clear)",
+            labels=["dock", "reason"],
+        )
+        unfinished = gauge("broker_dock_unfinished_rows", "Partial rollout: rows whose response is not finished",
+                           ["dock"])
+        finished = gauge("broker_dock_finished_groups", "Partial rollout: groups whose n responses are finished",
+                         ["dock"])
+        by_age = gauge("broker_dock_groups_by_age", "Partial rollout: groups of each age (the last: that old or older)",
+                       ["dock", "age"])
+        stale = gauge("broker_dock_stale_groups", "Groups older than the staleness bound, not yet discarded", ["dock"])
         for name, status in docks:
             if isinstance(status, BrokerError):
                 found = (name, type(status).__name__)
@@ -200,6 +213,16 @@ class DockCollector:
                 consumed.add_metric([name, consumer], s["consumed"])
                 leased.add_metric([name, consumer], s["leased"])
                 redelivered.add_metric([name, consumer], s["redelivered"])
+            version.add_metric([name], status["version"])
+            for reason, times in status["discarded"].items():
+                discarded.add_metric([name, reason], times)
+            if "rollout" in status:
+                unfinished.add_metric([name], status["rollout"]["unfinished_rows"])
+                finished.add_metric([name], status["rollout"]["finished_groups"])
+                for age, count_of_age in status["rollout"]["groups_by_age"].items():
+                    by_age.add_metric([name, str(age)], count_of_age)
+            if "stale_groups" in status:
+                stale.add_metric([name], status["stale_groups"])
             ref = self._survey.refs.get(name)
             size = self._memory.dock_bytes(ref) if ref is not None and self._memory.enabled else None
             if size is not None:
@@ -212,7 +235,7 @@ class DockCollector:
         for (name, kind), times in sorted(self._errors.items()):
             errors.add_metric([name, kind], times)
         yield from (count, dock_up, capacity, groups, ready, ready_groups, consumed, leased, redelivered, memory,
-                    errors)
+                    version, discarded, unfinished, finished, by_age, stale, errors)
 
 
 def serve(

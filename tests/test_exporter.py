@@ -87,6 +87,25 @@ def test_scrape_reports_what_status_says(url, exporter):
     assert value(samples, "broker_scrape_duration_seconds") > 0
 
 
+def test_partial_rollout_and_staleness_series(url, exporter):
+    from broker import Rollout
+
+    rollout = Rollout(consumer="actor_train", response_columns=("responses",), max_age=2, gbs_train=1,
+                      max_staleness=0)
+    dock = small_dock(url, "pr", consumers=("actor_train", "reference"), rollout=rollout)
+    dock.put_experience({"prompts": torch.ones(6, 1)}, list(range(6)), is_prompt=True)
+    dock.put_experience({"responses": torch.ones(2, 1)}, [0, 1], rollout_completed=[1, 1], version=0)
+    dock.drop_groups("reference", [1])
+    dock.set_version(1)
+    samples = scrape(exporter())
+    assert value(samples, "broker_dock_version", dock="pr") == 1
+    assert value(samples, "broker_dock_discarded_groups_total", dock="pr", reason="reference") == 1
+    assert value(samples, "broker_dock_unfinished_rows", dock="pr") == 2
+    assert value(samples, "broker_dock_finished_groups", dock="pr") == 1
+    assert value(samples, "broker_dock_groups_by_age", dock="pr", age="0") == 1
+    assert value(samples, "broker_dock_stale_groups", dock="pr") == 1
+
+
 def test_counts_follow_the_dock_between_scrapes(url, exporter):
     dock = make(url, "grpo")
     server = exporter()
