@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 import redis
-import torch
 
 from . import codec, metrics
 from .balance import balanced_order, dp_padded
@@ -25,17 +24,17 @@ from .errors import (
     MissingDataError,
     SchemaError,
 )
+from .generation import AGE_COLUMN, AGES_KEY, GenerationCalls
 from .keys import DockKeys
 from .leased_rows import LeasedRows, like
 from .put_listener import PutListener
-from .rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
+from .rollout import Rollout
 from .schema import Schema, fingerprint
 from .scripts import DockScripts, Handout, Selection, rows_of, run_pipeline, runs_of, supports_flags
 from .status import DockRef, read_statuses
 from .validation import (
     DockChecks,
     abbrev,
-    bitmap_count,
     check_flag,
     check_lease,
     check_policy,
@@ -54,17 +53,12 @@ from .validation import (
 #: A batch: per column, one row per index: a tensor, or the plain value that was put (see ``codec``).
 Batch = dict[str, list[Any]]
 
-#: The column the rollout consumer of a partial-rollout dock may ask for beside the stored ones: each
-#: row's age (iterations its group has been kept), a one-element int32 tensor as MindSpeed returns it.
-AGE_COLUMN = "age"
-
 #: Key of the completion flags inside a put while padding rows are dropped with the data (no column
 #: name holds a NUL).
 _FLAGS = "\0rollout_completed"
 #: Sampling with no partial rollout and no staleness bound.
 _PLAIN = Selection()
-#: Key of the rows' ages inside a batch on its way out (renamed "age" if the caller asked for it).
-_AGES = "\0age"
+
 T = TypeVar("T")
 
 #: Longest a waiting reader sleeps between checks even without a notification. Pub/sub delivers at
@@ -80,7 +74,7 @@ _REPLY_TTL_MS = 60_000
 _FENCE_RETRIES = 16
 
 
-class TransferDock:
+class TransferDock(GenerationCalls):
     """Columns of per-row tensors with ready and consumed status, shared through Redis.
 
     Rows are grouped by prompt: group g is rows ``[g*n, (g+1)*n)``, the n responses of one prompt.
@@ -335,17 +329,6 @@ class TransferDock:
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
 
-    def _placeholders(self, count: int, skip: Mapping[Any, Any] = {}) -> dict[str, list[Any]]:
-        """The placeholder responses of ``count`` prompt rows, for the response columns not in ``skip``."""
-        out = {}
-        for c in self._schema.rollout.response_columns:
-            if c not in skip:
-                value = PLACEHOLDER_LENGTH if c in self._schema.length_columns else PLACEHOLDER_RESPONSE
-                out[c] = [torch.tensor([value], dtype=torch.int32)] * count
-        return out
-
-    # -- reading ------------------------------------------------------------------------------
-
     def get_experience(
         self,
         consumer: str,
@@ -451,8 +434,8 @@ class TransferDock:
                 return None, None
             batch, rows = got
             if want_age:
-                batch[AGE_COLUMN] = batch.pop(_AGES)
-            batch.pop(_AGES, None)
+                batch[AGE_COLUMN] = batch.pop(AGES_KEY)
+            batch.pop(AGES_KEY, None)
             if ranks > 1 and weigh_by and len(rows) >= ranks:
                 # Explicit rows come in the caller's order, not as whole groups: balance them as rows.
                 batch, rows = self._balanced(batch, rows, ranks, weigh_by, groups and indexes is None)
@@ -531,32 +514,6 @@ class TransferDock:
             missing,
         )
 
-    def _staleness(self, consumer: str, max_staleness: int | None) -> int | None:
-        """The staleness bound of a call: None for the rollout consumer and without a bound."""
-        rollout = self._schema.rollout
-        if max_staleness is not None:
-            if not is_int(max_staleness) or max_staleness < 0:
-                raise InvalidExperienceError(f"max_staleness must be None or an int >= 0, got {max_staleness!r:.40}")
-            bound: int | None = int(max_staleness)
-        else:
-            bound = rollout.max_staleness
-        return None if consumer == rollout.consumer else bound
-
-    def _selection(self, consumer: str, columns: list[str], groups: bool, staleness: int | None) -> Selection:
-        """How partial rollout and the staleness bound shape one sampling call (see ``Selection``)."""
-        rollout, k = self._schema.rollout, self._keys
-        if not rollout.partial:
-            return Selection(max_staleness=staleness)
-        oldest_first = tuple(range(rollout.age_buckets - 1, 0, -1))  # age 0 is what is left after the tiers
-        if consumer == rollout.consumer:
-            return Selection(tiers=tuple(k.age(a) for a in oldest_first), fewer=True,
-                             unready=rollout.response_columns, max_staleness=staleness)
-        return Selection(
-            tiers=tuple((k.group_age if groups else k.age)(a) for a in oldest_first),
-            require=(k.group_finished if groups else k.rows_finished,),
-            cap=rollout.gbs_train * self.n_samples_per_prompt, max_staleness=staleness,
-        )
-
     def _sampler(
         self, consumer: str, columns: list[str], count: int, groups: bool, policy: str, lease_ms: int,
         call: metrics.Call, weigh_by: Sequence[str] = (), select: Selection = _PLAIN,
@@ -604,17 +561,6 @@ class TransferDock:
             return None
 
         return sample
-
-    @staticmethod
-    def _oldest_first(batch: Batch, rows: list[int], tiers: Sequence[int], top: int) -> tuple[Batch, list[int]]:
-        """The batch in the order sampling picked it, oldest group first, with each row's age.
-
-        Tier t (1 = the first) holds the groups of age ``top - t + 1``; rows of no tier are of age 0.
-        """
-        order = sorted(range(len(rows)), key=lambda i: (tiers[i] == 0, tiers[i], rows[i]))
-        out = {c: [values[i] for i in order] for c, values in batch.items()}
-        out[_AGES] = [torch.tensor([top - tiers[i] + 1 if tiers[i] else 0], dtype=torch.int32) for i in order]
-        return out, [rows[i] for i in order]
 
     @staticmethod
     def _handed_out(rows: list[int], token: str, consumer: str) -> list[int]:
@@ -677,113 +623,6 @@ class TransferDock:
         if consumer == rollout.consumer:
             return self._finished_groups() >= rollout.gbs_train
         return consumed == rollout.gbs_train * self.n_samples_per_prompt and leased == 0
-
-    def _finished_groups(self) -> int:
-        return int(self._run(lambda: self._client.bitcount(self._keys.group_finished)))
-
-    def _partial(self, what: str) -> Rollout:
-        rollout = self._schema.rollout
-        if not rollout.partial:
-            raise InvalidExperienceError(f"dock {self.name!r} has no partial rollout (max_age > 1): {what} needs it")
-        return rollout
-
-    def age_groups(self) -> None:
-        """Make every group that has started generating one iteration older (what
-        ``clear(consumer=...)`` does after forgetting the trained rows)."""
-        self._partial("age_groups")
-        self._run(lambda: self._scripts.clear(iteration_of=""))
-
-    def unready(self, columns: Sequence[str], indexes: Sequence[int]) -> int:
-        """Mark rows of columns not ready, keeping their bytes (the TransferQueue's
-        ``clear_data_status``); returns how many cells were ready."""
-        names = self._check.columns_to_read(columns)
-        rows = self._check.rows(indexes)
-        return self._run(lambda: self._scripts.unready(names, rows))
-
-    def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:
-        """The stop signal of a partial-rollout iteration (MindSpeed's): at least ``gbs_train`` groups
-        finished, and with ``require_max_age_all_finished`` every group of age ``max_age - 1``
-        finished too, so no response waits more than ``max_age`` iterations."""
-        rollout = self._partial("get_update_ready")
-        check_flag("require_max_age_all_finished", require_max_age_all_finished)
-        k = self._keys
-
-        def reads(pipe: redis.client.Pipeline) -> None:
-            pipe.get(k.group_finished)
-            pipe.get(k.group_age(rollout.max_age - 1))
-
-        finished, last_age = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads,
-                                                            transaction=True))
-        finished, last_age = finished or b"", last_age or b""
-        if bitmap_count(finished) < rollout.gbs_train:
-            return False
-        if not require_max_age_all_finished:
-            return True
-        # Groups of the last age that are not finished: last_age AND NOT finished, over prompts_num / 8 bytes.
-        return not any(a & ~f & 0xFF for a, f in zip(last_age, finished.ljust(len(last_age), b"\0")))
-
-    def get_incomplete_response_num(self) -> int:
-        """Rows holding a prompt whose response is not finished (MindSpeed's count): rows with a
-        response or its placeholder, less the finished ones."""
-        rollout = self._partial("get_incomplete_response_num")
-        k = self._keys
-
-        def reads(pipe: redis.client.Pipeline) -> None:
-            pipe.hlen(k.data(rollout.response_columns[0]))
-            pipe.bitcount(k.finished)
-
-        held, finished = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads,
-                                                        transaction=True))
-        return max(0, int(held) - int(finished))
-
-    def set_version(self, version: int) -> None:
-        """Set the current policy version (the trainer, after each update); versions only grow."""
-        v = check_version(version)
-        self._run(lambda: self._scripts.version(v))
-
-    def version(self) -> int:
-        """The current policy version (0 until ``set_version``)."""
-        raw = self._run(lambda: self._client.get(self._keys.version))
-        try:
-            return int(raw or 0)
-        except ValueError:
-            raise DecodeError(f"{self._keys.version}: not an integer") from None
-
-    def reserve_groups(self, count: int, column: str) -> list[int] | None:
-        """Claim ``count`` free groups for new prompts, lowest first (None, claiming nothing, if fewer
-        are free): a group is free when it is neither claimed nor written in ``column``, and stays
-        claimed until it is forgotten. Writers calling at once never get the same group. Under partial
-        rollout this is where the next batch goes: rows never move here, so the groups freed by
-        ``clear(consumer=...)`` are wherever the trained ones were."""
-        if not is_int(count) or count < 1:
-            raise InvalidExperienceError(f"count must be a positive int, got {count!r:.40}")
-        self._check.columns([column])
-        return self._run(lambda: self._scripts.reserve(int(count), column))
-
-    def drop_groups(self, consumer: str, groups: Sequence[int]) -> int:
-        """Discard whole groups ``consumer`` rejects (DAPO's dynamic sampling: all n rewards equal):
-        their rows are forgotten and free for new prompts at once, and they are counted under the
-        consumer in ``status()["discarded"]``. Returns how many groups were dropped.
-
-        A worker still holding rows of a dropped group finds them gone at its read (the read fence), and
-        its ack releases nothing.
-        """
-        self._check.consumer(consumer)
-        picked = self._check.groups(groups)
-        return self._run(lambda: self._scripts.discard(picked, regenerate=False, field=consumer, max_staleness=None))
-
-    def _discard_stale(self, groups: list[int], max_staleness: int | None) -> None:
-        """Apply the staleness policy to groups a sampling call found stale and left out."""
-        rollout = self._schema.rollout
-        regenerate = rollout.stale_policy == "regenerate"
-        placeholders = None
-        if regenerate:
-            one = self._placeholders(1)
-            placeholders = {c: encode_column(c, rows, 1)[0] for c, rows in one.items()}
-        self._run(lambda: self._scripts.discard(
-            groups, regenerate=regenerate, field="regenerated" if regenerate else "stale",
-            max_staleness=max_staleness, placeholders=placeholders,
-        ))
 
     # -- what the workers of a batch share beside rows -----------------------------------------
 
