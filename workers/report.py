@@ -128,6 +128,7 @@ def _plot_versions(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
             label="largest version lag")
     ax.set_xlabel("iteration")
     ax.set_ylabel("versions behind")
+    ax.set_ylim(-0.05, max([1.0, *(r.get("version_lag_max", 0.0) for r in records)]) + 0.4)
     ax.grid(alpha=0.3)
     bars = ax.twinx()
     bars.bar(its, [r.get("stale_dropped", 0) for r in records], alpha=0.3, color="tab:red",
