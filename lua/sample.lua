@@ -284,7 +284,7 @@ elseif policy == 'random' then
 else
   -- Lowest units first, tier by tier (see ARGV[12]); the rest after the last tier.
   local tier_of = {}
-  for t = 1, ntiers do
+  for t = 1, 0 do
     redis.call('BITOP', 'AND', scratch2, scratch, KEYS[first_tier + t - 1])
     local before = #picked
     fifo_pick(scratch2, count, picked)
