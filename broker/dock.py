@@ -683,7 +683,11 @@ class TransferDock(GenerationCalls):
     def prefetch_request_index(self, experience_num: int) -> list[int] | None:
         """Atomically take the next ``experience_num`` rows of the batch (fewer at its end); None
         once every row was handed out. Many rollout ranks calling at once never get the same row;
-        a whole ``clear()`` starts again from row 0."""
+        a whole ``clear()`` starts again from row 0.
+
+        Under a staleness bound it is also admission control (see lua/prefetch.lua): None while the
+        rows would train more than ``max_staleness`` versions after the current one. The two Nones
+        differ in ``get_cur_index()``: past the last row when the batch is spent."""
         if not is_int(experience_num) or experience_num < 1:
             raise InvalidExperienceError(f"experience_num must be a positive int, got {experience_num!r}")
         return self._run(lambda: self._scripts.prefetch(int(experience_num)))
