@@ -553,7 +553,8 @@ class TransferDock(GenerationCalls):
                 batch = self._read(columns, rows, handout, call)
                 if batch is not None:
                     if select.tiers:
-                        batch, rows = self._oldest_first(batch, rows, handout.tiers, len(select.tiers))
+                        ages = self._schema.rollout.age_buckets - 1  # the age tiers come first
+                        batch, rows = self._oldest_first(batch, rows, handout.tiers, ages)
                     return batch, self._handed_out(rows, token, consumer)
                 # A clear took some of the rows between sampling and reading: give back the rest
                 # (they were never delivered) and sample again.

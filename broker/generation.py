@@ -81,12 +81,17 @@ class GenerationCalls:
         rollout, k = self._schema.rollout, self._keys
         if not rollout.partial:
             return Selection(max_staleness=staleness)
-        oldest_first = tuple(range(rollout.age_buckets - 1, 0, -1))  # age 0 is what is left after the tiers
+        # Oldest first: the groups of each age from the oldest, then the prompts that waited longest for
+        # their first generation; what is left after the tiers (age 0, new prompts) goes lowest first.
+        oldest_first = range(rollout.age_buckets - 1, 0, -1)
+        if consumer == rollout.consumer or not groups:
+            tiers = (*(k.age(a) for a in oldest_first), *(k.wait(w) for w in oldest_first))
+        else:
+            tiers = (*(k.group_age(a) for a in oldest_first), *(k.group_wait(w) for w in oldest_first))
         if consumer == rollout.consumer:
-            return Selection(tiers=tuple(k.age(a) for a in oldest_first), fewer=True,
-                             unready=rollout.response_columns, max_staleness=staleness)
+            return Selection(tiers=tiers, fewer=True, unready=rollout.response_columns, max_staleness=staleness)
         return Selection(
-            tiers=tuple((k.group_age if groups else k.age)(a) for a in oldest_first),
+            tiers=tiers,
             require=(k.group_finished if groups else k.rows_finished,),
             cap=rollout.gbs_train * self.n_samples_per_prompt, max_staleness=staleness,
         )
@@ -96,11 +101,13 @@ class GenerationCalls:
     def _oldest_first(batch: Rows, rows: list[int], tiers: Sequence[int], top: int) -> tuple[Rows, list[int]]:
         """The batch in the order sampling picked it, oldest group first, with each row's age.
 
-        Tier t (1 = the first) holds the groups of age ``top - t + 1``; rows of no tier are of age 0.
+        Tier t (1 = the first) of the first ``top`` holds the groups of age ``top - t + 1``; the wait
+        tiers after them, and rows of no tier, are of age 0.
         """
         order = sorted(range(len(rows)), key=lambda i: (tiers[i] == 0, tiers[i], rows[i]))
         out = {c: [values[i] for i in order] for c, values in batch.items()}
-        out[AGES_KEY] = [torch.tensor([top - tiers[i] + 1 if tiers[i] else 0], dtype=torch.int32) for i in order]
+        out[AGES_KEY] = [torch.tensor([top - tiers[i] + 1 if 0 < tiers[i] <= top else 0], dtype=torch.int32)
+                         for i in order]
         return out, [rows[i] for i in order]
 
 

@@ -43,6 +43,10 @@ key                                type    contents
                                            group that old or older); a clear that ends an iteration ages
                                            them by renaming the bitmaps, not by touching rows
 ``td:{NAME}:gage:K``               bitmap  the same, one bit per group
+``td:{NAME}:wait:W``               bitmap  rows of groups whose prompt waited through W clears without being
+                                           generated (W = 1 .. max_age, the last: that many or more);
+                                           sampled after the aged groups, before newer prompts
+``td:{NAME}:gwait:W``              bitmap  the same, one bit per group
 ``td:{NAME}:claimed``              bitmap  bit g set when group g was reserved for new prompts
                                            (``reserve_groups``); a group forgotten is free again
 ``td:{NAME}:gversions``            zset    member = group, score = oldest policy version of its rows
@@ -187,6 +191,12 @@ class DockKeys:
     def group_age(self, k: int) -> str:
         return f"{self.base}gage:{k}"
 
+    def wait(self, w: int) -> str:
+        return f"{self.base}wait:{w}"
+
+    def group_wait(self, w: int) -> str:
+        return f"{self.base}gwait:{w}"
+
     @property
     def claimed(self) -> str:
         return self.base + "claimed"
@@ -210,10 +220,12 @@ class DockKeys:
     def rollout_keys(self, age_buckets: int) -> list[str]:
         """The rows' generation status: what a whole clear deletes and a partial one edits, in the order
         the scripts take them: finished, gfinished, rfinished, grolled, claimed, gversions, then the age
-        bitmaps of rows (0 .. age_buckets-1) and of groups."""
+        bitmaps of rows (0 .. age_buckets-1) and of groups, then the wait bitmaps of rows and of groups
+        (1 .. age_buckets-1)."""
         return [self.finished, self.group_finished, self.rows_finished, self.group_rolled, self.claimed,
                 self.group_versions,
-                *(self.age(a) for a in range(age_buckets)), *(self.group_age(a) for a in range(age_buckets))]
+                *(self.age(a) for a in range(age_buckets)), *(self.group_age(a) for a in range(age_buckets)),
+                *(self.wait(w) for w in range(1, age_buckets)), *(self.group_wait(w) for w in range(1, age_buckets))]
 
     def reply(self, request_id: str) -> str:
         return f"{self.base}reply:{request_id}"

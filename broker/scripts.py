@@ -344,12 +344,16 @@ class DockScripts:
         (ageing the groups kept unless not ``age``), or with ``iteration_of=""`` only age them
         (lua/clear.lua); returns the cells removed from data hashes."""
         keys, layout = self._forget_layout()
+        schema = self._bound
+        responses = schema.rollout.response_columns
+        first_response = schema.columns.index(responses[0]) + 1 if responses else 0
         if iteration_of == "":
-            mode: list[Any] = ["age"]
+            mode: list[Any] = ["age", 0, first_response]
         elif iteration_of is not None:
-            mode = ["iteration" if age else "trained", self._bound.consumers.index(iteration_of) + 1]
+            mode = ["iteration" if age else "trained", schema.consumers.index(iteration_of) + 1, first_response]
         else:
             mode = ["rows", *rows] if rows else ["all"]
+        keys += [self._keys.scratch, self._keys.scratch2]
         return int(self._call("clear", keys, [self._expected, *layout, *mode]))
 
     def discard(

@@ -4,7 +4,8 @@ Readers that were handed the rows before the clear see it at their read (the epo
 generations changed, see include/generations.lua) and never get the bytes written after it. Leases of
 the rows end with them, so an ack from before the clear releases nothing written since.
 
-KEYS        the dock's keys in the layout of include/forget.lua
+KEYS        the dock's keys in the layout of include/forget.lua, then td:{NAME}:scratch and
+            td:{NAME}:scratch2 (work space, deleted before returning)
 ARGV[1]     the schema the client expects (see include/schema.lua)
 ARGV[2..6]  k, m, n_samples_per_prompt, L, A (see include/forget.lua)
 ARGV[7]     what to clear:
@@ -15,7 +16,14 @@ ARGV[7]     what to clear:
                          kept grows one iteration older, and the cursor and metrics start again. If
                          the consumer was handed nothing, nothing ages (MindSpeed's first clear).
             "trained"    the same without the ageing (the queue's refine_topic_for_partial_rollout);
-            "age"        only the ageing (the queue's increment_ages).
+            "age"        only the ageing (the queue's increment_ages), of every group holding a
+                         response or its placeholder, as the queue ages them.
+            For these ARGV[9] is the position (1..k) of the first response column, 0 if none.
+
+Waiting: a prompt no rollout reached in its iteration does not age (MindSpeed ages rows once they were
+generated), yet MindSpeed's re-sort keeps it ahead of every prompt put after it. Here such groups go
+into td:{NAME}:gwait:W (waited W clears; rows in wait:W), which sampling takes after the aged groups
+and before the rest, so a new prompt in a lower free group never overtakes it.
 
 Ageing is a rename of the age bitmaps (age:a becomes age:a+1, the oldest two merge), not a pass over
 rows: MindSpeed re-sorts its whole dock by age here, copying every row, so that "oldest first" is
@@ -53,36 +61,82 @@ if mode == 'rows' then
 end
 
 local cells = 0
-if mode ~= 'age' then                       -- 'iteration' or 'trained'
-  local trained = offsets_of(KEYS[L.consumed + tonumber(ARGV[8])])
-  redis.call('DEL', KEYS[L.cursor], KEYS[L.metrics])
-  -- As MindSpeed's: an iteration that trained nothing (the first clear, before any batch) ages nothing.
-  if #trained == 0 then return 0 end
-  cells = forget_rows(L, trained, {}, false)
-  if mode == 'trained' then return cells end
-end
--- Ageing: every group kept grows one iteration older.
-local function older(first)
-  local function key(a) return KEYS[first + 1 + a] end  -- the bitmap of age a
-  local top = L.nages - 1
-  if top < 1 then return end
-  if redis.call('EXISTS', key(top - 1)) == 1 then      -- the oldest two merge
-    if redis.call('EXISTS', key(top)) == 1 then
-      redis.call('BITOP', 'OR', key(top), key(top), key(top - 1))
-      redis.call('DEL', key(top - 1))
+local scratch, scratch2 = KEYS[#KEYS - 1], KEYS[#KEYS]
+local responses = tonumber(ARGV[9] or '0')
+
+-- KEYS[first + 1 + a] for a = lo .. hi holds age (or wait) a: every bitmap moves up one, the top two
+-- merge, and `lo` is left empty. A RENAME, not a pass over rows.
+local function older(first, lo, hi)
+  local function key(a) return KEYS[first + 1 + a] end
+  if hi <= lo then return end                         -- one bitmap: it keeps what it has
+  if redis.call('EXISTS', key(hi - 1)) == 1 then      -- the oldest two merge
+    if redis.call('EXISTS', key(hi)) == 1 then
+      redis.call('BITOP', 'OR', key(hi), key(hi), key(hi - 1))
+      redis.call('DEL', key(hi - 1))
     else
-      redis.call('RENAME', key(top - 1), key(top))
+      redis.call('RENAME', key(hi - 1), key(hi))
     end
   end
-  for a = top - 1, 1, -1 do                             -- age a-1 becomes age a
+  for a = hi - 1, lo + 1, -1 do                       -- a-1 becomes a
     if redis.call('EXISTS', key(a - 1)) == 1 then
       redis.call('RENAME', key(a - 1), key(a))
     else
       redis.call('DEL', key(a))
     end
   end
-  redis.call('DEL', key(0))
+  redis.call('DEL', key(lo))
 end
-older(L.age)
-older(L.gage)
+
+-- dest = dest AND NOT other, as two BITOPs (XOR of what they share): BITOP NOT would need padding to
+-- the dock's size, which this script does not know.
+local function remove(dest, other)
+  redis.call('BITOP', 'AND', scratch2, dest, other)
+  redis.call('BITOP', 'XOR', dest, dest, scratch2)
+end
+
+-- Groups holding a prompt (the placeholder of the first response column) that never had a response put.
+local function never_generated()
+  redis.call('BITOP', 'AND', scratch, KEYS[L.gready + responses], KEYS[L.gready + responses])
+  remove(scratch, KEYS[L.grolled])
+end
+
+if mode == 'age' then
+  -- The queue ages every row with a response or its placeholder: such groups start ageing now.
+  if responses > 0 then
+    never_generated()
+    local groups = offsets_of(scratch)
+    set_bits(KEYS[L.grolled], groups, 1)
+    set_bits(KEYS[L.gage + 1], groups, 1)
+    set_bits(KEYS[L.age + 1], rows_of_groups(groups, L.n), 1)
+  end
+else                                        -- 'iteration' or 'trained'
+  local trained = offsets_of(KEYS[L.consumed + tonumber(ARGV[8])])
+  redis.call('DEL', KEYS[L.cursor], KEYS[L.metrics])
+  -- As MindSpeed's: an iteration that trained nothing (the first clear, before any batch) ages nothing.
+  if #trained == 0 then return 0 end
+  cells = forget_rows(L, trained, {}, false)
+  if mode == 'trained' then return cells end
+  if L.nwait > 0 and responses > 0 then
+    -- Waiting groups that were generated since leave the wait bitmaps: from now on they age.
+    local aged_rows = {}
+    for a = 1, L.nages do aged_rows[a] = KEYS[L.age + a] end
+    redis.call('BITOP', 'OR', scratch, unpack(aged_rows))
+    for w = 1, L.nwait do
+      remove(KEYS[L.gwait + w], KEYS[L.grolled])
+      remove(KEYS[L.wait + w], scratch)
+    end
+    older(L.wait - 1, 1, L.nwait)
+    older(L.gwait - 1, 1, L.nwait)
+    -- Prompts that waited through this clear for the first time.
+    never_generated()
+    for w = 2, L.nwait do remove(scratch, KEYS[L.gwait + w]) end
+    local groups = offsets_of(scratch)
+    set_bits(KEYS[L.gwait + 1], groups, 1)
+    set_bits(KEYS[L.wait + 1], rows_of_groups(groups, L.n), 1)
+  end
+end
+-- Ageing: every group that was generated grows one iteration older.
+older(L.age, 0, L.nages - 1)
+older(L.gage, 0, L.nages - 1)
+redis.call('DEL', scratch, scratch2)
 return cells

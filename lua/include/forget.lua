@@ -12,7 +12,8 @@ then m keys of each kind, for every consumer: td:{NAME}:consumed:CONSUMER, td:{N
 then              td:{NAME}:len:COLUMN for each of the L length columns
 then              the batch's keys: td:{NAME}:cursor, td:{NAME}:metrics, td:{NAME}:discarded
 then              the generation status: td:{NAME}:finished, gfinished, rfinished, grolled, claimed, gversions,
-                  then td:{NAME}:age:0 .. age:A-1, then td:{NAME}:gage:0 .. gage:A-1
+                  then td:{NAME}:age:0 .. age:A-1, then td:{NAME}:gage:0 .. gage:A-1, then
+                  td:{NAME}:wait:1 .. wait:A-1 and td:{NAME}:gwait:1 .. gwait:A-1 (none when A = 0)
 ARGV[2..6]        k, m, n_samples_per_prompt, L, A
 
 Forgetting a row deletes its bytes, clears its ready bits and every consumer's marks and leases, zeroes
@@ -36,7 +37,9 @@ local function forget_layout()
   L.finished, L.gfinished, L.rfinished = L.discarded + 1, L.discarded + 2, L.discarded + 3
   L.grolled, L.claimed, L.gversions = L.discarded + 4, L.discarded + 5, L.discarded + 6
   L.age, L.gage = L.gversions, L.gversions + nages          -- KEYS[L.age + 1 + a]: age bitmap of age a
-  L.last = L.gversions + 2 * nages
+  L.nwait = math.max(nages - 1, 0)
+  L.wait, L.gwait = L.gage + nages, L.gage + nages + L.nwait  -- KEYS[L.wait + w]: waited w clears
+  L.last = L.gwait + L.nwait
   return L
 end
 
@@ -80,6 +83,10 @@ local function forget_rows(L, rows, keep, keep_age)
     for a = 1, L.nages do
       set_bits(KEYS[L.age + a], rows, 0)
       set_bits(KEYS[L.gage + a], groups, 0)
+    end
+    for w = 1, L.nwait do
+      set_bits(KEYS[L.wait + w], rows, 0)
+      set_bits(KEYS[L.gwait + w], groups, 0)
     end
   end
   return cells
