@@ -456,7 +456,8 @@ class StatusScript:
         rollout = schema.rollout
         bitmaps = [kind(c) for c in schema.columns for kind in (keys.ready, keys.group_ready)]
         bitmaps += [kind(c) for c in schema.consumers for kind in (keys.consumed, keys.group_taken)]
-        bitmaps += [keys.finished, keys.group_finished, *(keys.group_age(a) for a in range(rollout.age_buckets))]
+        bitmaps += [keys.finished, keys.group_finished, *(keys.group_age(a) for a in range(rollout.age_buckets)),
+                    *(keys.group_wait(w) for w in range(1, rollout.age_buckets))]
         rest = [kind(c) for c in schema.consumers for kind in (keys.leases, keys.redelivered)]
         responses = keys.data(rollout.response_columns[0]) if rollout.response_columns else keys.meta
         rest += [keys.version, keys.discarded, keys.group_versions, responses]
@@ -470,7 +471,8 @@ class StatusScript:
     ) -> tuple[list[tuple[int, int]], list[tuple[int, Any]], tuple[Any, str, int, int]]:
         """(bits set, bytes) per bitmap, in ``queue``'s order; (leased rows, raw counter) per consumer;
         (raw version, "field=count,..." discarded, stale groups, rows holding a response)."""
-        bitmaps = 2 * (len(schema.columns) + len(schema.consumers)) + 2 + schema.rollout.age_buckets
+        ages = schema.rollout.age_buckets
+        bitmaps = 2 * (len(schema.columns) + len(schema.consumers)) + 2 + ages + max(ages - 1, 0)
         head, tail = reply[:-4], reply[-4:]
         pairs = list(zip(head[0::2], head[1::2]))
         text = tail[1].decode() if isinstance(tail[1], bytes) else str(tail[1])

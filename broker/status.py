@@ -147,6 +147,7 @@ def _parse(dock: DockRef, reply: list[Any]) -> dict[str, Any]:
             "finished_groups": counts[k.group_finished],
             "unfinished_rows": max(0, held - finished),
             "groups_by_age": {a: counts[k.group_age(a)] for a in range(r.age_buckets)},
+            "groups_waiting": {w: counts[k.group_wait(w)] for w in range(1, r.age_buckets)},
         }
     if r.bounded:
         out["stale_groups"] = stale
@@ -163,6 +164,7 @@ def _bitmaps(dock: DockRef) -> list[tuple[str, int]]:
         out += [(k.consumed(consumer), s.capacity), (k.group_taken(consumer), s.prompts_num)]
     out += [(k.finished, s.capacity), (k.group_finished, s.prompts_num)]
     out += [(k.group_age(a), s.prompts_num) for a in range(s.rollout.age_buckets)]
+    out += [(k.group_wait(w), s.prompts_num) for w in range(1, s.rollout.age_buckets)]
     return out
 
 

@@ -93,8 +93,9 @@ def _generation_lines(status: dict[str, Any]) -> list[str]:
     if rollout:
         ages = list(rollout["groups_by_age"].items())
         by_age = " ".join(f"{a}{'+' if i == len(ages) - 1 else ''}:{g}" for i, (a, g) in enumerate(ages))
+        waiting = sum(rollout.get("groups_waiting", {}).values())
         lines.append(f"  rollout: {rollout['unfinished_rows']} unfinished rows, {rollout['finished_groups']} "
-                     f"finished groups; groups by age {by_age}")
+                     f"finished groups; groups by age {by_age}; {waiting} prompts waiting since a clear")
     if "stale_groups" in status or status.get("version") or status.get("discarded"):
         parts = [f"version {status.get('version', 0)}"]
         if "stale_groups" in status:

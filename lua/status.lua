@@ -9,12 +9,13 @@ that no broker could have written (more bits than rows) are for the client to ju
 KEYS[1]     td:{NAME}:meta
 KEYS[2..]   for each column: td:{NAME}:ready:COLUMN, td:{NAME}:gready:COLUMN; then for each consumer:
             td:{NAME}:consumed:CONSUMER, td:{NAME}:gtaken:CONSUMER; then the generation bitmaps
-            td:{NAME}:finished, td:{NAME}:gfinished and td:{NAME}:gage:0 .. gage:A-1 (the bitmaps);
+            td:{NAME}:finished, td:{NAME}:gfinished, td:{NAME}:gage:0 .. gage:A-1 and
+            td:{NAME}:gwait:1 .. gwait:A-1 (the bitmaps);
             then for each consumer: td:{NAME}:leases:CONSUMER, td:{NAME}:redelivered:CONSUMER; then
             td:{NAME}:version, td:{NAME}:discarded, td:{NAME}:gversions, and the data hash of the
             first response column (td:{NAME}:data:COLUMN; td:{NAME}:meta when there is none)
 ARGV[1]     the schema the client expects (see include/schema.lua)
-ARGV[2]     the number of bitmaps: 2 x columns + 2 x consumers + 2 + A
+ARGV[2]     the number of bitmaps: 2 x columns + 2 x consumers + 2 + A + (A - 1, or 0 when A = 0)
 ARGV[3]     max_staleness, or "" without a staleness bound
 
 Returns, flat: bits set and bytes of each bitmap, in KEYS order; then for each consumer the rows

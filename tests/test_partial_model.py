@@ -240,6 +240,7 @@ class PartialModel:
                 "finished_groups": len(self.finished_groups()),
                 "unfinished_rows": len(self.prompt) - len(self.finished),
                 "groups_by_age": {a: sum(1 for x in self.age.values() if x == a) for a in range(self.max_age + 1)},
+                "groups_waiting": {w: sum(1 for x in self.wait.values() if x == w) for w in range(1, self.max_age + 1)},
             },
         }
 

@@ -158,7 +158,7 @@ def test_the_first_clear_ages_nothing_and_a_whole_clear_resets_everything(make_d
     dock.clear()
     status = dock.status()
     assert status["rollout"] == {"finished_rows": 0, "finished_groups": 0, "unfinished_rows": 0,
-                                 "groups_by_age": {0: 0, 1: 0, 2: 0, 3: 0}}
+                                 "groups_by_age": {0: 0, 1: 0, 2: 0, 3: 0}, "groups_waiting": {1: 0, 2: 0, 3: 0}}
     assert dock.reserve_groups(4, "prompts") == [0, 1, 2, 3]
 
 
