@@ -426,7 +426,7 @@ class TransferDock(GenerationCalls):
                 count = self._check.sample_count(experience_count, groups)
                 policy = check_policy(policy or self._policy)
                 weights = (weigh_by or list(self._schema.length_columns)) if policy == "seqlen" else []
-                select = self._selection(consumer, columns, groups, staleness)
+                select = self._selection(consumer, groups, staleness)
                 sampler = self._sampler(consumer, columns, count, groups, policy, lease_ms, call, weights, select)
                 got = self._wait(sampler, timeout)
             if got is None:

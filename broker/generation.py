@@ -62,8 +62,7 @@ class GenerationCalls:
                 out[c] = [torch.tensor([value], dtype=torch.int32)] * count
         return out
 
-    # -- reading ------------------------------------------------------------------------------
-
+    # -- how sampling goes --------------------------------------------------------------------
 
     def _staleness(self, consumer: str, max_staleness: int | None) -> int | None:
         """The staleness bound of a call: None for the rollout consumer and without a bound."""
@@ -76,7 +75,7 @@ class GenerationCalls:
             bound = rollout.max_staleness
         return None if consumer == rollout.consumer else bound
 
-    def _selection(self, consumer: str, columns: list[str], groups: bool, staleness: int | None) -> Selection:
+    def _selection(self, consumer: str, groups: bool, staleness: int | None) -> Selection:
         """How partial rollout and the staleness bound shape one sampling call (see ``Selection``)."""
         rollout, k = self._schema.rollout, self._keys
         if not rollout.partial:
@@ -96,7 +95,6 @@ class GenerationCalls:
             cap=rollout.gbs_train * self.n_samples_per_prompt, max_staleness=staleness,
         )
 
-
     @staticmethod
     def _oldest_first(batch: Rows, rows: list[int], tiers: Sequence[int], top: int) -> tuple[Rows, list[int]]:
         """The batch in the order sampling picked it, oldest group first, with each row's age.
@@ -110,6 +108,7 @@ class GenerationCalls:
                          for i in order]
         return out, [rows[i] for i in order]
 
+    # -- partial rollout ----------------------------------------------------------------------
 
     def _finished_groups(self) -> int:
         return int(self._run(lambda: self._client.bitcount(self._keys.group_finished)))
@@ -121,8 +120,8 @@ class GenerationCalls:
         return rollout
 
     def age_groups(self) -> None:
-        """Make every group that has started generating one iteration older (what
-        ``clear(consumer=...)`` does after forgetting the trained rows)."""
+        """Make every group holding a response, or its placeholder, one iteration older (the queue's
+        ``increment_ages``; ``clear(consumer=...)`` ages only groups that were generated)."""
         self._partial("age_groups")
         self._run(lambda: self._scripts.clear(iteration_of=""))
 
@@ -168,6 +167,8 @@ class GenerationCalls:
         held, finished = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads,
                                                         transaction=True))
         return max(0, int(held) - int(finished))
+
+    # -- versions and discarding --------------------------------------------------------------
 
     def set_version(self, version: int) -> None:
         """Set the current policy version (the trainer, after each update); versions only grow."""
