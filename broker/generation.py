@@ -211,7 +211,7 @@ class GenerationCalls:
         rollout = self._schema.rollout
         regenerate = rollout.stale_policy == "regenerate"
         placeholders = None
-        if regenerate:
+        if regenerate and rollout.partial:  # what the rollout reads as the response so far
             one = self._placeholders(1)
             placeholders = {c: encode_column(c, rows, 1)[0] for c, rows in one.items()}
         self._run(lambda: self._scripts.discard(

@@ -2,8 +2,10 @@
 sampling drops groups whose n rewards are all equal), and groups found stale under the staleness bound.
 
 "drop" forgets the groups' rows (include/forget.lua): they are free for new prompts at once.
-"regenerate" forgets everything but the prompt columns, writes the placeholder responses a prompt put
-writes, and keeps the groups' age: the rollout consumer is offered them again, oldest first.
+"regenerate" forgets everything but the prompt columns and keeps the groups' age: the rollout consumer
+is offered them again, oldest first. Under partial rollout it also writes the placeholder responses a
+prompt put writes, for the rollout to read, but does not mark them ready: nothing but the rollout may
+take a placeholder for a response (without partial rollout no finished-groups bitmap would stop it).
 
 Under the staleness bound (ARGV[9] given) only groups still older than it are discarded: sampling
 finds stale groups and leaves them out atomically (see sample.lua), and the client that found them
@@ -88,8 +90,6 @@ else
       end
       redis.call('HSET', KEYS[L.data + c], unpack(args))
     end
-    set_bits(KEYS[L.ready + c], rows, 1)
-    set_bits(KEYS[L.gready + c], groups, 1)
   end
 end
 redis.call('HINCRBY', KEYS[L.discarded], field, #groups)

@@ -83,8 +83,9 @@ def test_regenerate_keeps_the_prompt_and_offers_the_group_to_rollout_again(make_
     status = dock.status()
     assert status["discarded"] == {"regenerated": 1}
     assert status["columns"]["prompts"]["ready"] == 2 and status["consumers"]["reward"]["consumed"] == 0
-    batch, rows = dock.get_experience("actor_rollout", ["prompts", "responses"], 2, get_n_samples=False)
-    assert rows == [0, 1] and [t.tolist() for t in batch["responses"]] == [[-1], [-1]]
+    assert status["columns"]["responses"]["ready"] == 0  # nothing but the rollout may take it now
+    batch, rows = dock.get_experience("actor_rollout", ["prompts"], 2, get_n_samples=False)
+    assert rows == [0, 1] and [t.tolist() for t in batch["prompts"]] == [[0], [0]]
     dock.put_experience({"responses": [torch.tensor([1])] * 2}, rows, version=1)
     assert dock.get_experience("actor_train", ["prompts", "responses"], 2)[1] == [0, 1]
 
@@ -133,47 +134,53 @@ def test_admission_refuses_rollout_that_could_not_train_in_time(make_dock):
     assert dock.prefetch_request_index(2) == [6, 7]
 
 
-def test_fast_and_slow_rollout_with_a_trainer_bumping_versions(make_dock):
-    """No trained row is older than the bound, none is lost, and every discarded group is counted."""
+@pytest.mark.parametrize("policy", ["drop", "regenerate"])
+def test_fast_and_slow_rollout_with_a_trainer_bumping_versions(make_dock, policy):
+    """No trained row is older than the bound, none is lost, and every discarded group is counted:
+    dropped groups are gone, regenerated ones come back to the rollout and are trained later."""
     k, groups_total = 1, 24
-    dock = bounded(make_dock, max_staleness=k, prompts_num=groups_total, n=2, gbs_train=2)
+    dock = bounded(make_dock, max_staleness=k, policy=policy, prompts_num=groups_total, n=2, gbs_train=2)
     n = dock.n_samples_per_prompt
-    next_group = iter(range(groups_total))
-    lock = threading.Lock()
+    rows = list(range(groups_total * n))
+    dock.put_experience({"prompts": [torch.tensor([r // n]) for r in rows]}, rows)
     stop = threading.Event()
-    trained: list[tuple[int, int]] = []  # (version of the data, version at training)
+    trained: list[tuple[int, int, int]] = []  # (group, version of the data, version at training)
 
     def rollout(delay: float) -> None:
         while not stop.is_set():
-            with lock:
-                g = next(next_group, None)
-            if g is None:
-                return
+            batch, got = dock.get_experience("actor_rollout", ["prompts"], n, timeout=0.05)
+            if batch is None:
+                continue
             version = dock.version()
             time.sleep(delay)  # generating with the weights of `version`
-            rows = [g * n + j for j in range(n)]
-            dock.put_experience({"prompts": [torch.tensor([g])] * n}, rows)
-            dock.put_experience({"responses": [torch.tensor([version])] * n}, rows, version=version)
+            dock.put_experience({"responses": [torch.tensor([version])] * n}, got, version=version)
 
     workers = [threading.Thread(target=rollout, args=(d,)) for d in (0.001, 0.05)]
     for w in workers:
         w.start()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        batch, rows = dock.get_experience("actor_train", ["prompts", "responses"], 2 * n, timeout=0.05)
-        if batch is not None:
-            now = dock.version()
-            trained += [(t.item(), now) for t in batch["responses"]]
-            dock.set_version(now + 1)
-            dock.clear(consumer="actor_train")
-        if not any(w.is_alive() for w in workers) and batch is None:
-            break
-    stop.set()
-    for w in workers:
-        w.join()
-    assert trained and all(made >= at - k for made, at in trained)
-    status = dock.status()
-    dropped = status["discarded"].get("stale", 0)
-    left = status["columns"]["responses"]["groups_ready"]
-    print("TRAINED", len(trained) // n, "DROPPED", dropped, "LEFT", left)
-    assert len(trained) // n + dropped + left == groups_total
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            batch, got = dock.get_experience("actor_train", ["prompts", "responses"], 2 * n, timeout=0.05)
+            if batch is not None:
+                now = dock.version()
+                trained += [(p.item(), t.item(), now) for p, t in zip(batch["prompts"], batch["responses"])]
+                dock.set_version(now + 1)
+                dock.clear(consumer="actor_train")
+            status = dock.status()
+            left = status["columns"]["prompts"]["groups_ready"]
+            if left < 2:  # what is left cannot make a batch of two groups
+                break
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert trained and all(made >= at - k for _, made, at in trained), [t for t in trained if t[1] < t[2] - k]
+    discarded = status["discarded"]
+    groups_trained = sorted({g for g, _, _ in trained})
+    assert len(trained) == len(groups_trained) * n, "a group was trained twice"
+    if policy == "drop":
+        assert discarded.get("stale", 0) + len(groups_trained) + left == groups_total
+    else:
+        assert "stale" not in discarded and len(groups_trained) + left == groups_total
+        assert discarded.get("regenerated", 0) > 0, "nothing went stale: the test did not test the policy"
