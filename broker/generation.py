@@ -93,6 +93,7 @@ class GenerationCalls:
             tiers=tiers,
             require=(k.group_finished if groups else k.rows_finished,),
             cap=rollout.gbs_train * self.n_samples_per_prompt, max_staleness=staleness,
+            batch=rollout.gbs_train if groups else None,
         )
 
     @staticmethod

@@ -22,6 +22,7 @@ key                                type    contents
                                            after a lost reply gets the same rows
 ``td:{NAME}:scratch``              string  work space of the sampling script; deleted before it returns
 ``td:{NAME}:scratch2``             string  more of it (tiers of oldest-first sampling)
+``td:{NAME}:scratch3``             string  more of it (the iteration's batch)
 ``td:{NAME}:epoch``                string  counter: whole clears so far (the read fence, with gen)
 ``td:{NAME}:gen``                  string  u32 per row, big-endian (``BITFIELD ... GET u32 #ROW``): clears
                                            of that row so far
@@ -47,6 +48,9 @@ key                                type    contents
                                            generated (W = 1 .. max_age, the last: that many or more);
                                            sampled after the aged groups, before newer prompts
 ``td:{NAME}:gwait:W``              bitmap  the same, one bit per group
+``td:{NAME}:gbatch``               bitmap  partial rollout: the groups of this iteration, the first gbs_train
+                                           handed to a consumer other than the rollout; the others take
+                                           these first (see sample.lua); emptied by the iteration clear
 ``td:{NAME}:claimed``              bitmap  bit g set when group g was reserved for new prompts
                                            (``reserve_groups``); a group forgotten is free again
 ``td:{NAME}:gversions``            zset    member = group, score = oldest policy version of its rows
@@ -116,6 +120,10 @@ class DockKeys:
     @property
     def scratch2(self) -> str:
         return self.base + "scratch2"
+
+    @property
+    def scratch3(self) -> str:
+        return self.base + "scratch3"
 
     @property
     def epoch(self) -> str:
@@ -198,6 +206,10 @@ class DockKeys:
         return f"{self.base}gwait:{w}"
 
     @property
+    def group_batch(self) -> str:
+        return self.base + "gbatch"
+
+    @property
     def claimed(self) -> str:
         return self.base + "claimed"
 
@@ -221,11 +233,12 @@ class DockKeys:
         """The rows' generation status: what a whole clear deletes and a partial one edits, in the order
         the scripts take them: finished, gfinished, rfinished, grolled, claimed, gversions, then the age
         bitmaps of rows (0 .. age_buckets-1) and of groups, then the wait bitmaps of rows and of groups
-        (1 .. age_buckets-1)."""
+        (1 .. age_buckets-1), then the iteration's batch."""
         return [self.finished, self.group_finished, self.rows_finished, self.group_rolled, self.claimed,
                 self.group_versions,
                 *(self.age(a) for a in range(age_buckets)), *(self.group_age(a) for a in range(age_buckets)),
-                *(self.wait(w) for w in range(1, age_buckets)), *(self.group_wait(w) for w in range(1, age_buckets))]
+                *(self.wait(w) for w in range(1, age_buckets)), *(self.group_wait(w) for w in range(1, age_buckets)),
+                self.group_batch]
 
     def reply(self, request_id: str) -> str:
         return f"{self.base}reply:{request_id}"
@@ -241,8 +254,9 @@ class DockKeys:
         per_consumer = (self.consumed, self.group_taken, self.leases, self.tokens, self.redelivered)
         keys = [kind(c) for kind in per_column for c in columns]
         keys += [kind(c) for kind in per_consumer for c in consumers]
-        return keys + [self.meta, self.scratch, self.scratch2, self.epoch, self.generations, *self.batch_keys,
-                       self.consumer_columns, *self.rollout_keys(age_buckets), self.version, self.admitted]
+        return keys + [self.meta, self.scratch, self.scratch2, self.scratch3, self.epoch, self.generations,
+                       *self.batch_keys, self.consumer_columns, *self.rollout_keys(age_buckets), self.version,
+                       self.admitted]
 
     @property
     def batch_keys(self) -> list[str]:

@@ -182,6 +182,8 @@ class Selection:
     unready: tuple[str, ...] = ()
     #: Versions a handed-out group may lag the current one, or None: no staleness bound.
     max_staleness: int | None = None
+    #: Groups of an iteration's batch (partial rollout, group mode), or None (see lua/sample.lua ARGV[17]).
+    batch: int | None = None
 
 
 class DockScripts:
@@ -264,10 +266,13 @@ class DockScripts:
             keys.append(k.scratch2)
         if select.max_staleness is not None:
             keys += [k.version, k.group_versions]
+        if select.batch is not None:
+            keys += [k.group_batch, k.scratch3]
         units = schema.prompts_num if groups else schema.capacity
         args = [self._expected, "groups" if groups else "rows", count, self._n, units, policy, seed, lease_ms,
                 reply_ttl_ms, token, len(weigh_by), len(select.tiers), int(select.fewer), select.cap,
-                len(select.unready), "" if select.max_staleness is None else select.max_staleness]
+                len(select.unready), "" if select.max_staleness is None else select.max_staleness,
+                "" if select.batch is None else select.batch]
         reply = self._call("sample", keys, args)
         if not reply:
             return Sampled(None)

@@ -111,7 +111,7 @@ if mode == 'age' then
   end
 else                                        -- 'iteration' or 'trained'
   local trained = offsets_of(KEYS[L.consumed + tonumber(ARGV[8])])
-  redis.call('DEL', KEYS[L.cursor], KEYS[L.metrics])
+  redis.call('DEL', KEYS[L.cursor], KEYS[L.metrics], KEYS[L.gbatch])   -- the next iteration's batch is new
   -- As MindSpeed's: an iteration that trained nothing (the first clear, before any batch) ages nothing.
   if #trained == 0 then return 0 end
   cells = forget_rows(L, trained, {}, false)

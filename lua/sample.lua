@@ -46,8 +46,13 @@ ARGV[15]    U, the number of columns whose readiness the handout takes back (the
             td:{NAME}:ready:COLUMN and td:{NAME}:gready:COLUMN follow the tiers, in pairs
 ARGV[16]    "" or max_staleness: groups of td:{NAME}:gversions older than the current version
             (td:{NAME}:version) minus it are left out and reported, never handed out
+ARGV[17]    "" or B, the groups of an iteration (partial rollout's gbs_train, group mode only): the
+            first B groups handed to any consumer but the rollout form the iteration's batch
+            (td:{NAME}:gbatch), and every such consumer takes groups of the batch first and new
+            groups only while it is not full. Stages running in parallel, each capped at B groups,
+            then hold the same groups, even when an older group finishes after one of them filled up.
 then, when T > 0: td:{NAME}:scratch2, more work space; when ARGV[16] is set: td:{NAME}:version and
-            td:{NAME}:gversions
+            td:{NAME}:gversions; when ARGV[17] is set: td:{NAME}:gbatch and td:{NAME}:scratch3
 
 The "seqlen" policy: when the qualifying units split evenly into batches of `count`, they are dealt,
 longest first (the sum of the length columns over the unit's rows), each to the batch with the least
@@ -82,7 +87,7 @@ end
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
 local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type(5, 5, 'hash')
-  or wrong_type(6, 6, 'string') or wrong_type(9, #KEYS - (ARGV[16] ~= '' and 1 or 0), 'string')
+  or wrong_type(6, 6, 'string')
 if bad then return redis.error_reply(bad) end
 
 local consumed, gtaken, leases, tokens, redelivered = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -95,24 +100,27 @@ local taken = groups_mode and gtaken or consumed
 local nbytes = math.ceil(units / 8)
 local nlen, ntiers, fewer, cap = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1', tonumber(ARGV[14])
 local nunready, bounded = tonumber(ARGV[15]), ARGV[16] ~= ''
-local tail = (ntiers > 0 and 1 or 0) + (bounded and 2 or 0)
+local batch_groups = (ARGV[17] or '') ~= '' and groups_mode and tonumber(ARGV[17]) or nil
+local tail = (ntiers > 0 and 1 or 0) + (bounded and 2 or 0) + ((ARGV[17] or '') ~= '' and 2 or 0)
 local last_status = #KEYS - nlen - ntiers - 2 * nunready - tail   -- KEYS[11..last_status]: status bitmaps
 local first_tier = last_status + nlen + 1
 local first_unready = first_tier + ntiers
-local scratch2 = ntiers > 0 and KEYS[first_unready + 2 * nunready] or nil
-local gversions = bounded and KEYS[#KEYS] or nil
+local at = first_unready + 2 * nunready                          -- the optional keys, in header order
+local scratch2, scratch3, version_key, gversions, gversions_at, gbatch
+if ntiers > 0 then scratch2 = KEYS[at]; at = at + 1 end
+if bounded then version_key, gversions, gversions_at = KEYS[at], KEYS[at + 1], at + 1; at = at + 2 end
+if (ARGV[17] or '') ~= '' then gbatch, scratch3 = KEYS[at], KEYS[at + 1] end
+if batch_groups and not scratch2 then return redis.error_reply('ERR the iteration batch needs tiers') end
+bad = wrong_type(9, #KEYS, 'string', gversions_at) or (gversions_at and wrong_type(gversions_at, gversions_at, 'zset'))
+if bad then return redis.error_reply(bad) end
 local fresh_from = nil
 if bounded then
-  local current = tonumber(redis.call('GET', KEYS[#KEYS - 1]) or '0')
-  if not current then return redis.error_reply('CORRUPT ' .. KEYS[#KEYS - 1] .. ' holds no integer') end
+  local current = tonumber(redis.call('GET', version_key) or '0')
+  if not current then return redis.error_reply('CORRUPT ' .. version_key .. ' holds no integer') end
   fresh_from = current - tonumber(ARGV[16])
 end
 local too_long = longer_than(nbytes, taken, unpack(KEYS, 11, last_status))
 if too_long then return redis.error_reply(too_long) end
-if gversions then
-  bad = wrong_type(#KEYS, #KEYS, 'zset')
-  if bad then return redis.error_reply(bad) end
-end
 local now = now_ms()
 local _, corrupt = reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
 if corrupt then return redis.error_reply(corrupt) end
@@ -151,10 +159,24 @@ if gversions then
 end
 local stale_text = table.concat(stale, ',')
 
-local available = redis.call('BITCOUNT', scratch)
+-- The iteration's batch (ARGV[17], with tiers): the candidates already in it (scratch3) are taken
+-- first; the others (left in scratch) count only as far as the batch has room for new groups.
+local available
+local from_batch = 0
+if batch_groups then
+  redis.call('BITOP', 'AND', scratch3, scratch, gbatch)
+  redis.call('BITOP', 'XOR', scratch, scratch, scratch3)
+  from_batch = redis.call('BITCOUNT', scratch3)
+  local room = math.max(batch_groups - redis.call('BITCOUNT', gbatch), 0)
+  available = from_batch + math.min(redis.call('BITCOUNT', scratch), room)
+else
+  available = redis.call('BITCOUNT', scratch)
+end
 if fewer and available > 0 and available < count then count = available end
 if available < count or available == 0 then
   redis.call('DEL', scratch)
+  if scratch2 then redis.call('DEL', scratch2) end
+  if scratch3 then redis.call('DEL', scratch3) end
   if #stale > 0 then return {-1, '', '', stale_text} end
   return {}
 end
@@ -289,25 +311,32 @@ elseif policy == 'random' then
     seen = seen + #offsets
   end
 else
-  -- Lowest units first, tier by tier (see ARGV[12]); the rest after the last tier.
+  -- Lowest units first, tier by tier (see ARGV[12]); the rest after the last tier. With the
+  -- iteration's batch, its groups (scratch3) go through the tiers first, then the new ones (scratch).
   local tier_of = {}
-  for t = 1, ntiers do
-    redis.call('BITOP', 'AND', scratch2, scratch, KEYS[first_tier + t - 1])
-    local before = #picked
-    fifo_pick(scratch2, count, picked)
-    for i = before + 1, #picked do tier_of[picked[i]] = t end
-    if #picked == count then break end
-    -- Not enough in this tier: take it out of the candidates (NOT, padded as above, then AND).
-    redis.call('BITOP', 'NOT', scratch2, KEYS[first_tier + t - 1])
-    local have2 = redis.call('STRLEN', scratch2)
-    if have2 < nbytes then redis.call('SETRANGE', scratch2, have2, string.rep('\255', nbytes - have2)) end
-    redis.call('BITOP', 'AND', scratch, scratch, scratch2)
+  local function pick_by_tiers(candidates)
+    for t = 1, ntiers do
+      if #picked == count then return end
+      redis.call('BITOP', 'AND', scratch2, candidates, KEYS[first_tier + t - 1])
+      local before = #picked
+      fifo_pick(scratch2, count, picked)
+      for i = before + 1, #picked do tier_of[picked[i]] = t end
+      if #picked == count then return end
+      -- Not enough in this tier: take it out of the candidates (NOT, padded as above, then AND).
+      redis.call('BITOP', 'NOT', scratch2, KEYS[first_tier + t - 1])
+      local have2 = redis.call('STRLEN', scratch2)
+      if have2 < nbytes then redis.call('SETRANGE', scratch2, have2, string.rep('\255', nbytes - have2)) end
+      redis.call('BITOP', 'AND', candidates, candidates, scratch2)
+    end
+    if #picked < count then fifo_pick(candidates, count, picked) end
   end
-  if #picked < count then fifo_pick(scratch, count, picked) end
+  if from_batch > 0 then pick_by_tiers(scratch3) end
+  pick_by_tiers(scratch)
   if ntiers > 0 then
     redis.call('DEL', scratch2)
     picked_tier = tier_of
   end
+  if scratch3 then redis.call('DEL', scratch3) end
 end
 redis.call('DEL', scratch)
 local last = picked[1]
@@ -322,6 +351,7 @@ if groups_mode then
   for i = 1, #starts do starts[i], lengths[i] = starts[i] * n, lengths[i] * n end
 end
 mark_runs_taken(consumed, gtaken, starts, lengths, n)
+if batch_groups then set_bits(gbatch, picked, 1) end
 local rows = rows_of_runs(starts, lengths)
 if lease_ms > 0 then lease_rows(leases, tokens, rows, now + lease_ms, ARGV[10]) end
 for u = 1, nunready do

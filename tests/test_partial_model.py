@@ -88,6 +88,9 @@ class PartialModel:
     #: group -> clears it waited through as a prompt no rollout reached (capped at max_age): such groups
     #: go after the aged ones and before the rest, so newer prompts in lower slots never overtake them.
     wait: dict[int, int] = field(default_factory=dict)
+    #: The iteration's batch: the first gbs groups handed to a consumer other than the rollout (group
+    #: mode); such consumers take these first, new ones only while there is room.
+    batch: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.reset()
@@ -95,7 +98,7 @@ class PartialModel:
     def reset(self) -> None:
         self.prompt, self.response, self.out, self.finished = {}, {}, set(), set()
         self.consumed = {c: set() for c in CONSUMERS}
-        self.claimed, self.age, self.wait = set(), {}, {}
+        self.claimed, self.age, self.wait, self.batch = set(), {}, {}, set()
 
     def rows_of(self, g: int) -> range:
         return range(g * self.n, (g + 1) * self.n)
@@ -169,11 +172,19 @@ class PartialModel:
             return None
         if groups:
             usable = [g for g in self.finished_groups() if not any(r in taken for r in self.rows_of(g))]
-            usable.sort(key=lambda g: (*self.order(g), g))
+            inside = sorted((g for g in usable if g in self.batch), key=lambda g: (*self.order(g), g))
+            outside = sorted((g for g in usable if g not in self.batch), key=lambda g: (*self.order(g), g))
+            room = max(self.gbs - len(self.batch), 0)
             want = count // self.n
-            if len(usable) < want:
+            if len(inside) + min(len(outside), room) < want:
                 return None
-            rows = [r for g in usable[:want] for r in self.rows_of(g)]
+            picked = inside[:want] + outside[: want - min(len(inside), want)]
+            self.batch.update(picked)
+            # Handed out as the dock orders them: groups picked from an age or wait bitmap first (by
+            # that order), then the others (age 0) lowest first.
+            tiered = sorted((g for g in picked if self.order(g)[0] < 2), key=lambda g: (*self.order(g), g))
+            rest = sorted(g for g in picked if g not in tiered)
+            rows = [r for g in tiered + rest for r in self.rows_of(g)]
         else:
             usable = [r for g in self.finished_groups() for r in self.rows_of(g) if r not in taken]
             usable.sort(key=lambda r: (*self.order(r // self.n), r))
@@ -185,6 +196,7 @@ class PartialModel:
 
     def clear_iteration(self, consumer: str) -> None:
         trained = set(self.consumed[consumer])
+        self.batch = set()  # the next iteration's batch is new
         if not trained:
             return  # nothing trained: nothing forgotten, nothing ages
         for r in trained:

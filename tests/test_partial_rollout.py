@@ -229,3 +229,24 @@ def test_explicit_indexes_are_refused_to_the_rollout_consumer(make_dock):
         dock.get_experience("actor_rollout", ["prompts"], indexes=[0, 1], get_n_samples=False)
     with pytest.raises(RowIndexError):
         dock.drop_groups("reward", [4])
+
+
+def test_stages_in_parallel_hold_the_same_groups_when_an_old_group_finishes_late(make_dock):
+    dock = partial(make_dock, prompts_num=4, gbs_train=2)
+    prompts(dock, [0, 1, 2, 3])
+    _, rows = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 8, get_n_samples=False)
+    respond(dock, rows, [1, 1, 1, 1, 0, 0, 0, 0])  # groups 0 and 1 finish, 2 and 3 wait for later
+    dock.get_experience("actor_train", ["prompts"], 4)
+    dock.clear(consumer="actor_train")  # groups 2 and 3 are now of age 1
+    prompts(dock, dock.reserve_groups(2, "prompts"))  # new prompts in groups 0 and 1
+    _, rows = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 8, get_n_samples=False)
+    assert rows == [4, 5, 6, 7, 0, 1, 2, 3]
+    respond(dock, rows, [0, 0, 0, 0, 1, 1, 1, 1])  # the new groups finish first
+    assert dock.get_experience("reward", ["prompts"], 4)[1] == [0, 1, 2, 3]  # the iteration's batch
+    respond(dock, *dock.get_experience("actor_rollout", ["prompts"], 2, get_n_samples=False)[1:], [1, 1])
+    # The old group 2 has finished now; the trainer still takes the groups the reward stage took.
+    assert dock.get_experience("actor_train", ["prompts"], 4)[1] == [0, 1, 2, 3]
+    assert dock.get_experience("actor_train", ["prompts"], 2) == (None, None)
+    dock.clear(consumer="actor_train")
+    # Next iteration: a new batch, oldest first.
+    assert dock.get_experience("reward", ["prompts"], 2)[1] == [4, 5]

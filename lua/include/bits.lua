@@ -10,12 +10,12 @@ local BITFIELD_CHUNK = 1200   -- sub-commands per BITFIELD call
 -- (LUAI_MAXCSTACK, 8000) a command with more arguments would pass.
 local UNPACK_CHUNK = 1000
 
--- The first of KEYS[first..last] holding another type than `expected` (a missing key is fine),
--- as a CORRUPT error message for redis.error_reply, or nil. Scripts are not rolled back on error,
--- so they check before their first write; the client turns CORRUPT into its decode error.
-local function wrong_type(first, last, expected)
+-- The first of KEYS[first..last] (but KEYS[skip]) holding another type than `expected` (a missing
+-- key is fine), as a CORRUPT error message for redis.error_reply, or nil. Scripts are not rolled back
+-- on error, so they check before their first write; the client turns CORRUPT into its decode error.
+local function wrong_type(first, last, expected, skip)
   for i = first, last do
-    local t = redis.call('TYPE', KEYS[i])['ok']
+    local t = i ~= skip and redis.call('TYPE', KEYS[i])['ok'] or 'none'
     if t ~= 'none' and t ~= expected then
       return 'CORRUPT ' .. KEYS[i] .. ' holds a ' .. t .. ', expected a ' .. expected
     end

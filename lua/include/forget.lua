@@ -13,7 +13,8 @@ then              td:{NAME}:len:COLUMN for each of the L length columns
 then              the batch's keys: td:{NAME}:cursor, td:{NAME}:metrics, td:{NAME}:discarded
 then              the generation status: td:{NAME}:finished, gfinished, rfinished, grolled, claimed, gversions,
                   then td:{NAME}:age:0 .. age:A-1, then td:{NAME}:gage:0 .. gage:A-1, then
-                  td:{NAME}:wait:1 .. wait:A-1 and td:{NAME}:gwait:1 .. gwait:A-1 (none when A = 0)
+                  td:{NAME}:wait:1 .. wait:A-1 and td:{NAME}:gwait:1 .. gwait:A-1 (none when A = 0), then
+                  td:{NAME}:gbatch
 ARGV[2..6]        k, m, n_samples_per_prompt, L, A
 
 Forgetting a row deletes its bytes, clears its ready bits and every consumer's marks and leases, zeroes
@@ -39,7 +40,8 @@ local function forget_layout()
   L.age, L.gage = L.gversions, L.gversions + nages          -- KEYS[L.age + 1 + a]: age bitmap of age a
   L.nwait = math.max(nages - 1, 0)
   L.wait, L.gwait = L.gage + nages, L.gage + nages + L.nwait  -- KEYS[L.wait + w]: waited w clears
-  L.last = L.gwait + L.nwait
+  L.gbatch = L.gwait + L.nwait + 1
+  L.last = L.gbatch
   return L
 end
 
@@ -77,7 +79,8 @@ local function forget_rows(L, rows, keep, keep_age)
   set_bits(KEYS[L.rfinished], rows_of_groups(groups, L.n), 0)
   set_bits(KEYS[L.gfinished], groups, 0)
   call_in_chunks('ZREM', KEYS[L.gversions], groups)
-  if not keep_age then                           -- a regenerated group keeps its place, age and prompt
+  if not keep_age then
+    set_bits(KEYS[L.gbatch], groups, 0)            -- a dropped group leaves room in the batch                           -- a regenerated group keeps its place, age and prompt
     set_bits(KEYS[L.claimed], groups, 0)
     set_bits(KEYS[L.grolled], groups, 0)
     for a = 1, L.nages do
