@@ -90,3 +90,14 @@ def make_dock(client):
         return small_dock(client, name or f"t{next(_names)}", prompts_num, n, columns, consumers, **kwargs)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray of 2 CPUs for one module's tests of the demo's worker groups."""
+    ray = pytest.importorskip("ray")
+    from workers.cluster import start_ray
+
+    start_ray(None, 2)
+    yield
+    ray.shutdown()

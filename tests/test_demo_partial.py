@@ -15,9 +15,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-import ray  # noqa: E402
 
-from workers.cluster import start_ray  # noqa: E402
 from workers.config import ROLES, RunConfig, with_layouts  # noqa: E402
 from workers.pipeline import Pipeline, create_dock  # noqa: E402
 
@@ -27,12 +25,6 @@ PROMPTS, N, ITERATIONS = 4, 4, 4
 SMALL = {"actor_rollout": 8, "ref_log_prob": 8, "actor_log_prob": 8, "rule_reward": 8, "compute_advantage": 8,
          "actor_train": 8}
 
-
-@pytest.fixture(scope="module")
-def local_ray():
-    start_ray(None, 2)
-    yield
-    ray.shutdown()
 
 
 def run(real_url: str, **options) -> tuple[list[dict], list[dict]]:

@@ -20,7 +20,6 @@ pytest.importorskip("ray")
 import ray  # noqa: E402
 
 from broker.keys import DockKeys  # noqa: E402
-from workers.cluster import start_ray  # noqa: E402
 from workers.config import COLUMNS, ROLES, Layout, RunConfig, with_layouts  # noqa: E402
 from workers.pipeline import Pipeline, create_dock  # noqa: E402
 
@@ -32,12 +31,6 @@ CAPACITY = PROMPTS * N
 SMALL = {"actor_rollout": 8, "ref_log_prob": 8, "actor_log_prob": 16, "rule_reward": 8, "compute_advantage": 8,
          "actor_train": 8}
 
-
-@pytest.fixture(scope="module")
-def local_ray():
-    start_ray(None, 2)
-    yield
-    ray.shutdown()
 
 
 def make_config(overrides: dict[str, Layout], **kwargs) -> RunConfig:

@@ -11,7 +11,7 @@ import os
 import socket
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -81,11 +81,7 @@ class RoleWorker:
                 indexes = plan[0]
             got = self.dispatcher.dispatch(self.role.inputs, count, indexes, timeout=cfg.poll_seconds)
             if got is None:
-                if time.monotonic() - last_progress > cfg.stall_seconds:
-                    raise TimeoutError(
-                        f"{self.role_name} rank {self.rank}: no rows for {cfg.stall_seconds:.0f} s in iteration "
-                        f"{iteration} while rows are still owed; is a stage before it stuck?"
-                    )
+                self._check_stall(last_progress, iteration, "while rows are still owed; is a stage before it stuck?")
                 continue
             start = time.time()
             batch, rows = got
@@ -104,6 +100,15 @@ class RoleWorker:
         if isinstance(self.role, Trainer) and cfg.tracked and state.dp_rank == 0 and state.is_tp_src:
             self.dock.set_version(iteration)  # the weights now include `iteration` updates
         return self._result(rows_done, busy, trace)
+
+    def _check_stall(self, last_progress: float, iteration: int, detail: str | Callable[[], str]) -> None:
+        """Raise TimeoutError once this rank has got no rows for ``stall_seconds``: a stage before it is stuck."""
+        seconds = self.cfg.stall_seconds
+        if time.monotonic() - last_progress > seconds:
+            text = detail() if callable(detail) else detail
+            raise TimeoutError(
+                f"{self.role_name} rank {self.rank}: no rows for {seconds:.0f} s in iteration {iteration} {text}"
+            )
 
     def _result(self, rows_done: int, busy: list[tuple[float, float]], trace: list[dict[str, Any]]) -> dict[str, Any]:
         assert self.role is not None and self.state is not None
@@ -158,11 +163,8 @@ class RoleWorker:
             ask = count if cfg.partial else min(count, self._owed)
             got = dispatcher.dispatch(self.role.inputs, ask, timeout=cfg.poll_seconds, get_n_samples=False)
             if got is None:
-                if time.monotonic() - last_progress > cfg.stall_seconds:
-                    raise TimeoutError(
-                        f"{self.role_name} rank {self.rank}: no rows to generate for {cfg.stall_seconds:.0f} s in "
-                        f"iteration {iteration}; dock status {dock.status()['rollout']}"
-                    )
+                self._check_stall(last_progress, iteration,
+                                  lambda: f"to generate; dock status {dock.status()['rollout']}")
                 continue
             start = time.time()
             batch, rows = got
