@@ -455,14 +455,25 @@ class StatusScript:
     text = script_text("status")
     sha = hashlib.sha1(text.encode()).hexdigest()
 
+    @staticmethod
+    def bitmaps(keys: DockKeys, schema: Schema) -> list[tuple[str, int]]:
+        """Every bitmap the script counts, in its order, with the number of bits it may have."""
+        rows, groups = schema.capacity, schema.prompts_num
+        out = []
+        for col in schema.columns:
+            out += [(keys.ready(col), rows), (keys.group_ready(col), groups)]
+        for consumer in schema.consumers:
+            out += [(keys.consumed(consumer), rows), (keys.group_taken(consumer), groups)]
+        out += [(keys.finished, rows), (keys.group_finished, groups)]
+        out += [(keys.group_age(a), groups) for a in range(schema.rollout.age_buckets)]
+        out += [(keys.group_wait(w), groups) for w in range(1, schema.rollout.age_buckets)]
+        return out
+
     @classmethod
     def queue(cls, pipe: Pipeline, keys: DockKeys, schema: Schema, fingerprint: str) -> None:
         """Queue the read of the dock's counts; ``fingerprint`` is the schema the caller expects."""
         rollout = schema.rollout
-        bitmaps = [kind(c) for c in schema.columns for kind in (keys.ready, keys.group_ready)]
-        bitmaps += [kind(c) for c in schema.consumers for kind in (keys.consumed, keys.group_taken)]
-        bitmaps += [keys.finished, keys.group_finished, *(keys.group_age(a) for a in range(rollout.age_buckets)),
-                    *(keys.group_wait(w) for w in range(1, rollout.age_buckets))]
+        bitmaps = [key for key, _ in cls.bitmaps(keys, schema)]
         rest = [kind(c) for c in schema.consumers for kind in (keys.leases, keys.redelivered)]
         responses = keys.data(rollout.response_columns[0]) if rollout.response_columns else keys.meta
         rest += [keys.version, keys.discarded, keys.group_versions, responses]
@@ -470,14 +481,13 @@ class StatusScript:
         pipe.execute_command("EVALSHA", cls.sha, 1 + len(bitmaps) + len(rest), keys.meta, *bitmaps, *rest,
                              fingerprint, len(bitmaps), staleness)
 
-    @staticmethod
+    @classmethod
     def parse(
-        reply: list[Any], schema: Schema
+        cls, reply: list[Any], keys: DockKeys, schema: Schema
     ) -> tuple[list[tuple[int, int]], list[tuple[int, Any]], tuple[Any, str, int, int]]:
-        """(bits set, bytes) per bitmap, in ``queue``'s order; (leased rows, raw counter) per consumer;
+        """(bits set, bytes) per bitmap, in ``bitmaps``' order; (leased rows, raw counter) per consumer;
         (raw version, "field=count,..." discarded, stale groups, rows holding a response)."""
-        ages = schema.rollout.age_buckets
-        bitmaps = 2 * (len(schema.columns) + len(schema.consumers)) + 2 + ages + max(ages - 1, 0)
+        bitmaps = len(cls.bitmaps(keys, schema))
         head, tail = reply[:-4], reply[-4:]
         pairs = list(zip(head[0::2], head[1::2]))
         text = tail[1].decode() if isinstance(tail[1], bytes) else str(tail[1])

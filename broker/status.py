@@ -108,9 +108,9 @@ def queue_statuses(
 def _parse(dock: DockRef, reply: list[Any]) -> dict[str, Any]:
     """A dock's status from its status script's reply; counts no broker could have written raise DecodeError."""
     s, k = dock.schema, dock.keys
-    bitmaps, consumers_raw, (version, discarded_text, stale, held) = StatusScript.parse(reply, s)
+    bitmaps, consumers_raw, (version, discarded_text, stale, held) = StatusScript.parse(reply, k, s)
     counts: dict[str, int] = {}
-    for (key, bits), (count, size) in zip(_bitmaps(dock), bitmaps):
+    for (key, bits), (count, size) in zip(StatusScript.bitmaps(k, s), bitmaps):
         if count > bits or size > -(-bits // 8):
             raise DecodeError(f"{key}: {count} bits set in {size} bytes, more than its dock's {bits} bits")
         counts[key] = count
@@ -151,20 +151,6 @@ def _parse(dock: DockRef, reply: list[Any]) -> dict[str, Any]:
         }
     if r.bounded:
         out["stale_groups"] = stale
-    return out
-
-
-def _bitmaps(dock: DockRef) -> list[tuple[str, int]]:
-    """Every status bitmap of the dock with the number of bits it may have, in the status script's order."""
-    s, k = dock.schema, dock.keys
-    out = []
-    for col in s.columns:
-        out += [(k.ready(col), s.capacity), (k.group_ready(col), s.prompts_num)]
-    for consumer in s.consumers:
-        out += [(k.consumed(consumer), s.capacity), (k.group_taken(consumer), s.prompts_num)]
-    out += [(k.finished, s.capacity), (k.group_finished, s.prompts_num)]
-    out += [(k.group_age(a), s.prompts_num) for a in range(s.rollout.age_buckets)]
-    out += [(k.group_wait(w), s.prompts_num) for w in range(1, s.rollout.age_buckets)]
     return out
 
 
