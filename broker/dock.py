@@ -472,10 +472,7 @@ class TransferDock(GenerationCalls):
                 args = [x for r in rows for x in ("GET", "u32", f"#{r}")]
                 pipe.execute_command("BITFIELD", self._keys.lengths(c), *args)
 
-        replies = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads, transaction=False))
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+        replies = self._reads(reads)
         return [sum(int(reply[i]) for reply in replies) for i in range(len(rows))]
 
     def _take_rows(
@@ -580,14 +577,7 @@ class TransferDock(GenerationCalls):
                 pipe.hmget(self._keys.data(col), fields)
             self._scripts.fence(pipe, handout.runs)  # after the HMGETs: it vouches for what they read
 
-        def fetch() -> list[Any]:
-            replies = run_pipeline(self._client, self._scripts.load_all, reads, transaction=False)
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-            return replies
-
-        *values_by_column, fence = self._run(fetch)
+        *values_by_column, fence = self._reads(reads)
         if not self._scripts.fence_holds(fence, handout):
             return None
         batch: Batch = {}
@@ -695,11 +685,7 @@ class TransferDock(GenerationCalls):
 
     def get_cur_index(self) -> int:
         """The next row ``prefetch_request_index`` would hand out (past the end once spent)."""
-        raw = self._run(lambda: self._client.get(self._keys.cursor))
-        try:
-            return int(raw or 0)
-        except ValueError:
-            raise DecodeError(f"{self._keys.cursor}: not an integer") from None
+        return self._read_int(self._keys.cursor)
 
     def reset_consumer(self, consumer: str, indexes: Sequence[int] | None = None) -> int:
         """Offer rows (``None``: every row) to ``consumer`` again, ending their leases; returns how many
@@ -722,11 +708,8 @@ class TransferDock(GenerationCalls):
             for col in names:
                 pipe.hmget(self._keys.data(col), fields)
 
-        replies = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads, transaction=False))
         out: Batch = {}
-        for col, values in zip(names, replies):
-            if isinstance(values, Exception):
-                raise values
+        for col, values in zip(names, self._reads(reads)):
             present = [(f, v) for f, v in zip(fields, values) if v is not None]
             decoded = iter(codec.decode_rows([v for _, v in present], where=self._keys.data(col),
                                              fields=[f for f, _ in present]))
@@ -809,6 +792,26 @@ class TransferDock(GenerationCalls):
                 raise
         with redis_errors(self._where):
             return call()
+
+    def _reads(self, build: Callable[[redis.client.Pipeline], None], *, transaction: bool = False) -> list[Any]:
+        """The replies of the read pipeline ``build`` queues; an error reply raises, as a broker error
+        (inside ``_run``, whose ``redis_errors`` turns Redis errors into the broker's)."""
+        def fetch() -> list[Any]:
+            replies = run_pipeline(self._client, self._scripts.load_all, build, transaction=transaction)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return replies
+
+        return self._run(fetch)
+
+    def _read_int(self, key: str) -> int:
+        """An integer key (a counter, the cursor, the version), 0 when unset."""
+        raw = self._run(lambda: self._client.get(key))
+        try:
+            return int(raw or 0)
+        except ValueError:
+            raise DecodeError(f"{key}: not an integer") from None
 
     def _stored(self) -> tuple[Schema, str]:
         """The schema stored in Redis and its fingerprint; DockNotFoundError if there is none."""

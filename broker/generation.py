@@ -13,11 +13,11 @@ from typing import Any, TypeVar
 import redis
 import torch
 
-from .errors import DecodeError, InvalidExperienceError
+from .errors import InvalidExperienceError
 from .keys import DockKeys
 from .rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
 from .schema import Schema
-from .scripts import DockScripts, Selection, run_pipeline
+from .scripts import DockScripts, Selection
 from .validation import DockChecks, bitmap_count, check_flag, check_version, encode_column, is_int
 
 T = TypeVar("T")
@@ -43,6 +43,12 @@ class GenerationCalls:
     _check: DockChecks
 
     def _run(self, call: Callable[[], T]) -> T:
+        raise NotImplementedError
+
+    def _reads(self, build: Callable[[redis.client.Pipeline], None], *, transaction: bool = False) -> list[Any]:
+        raise NotImplementedError
+
+    def _read_int(self, key: str) -> int:
         raise NotImplementedError
 
     @property
@@ -145,8 +151,7 @@ class GenerationCalls:
             pipe.get(k.group_finished)
             pipe.get(k.group_age(rollout.max_age - 1))
 
-        finished, last_age = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads,
-                                                            transaction=True))
+        finished, last_age = self._reads(reads, transaction=True)
         finished, last_age = finished or b"", last_age or b""
         if bitmap_count(finished) < rollout.gbs_train:
             return False
@@ -165,8 +170,7 @@ class GenerationCalls:
             pipe.hlen(k.data(rollout.response_columns[0]))
             pipe.bitcount(k.finished)
 
-        held, finished = self._run(lambda: run_pipeline(self._client, self._scripts.load_all, reads,
-                                                        transaction=True))
+        held, finished = self._reads(reads, transaction=True)
         return max(0, int(held) - int(finished))
 
     # -- versions and discarding --------------------------------------------------------------
@@ -178,11 +182,7 @@ class GenerationCalls:
 
     def version(self) -> int:
         """The current policy version (0 until ``set_version``)."""
-        raw = self._run(lambda: self._client.get(self._keys.version))
-        try:
-            return int(raw or 0)
-        except ValueError:
-            raise DecodeError(f"{self._keys.version}: not an integer") from None
+        return self._read_int(self._keys.version)
 
     def reserve_groups(self, count: int, column: str) -> list[int] | None:
         """Claim ``count`` free groups for new prompts, lowest first (None, claiming nothing, if fewer

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from broker import InvalidExperienceError, Rollout, SchemaError
+from broker import BrokerError, InvalidExperienceError, Rollout, SchemaError
 from broker.errors import RowIndexError
 
 COLUMNS = ("prompts", "prompt_length", "responses", "response_length", "rewards")
@@ -250,3 +250,17 @@ def test_stages_in_parallel_hold_the_same_groups_when_an_old_group_finishes_late
     dock.clear(consumer="actor_train")
     # Next iteration: a new batch, oldest first.
     assert dock.get_experience("reward", ["prompts"], 2)[1] == [4, 5]
+
+
+def test_generation_keys_holding_garbage_raise_broker_errors(make_dock):
+    dock = partial(make_dock)
+    dock.client.hset(dock.keys.group_finished, "x", 1)  # not a bitmap
+    with pytest.raises(BrokerError):
+        dock.get_update_ready()
+    dock.client.delete(dock.keys.group_finished)
+    dock.client.hset(dock.keys.finished, "x", 1)
+    with pytest.raises(BrokerError):
+        dock.get_incomplete_response_num()
+    dock.client.set(dock.keys.version, "seven")
+    with pytest.raises(BrokerError, match="not an integer"):
+        dock.version()
