@@ -8,6 +8,7 @@ from .dock import TransferDock
 from .errors import (
     BrokerConnectionError,
     BrokerError,
+    ClusterError,
     DecodeError,
     DockNotFoundError,
     ExperienceTimeoutError,
@@ -41,6 +42,7 @@ __all__ = [
     "RowIndexError",
     "SchemaError",
     "StoreFullError",
+    "ClusterError",
     "UnknownColumnError",
     "UnknownConsumerError",
     "VersionError",

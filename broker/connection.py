@@ -12,11 +12,13 @@ from urllib.parse import quote
 
 import redis
 from redis.backoff import EqualJitterBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from .errors import (
     BrokerConnectionError,
     BrokerError,
+    ClusterError,
     DecodeError,
     DockNotFoundError,
     RedisCommandError,
@@ -26,6 +28,9 @@ from .errors import (
 )
 
 T = TypeVar("T")
+
+#: What the broker talks to: one Redis server, or a Redis Cluster (any of whose nodes a URL may name).
+Client = redis.Redis | RedisCluster
 
 #: Where tools look when no URL is given.
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -127,11 +132,13 @@ _shared: dict[str, list[Any]] = {}
 _shared_lock = threading.Lock()
 
 
-def connect(target: str | redis.Redis) -> tuple[redis.Redis, str | None]:
+def connect(target: str | Client) -> tuple[Client, str | None]:
     """A client for ``target`` (a URL or a client) and the URL that reopens it, if one is known.
 
     A URL gives the client shared by every user of that URL in this process; hand it back with
-    ``disconnect(url)``. A client passed in is the caller's, used as it is and never closed here.
+    ``disconnect(url)``. A URL naming any node of a Redis Cluster gives a ``RedisCluster`` client,
+    which finds the other nodes itself. A client passed in (``redis.Redis`` or ``RedisCluster``) is
+    the caller's, used as it is and never closed here.
     """
     if isinstance(target, str):
         with _shared_lock:
@@ -140,10 +147,11 @@ def connect(target: str | redis.Redis) -> tuple[redis.Redis, str | None]:
                 entry = _shared[target] = [_open_url(target), 0]
             entry[1] += 1
             return entry[0], target
-    if not isinstance(target, redis.Redis):
-        raise BrokerError(f"expected a Redis URL or a redis.Redis client, got {type(target).__name__}")
-    kwargs = target.connection_pool.connection_kwargs
-    if kwargs.get("decode_responses"):
+    if not isinstance(target, (redis.Redis, RedisCluster)):
+        raise BrokerError(
+            f"expected a Redis URL, a redis.Redis or a redis.cluster.RedisCluster client, got {type(target).__name__}"
+        )
+    if target.get_encoder().decode_responses:
         raise BrokerError("the Redis client must be created with decode_responses=False: tensors are bytes")
     return target, url_of(target)
 
@@ -161,7 +169,48 @@ def disconnect(url: str) -> None:
     entry[0].close()
 
 
-def _open_url(url: str) -> redis.Redis:
+def _open_url(url: str) -> Client:
+    """The client of ``url``: a plain one, or a cluster client if the server is a cluster node.
+
+    One INFO round trip tells which (``cluster_enabled``). A user not granted INFO is taken to be on a
+    plain server; were it a cluster node, its first command on another node's slot fails with a
+    broker error naming the cluster (see ``redis_errors``).
+    """
+    client = _open_node(url)
+    try:
+        with redis_errors(redact(url)):
+            try:
+                clustered = bool(client.info("cluster").get("cluster_enabled"))
+            except redis.exceptions.NoPermissionError:
+                clustered = False
+    except BaseException:
+        client.close()
+        raise
+    if not clustered:
+        return client
+    client.close()
+    return _open_cluster(url)
+
+
+#: How many times a cluster client follows MOVED/ASK redirects or rides a CLUSTERDOWN out before it
+#: reports the error: enough for a failover (a replica promoted within seconds) with the backoff
+#: below, few enough that a cluster that stays broken is reported within a minute.
+CLUSTER_ATTEMPTS = 12
+
+
+def _open_cluster(url: str) -> RedisCluster:
+    """A cluster client for ``url`` (any node's), with the same timeouts and retries as a plain one."""
+    try:
+        with redis_errors(redact(url)):
+            return RedisCluster.from_url(
+                url, retry=default_retry(), cluster_error_retry_attempts=CLUSTER_ATTEMPTS,
+                health_check_interval=30, socket_connect_timeout=10, socket_timeout=60, socket_keepalive=True,
+            )
+    except ValueError as exc:
+        raise BrokerError(f"invalid Redis Cluster URL {redact(url)!r}: {exc}") from None
+
+
+def _open_node(url: str) -> redis.Redis:
     try:
         # Keepalive and health checks: training runs hold connections idle for minutes. The timeouts
         # turn a silent peer into an error (no broker command runs for a minute); the URL's query
@@ -182,10 +231,10 @@ def _open_url(url: str) -> redis.Redis:
 #: (ACL users confined to a dock are not granted CONFIG: it would show them the server's settings).
 DEFAULT_VALUE_LIMITS = {"proto-max-bulk-len": 512 * 1024 * 1024, "client-query-buffer-limit": 1024 * 1024 * 1024}
 
-_value_limits: weakref.WeakKeyDictionary[redis.Redis, tuple[int, str]] = weakref.WeakKeyDictionary()
+_value_limits: weakref.WeakKeyDictionary[Client, tuple[int, str]] = weakref.WeakKeyDictionary()
 
 
-def value_limit(client: redis.Redis) -> tuple[int, str]:
+def value_limit(client: Client) -> tuple[int, str]:
     """The largest value (bytes) the server takes in one command argument, and the setting that says so.
 
     Redis refuses a bulk longer than ``proto-max-bulk-len`` and closes a connection whose query buffer
@@ -207,8 +256,14 @@ def value_limit(client: redis.Redis) -> tuple[int, str]:
     return known
 
 
-def url_of(client: redis.Redis) -> str | None:
-    """A URL reopening ``client``'s server, or None for clients that have none (fakeredis, custom pools)."""
+def url_of(client: Client) -> str | None:
+    """A URL reopening ``client``'s server, or None for clients that have none (fakeredis, custom pools).
+
+    For a cluster client, the URL of one of its nodes: opening it finds the others (see ``connect``).
+    """
+    if isinstance(client, RedisCluster):
+        node = client.get_default_node() or next(iter(client.get_primaries()), None)
+        return None if node is None or node.redis_connection is None else url_of(node.redis_connection)
     pool = client.connection_pool
     kwargs = pool.connection_kwargs
     cls = pool.connection_class
@@ -246,6 +301,25 @@ def redis_errors(where: str) -> Iterator[None]:
         yield
     except redis.AuthenticationError as exc:
         raise BrokerConnectionError(f"Redis at {where} refused the credentials: {exc}") from exc
+    except redis.exceptions.AskError as exc:  # MovedError too: redis-py keeps only "SLOT HOST:PORT" of it
+        kind = "MOVED" if isinstance(exc, redis.exceptions.MovedError) else "ASK"
+        raise ClusterError(
+            f"Redis at {where} is a Redis Cluster node and redirected the call ({kind} {exc}: slot {exc.slot_id} "
+            f"is served by {exc.host}:{exc.port}); the redirects did not settle. Open the dock from a URL so the "
+            "broker uses a cluster client, or pass a redis.cluster.RedisCluster client"
+        ) from exc
+    except redis.exceptions.ClusterDownError as exc:
+        raise ClusterError(
+            f"Redis Cluster at {where} is down ({exc}): a primary failed and no replica took over in time"
+        ) from exc
+    except redis.exceptions.TryAgainError as exc:
+        raise ClusterError(f"Redis Cluster at {where} is moving the slot of this call's keys: {exc}") from exc
+    except redis.exceptions.ClusterCrossSlotError as exc:
+        raise ClusterError(f"Redis Cluster at {where} refused keys of several slots in one command: {exc}") from exc
+    except redis.exceptions.ClusterError as exc:
+        raise ClusterError(f"Redis Cluster at {where}: {exc}") from exc
+    except redis.exceptions.RedisClusterException as exc:  # not a RedisError: cross-slot MULTI, uncovered slot
+        raise ClusterError(f"Redis Cluster at {where} refused the call: {_short(exc)}") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise BrokerConnectionError(f"Redis at {where}: {exc}") from exc
     except redis.exceptions.OutOfMemoryError as exc:

@@ -14,7 +14,7 @@ import redis
 
 from . import codec, metrics
 from .balance import balanced_order, dp_padded
-from .connection import connect, disconnect, redact, redis_errors, value_limit
+from .connection import Client, connect, disconnect, redact, redis_errors, value_limit
 from .errors import (
     BrokerError,
     DecodeError,
@@ -83,7 +83,7 @@ class TransferDock(GenerationCalls):
 
     def __init__(
         self,
-        url_or_client: str | redis.Redis,
+        url_or_client: str | Client,
         name: str,
         prompts_num: int,
         n_samples_per_prompt: int,
@@ -123,7 +123,7 @@ class TransferDock(GenerationCalls):
 
     @classmethod
     def attach(
-        cls, url_or_client: str | redis.Redis, name: str, *, policy: str = "fifo", seed: int | None = None
+        cls, url_or_client: str | Client, name: str, *, policy: str = "fifo", seed: int | None = None
     ) -> TransferDock:
         """Open the existing dock ``name`` from the schema stored in Redis."""
         dock = cls.__new__(cls)
@@ -142,7 +142,7 @@ class TransferDock(GenerationCalls):
             self.close()
             raise
 
-    def _open(self, target: str | redis.Redis, name: str, policy: str, seed: int | None) -> None:
+    def _open(self, target: str | Client, name: str, policy: str, seed: int | None) -> None:
         self._policy = check_policy(policy)
         self._keys = DockKeys(name)
         self._closed = True  # until connected: close() then has nothing to hand back
@@ -245,7 +245,7 @@ class TransferDock(GenerationCalls):
         return self._keys
 
     @property
-    def client(self) -> redis.Redis:
+    def client(self) -> Client:
         """The Redis client the dock talks through."""
         return self._client
 

@@ -75,6 +75,11 @@ class RedisCommandError(BrokerError):
     """Redis refused a command (permissions, wrong server state, ...)."""
 
 
+class ClusterError(RedisCommandError):
+    """A Redis Cluster refused or redirected a call and did not settle: a slot moved, a primary is down,
+    or keys of several slots met in one command. The message names the slot, node or keys."""
+
+
 class StoreFullError(RedisCommandError):
     """Redis reached its ``maxmemory`` and refused a write; the call that got this applied nothing."""
 

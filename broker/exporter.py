@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import CollectorRegistry
 from redis.client import Pipeline
 
-from .connection import redis_errors
+from .connection import Client, redis_errors
 from .errors import BrokerError
 from .status import DockRef, Survey
 
@@ -108,7 +108,7 @@ class DockCollector:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Client,
         names: Sequence[str] = (),
         *,
         where: str,
@@ -239,7 +239,7 @@ class DockCollector:
 
 
 def serve(
-    client: redis.Redis,
+    client: Client,
     names: Sequence[str] = (),
     *,
     where: str,

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import redis
 import torch
 
+from .connection import Client
 from .errors import InvalidExperienceError
 from .keys import DockKeys
 from .rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
@@ -39,7 +40,7 @@ class GenerationCalls:
     _schema: Schema
     _keys: DockKeys
     _scripts: DockScripts
-    _client: redis.Redis
+    _client: Client
     _check: DockChecks
 
     def _run(self, call: Callable[[], T]) -> T:

@@ -64,11 +64,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
-import redis
 import torch
 
 from .balance import dp_padded
-from .connection import connect, default_url, disconnect
+from .connection import Client, connect, default_url, disconnect
 from .dock import TransferDock
 from .errors import (
     DockNotFoundError,
@@ -344,7 +343,7 @@ def _rollout(max_age: int, gbs_train: int) -> Rollout | None:
                    gbs_train=gbs_train)
 
 
-def _open(url: str | redis.Redis | None, name: str, prompts_num: int, n: int, columns: Sequence[str],
+def _open(url: str | Client | None, name: str, prompts_num: int, n: int, columns: Sequence[str],
           consumers: Sequence[str], rollout: Rollout | None = None) -> TransferDock:
     """Create the dock, or attach to it and grow it to hold ``columns`` and ``consumers``."""
     target = url or default_url()
@@ -389,7 +388,7 @@ class GRPOTransferDock(_Docked):
         timeout: float | None = None,
         timeout_interval: float | None = None,
         *,
-        url: str | redis.Redis | None = None,
+        url: str | Client | None = None,
         name: str = DEFAULT_DOCK,
     ) -> None:
         if not is_int(max_age) or max_age < 1:
@@ -537,7 +536,7 @@ class GRPOTransferDock(_Docked):
 
 
 def _grpo_dock(prompts_num: int, n: int, columns: list[str], consumers: list[str], timeout: float,
-               interval: float, url: str | redis.Redis | None, name: str, max_age: int = 1,
+               interval: float, url: str | Client | None, name: str, max_age: int = 1,
                gbs_train: int = 0) -> GRPOTransferDock:
     defaults = set(DEFAULT_COLUMNS), set(DEFAULT_CONSUMERS)
     return GRPOTransferDock(prompts_num, n, None, max_age, gbs_train, [c for c in columns if c not in defaults[0]],
@@ -547,8 +546,8 @@ def _grpo_dock(prompts_num: int, n: int, columns: list[str], consumers: list[str
 class TransferQueueClient(_Docked):
     """MindSpeed-RL's TransferQueue client: topics, each a dock named ``tq.TOPIC`` on one Redis server."""
 
-    def __init__(self, url: str | redis.Redis | None = None, *, prefix: str = "tq.") -> None:
-        self._url: str | redis.Redis = url or default_url()
+    def __init__(self, url: str | Client | None = None, *, prefix: str = "tq.") -> None:
+        self._url: str | Client = url or default_url()
         self._prefix = prefix
         self._docks: dict[str, TransferDock] = {}
         self._timeouts: dict[str, float] = {}
@@ -810,7 +809,7 @@ class TransferQueueClient(_Docked):
         self._timings = dict.fromkeys(self._timings, 0.0)
 
 
-def _tq_client(url: str | redis.Redis, prefix: str) -> TransferQueueClient:
+def _tq_client(url: str | Client, prefix: str) -> TransferQueueClient:
     return TransferQueueClient(url, prefix=prefix)
 
 

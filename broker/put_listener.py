@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import redis
 
+from .connection import Client
+
 T = TypeVar("T")
 
 #: How often the listener looks up from its socket to notice close() and idleness.
@@ -37,7 +39,7 @@ class PutListener:
     The thread starts on the first wait that needs it and ends after ``idle_seconds`` with no waiter.
     """
 
-    def __init__(self, client: redis.Redis, channel: str, *, idle_seconds: float = 30.0):
+    def __init__(self, client: Client, channel: str, *, idle_seconds: float = 30.0):
         self._client = client
         self._channel = channel
         self._idle_seconds = idle_seconds
@@ -133,7 +135,7 @@ class PutListener:
             while not self._should_stop():
                 try:
                     if pubsub is None:
-                        pubsub = self._client.pubsub()
+                        pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]  # RedisCluster.pubsub is untyped
                         pubsub.subscribe(self._channel)
                     message = pubsub.get_message(timeout=_TICK_SECONDS)
                     if message is not None:

@@ -23,6 +23,7 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
+from .connection import Client
 from .keys import DockKeys
 from .schema import Schema
 
@@ -117,7 +118,7 @@ def expand_includes(text: str, read: Callable[[str], str]) -> str:
 ALLOW_OOM = "#!lua flags=allow-oom\n"
 
 
-def supports_flags(client: redis.Redis) -> bool:
+def supports_flags(client: Client) -> bool:
     """Whether the server takes Redis 7 script flags (Redis 6.2 and fakeredis do not)."""
     try:
         client.eval(ALLOW_OOM + "return 1", 0)
@@ -193,7 +194,7 @@ class DockScripts:
     the dock still holds the schema this client knows.
     """
 
-    def __init__(self, client: redis.Redis, keys: DockKeys, *, allow_oom: bool):
+    def __init__(self, client: Client, keys: DockKeys, *, allow_oom: bool):
         prefix = ALLOW_OOM if allow_oom else ""
         self._keys = keys
         self._scripts = {
@@ -214,7 +215,7 @@ class DockScripts:
         # trip per call; run_pipeline loads the script and repeats the pipeline on NOSCRIPT.
         pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
 
-    def load_all(self, client: redis.Redis) -> None:
+    def load_all(self, client: Client) -> None:
         """Load every script (after a NOSCRIPT inside a MULTI, where redis-py does not do it)."""
         for script in self._scripts.values():
             client.script_load(script.script)
@@ -494,7 +495,7 @@ class StatusScript:
         return pairs[:bitmaps], pairs[bitmaps:], (tail[0], text, int(tail[2]), int(tail[3]))
 
     @classmethod
-    def load(cls, client: redis.Redis) -> None:
+    def load(cls, client: Client) -> None:
         client.script_load(cls.text)
 
 
@@ -506,7 +507,7 @@ def _numbers(text: bytes | str) -> tuple[int, ...]:
 
 
 def run_pipeline(
-    client: redis.Redis, load: Callable[[redis.Redis], None], build: Callable[[Pipeline], None], *,
+    client: Client, load: Callable[[Client], None], build: Callable[[Pipeline], None], *,
     transaction: bool,
 ) -> list[Any]:
     """Run the pipeline (a MULTI/EXEC if ``transaction``) that ``build`` queues; its replies, errors included.

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from .connection import script_error
+from .connection import Client, script_error
 from .errors import BrokerError, DecodeError, DockNotFoundError, SchemaError
 from .keys import META_PATTERN, DockKeys, dock_name_from_meta_key
 from .schema import Schema, fingerprint
@@ -35,7 +35,7 @@ class DockRef:
     fingerprint: str
 
 
-def read_metas(client: redis.Redis, names: Sequence[str]) -> list[DockRef | BrokerError]:
+def read_metas(client: Client, names: Sequence[str]) -> list[DockRef | BrokerError]:
     """The schema of each named dock, in one round trip; a missing or broken meta is that dock's error."""
     pipe = client.pipeline(transaction=False)
     keys = [DockKeys(name) for name in names]
@@ -55,13 +55,13 @@ def read_metas(client: redis.Redis, names: Sequence[str]) -> list[DockRef | Brok
     return out
 
 
-def read_statuses(client: redis.Redis, docks: Sequence[DockRef]) -> list[dict[str, Any] | BrokerError]:
+def read_statuses(client: Client, docks: Sequence[DockRef]) -> list[dict[str, Any] | BrokerError]:
     """The status of each dock (see ``TransferDock.status``), in one round trip."""
     return _read_statuses(client, docks)[0]
 
 
 def _read_statuses(
-    client: redis.Redis, docks: Sequence[DockRef], also: Callable[[Pipeline], None] | None = None
+    client: Client, docks: Sequence[DockRef], also: Callable[[Pipeline], None] | None = None
 ) -> tuple[list[dict[str, Any] | BrokerError], list[Any]]:
     """Each dock's status, and the replies of what ``also`` queued after them in the same pipeline."""
     parse: list[Callable[[list[Any]], list[dict[str, Any] | BrokerError]]] = []
@@ -165,7 +165,7 @@ def _counter(raw: Any, key: str) -> int:
     return value
 
 
-def dock_names(client: redis.Redis) -> list[str]:
+def dock_names(client: Client) -> list[str]:
     """Names of every dock on the server, sorted (a SCAN of the whole keyspace: one round trip per 1,000 keys)."""
     found = {dock_name_from_meta_key(k) for k in client.scan_iter(match=META_PATTERN, count=1000)}
     return sorted(n for n in found if n)
@@ -191,7 +191,7 @@ whatever the number of docks.
     Not thread-safe: one reader at a time.
     """
 
-    def __init__(self, client: redis.Redis, names: Sequence[str] = (), *, rescan_seconds: float = 60.0):
+    def __init__(self, client: Client, names: Sequence[str] = (), *, rescan_seconds: float = 60.0):
         self._client = client
         self._fixed = list(names)
         self._rescan_seconds = rescan_seconds
