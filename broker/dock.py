@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import threading
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 import redis
+from redis.cluster import RedisCluster
 
 from . import codec, metrics
 from .balance import balanced_order, dp_padded
@@ -32,6 +34,7 @@ from .rollout import Rollout
 from .schema import Schema, fingerprint
 from .scripts import DockScripts, Handout, Selection, rows_of, run_pipeline, runs_of, supports_flags
 from .status import DockRef, read_statuses
+from .store import DataStore, ShardedStore, SlotStore, choose_shards
 from .validation import (
     DockChecks,
     abbrev,
@@ -94,6 +97,7 @@ class TransferDock(GenerationCalls):
         seed: int | None = None,
         length_columns: Sequence[str] = (),
         rollout: Rollout | None = None,
+        shards: int | None = None,
     ):
         """Create dock ``name``, or attach to it if it exists with the same schema.
 
@@ -104,10 +108,20 @@ class TransferDock(GenerationCalls):
         ``length_columns`` are columns holding one integer per row (``prompt_length``,
         ``response_length``): their sum is a row's cost when sampling or ordering balances load.
         ``rollout`` turns on partial rollout and the staleness bound (see :class:`broker.Rollout`).
+
+        ``shards`` spreads the rows' bytes over that many data shards (see ``store.py``); None: on a Redis
+        Cluster one per primary, each on its own, and on one server none (the bytes stay in the dock's
+        slot, as does a dock with partial rollout or a staleness bound). Only a dock being made uses it:
+        an existing dock keeps the shards it was made with.
         """
         wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout)
+        if shards is not None and (not is_int(shards) or shards < 0):
+            raise SchemaError(f"shards must be None or an int >= 0, got {shards!r}")
         self._open(url_or_client, name, policy, seed)
         with self._closed_on_error():
+            if wanted.rollout == Rollout() or shards:
+                tags = self._run(lambda: choose_shards(self._client, name, shards))
+                wanted = dataclasses.replace(wanted, shards=tags)
             fields = wanted.to_meta()
             stored = self._run(lambda: self._scripts.create(fields))
             #: Whether this call made the dock (False: it existed, with this schema).
@@ -153,8 +167,12 @@ class TransferDock(GenerationCalls):
         self._where = f"{self._server} (dock {name!r})"  # names the dock in every Redis error
         with self._closed_on_error():
             allow_oom = self._run(lambda: supports_flags(self._client))
-        self._scripts = DockScripts(self._client, self._keys, allow_oom=allow_oom)
-        self._listener = PutListener(self._client, self._keys.events)
+        # A Redis 7 cluster announces puts with sharded pub/sub (allow_oom: the server takes Redis 7
+        # script flags), which stays on the dock's shard instead of being broadcast to every node.
+        sharded_events = isinstance(self._client, RedisCluster) and allow_oom
+        self._scripts = DockScripts(self._client, self._keys, allow_oom=allow_oom,
+                                    publish="SPUBLISH" if sharded_events else "PUBLISH")
+        self._listener = PutListener(self._client, self._keys.events, sharded=sharded_events)
         self._seed = seed
         self._seeds = _Seeds(seed)
 
@@ -163,6 +181,11 @@ class TransferDock(GenerationCalls):
         self._check = DockChecks(self.name, schema)
         self._fingerprint = stored_fingerprint
         self._scripts.bind(schema, stored_fingerprint)
+        columns = lambda: self._schema.columns  # noqa: E731  # the store sees columns a grow adds
+        self._store: DataStore = (
+            ShardedStore(self._client, self._keys, self._scripts, columns, schema.shards, schema.n_samples_per_prompt)
+            if schema.shards else SlotStore(self._client, self._keys, self._scripts, columns)
+        )
 
     def close(self) -> None:
         """Stop using the dock object (the dock in Redis stays): hand back its connections. Idempotent.
@@ -310,22 +333,12 @@ class TransferDock(GenerationCalls):
             check_sizes(encoded, *self._run(lambda: value_limit(self._client)))
             runs = runs_of(rows)
             flags_in_run_order = None if flags is None else [flags[i] for i in in_run_order]
-
-            def transaction(pipe: redis.client.Pipeline) -> None:
-                for col, mapping in encoded.items():
-                    pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
-                self._scripts.put(pipe, list(encoded), runs, lengths)
-                if flags_in_run_order is not None or version is not None:
+            finish = None
+            if flags_in_run_order is not None or version is not None:
+                def finish(pipe: redis.client.Pipeline | None) -> None:
                     self._scripts.finish(pipe, runs, flags_in_run_order, version)
 
-            def put() -> None:
-                replies = run_pipeline(self._client, self._scripts.load_all, transaction, transaction=True)
-                # The script's own error names the bad key; a failed HSET alone would only say WRONGTYPE.
-                for reply in replies[::-1]:
-                    if isinstance(reply, Exception):
-                        raise reply
-
-            self._run(put)
+            self._run(lambda: self._store.put(encoded, runs, lengths, finish))
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
 
@@ -565,30 +578,23 @@ class TransferDock(GenerationCalls):
         return LeasedRows(rows, token, consumer) if token else rows
 
     def _read(self, columns: list[str], rows: list[int], handout: Handout, call: metrics.Call) -> Batch | None:
-        """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out.
-
-        One round trip: the HMGETs, then the fence script reading the epoch and the rows' generations,
-        in one pipeline (see ``DockScripts.fence`` and lua/include/generations.lua).
-        """
+        """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out
+        (the read fence: see ``store.py`` and lua/include/generations.lua)."""
         fields = [str(r) for r in rows]
-
-        def reads(pipe: redis.client.Pipeline) -> None:
-            for col in columns:
-                pipe.hmget(self._keys.data(col), fields)
-            self._scripts.fence(pipe, handout.runs)  # after the HMGETs: it vouches for what they read
-
-        *values_by_column, fence = self._reads(reads)
-        if not self._scripts.fence_holds(fence, handout):
+        values_by_column = self._run(lambda: self._store.read(columns, rows, handout))
+        if values_by_column is None:
             return None
         batch: Batch = {}
         for col, values in zip(columns, values_by_column):
-            key = self._keys.data(col)
+            key = self._keys.data(col) if not self._schema.shards else f"column {col!r} of dock {self.name!r}"
             gone = [r for r, v in zip(rows, values) if v is None]
-            if gone:  # no clear touched them (the fence held): their bytes were removed behind the broker's back
+            if gone:
+                # No clear touched them (the fence held): their bytes were removed behind the broker's back,
+                # or lost with a cluster primary that failed before its replica had them (see the README).
                 raise MissingDataError(f"{key}: rows {abbrev(gone)} are marked ready but hold no bytes")
-            batch[col] = codec.decode_rows(values, where=key, fields=fields)
+            batch[col] = codec.decode_rows(cast("list[bytes]", values), where=key, fields=fields)
         if call.live:
-            call.nbytes += sum(len(v) for values in values_by_column for v in values)
+            call.nbytes += sum(len(v) for values in values_by_column for v in values if v is not None)
         return batch
 
     def _wait(self, attempt: Callable[[], T | None], timeout: float | None) -> T | None:
@@ -703,13 +709,8 @@ class TransferDock(GenerationCalls):
         names = self._check.columns_to_read(columns)
         rows = self._check.rows(indexes)
         fields = [str(r) for r in rows]
-
-        def reads(pipe: redis.client.Pipeline) -> None:
-            for col in names:
-                pipe.hmget(self._keys.data(col), fields)
-
         out: Batch = {}
-        for col, values in zip(names, self._reads(reads)):
+        for col, values in zip(names, self._run(lambda: self._store.read_now(names, rows))):
             present = [(f, v) for f, v in zip(fields, values) if v is not None]
             decoded = iter(codec.decode_rows([v for _, v in present], where=self._keys.data(col),
                                              fields=[f for f, _ in present]))
@@ -763,10 +764,10 @@ class TransferDock(GenerationCalls):
                     raise InvalidExperienceError("clear takes indexes or consumer, not both")
                 self._check.consumer(consumer)
                 check_flag("age", age)
-                self._run(lambda: self._scripts.clear(iteration_of=consumer, age=age))
+                self._run(lambda: self._store.forget(self._scripts.clear(iteration_of=consumer, age=age)))
                 return
             rows = [] if indexes is None else self._check.rows(indexes)
-            self._run(lambda: self._scripts.clear(rows))
+            self._run(lambda: self._store.forget(self._scripts.clear(rows), whole=not rows))
             call.rows = len(rows) if rows else self.capacity
 
     def delete(self) -> None:
@@ -777,6 +778,9 @@ class TransferDock(GenerationCalls):
         """
         keys = self._keys.every_key(self.columns, self.consumers, self._schema.rollout.age_buckets)
         self._run(lambda: self._client.delete(*keys))
+        shard_keys = self._run(self._store.every_key) if self._schema.shards else []
+        if shard_keys:
+            self._run(lambda: self._client.delete(*shard_keys))
 
     def _run(self, call: Callable[[], T]) -> T:
         if self._closed:

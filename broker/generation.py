@@ -19,6 +19,7 @@ from .keys import DockKeys
 from .rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
 from .schema import Schema
 from .scripts import DockScripts, Selection
+from .store import DataStore
 from .validation import DockChecks, bitmap_count, check_flag, check_version, encode_column, is_int
 
 T = TypeVar("T")
@@ -42,6 +43,7 @@ class GenerationCalls:
     _scripts: DockScripts
     _client: Client
     _check: DockChecks
+    _store: DataStore
 
     def _run(self, call: Callable[[], T]) -> T:
         raise NotImplementedError
@@ -131,7 +133,7 @@ class GenerationCalls:
         """Make every group holding a response, or its placeholder, one iteration older (the queue's
         ``increment_ages``; ``clear(consumer=...)`` ages only groups that were generated)."""
         self._partial("age_groups")
-        self._run(lambda: self._scripts.clear(iteration_of=""))
+        self._run(lambda: self._store.forget(self._scripts.clear(iteration_of="")))
 
     def unready(self, columns: Sequence[str], indexes: Sequence[int]) -> int:
         """Mark rows of columns not ready, keeping their bytes (the TransferQueue's
@@ -206,7 +208,9 @@ class GenerationCalls:
         """
         self._check.consumer(consumer)
         picked = self._check.groups(groups)
-        return self._run(lambda: self._scripts.discard(picked, regenerate=False, field=consumer, max_staleness=None))
+        return self._run(lambda: self._store.forget(
+            self._scripts.discard(picked, regenerate=False, field=consumer, max_staleness=None)
+        ))
 
     def _discard_stale(self, groups: list[int], max_staleness: int | None) -> None:
         """Apply the staleness policy to groups a sampling call found stale and left out."""
@@ -216,7 +220,7 @@ class GenerationCalls:
         if regenerate and rollout.partial:  # what the rollout reads as the response so far
             one = self._placeholders(1)
             placeholders = {c: encode_column(c, rows, 1)[0] for c, rows in one.items()}
-        self._run(lambda: self._scripts.discard(
+        self._run(lambda: self._store.forget(self._scripts.discard(
             groups, regenerate=regenerate, field="regenerated" if regenerate else "stale",
             max_staleness=max_staleness, placeholders=placeholders,
-        ))
+        )))

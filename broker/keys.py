@@ -58,7 +58,14 @@ key                                type    contents
 ``td:{NAME}:discarded``            hash    groups discarded since the last whole clear: field = the consumer
                                            that dropped them, or ``stale`` / ``regenerated``
 ``td:{NAME}:admitted``             string  rows ``prefetch_request_index`` admitted under a staleness bound
+``td:{NAME~S}:data:COLUMN:EPOCH``  hash    a sharded dock's row bytes (see store.py): data shard S (its
+                                           own hash tag, so its own slot), rows written in epoch EPOCH;
+                                           field = ``ROW:GENERATION``, value = one encoded tensor
 =================================  ======  ============================================================
+
+On a Redis Cluster the keys above live in the slot of ``{NAME}``, but a sharded dock's bytes are spread
+over the data shards ``{NAME~S}``, whose tags the schema stores (``Schema.shards``). Their names cannot
+clash with another dock's: ``~`` is not allowed in names.
 """
 
 from __future__ import annotations
@@ -82,6 +89,16 @@ def scan_pattern(docks: str = "*", rest: str = "*") -> str:
     """SCAN pattern of the keys ``rest`` (a glob after ``td:{NAME}:``) of the docks whose names match the
     glob ``docks``: ``scan_pattern("bench-*")`` is every key of every dock named ``bench-...``."""
     return f"{PREFIX}:{{{docks}}}:{rest}"
+
+
+def shard_tag(dock: str, index: int) -> str:
+    """Hash tag of candidate data shard ``index`` of ``dock`` (see ``DockKeys.shard_data``)."""
+    return f"{dock}~{index}"
+
+
+def shard_pattern(dock: str) -> str:
+    """SCAN pattern of every data shard key of ``dock``."""
+    return f"{PREFIX}:{{{dock}~*}}:*"
 
 
 def check_name(kind: str, name: object) -> str:
@@ -140,6 +157,11 @@ class DockKeys:
 
     def data(self, column: str) -> str:
         return f"{self.base}data:{column}"
+
+    @staticmethod
+    def shard_data(tag: str, column: str, epoch: int) -> str:
+        """A sharded dock's data hash of ``column`` on shard ``tag`` for the rows written in ``epoch``."""
+        return f"{PREFIX}:{{{tag}}}:data:{column}:{epoch}"
 
     def ready(self, column: str) -> str:
         return f"{self.base}ready:{column}"

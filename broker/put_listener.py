@@ -39,9 +39,11 @@ class PutListener:
     The thread starts on the first wait that needs it and ends after ``idle_seconds`` with no waiter.
     """
 
-    def __init__(self, client: Client, channel: str, *, idle_seconds: float = 30.0):
+    def __init__(self, client: Client, channel: str, *, idle_seconds: float = 30.0, sharded: bool = False):
         self._client = client
         self._channel = channel
+        #: Sharded pub/sub (SSUBSCRIBE, Redis 7 clusters): the puts announce with SPUBLISH.
+        self._sharded = sharded
         self._idle_seconds = idle_seconds
         self._cond = threading.Condition()
         self._wakeups = 0  # messages seen, and reconnects: each is a reason to try again
@@ -136,12 +138,18 @@ class PutListener:
                 try:
                     if pubsub is None:
                         pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]  # RedisCluster.pubsub is untyped
-                        pubsub.subscribe(self._channel)
-                    message = pubsub.get_message(timeout=_TICK_SECONDS)
+                        if self._sharded:
+                            pubsub.ssubscribe(self._channel)
+                        else:
+                            pubsub.subscribe(self._channel)
+                    if self._sharded:
+                        message = pubsub.get_sharded_message(timeout=_TICK_SECONDS)
+                    else:
+                        message = pubsub.get_message(timeout=_TICK_SECONDS)
                     if message is not None:
                         # A (re)subscription confirms that no put from now on is missed, and puts may
                         # have landed before it: either way the waiters try again.
-                        self._wake(subscribed=True if message["type"] == "subscribe" else None)
+                        self._wake(subscribed=True if message["type"] in ("subscribe", "ssubscribe") else None)
                     backoff = 0.05
                 except (redis.RedisError, OSError, ValueError, TypeError, AttributeError):
                     # Dropped or refused (server restart, CLIENT KILL), or the client was closed under

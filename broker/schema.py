@@ -19,7 +19,7 @@ FORMAT_VERSION = 1
 
 #: Meta fields every script compares with what its client expects (lua/include/schema.lua), in order.
 CHECKED_FIELDS = ("format_version", "prompts_num", "n_samples_per_prompt", "columns", "consumers", "length_columns",
-                  "rollout")
+                  "rollout", "shards")
 
 #: Bitmaps of more rows than this would be slow to scan and big to hold; raise it deliberately.
 MAX_CAPACITY = 1 << 26
@@ -38,6 +38,9 @@ class Schema:
     length_columns: tuple[str, ...] = ()
     #: Partial rollout and the staleness bound (see ``rollout.py``); ``Rollout()`` turns both off.
     rollout: Rollout = Rollout()
+    #: Hash tags of the data shards (``DockKeys.shard_data``) on a Redis Cluster, chosen when the dock is
+    #: made so that they land on distinct primaries; empty: the row bytes stay in the dock's own slot.
+    shards: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("prompts_num", "n_samples_per_prompt"):
@@ -62,6 +65,10 @@ class Schema:
         if not isinstance(self.rollout, Rollout):
             raise SchemaError(f"rollout must be a broker.Rollout, got {self.rollout!r}")
         self.rollout.check(self.columns, self.consumers)
+        if self.shards and self.rollout != Rollout():
+            # Partial rollout and regeneration write placeholders from inside scripts, which reach only
+            # the dock's own slot: such docks keep their bytes there (see store.py).
+            raise SchemaError("a sharded dock takes no partial rollout or staleness settings (rollout=Rollout())")
 
     @classmethod
     def build(
@@ -95,6 +102,7 @@ class Schema:
             "consumers": json.dumps(list(self.consumers)),
             "length_columns": json.dumps(list(self.length_columns)),
             "rollout": self.rollout.to_json(),
+            "shards": json.dumps(list(self.shards)),
         }
 
     @classmethod
@@ -115,6 +123,7 @@ class Schema:
                 tuple(json.loads(fields["consumers"])),
                 tuple(json.loads(fields.get("length_columns", "[]"))),  # absent in docks made before it existed
                 Rollout.from_json(fields.get("rollout", "{}")),  # likewise
+                tuple(json.loads(fields.get("shards", "[]"))),  # likewise
             )
         except (KeyError, ValueError, TypeError, SchemaError) as exc:
             raise DecodeError(f"{where}: malformed dock meta ({exc})") from None
@@ -123,7 +132,8 @@ class Schema:
     def differences(self, other: Schema) -> list[str]:
         """Human-readable differences from ``other`` (the stored schema); empty if compatible.
 
-        Columns and consumers compare as sets: their order carries no meaning.
+        Columns and consumers compare as sets: their order carries no meaning. The shards are not
+        compared: the stored ones hold the bytes, whatever the cluster's topology has become since.
         """
         out = []
         for field in ("prompts_num", "n_samples_per_prompt"):
@@ -152,13 +162,13 @@ class Schema:
             return names + tuple(dict.fromkeys(m for m in more if m not in names))
 
         return Schema(self.prompts_num, self.n_samples_per_prompt, plus(self.columns, columns),
-                      plus(self.consumers, consumers), self.length_columns, self.rollout)
+                      plus(self.consumers, consumers), self.length_columns, self.rollout, self.shards)
 
     def contains(self, other: Schema) -> bool:
         """Whether this schema is ``other`` grown: same size and length columns, a superset of the names."""
         return (
-            (self.prompts_num, self.n_samples_per_prompt, self.length_columns, self.rollout)
-            == (other.prompts_num, other.n_samples_per_prompt, other.length_columns, other.rollout)
+            (self.prompts_num, self.n_samples_per_prompt, self.length_columns, self.rollout, self.shards)
+            == (other.prompts_num, other.n_samples_per_prompt, other.length_columns, other.rollout, other.shards)
             and set(other.columns) <= set(self.columns) and set(other.consumers) <= set(self.consumers)
         )
 

@@ -49,6 +49,7 @@ SCRIPT_FILES = {
     "reserve": "reserve.lua",
     "unready": "unready.lua",
     "status": "status.lua",
+    "mark": "mark.lua",
 }
 
 #: Scripts run for many docks at once, outside any dock object (see ``StatusScript``).
@@ -187,6 +188,36 @@ class Selection:
     batch: int | None = None
 
 
+@dataclass(frozen=True)
+class Forgot:
+    """What a script that forgets rows did (clear.lua, discard.lua): its ``value``, and on a sharded dock
+    the bytes the client must delete from the data shards (see include/forget.lua forgotten_reply).
+
+    ``epoch`` is the epoch those bytes were written in (None: the dock is not sharded); ``rows`` the rows
+    forgotten, each with the generation in ``generations`` (4 bytes per row) its bytes were written under.
+    """
+
+    value: int
+    epoch: int | None = None
+    rows: tuple[int, ...] = ()
+    generations: bytes = b""
+
+    @classmethod
+    def parse(cls, reply: Any) -> Forgot:
+        if not isinstance(reply, list):
+            return cls(int(reply))
+        return cls(int(reply[0]), int(reply[1]), _numbers(reply[2]), bytes(reply[3]))
+
+
+@dataclass(frozen=True)
+class Marked:
+    """What mark.lua did: the rows written, or (``stale``) the rows whose generation, or the epoch, moved."""
+
+    written: int
+    stale: tuple[int, ...] = ()
+    epoch_moved: bool = False
+
+
 class DockScripts:
     """The scripts of one dock on one client: one method per Lua file, each building its KEYS and ARGV.
 
@@ -194,9 +225,12 @@ class DockScripts:
     the dock still holds the schema this client knows.
     """
 
-    def __init__(self, client: Client, keys: DockKeys, *, allow_oom: bool):
+    def __init__(self, client: Client, keys: DockKeys, *, allow_oom: bool, publish: str = "PUBLISH"):
         prefix = ALLOW_OOM if allow_oom else ""
         self._keys = keys
+        #: How puts announce themselves: PUBLISH, or on a Redis 7 cluster SPUBLISH, which stays on the
+        #: shard of the dock's slot instead of being broadcast to every node (see put_listener.py).
+        self.publish = publish
         self._scripts = {
             name: client.register_script(prefix + script_text(name)) for name in SCRIPT_FILES if name not in _SHARED
         }
@@ -244,8 +278,23 @@ class DockScripts:
         k = self._keys
         keys = [k.meta] + [key for c in columns for key in (k.data(c), k.ready(c), k.group_ready(c))]
         keys += [k.lengths(c) for c in lengths]
-        args = [self._expected, self._n, k.events, len(lengths), len(runs), *runs]
+        args = [self._expected, self._n, k.events, self.publish, len(lengths), len(runs), *runs]
         self._queue(pipe, "put", keys, args + [v for values in lengths.values() for v in values])
+
+    def mark(
+        self, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]], epoch: int,
+        generations: bytes,
+    ) -> Marked:
+        """Mark rows ``runs`` of ``columns`` ready after their bytes went to the data shards under
+        ``epoch`` and ``generations`` (lua/mark.lua): unless a clear moved them meanwhile."""
+        k = self._keys
+        keys = [k.meta, k.epoch, k.generations, *(key for c in columns for key in (k.ready(c), k.group_ready(c)))]
+        keys += [k.lengths(c) for c in lengths]
+        args = [self._expected, self._n, k.events, self.publish, len(lengths), epoch, generations, len(runs), *runs]
+        reply = self._call("mark", keys, args + [v for values in lengths.values() for v in values])
+        if int(reply[0]) >= 0:
+            return Marked(int(reply[0]))
+        return Marked(0, _numbers(reply[2]), epoch_moved=int(reply[1]) != epoch)
 
     def sample(
         self, consumer: str, columns: Sequence[str], *, groups: bool, count: int, policy: str, seed: int,
@@ -308,6 +357,13 @@ class DockScripts:
         k = self._keys
         self._queue(pipe, "fence", [k.meta, k.epoch, k.generations], [self._expected, *runs])
 
+    def fence_now(self, runs: Sequence[int]) -> tuple[int, bytes]:
+        """The epoch and generations of ``runs`` now (4 bytes per row, in run order): what a put on a
+        sharded dock writes its bytes under."""
+        k = self._keys
+        epoch, generations = self._call("fence", [k.meta, k.epoch, k.generations], [self._expected, *runs])
+        return int(epoch), bytes(generations)
+
     @staticmethod
     def fence_holds(reply: Any, handout: Handout) -> bool:
         """Whether no clear touched the handout's rows between handing them out and the fence's read."""
@@ -345,10 +401,10 @@ class DockScripts:
                 schema.rollout.age_buckets]
         return keys, args
 
-    def clear(self, rows: Sequence[int] = (), *, iteration_of: str | None = None, age: bool = True) -> int:
+    def clear(self, rows: Sequence[int] = (), *, iteration_of: str | None = None, age: bool = True) -> Forgot:
         """Forget ``rows`` (all rows when empty), or end the iteration of consumer ``iteration_of``
         (ageing the groups kept unless not ``age``), or with ``iteration_of=""`` only age them
-        (lua/clear.lua); returns the cells removed from data hashes."""
+        (lua/clear.lua); returns the cells removed from data hashes, and what to delete from shards."""
         keys, layout = self._forget_layout()
         schema = self._bound
         responses = schema.rollout.response_columns
@@ -360,13 +416,14 @@ class DockScripts:
         else:
             mode = ["rows", *rows] if rows else ["all"]
         keys += [self._keys.scratch, self._keys.scratch2]
-        return int(self._call("clear", keys, [self._expected, *layout, *mode]))
+        return Forgot.parse(self._call("clear", keys, [self._expected, *layout, *mode]))
 
     def discard(
         self, groups: Sequence[int], *, regenerate: bool, field: str, max_staleness: int | None,
         placeholders: dict[str, bytes] | None = None,
-    ) -> int:
-        """Drop or regenerate ``groups``, counted under ``field`` (lua/discard.lua); returns how many were.
+    ) -> Forgot:
+        """Drop or regenerate ``groups``, counted under ``field`` (lua/discard.lua); returns how many were,
+        and what to delete from the data shards.
 
         ``max_staleness``: discard only groups still older than the current version minus it.
         ``placeholders``: the encoded placeholder of each response column, written by "regenerate".
@@ -377,17 +434,22 @@ class DockScripts:
         pairs = [x for c, b in (placeholders or {}).items() for x in (schema.columns.index(c) + 1, b)]
         args = [self._expected, *layout, "regenerate" if regenerate else "drop", field,
                 "" if max_staleness is None else max_staleness, len(keep), *keep, len(pairs) // 2, *pairs, *groups]
-        return int(self._call("discard", keys + [self._keys.admitted, self._keys.version], args))
+        return Forgot.parse(self._call("discard", keys + [self._keys.admitted, self._keys.version], args))
 
-    def finish(self, pipe: Pipeline, runs: Sequence[int], flags: Sequence[bool] | None, version: int | None) -> None:
+    def finish(
+        self, pipe: Pipeline | None, runs: Sequence[int], flags: Sequence[bool] | None, version: int | None
+    ) -> None:
         """Queue what a rollout put records beside its bytes (lua/finish.lua): completion ``flags`` per
-        row in the order of ``runs``, and the ``version`` of the rows."""
+        row in the order of ``runs``, and the ``version`` of the rows; with no ``pipe``, run it now."""
         k, rollout = self._keys, self._bound.rollout
         keys = [k.meta, k.finished, k.group_finished, k.rows_finished, k.group_rolled, k.age(0), k.group_age(0),
                 k.group_versions, *self._consumer_keys(rollout.consumer)]
         args = [self._expected, self._n, "0" if flags is None else "1", "" if version is None else version,
                 len(runs), *runs, *(("1" if f else "0") for f in (flags or ()))]
-        self._queue(pipe, "finish", keys, args)
+        if pipe is None:  # on its own, after a sharded put's mark
+            self._call("finish", keys, args)
+        else:
+            self._queue(pipe, "finish", keys, args)
 
     def reserve(self, count: int, column: str) -> list[int] | None:
         """Claim ``count`` free groups for new prompts of ``column`` (lua/reserve.lua); None if too few are free."""

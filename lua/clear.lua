@@ -30,7 +30,8 @@ rows: MindSpeed re-sorts its whole dock by age here, copying every row, so that 
 "lowest index first"; the bitmaps give sampling the same order (see sample.lua's tiers) and leave the
 rows where they are.
 
-Returns the number of cells removed from data hashes.
+Returns the number of cells removed from data hashes; on a sharded dock, that with what the client must
+delete from the data shards (see include/forget.lua forgotten_reply).
 ]]
 -- @include bits
 -- @include schema
@@ -48,16 +49,17 @@ if mode == 'all' then
   for c = 1, L.k do
     if redis.call('TYPE', KEYS[L.data + c])['ok'] == 'hash' then cells = cells + redis.call('HLEN', KEYS[L.data + c]) end
   end
+  local before = epoch_of(KEYS[2])
   redis.call('DEL', unpack(KEYS, 4))
   redis.call('INCR', KEYS[2])
-  return cells
+  return forgotten_reply(L, cells, before)   -- sharded: the client deletes the data keys of that epoch
 end
 
 local bad = forget_wrong_type(L)
 if bad then return redis.error_reply(bad) end
 
 if mode == 'rows' then
-  return forget_rows(L, numbers_from(8), {}, false)
+  return forgotten_reply(L, forget_rows(L, numbers_from(8), {}, false))
 end
 
 local cells = 0
@@ -113,9 +115,9 @@ else                                        -- 'iteration' or 'trained'
   local trained = offsets_of(KEYS[L.consumed + tonumber(ARGV[8])])
   redis.call('DEL', KEYS[L.cursor], KEYS[L.metrics], KEYS[L.gbatch])   -- the next iteration's batch is new
   -- As MindSpeed's: an iteration that trained nothing (the first clear, before any batch) ages nothing.
-  if #trained == 0 then return 0 end
+  if #trained == 0 then return forgotten_reply(L, 0) end
   cells = forget_rows(L, trained, {}, false)
-  if mode == 'trained' then return cells end
+  if mode == 'trained' then return forgotten_reply(L, cells) end
   if L.nwait > 0 and responses > 0 then
     -- Waiting groups that were generated since leave the wait bitmaps: from now on they age.
     local aged_rows = {}
@@ -139,4 +141,4 @@ end
 older(L.age, 0, L.nages - 1)
 older(L.gage, 0, L.nages - 1)
 redis.call('DEL', scratch, scratch2)
-return cells
+return forgotten_reply(L, cells)

@@ -25,7 +25,9 @@ ARGV[10]    P, then P column positions (1..k) kept by "regenerate"
 then        Q, then Q pairs: the column position of a response column, its placeholder bytes
 then        the groups, decimal
 
-Returns the number of groups discarded.
+Returns the number of groups discarded; on a sharded dock, that with what the client must delete from
+the data shards (see include/forget.lua forgotten_reply). A sharded dock has no "regenerate": its kept
+prompt bytes would sit under the old generation.
 ]]
 -- @include bits
 -- @include schema
@@ -69,7 +71,7 @@ for i = at, #ARGV do
   end
 end
 table.sort(groups)
-if #groups == 0 then return 0 end
+if #groups == 0 then return forgotten_reply(L, 0) end
 local rows = rows_of_groups(groups, L.n)
 
 if mode == 'drop' then
@@ -93,4 +95,4 @@ else
   end
 end
 redis.call('HINCRBY', KEYS[L.discarded], field, #groups)
-return #groups
+return forgotten_reply(L, #groups)

@@ -15,9 +15,10 @@ then, for each of the L length columns written (after the k columns' triples):
 ARGV[1]       the schema the client expects (see include/schema.lua)
 ARGV[2]       n_samples_per_prompt (rows per group)
 ARGV[3]       pub/sub channel to announce the put on (td:{NAME}:events)
-ARGV[4]       L, the number of length columns written
-ARGV[5]       R, the number of values that follow for the runs
-ARGV[6..5+R]  rows written, as runs: start, length, start, length, ... (ascending, disjoint)
+ARGV[4]       the command announcing it: PUBLISH, or SPUBLISH on a Redis 7 cluster
+ARGV[5]       L, the number of length columns written
+ARGV[6]       R, the number of values that follow for the runs
+ARGV[7..6+R]  rows written, as runs: start, length, start, length, ... (ascending, disjoint)
 then, per length column, one value per row written, in the order of the runs
 
 Lengths are stored here, beside the ready bits and in the same transaction as the bytes, so that the
@@ -27,10 +28,11 @@ Publishes and returns the number of rows written.
 ]]
 -- @include bits
 -- @include schema
+-- @include mark
 
-local nlen, nruns = tonumber(ARGV[4]), tonumber(ARGV[5])
+local nlen, nruns = tonumber(ARGV[5]), tonumber(ARGV[6])
 local starts, lengths = {}, {}
-for i = 6, 5 + nruns, 2 do
+for i = 7, 6 + nruns, 2 do
   starts[#starts + 1] = tonumber(ARGV[i]); lengths[#lengths + 1] = tonumber(ARGV[i + 1])
 end
 local last_triple = #KEYS - nlen          -- KEYS[2..last_triple] are the columns' triples
@@ -54,25 +56,9 @@ end
 local bad = wrong_type(last_triple + 1, #KEYS, 'string')
 if bad then return redis.error_reply(bad) end
 
-local n = tonumber(ARGV[2])
-local written = 0
-for i = 1, #lengths do written = written + lengths[i] end
-local groups = groups_of_runs(starts, lengths, n)
-local rows = rows_of_runs(starts, lengths)
-for j = 1, nlen do
-  local values, first = {}, 5 + nruns + (j - 1) * #rows
-  for i = 1, #rows do values[i] = ARGV[first + i] end
-  set_u32(KEYS[last_triple + j], rows, values)
-end
+local ready_keys, gready_keys, len_keys = {}, {}, {}
 for k = 3, last_triple, 3 do
-  set_runs(KEYS[k], starts, lengths, 1)
-  -- A put only adds rows, so it can complete groups but never break one.
-  local full = group_states(KEYS[k], groups, n)
-  local done = {}
-  for i = 1, #groups do
-    if full[i] then done[#done + 1] = groups[i] end
-  end
-  set_bits(KEYS[k + 1], done, 1)
+  ready_keys[#ready_keys + 1] = KEYS[k]; gready_keys[#gready_keys + 1] = KEYS[k + 1]
 end
-redis.call('PUBLISH', ARGV[3], written)
-return written
+for j = 1, nlen do len_keys[j] = KEYS[last_triple + j] end
+return mark_ready(ready_keys, gready_keys, len_keys, 7 + nruns, starts, lengths, tonumber(ARGV[2]), ARGV[4], ARGV[3])

@@ -17,6 +17,11 @@ then              the generation status: td:{NAME}:finished, gfinished, rfinishe
                   td:{NAME}:gbatch
 ARGV[2..6]        k, m, n_samples_per_prompt, L, A
 
+On a sharded dock (its meta has a non-empty "shards" field, see broker/store.py) the bytes live on other
+slots, which no script may touch: the data keys above are then the dock's unused one-slot data hashes
+(always empty), and forget_rows records each forgotten row with the generation its bytes were written
+under; `forgotten_reply` hands them to the client, which deletes those bytes from the data shards.
+
 Forgetting a row deletes its bytes, clears its ready bits and every consumer's marks and leases, zeroes
 its lengths, and bumps its generation, so a reader handed it before sees the change at its read (see
 include/generations.lua). Groups touched lose their group state (complete, finished, age, version): a
@@ -42,7 +47,19 @@ local function forget_layout()
   L.wait, L.gwait = L.gage + nages, L.gage + nages + L.nwait  -- KEYS[L.wait + w]: waited w clears
   L.gbatch = L.gwait + L.nwait + 1
   L.last = L.gbatch
+  local shards = redis.call('HGET', KEYS[1], 'shards')
+  L.sharded = shards ~= false and shards ~= '[]'
   return L
+end
+
+-- Rows forgotten on a sharded dock, and the generations (4 bytes each) their bytes were written under.
+local forgotten_rows, forgotten_gens = {}, {}
+
+-- A script's reply `value`, with on a sharded dock what the client must delete from the data shards:
+-- {value, the epoch the bytes were written under, "row,row,...", their generations}.
+local function forgotten_reply(L, value, epoch)
+  if not L.sharded then return value end
+  return {value, epoch or epoch_of(KEYS[2]), table.concat(forgotten_rows, ','), table.concat(forgotten_gens)}
 end
 
 -- A CORRUPT message for the first key of the layout holding the wrong type, or nil.
@@ -60,6 +77,11 @@ local function forget_rows(L, rows, keep, keep_age)
   local groups = groups_of(rows, L.n)
   local fields, zeros, cells = {}, {}, 0
   for i = 1, #rows do fields[i] = tostring(rows[i]); zeros[i] = 0 end
+  if L.sharded then
+    local starts, lengths = runs_of(rows)
+    forgotten_gens[#forgotten_gens + 1] = generations_of_runs(KEYS[3], starts, lengths)
+    for i = 1, #rows do forgotten_rows[#forgotten_rows + 1] = rows[i] end
+  end
   bump_generations(KEYS[3], rows)
   for c = 1, L.k do
     if not keep[c] then

@@ -1,0 +1,340 @@
+"""The data plane: where a dock's row bytes live, and how a put writes them and a read fetches them.
+
+The control plane is the Lua scripts (``scripts.py``, ``lua/``): status bitmaps, leases, sampling, all
+in the dock's own slot ``{NAME}`` so that each operation is one atomic script. The bytes are kept
+apart from it by one of two stores with one small interface:
+
+``SlotStore``
+    the bytes in the dock's slot (``td:{NAME}:data:COLUMN``, field = row), as on one Redis server: a
+    put is one MULTI holding the HSETs and the marking script, so nothing is ever ready without its
+    bytes, and a clear deletes bytes inside its own script.
+
+``ShardedStore``
+    the bytes spread over data shards ``{NAME~S}`` chosen to land on distinct cluster primaries
+    (``Schema.shards``), group g on shard ``g % S``, so that a batch of consecutive groups reads from
+    every primary at once. One pipeline per node, every request sent before any reply is read.
+
+A sharded put cannot be one MULTI (its keys are on several nodes), so it is two steps: write bytes,
+then mark ready (lua/mark.lua). The interleavings that matter, and why each is safe:
+
+- *clear between the two steps.* Bytes are written under the rows' generation (field ``ROW:GEN``) in
+  a hash per epoch (``...:data:COLUMN:EPOCH``); a clear bumps the generation of the rows it forgets (a
+  whole clear the epoch). mark.lua marks nothing if any row's generation or the epoch moved since the
+  put read them: the put deletes the bytes it wrote for the rows that moved and puts again under the
+  new ones. So no row is ever marked ready whose bytes a clear deleted.
+- *clear deleting bytes.* A clear deletes only the bytes of the generations it ended (the reply of
+  clear.lua / discard.lua names them; a whole clear drops the hashes of the ended epoch): a put under
+  the new generation writes other fields or other keys, so a clear never deletes a newer put's bytes.
+- *a put refused for some rows.* It deletes only the fields of the rows whose generation moved: the
+  others may be the same fields another, successful, put of the same rows wrote meanwhile.
+- *a reader.* Sampling hands rows out with their epoch and generations, so the reader knows the fields
+  to read; it then checks the fence (the epoch and generations unchanged) in a second round trip,
+  after the bytes came back: the check must follow the reads, and requests to different nodes have no
+  order. A clear landing in between fails the fence and the rows are handed out afresh, as on one node.
+- *a put that dies between the steps* leaves bytes that no reader asks for (nothing marked them). A
+  later put of the same rows in the same generation overwrites them; a clear of the rows deletes the
+  fields of the generation it ends and of the one before (the one a put that was refused once had
+  read); a whole clear drops the hashes of the ended epoch and of the one before. So no orphan bytes
+  outlive the next whole clear.
+- *a full shard* (maxmemory) fails the HSET on that node: the put deletes what it wrote elsewhere and
+  raises StoreFullError having marked nothing.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from redis.client import Pipeline
+from redis.cluster import RedisCluster
+
+from .connection import Client
+from .errors import BrokerError
+from .keys import DockKeys, shard_pattern, shard_tag
+from .scripts import DockScripts, Forgot, Handout, rows_of, run_pipeline, runs_of
+
+#: Per column, field -> encoded bytes: what a put writes (field = the row in decimal).
+Encoded = dict[str, dict[str, bytes]]
+
+#: What a put records beside its bytes after they are marked (finish.lua), queued on the given pipe, or
+#: run on its own when the pipe is None.
+Finish = Callable[[Pipeline | None], None]
+
+#: How many times a sharded put writes again after clears moved its rows between its two steps. Each
+#: retry means a clear of these rows landed within one round trip; running out takes a clearer in a
+#: tight loop, and the put then fails with a BrokerError saying so.
+PUT_RETRIES = 16
+
+
+class DataStore(Protocol):
+    """Where a dock's row bytes live (see the module docstring)."""
+
+    def put(self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None) -> None:
+        """Write the rows' bytes and mark them ready in their columns; all or nothing."""
+
+    def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
+        """The bytes of the handout's ``rows`` (in that order) per column, or None if a clear took any of
+        them between the handout and the read."""
+
+    def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
+        """The bytes of ``rows`` per column as stored now, None where there are none; checks nothing."""
+
+    def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
+        """Delete from the data shards what a script forgot (nothing to do in one slot); its value."""
+
+    def held(self, column: str) -> int:
+        """How many rows of ``column`` hold bytes (ready or not)."""
+
+    def every_key(self) -> list[str]:
+        """Every data key the dock has now (for ``delete``)."""
+
+    def describe(self) -> str:
+        """Where the bytes are, for ``broker status`` and repr."""
+
+
+class SlotStore:
+    """The bytes in the dock's own slot; a put is one MULTI (see the module docstring)."""
+
+    def __init__(self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Callable[[], Sequence[str]]):
+        self._client, self._keys, self._scripts, self._columns = client, keys, scripts, columns
+
+    def put(self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None) -> None:
+        def transaction(pipe: Pipeline) -> None:
+            for col, mapping in encoded.items():
+                pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
+            self._scripts.put(pipe, list(encoded), runs, lengths)
+            if finish is not None:
+                finish(pipe)
+
+        replies = run_pipeline(self._client, self._scripts.load_all, transaction, transaction=True)
+        # The script's own error names the bad key; a failed HSET alone would only say WRONGTYPE.
+        for reply in replies[::-1]:
+            if isinstance(reply, Exception):
+                raise reply
+
+    def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
+        # One round trip: the HMGETs, then the fence script in the same pipeline, after them (see
+        # DockScripts.fence and lua/include/generations.lua).
+        fields = [str(r) for r in rows]
+
+        def reads(pipe: Pipeline) -> None:
+            for col in columns:
+                pipe.hmget(self._keys.data(col), fields)
+            self._scripts.fence(pipe, handout.runs)  # after the HMGETs: it vouches for what they read
+
+        *values, fence = _replies(self._client, self._scripts, reads)
+        return values if self._scripts.fence_holds(fence, handout) else None
+
+    def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
+        fields = [str(r) for r in rows]
+
+        def reads(pipe: Pipeline) -> None:
+            for col in columns:
+                pipe.hmget(self._keys.data(col), fields)
+
+        return _replies(self._client, self._scripts, reads)
+
+    def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
+        return forgot.value
+
+    def held(self, column: str) -> int:
+        return int(self._client.hlen(self._keys.data(column)))
+
+    def every_key(self) -> list[str]:
+        return [self._keys.data(c) for c in self._columns()]
+
+    def describe(self) -> str:
+        return "in the dock's slot"
+
+
+class ShardedStore:
+    """The bytes over data shards on several nodes; a put is two steps (see the module docstring)."""
+
+    def __init__(
+        self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Callable[[], Sequence[str]],
+        shards: Sequence[str], n_samples_per_prompt: int,
+    ):
+        self._client, self._keys, self._scripts, self._columns = client, keys, scripts, columns
+        self._shards = tuple(shards)
+        self._n = n_samples_per_prompt
+
+    def _shard(self, row: int) -> str:
+        """The data shard of ``row``: groups are striped over the shards."""
+        return self._shards[(row // self._n) % len(self._shards)]
+
+    def _fields(self, rows: Sequence[int], generations: bytes) -> dict[str, list[tuple[int, str]]]:
+        """Per shard, ``(position in rows, field)`` of each row, with its generation."""
+        out: dict[str, list[tuple[int, str]]] = {}
+        for i, (row, gen) in enumerate(zip(rows, _u32s(generations))):
+            out.setdefault(self._shard(row), []).append((i, f"{row}:{gen}"))
+        return out
+
+    def put(self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None) -> None:
+        rows = rows_of(runs)  # ascending, the order of the generations the fence returns
+        columns = list(encoded)
+        for _ in range(PUT_RETRIES):
+            epoch, generations = self._scripts.fence_now(runs)
+            written = self._write(encoded, rows, epoch, generations)
+            marked = self._scripts.mark(columns, runs, lengths, epoch, generations)
+            if not marked.stale and not marked.epoch_moved:
+                if finish is not None:
+                    finish(None)
+                return
+            # A clear moved some rows between the two steps: their bytes under the old generation are
+            # nobody's. The other rows' fields are left: a concurrent put of them may own them now.
+            stale = set(rows) if marked.epoch_moved else set(marked.stale)
+            self._delete_fields(written, {i for i, r in enumerate(rows) if r in stale})
+        raise BrokerError(
+            f"dock {self._keys.name!r}: rows {rows[:8]}{'...' if len(rows) > 8 else ''} were cleared during each of "
+            f"{PUT_RETRIES} puts of them; nothing was marked"
+        )
+
+    def _write(
+        self, encoded: Encoded, rows: list[int], epoch: int, generations: bytes
+    ) -> list[tuple[str, list[tuple[int, str]]]]:
+        """HSET the rows' bytes on every shard in one pipeline; returns (key, [(position, field)]) written.
+
+        If a shard refuses (full, wrong type), what the others took is deleted again before raising.
+        """
+        by_shard = self._fields(rows, generations)
+        written: list[tuple[str, list[tuple[int, str]]]] = []
+        pipe = self._client.pipeline(transaction=False)
+        for col, mapping in encoded.items():  # mapping: field = the row in decimal
+            for tag, fields in by_shard.items():
+                key = DockKeys.shard_data(tag, col, epoch)
+                pipe.hset(key, mapping={field: mapping[str(rows[i])] for i, field in fields})
+                written.append((key, fields))
+        replies = pipe.execute(raise_on_error=False)
+        errors = [r for r in replies if isinstance(r, Exception)]
+        if errors:
+            self._delete_fields(written, None)
+            raise errors[0]
+        return written
+
+    def _delete_fields(self, written: list[tuple[str, list[tuple[int, str]]]], positions: set[int] | None) -> None:
+        """HDEL the fields ``written`` (only those of rows at ``positions`` unless None), in one pipeline."""
+        pipe = self._client.pipeline(transaction=False)
+        for key, fields in written:
+            chosen = [f for i, f in fields if positions is None or i in positions]
+            if chosen:
+                pipe.hdel(key, *chosen)
+        if len(pipe):
+            pipe.execute(raise_on_error=False)  # best effort: what stays is an orphan the next clear removes
+
+    def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
+        values = self._read(columns, list(rows), handout.epoch, _in_order(rows, handout.runs, handout.generations))
+        # Second round trip, after the bytes are in: the fence must follow the reads (see module docstring).
+        fence = self._scripts.fence_now(handout.runs)
+        return values if fence == (handout.epoch, handout.generations) else None
+
+    def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
+        runs = runs_of(rows)
+        epoch, generations = self._scripts.fence_now(runs)
+        return self._read(columns, list(rows), epoch, _in_order(rows, runs, generations))
+
+    def _read(
+        self, columns: Sequence[str], rows: list[int], epoch: int, generations: bytes
+    ) -> list[list[bytes | None]]:
+        """HMGET the rows' fields from every shard in one pipeline; per column, the values in row order."""
+        by_shard = self._fields(rows, generations)
+        pipe = self._client.pipeline(transaction=False)
+        order: list[tuple[int, list[tuple[int, str]]]] = []
+        for c, col in enumerate(columns):
+            for tag, fields in by_shard.items():
+                pipe.hmget(DockKeys.shard_data(tag, col, epoch), [f for _, f in fields])
+                order.append((c, fields))
+        out: list[list[bytes | None]] = [[None] * len(rows) for _ in columns]
+        for (c, fields), reply in zip(order, pipe.execute(raise_on_error=False)):
+            if isinstance(reply, Exception):
+                raise reply
+            for (i, _), value in zip(fields, reply):
+                out[c][i] = value
+        return out
+
+    def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
+        if forgot.epoch is None:  # the dock is not sharded after all (cannot happen: the schema says so)
+            return forgot.value
+        pipe = self._client.pipeline(transaction=False)
+        columns = self._columns()
+        if whole:
+            # The ended epoch's hashes, and the one before's: orphans of a put that read it and died.
+            for tag in self._shards:
+                for col in columns:
+                    for epoch in (forgot.epoch, forgot.epoch - 1):
+                        if epoch >= 0:
+                            pipe.unlink(DockKeys.shard_data(tag, col, epoch))
+        elif forgot.rows:
+            by_shard: dict[str, list[str]] = {}
+            for row, gen in zip(forgot.rows, _u32s(forgot.generations)):
+                # The ended generation, and the one before: a put refused once had read it.
+                by_shard.setdefault(self._shard(row), []).extend([f"{row}:{gen}", f"{row}:{(gen - 1) % 2**32}"])
+            for tag, fields in by_shard.items():
+                for col in columns:
+                    pipe.hdel(DockKeys.shard_data(tag, col, forgot.epoch), *fields)
+        if len(pipe):
+            for reply in pipe.execute(raise_on_error=False):
+                if isinstance(reply, Exception):
+                    raise reply
+        return forgot.value
+
+    def held(self, column: str) -> int:
+        epoch = int(self._client.get(self._keys.epoch) or 0)
+        pipe = self._client.pipeline(transaction=False)
+        for tag in self._shards:
+            pipe.hlen(DockKeys.shard_data(tag, column, epoch))
+        return sum(int(n) for n in pipe.execute())
+
+    def every_key(self) -> list[str]:
+        return [key.decode() if isinstance(key, bytes) else key
+                for key in self._client.scan_iter(match=shard_pattern(self._keys.name), count=1000)]
+
+    def describe(self) -> str:
+        return f"over {len(self._shards)} data shards"
+
+
+def choose_shards(client: Client, dock: str, count: int | None) -> tuple[str, ...]:
+    """Hash tags of ``count`` data shards for ``dock`` (None: one per primary of a cluster, none on one
+    server), each on a different primary as far as there are primaries, in round-robin order over them."""
+    if count == 0 or (count is None and not isinstance(client, RedisCluster)):
+        return ()
+    if not isinstance(client, RedisCluster):
+        return tuple(shard_tag(dock, i) for i in range(count or 0))
+    primaries = sorted(node.name for node in client.get_primaries())
+    wanted = len(primaries) if count is None else count
+    free: dict[str, list[str]] = {p: [] for p in primaries}  # per primary, candidate tags landing there
+    index = 0
+    while sum(min(len(t), -(-wanted // len(primaries))) for t in free.values()) < wanted and index < 100_000:
+        tag = shard_tag(dock, index)
+        node = client.nodes_manager.get_node_from_slot(client.keyslot("{" + tag + "}"))
+        free.setdefault(node.name, []).append(tag)
+        index += 1
+    # Round robin over the primaries: consecutive shards (consecutive groups) on different nodes.
+    out: list[str] = []
+    while len(out) < wanted:
+        for p in primaries:
+            if free.get(p) and len(out) < wanted:
+                out.append(free[p].pop(0))
+    return tuple(out)
+
+
+def _in_order(rows: Sequence[int], runs: Sequence[int], generations: bytes) -> bytes:
+    """``generations`` (of the rows of ``runs``, ascending) rearranged in the order of ``rows``."""
+    by_row = dict(zip(rows_of(runs), _u32s(generations)))
+    return b"".join(struct.pack(">I", by_row[r]) for r in rows)
+
+
+def _u32s(packed: bytes) -> list[int]:
+    """Big-endian u32s (the generations the fence scripts return)."""
+    return list(struct.unpack(f">{len(packed) // 4}I", packed))
+
+
+def _replies(client: Client, scripts: DockScripts, build: Callable[[Pipeline], None]) -> list[Any]:
+    """The replies of the read pipeline ``build`` queues; an error reply raises."""
+    replies = run_pipeline(client, scripts.load_all, build, transaction=False)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+

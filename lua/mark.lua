@@ -1,0 +1,68 @@
+--[[ mark: the second step of a put on a sharded dock: mark rows ready whose bytes were just written.
+
+On a sharded dock (Redis Cluster, see broker/store.py) the rows' bytes live on other slots than this
+script's keys, so a put cannot be one MULTI: the client reads the rows' epoch and generations (the
+read fence, include/generations.lua), writes the bytes into the data hashes of that epoch under
+fields "ROW:GENERATION", and then runs this script. A clear landing between the two steps bumped the
+epoch or the rows' generations and deleted (or will delete) the bytes of the old ones; marking the
+rows then would leave them ready with no bytes. So this script marks nothing unless the epoch and
+every row's generation are still the ones the bytes were written under, and otherwise returns the
+rows whose generation moved: the client removes their bytes and puts again under the new ones.
+
+KEYS[1]       td:{NAME}:meta
+KEYS[2]       td:{NAME}:epoch
+KEYS[3]       td:{NAME}:gen
+KEYS[2i+2]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
+KEYS[2i+3]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
+then, for each of the L length columns written:
+              td:{NAME}:len:COLUMN         u32 per row (see include/bits.lua set_u32)
+ARGV[1]       the schema the client expects (see include/schema.lua)
+ARGV[2]       n_samples_per_prompt
+ARGV[3]       pub/sub channel to announce the put on (td:{NAME}:events)
+ARGV[4]       the command announcing it: PUBLISH, or SPUBLISH on a Redis 7 cluster
+ARGV[5]       L, the number of length columns written
+ARGV[6]       the epoch the bytes were written under
+ARGV[7]       the rows' generations they were written under, 4 bytes per row in run order
+ARGV[8]       R, the number of values that follow for the runs
+ARGV[9..8+R]  rows written, as runs: start, length, ... (ascending, disjoint)
+then, per length column, one value per row written, in the order of the runs
+
+Returns {rows written} when marked; {-1, epoch now, "row,row,..."} when the epoch moved (every row is
+stale) or some rows' generations did (those rows), having marked nothing.
+]]
+-- @include bits
+-- @include schema
+-- @include generations
+-- @include mark
+
+local wrong_schema = schema_error(KEYS[1], ARGV[1])
+if wrong_schema then return redis.error_reply(wrong_schema) end
+local nlen, nruns = tonumber(ARGV[5]), tonumber(ARGV[8])
+local starts, lengths = {}, {}
+for i = 9, 8 + nruns, 2 do
+  starts[#starts + 1] = tonumber(ARGV[i]); lengths[#lengths + 1] = tonumber(ARGV[i + 1])
+end
+local last_pair = #KEYS - nlen
+local bad = wrong_type(2, #KEYS, 'string')
+if bad then return redis.error_reply(bad) end
+
+local epoch = epoch_of(KEYS[2])
+if epoch ~= tonumber(ARGV[6]) then return {-1, epoch, ''} end
+local unchanged = unchanged_rows(KEYS[2], KEYS[3], epoch, ARGV[7], starts, lengths)
+local total = 0
+for i = 1, #lengths do total = total + lengths[i] end
+if #unchanged < total then
+  local same, stale = {}, {}
+  for i = 1, #unchanged do same[unchanged[i]] = true end
+  for _, row in ipairs(rows_of_runs(starts, lengths)) do
+    if not same[row] then stale[#stale + 1] = row end
+  end
+  return {-1, epoch, table.concat(stale, ',')}
+end
+
+local ready_keys, gready_keys, len_keys = {}, {}, {}
+for k = 4, last_pair, 2 do
+  ready_keys[#ready_keys + 1] = KEYS[k]; gready_keys[#gready_keys + 1] = KEYS[k + 1]
+end
+for j = 1, nlen do len_keys[j] = KEYS[last_pair + j] end
+return {mark_ready(ready_keys, gready_keys, len_keys, 9 + nruns, starts, lengths, tonumber(ARGV[2]), ARGV[4], ARGV[3])}
