@@ -203,7 +203,7 @@ def _open_cluster(url: str) -> RedisCluster:
     try:
         with redis_errors(redact(url)):
             return RedisCluster.from_url(
-                url, retry=default_retry(), cluster_error_retry_attempts=CLUSTER_ATTEMPTS,
+                url, retry=_ReconnectRetry(EqualJitterBackoff(cap=2.0, base=0.05), retries=CLUSTER_ATTEMPTS),
                 health_check_interval=30, socket_connect_timeout=10, socket_timeout=60, socket_keepalive=True,
             )
     except ValueError as exc:

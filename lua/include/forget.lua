@@ -78,9 +78,10 @@ local function forget_rows(L, rows, keep, keep_age)
   local fields, zeros, cells = {}, {}, 0
   for i = 1, #rows do fields[i] = tostring(rows[i]); zeros[i] = 0 end
   if L.sharded then
+    -- In run order (ascending, distinct) on both lists: callers may pass rows in any order.
     local starts, lengths = runs_of(rows)
     forgotten_gens[#forgotten_gens + 1] = generations_of_runs(KEYS[3], starts, lengths)
-    for i = 1, #rows do forgotten_rows[#forgotten_rows + 1] = rows[i] end
+    for _, row in ipairs(rows_of_runs(starts, lengths)) do forgotten_rows[#forgotten_rows + 1] = row end
   end
   bump_generations(KEYS[3], rows)
   for c = 1, L.k do
