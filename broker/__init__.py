@@ -24,6 +24,7 @@ from .errors import (
     VersionError,
 )
 from .leased_rows import LeasedRows
+from .replication import ReplicationError
 from .rollout import Rollout
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "InvalidExperienceError",
     "MissingDataError",
     "RedisCommandError",
+    "ReplicationError",
     "RowIndexError",
     "SchemaError",
     "StoreFullError",

@@ -30,6 +30,7 @@ from .generation import AGE_COLUMN, AGES_KEY, GenerationCalls
 from .keys import DockKeys
 from .leased_rows import LeasedRows, like
 from .put_listener import PutListener
+from .replication import wait_for_replicas
 from .rollout import Rollout
 from .schema import Schema, fingerprint
 from .scripts import DockScripts, Handout, Selection, rows_of, run_pipeline, runs_of, supports_flags
@@ -38,6 +39,7 @@ from .store import DataStore, ShardedStore, SlotStore, choose_shards
 from .validation import (
     DockChecks,
     abbrev,
+    check_durability,
     check_flag,
     check_lease,
     check_policy,
@@ -98,6 +100,8 @@ class TransferDock(GenerationCalls):
         length_columns: Sequence[str] = (),
         rollout: Rollout | None = None,
         shards: int | None = None,
+        wait_replicas: int = 0,
+        wait_timeout: float = 1.0,
     ):
         """Create dock ``name``, or attach to it if it exists with the same schema.
 
@@ -113,11 +117,16 @@ class TransferDock(GenerationCalls):
         Cluster one per primary, each on its own, and on one server none (the bytes stay in the dock's
         slot, as does a dock with partial rollout or a staleness bound). Only a dock being made uses it:
         an existing dock keeps the shards it was made with.
+
+        ``wait_replicas=k`` makes every put and every call that hands rows out wait (``WAIT``, up to
+        ``wait_timeout`` seconds per node) until k replicas of each node it wrote to have its writes, so a
+        primary failing right after the call does not take them along; fewer acknowledgements raise
+        ReplicationError (the call was applied; repeating it is safe). See replication.py and the README.
         """
         wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout)
         if shards is not None and (not is_int(shards) or shards < 0):
             raise SchemaError(f"shards must be None or an int >= 0, got {shards!r}")
-        self._open(url_or_client, name, policy, seed)
+        self._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout))
         with self._closed_on_error():
             if wanted.rollout == Rollout() or shards:
                 tags = self._run(lambda: choose_shards(self._client, name, shards))
@@ -137,12 +146,13 @@ class TransferDock(GenerationCalls):
 
     @classmethod
     def attach(
-        cls, url_or_client: str | Client, name: str, *, policy: str = "fifo", seed: int | None = None
+        cls, url_or_client: str | Client, name: str, *, policy: str = "fifo", seed: int | None = None,
+        wait_replicas: int = 0, wait_timeout: float = 1.0,
     ) -> TransferDock:
-        """Open the existing dock ``name`` from the schema stored in Redis."""
+        """Open the existing dock ``name`` from the schema stored in Redis (``wait_replicas``: see ``__init__``)."""
         dock = cls.__new__(cls)
         dock.created = False
-        dock._open(url_or_client, name, policy, seed)
+        dock._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout))
         with dock._closed_on_error():
             dock._set_schema(*dock._run(dock._stored))
         return dock
@@ -156,8 +166,11 @@ class TransferDock(GenerationCalls):
             self.close()
             raise
 
-    def _open(self, target: str | Client, name: str, policy: str, seed: int | None) -> None:
+    def _open(
+        self, target: str | Client, name: str, policy: str, seed: int | None, durability: tuple[int, float] = (0, 1.0)
+    ) -> None:
         self._policy = check_policy(policy)
+        self._durability = check_durability(*durability)
         self._keys = DockKeys(name)
         self._closed = True  # until connected: close() then has nothing to hand back
         self._client, self._url = connect(target)
@@ -216,7 +229,7 @@ class TransferDock(GenerationCalls):
                 f"dock {self.name!r} was opened from a client with no URL ({type(self._client).__name__}); "
                 "open it from a URL to pickle it"
             )
-        return _reattach, (self._url, self.name, self._policy, self._seed)
+        return _reattach, (self._url, self.name, self._policy, self._seed, self._durability)
 
     def __repr__(self) -> str:
         s = self._schema
@@ -339,6 +352,7 @@ class TransferDock(GenerationCalls):
                     self._scripts.finish(pipe, runs, flags_in_run_order, version)
 
             self._run(lambda: self._store.put(encoded, runs, lengths, finish))
+            self._replicate("put", data=True)
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
 
@@ -507,6 +521,7 @@ class TransferDock(GenerationCalls):
                     return None
                 batch = self._read(columns, rows, got, call)
                 if batch is not None:
+                    self._replicate("get_experience")
                     return batch, self._handed_out(rows, token, consumer)
                 # A clear took some rows between the take and the read. Nothing to give back: a take
                 # may re-take rows already handed out, and the next try marks the same rows again.
@@ -565,6 +580,7 @@ class TransferDock(GenerationCalls):
                     if select.tiers:
                         ages = self._schema.rollout.age_buckets - 1  # the age tiers come first
                         batch, rows = self._oldest_first(batch, rows, handout.tiers, ages)
+                    self._replicate("get_experience")
                     return batch, self._handed_out(rows, token, consumer)
                 # A clear took some of the rows between sampling and reading: give back the rest
                 # (they were never delivered) and sample again.
@@ -572,6 +588,16 @@ class TransferDock(GenerationCalls):
             return None
 
         return sample
+
+    def _replicate(self, what: str, *, data: bool = False) -> None:
+        """With ``wait_replicas``, wait until replicas have the call's writes: the control slot's, and
+        with ``data`` every data shard's (see replication.py)."""
+        replicas, timeout = self._durability
+        if replicas:
+            keys = [self._keys.replicated]
+            if data:
+                keys += [DockKeys.shard_replicated(tag) for tag in self._schema.shards]
+            wait_for_replicas(self._client, keys, replicas, int(timeout * 1000), f"dock {self.name!r}: {what}")
 
     @staticmethod
     def _handed_out(rows: list[int], token: str, consumer: str) -> list[int]:
@@ -872,9 +898,11 @@ class TransferDock(GenerationCalls):
 
 
 
-def _reattach(url: str, name: str, policy: str, seed: int | None) -> TransferDock:
+def _reattach(url: str, name: str, policy: str, seed: int | None, durability: tuple[int, float] = (0, 1.0)
+              ) -> TransferDock:
     """Unpickle a dock: reconnect to its server and read its schema there."""
-    return TransferDock.attach(url, name, policy=policy, seed=seed)
+    return TransferDock.attach(url, name, policy=policy, seed=seed, wait_replicas=durability[0],
+                               wait_timeout=durability[1])
 
 
 class _Seeds:

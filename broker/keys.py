@@ -58,6 +58,8 @@ key                                type    contents
 ``td:{NAME}:discarded``            hash    groups discarded since the last whole clear: field = the consumer
                                            that dropped them, or ``stale`` / ``regenerated``
 ``td:{NAME}:admitted``             string  rows ``prefetch_request_index`` admitted under a staleness bound
+``td:{NAME}:replicated``           string  counter: written before each WAIT of ``wait_replicas`` (see
+                                           replication.py); ``td:{NAME~S}:replicated`` on each shard
 ``td:{NAME~S}:data:COLUMN:EPOCH``  hash    a sharded dock's row bytes (see store.py): data shard S (its
                                            own hash tag, so its own slot), rows written in epoch EPOCH;
                                            field = ``ROW:GENERATION``, value = one encoded tensor
@@ -157,6 +159,15 @@ class DockKeys:
 
     def data(self, column: str) -> str:
         return f"{self.base}data:{column}"
+
+    @property
+    def replicated(self) -> str:
+        return self.base + "replicated"
+
+    @staticmethod
+    def shard_replicated(tag: str) -> str:
+        """The counter written before a WAIT on the node of data shard ``tag`` (see replication.py)."""
+        return f"{PREFIX}:{{{tag}}}:replicated"
 
     @staticmethod
     def shard_data(tag: str, column: str, epoch: int) -> str:
@@ -278,7 +289,7 @@ class DockKeys:
         keys += [kind(c) for kind in per_consumer for c in consumers]
         return keys + [self.meta, self.scratch, self.scratch2, self.scratch3, self.epoch, self.generations,
                        *self.batch_keys, self.consumer_columns, *self.rollout_keys(age_buckets), self.version,
-                       self.admitted]
+                       self.admitted, self.replicated]
 
     @property
     def batch_keys(self) -> list[str]:

@@ -74,6 +74,15 @@ def check_lease(lease: Any) -> int:
     return int(lease * 1000)
 
 
+def check_durability(replicas: Any, timeout: Any) -> tuple[int, float]:
+    """``wait_replicas`` (an int >= 0) and ``wait_timeout`` (seconds > 0), checked."""
+    if not is_int(replicas) or replicas < 0:
+        raise InvalidExperienceError(f"wait_replicas must be an int >= 0, got {replicas!r:.40}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 3600:
+        raise InvalidExperienceError(f"wait_timeout must be seconds in (0, 3600), got {timeout!r:.40}")
+    return int(replicas), float(timeout)
+
+
 def check_flag(name: str, value: Any) -> bool:
     """A bool argument (numpy's too); 1 or "yes" would hide a mix-up of positional arguments."""
     if not isinstance(value, (bool, np.bool_)):
