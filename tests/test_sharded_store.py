@@ -27,16 +27,16 @@ from tests.helpers import small_dock
 _names = itertools.count()
 
 
-@pytest.fixture(params=["fake", "real", "redis62", "cluster"])
+@pytest.fixture(params=["fake", "real", "redis62", "cluster", "cluster62"])
 def target(request):
-    """A client (fakeredis) or URL of an empty store; the cluster is 3 primaries of Redis 7."""
+    """A client (fakeredis) or URL of an empty store; the clusters are 3 primaries of Redis 7 and of 6.2."""
     if request.param == "fake":
         import fakeredis
 
         yield fakeredis.FakeRedis(server=fakeredis.FakeServer())
         return
-    fixture = {"real": "real_url", "redis62": "redis62_url", "cluster": "cluster_url"}[request.param]
-    url = request.getfixturevalue(fixture)
+    fixture = {"real": "real_url", "redis62": "redis62_url", "cluster": "cluster_url", "cluster62": "cluster62_url"}
+    url = request.getfixturevalue(fixture[request.param])
     yield url
 
 
