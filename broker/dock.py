@@ -236,7 +236,7 @@ class TransferDock(GenerationCalls):
         return (
             f"TransferDock({self.name!r} at {self._server}, prompts_num={s.prompts_num}, "
             f"n_samples_per_prompt={s.n_samples_per_prompt}, columns={list(s.columns)}, "
-            f"consumers={list(s.consumers)})"
+            f"consumers={list(s.consumers)}{f', shards={list(s.shards)}' if s.shards else ''})"
         )
 
     # -- schema -------------------------------------------------------------------------------

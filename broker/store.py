@@ -89,9 +89,6 @@ class DataStore(Protocol):
     def every_key(self) -> list[str]:
         """Every data key the dock has now (for ``delete``)."""
 
-    def describe(self) -> str:
-        """Where the bytes are, for ``broker status`` and repr."""
-
 
 class SlotStore:
     """The bytes in the dock's own slot; a put is one MULTI (see the module docstring)."""
@@ -143,9 +140,6 @@ class SlotStore:
 
     def every_key(self) -> list[str]:
         return [self._keys.data(c) for c in self._columns()]
-
-    def describe(self) -> str:
-        return "in the dock's slot"
 
 
 class ShardedStore:
@@ -288,9 +282,6 @@ class ShardedStore:
     def every_key(self) -> list[str]:
         return [key.decode() if isinstance(key, bytes) else key
                 for key in self._client.scan_iter(match=shard_pattern(self._keys.name), count=1000)]
-
-    def describe(self) -> str:
-        return f"over {len(self._shards)} data shards"
 
 
 def choose_shards(client: Client, dock: str, count: int | None) -> tuple[str, ...]:
