@@ -25,9 +25,15 @@ Modes (all four by default; naming any runs only those):
                   ``--seconds``; ``--leases`` takes rows with leases and acks them, ``--kill`` (implies
                   ``--leases``) SIGKILLs a random client every ``--kill-every`` seconds on average;
                   then checks nothing was lost, handed out twice (without leases) or corrupted
+``--cluster``     instead of the modes: the pipeline through the broker with one client on a private
+                  redis-server and on a private ``--primaries``-primary Redis Cluster, in one run: the time
+                  ratio, the checksums, server seconds per GB moved per primary (``INFO commandstats``, and
+                  ``INFO cpu``) and the throughput they project for more primaries (``cluster.py``)
 
 Other options: ``--url`` (default: a private ``redis-server`` started on a free port, which the
-run says on stderr; ``--unix`` puts it on a unix socket), ``--prompts`` (256), ``--n`` (8),
+run says on stderr; ``--unix`` puts it on a unix socket; a URL naming any node of a Redis Cluster
+measures the cluster: the broker's dock spreads its bytes over a data shard per primary, and memory,
+keys and server time are summed over the primaries), ``--prompts`` (256), ``--n`` (8),
 ``--seed`` (0), ``--groups-per-call`` (16), ``--json`` (print only the JSON line),
 ``--lease-seconds`` (5). On a user's Redis the benchmark writes only keys named ``td:{bench-*}``
 and ``bench:{bench-*}`` and deletes them afterwards. The exit status is 1 when checksums differ

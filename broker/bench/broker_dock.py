@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import redis
+
 from ..dock import TransferDock
 from ..keys import DockKeys
 from .docks import SampleError, dock_target
@@ -33,13 +35,21 @@ class BrokerDock:
 
 
 def delete_dock(dock: TransferDock) -> None:
-    """Delete a dock and the replies its sampling calls keep for retries, then close its client.
+    """Delete a dock and the replies its sampling calls keep for retries, then close it.
 
     ``delete()`` leaves those reply keys to expire (a minute); on a user's server the benchmark
-    takes them away at once.
+    takes them away at once (on a cluster they are in the dock's slot, so on one primary).
     """
-    dock.delete()
-    replies = list(dock.client.scan_iter(match=DockKeys(dock.name).reply_pattern, count=1000))
-    for first in range(0, len(replies), 1000):
-        dock.client.delete(*replies[first : first + 1000])
-    dock.client.close()
+    client = dock.client
+    try:
+        dock.delete()
+        replies = list(client.scan_iter(match=DockKeys(dock.name).reply_pattern, count=1000))
+        for first in range(0, len(replies), 1000):
+            client.delete(*replies[first : first + 1000])
+    finally:
+        dock.close()  # a URL's client is shared by every dock of it: the last dock's close closes it
+        if isinstance(client, redis.Redis):
+            # A client the bench made itself (dock_target, for unix sockets) is not the dock's to close. For a
+            # plain client closing only drops its pooled connections, so a shared one is not harmed; a
+            # RedisCluster's close would drop its map of the nodes under the other docks sharing it.
+            client.close()

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+#: Timed passes per system when --repeat is not given: the pipeline mode's, and --cluster's (two systems only,
+#: so more passes fit in the same time and steady its ratio on a busy machine).
+REPEAT, CLUSTER_REPEAT = 3, 5
+
 SYSTEMS = ("broker", "adapter", "adapter-ray", "ray", "redis-floor", "inprocess")
 MODES = ("pipeline", "concurrent", "sampling", "memory", "balance")
 
@@ -45,7 +49,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         g.add_argument(f"--{mode}", action="store_true", help=f"run the {mode} mode")
     g.add_argument("--systems", type=_systems, default=SYSTEMS,
                    help=f"systems of the pipeline mode, comma-separated (default: {','.join(SYSTEMS)})")
-    g.add_argument("--repeat", type=int, default=3, help="timed passes per system; the best counts (default: 3)")
+    g.add_argument("--repeat", type=int, default=None,
+                   help="timed passes per system; the best counts (default: 3, and 5 with --cluster)")
     g.add_argument("--warmup", type=int, default=1, help="untimed passes per system first (default: 1)")
     g.add_argument("--per-stage", type=int, default=2, help="processes per stage in concurrent mode (default: 2)")
     g.add_argument("--sampling-sizes", type=_sizes, default=(4096, 16384, 65536),
@@ -55,6 +60,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="cost of one Prometheus exporter scrape against many docks (only when named)")
     g.add_argument("--exporter-docks", type=int, default=1000, help="docks the exporter scrapes (default: 1000)")
     g.add_argument("--exporter-scrapes", type=int, default=30, help="timed scrapes (default: %(default)s)")
+    g = p.add_argument_group("cluster comparison (runs instead of the modes above, on servers of its own)")
+    g.add_argument("--cluster", action="store_true",
+                   help="the pipeline through the broker, one client, on a private redis-server and on a private "
+                        "Redis Cluster in one run: time ratio, checksums, server seconds per GB per primary, and "
+                        "the throughput that projects for more primaries (uses --repeat, --warmup and the workload)")
+    g.add_argument("--primaries", type=int, default=3, help="primaries of the cluster (default: %(default)s)")
     g = p.add_argument_group("soak (runs instead of the modes above)")
     g.add_argument("--soak", action="store_true", help="run the soak")
     g.add_argument("--clients", type=int, default=16, help="client processes (default: %(default)s)")

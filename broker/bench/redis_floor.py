@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from ..connection import connect
+from ..connection import connect, disconnect
 from .docks import LocalStatus, dock_target
 from .workload import COLUMNS, DTYPES, Rows, Workload
 
@@ -21,7 +21,9 @@ class RedisFloorDock:
 
     def __init__(self, url: str, name: str, workload: Workload):
         # The broker's own client settings, so both pay the same client costs.
-        self.client, _ = connect(dock_target(url))
+        target = dock_target(url)
+        self.client, _ = connect(target)
+        self._shared_url = target if isinstance(target, str) else None
         self.keys = {c: f"bench:{{{name}}}:floor:{c}" for c in COLUMNS}
         self.status = LocalStatus(workload, COLUMNS, workload.consumers)
 
@@ -52,8 +54,15 @@ class RedisFloorDock:
         self.status.reset()
 
     def close(self) -> None:
-        self.client.delete(*self.keys.values())
-        self.client.close()
+        try:
+            self.client.delete(*self.keys.values())
+        finally:
+            # A URL's client is shared with the docks of that URL (closing a cluster client would break
+            # theirs): hand it back. One made for a unix socket is the floor's own.
+            if self._shared_url is not None:
+                disconnect(self._shared_url)
+            else:
+                self.client.close()
 
 
 def _view(value: bytes, dtype: torch.dtype) -> torch.Tensor:

@@ -22,6 +22,7 @@ TARGETS = {
     "sampling_growth": "sampling p50 grows sub-linearly with rows",
     "sampling_p99_ages_ms": "sampling p99 at 65,536 rows x 16 columns with ages <= 2 ms",
     "memory_per_payload_byte": "Redis memory <= 1.15 x payload bytes",
+    "cluster_over_single": "Redis Cluster, one client, end-to-end <= 1.15 x one redis-server",
 }
 
 
@@ -59,6 +60,10 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
             rows = max(aged, key=int)
             value = max(aged[rows][kind]["p99_ms"] for kind in ("trainer", "rollout"))
             out["sampling_p99_ages_ms"] = {"value": value, "rows": int(rows), "met": value <= 2.0}
+    cluster = report.get("cluster")
+    if cluster:
+        out["cluster_over_single"] = {"value": cluster["ratio"], "primaries": cluster["primaries"],
+                                      "met": cluster["ratio"] <= 1.15}
     memory = report.get("memory", {}).get("systems", {})
     if "broker" in memory:
         value = memory["broker"]["per_payload_byte"]
@@ -166,6 +171,51 @@ def _memory(mem: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _cluster(c: dict[str, Any]) -> list[str]:
+    s, k = c["single"], c["cluster"]
+    lines = ["", f"one redis-server vs a {c['primaries']}-primary Redis Cluster ({c['shards']} data shards), "
+                 f"one client, best of {c['repeat']} (median in brackets)",
+             f"  {'':<22}{'end-to-end s':>20}{'dock s':>10}{'client CPU s':>14}  checksum"]
+    for label, r in (("one server", s), (f"{c['primaries']}-primary cluster", k)):
+        lines.append(f"  {label:<22}{r['seconds']:>9.3f} ({r['median_seconds']:6.3f}){r['dock_seconds']:>10.3f}"
+                     f"{r['client_cpu_seconds']:>14.3f}  {r['checksum']}")
+    same = ("checksums equal, and equal to the in-process reference" if c["checksums_equal"]
+            else "checksums DIFFER: data was damaged in transit")
+    lines.append(f"  cluster / one server {c['ratio']:.3f} (medians {c['median_ratio']:.3f}, "
+                 f"dock {c['dock_ratio']:.3f}); {same}")
+    total = c["moved_bytes"] * c["repeat"]
+    lines += ["", f"  server seconds per GB moved ({c['moved_bytes'] / 1e6:.1f} MB a pass: "
+                  f"{c['written_bytes'] / 1e6:.1f} MB put, {c['read_bytes'] / 1e6:.1f} MB got; {c['repeat']} passes; "
+                  "a primary's GB: those of the rows it holds)",
+              f"  {'primary':<22}{'role':<16}{'share':>7}{'command s/GB':>14}{'= scripts':>11}{'+ data':>9}"
+              f"{'process CPU s/GB':>18}"]
+    for label, nodes, clustered in (("one server", s["nodes"], False), ("cluster", k["nodes"], True)):
+        for where, n in nodes.items():
+            gb = n["payload_bytes"] / 1e9
+            role = ("control + data" if n["control"] else "data") if clustered else "everything"
+            figures = (f"{n['command_seconds_per_gb']:>14.3f}{n['script_seconds'] / gb:>11.3f}"
+                       f"{n['data_seconds'] / gb:>9.3f}{n['cpu_seconds_per_gb']:>18.3f}" if gb else
+                       f"{'-':>14}{'-':>11}{'-':>9}{'-':>18}")
+            share = n["payload_bytes"] / total
+            lines.append(f"  {(where if clustered else label):<22}{role:<16}{share:>7.0%}{figures}")
+    p = c["projection"]
+    lines += ["", "  projected GB/s moved by S primaries, if the servers, not the clients, are the bottleneck:",
+              f"  {'':<46}" + "".join(f"{'S=' + str(n):>8}" for n in p["primaries"]) + f"{'limit':>8}"]
+    for measure in ("command", "process"):
+        m = p[measure]
+        who = "control" if m["busiest_is_control"] else "data"
+        linear = f"{measure}: S / {m['seconds_per_gb']:.3f} (busiest, {who})"
+        bound = f"{measure}: 1 / ({m['control_seconds_per_gb']:.3f} + {m['spread_seconds_per_gb']:.3f} / S)"
+        ceiling = m["control_ceiling_gb_per_second"]
+        lines.append(f"  {linear:<46}" + "".join(f"{v:>8.2f}" for v in m["linear_gb_per_second"].values())
+                     + f"{'-':>8}")
+        lines.append(f"  {bound:<46}" + "".join(f"{v:>8.2f}" for v in m["control_gb_per_second"].values())
+                     + (f"{ceiling:>8.2f}" if ceiling else f"{'-':>8}"))
+    lines.append(f"  the control slot's primary {p['control_node']} runs every script; busiest by command time "
+                 f"{p['command']['busiest']}, by process CPU {p['process']['busiest']}")
+    return lines
+
+
 def _soak(soak: dict[str, Any]) -> list[str]:
     c = soak["config"]
     mode = "leases, killing clients" if c["kill"] else "leases" if c["leases"] else "no leases"
@@ -191,7 +241,7 @@ def table(report: dict[str, Any]) -> str:
     """The report as text for a terminal."""
     lines = _header(report)
     sections = {"pipeline": _pipeline, "concurrent": _concurrent, "balance": _balance, "sampling": _sampling,
-                "memory": _memory, "exporter": _exporter, "soak": _soak}
+                "memory": _memory, "exporter": _exporter, "soak": _soak, "cluster": _cluster}
     for key, section in sections.items():
         if report.get(key):
             lines += section(report[key])

@@ -12,15 +12,14 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import redis
-
 from .. import __version__
 from ..connection import redact
-from ..keys import scan_pattern
+from ..keys import scan_pattern, shard_pattern
 from .docks import BenchDock
-from .options import MODES
+from .options import CLUSTER_REPEAT, MODES, REPEAT
 from .pipeline import RunResult, run_pipeline
 from .report import json_line, table, targets
+from .servers import admin, is_cluster, primaries, server_version
 from .workload import Checksums, Workload
 
 
@@ -132,14 +131,20 @@ def reference_checksums(workload: Workload) -> Checksums:
 
 def run(args: argparse.Namespace) -> int:
     """Run what ``args`` selects; 0 when every checksum agrees (and the soak passed), else 1."""
+    if args.repeat is None:
+        args.repeat = CLUSTER_REPEAT if args.cluster else REPEAT
     positive = {"--prompts": args.prompts, "--n": args.n, "--groups-per-call": args.groups_per_call,
                 "--repeat": args.repeat, "--per-stage": args.per_stage, "--sampling-calls": args.sampling_calls,
                 "--clients": args.clients, "--seconds": args.seconds, "--lease-seconds": args.lease_seconds,
                 "--kill-every": args.kill_every, "--exporter-docks": args.exporter_docks,
-                "--exporter-scrapes": args.exporter_scrapes}
+                "--exporter-scrapes": args.exporter_scrapes, "--primaries": args.primaries}
     bad = [name for name, value in positive.items() if value <= 0] + (["--warmup"] if args.warmup < 0 else [])
     if bad:
         print(f"broker bench: {', '.join(bad)} must be positive", file=sys.stderr)
+        return 2
+    if args.cluster and (args.url or args.soak or args.unix):
+        print("broker bench: --cluster starts a redis-server and a Redis Cluster of its own; it takes no --url, "
+              "--unix or --soak", file=sys.stderr)
         return 2
     workload = Workload(prompts=args.prompts, n=args.n, seed=args.seed, groups_per_call=args.groups_per_call)
     selected = [m for m in MODES if getattr(args, m)] or ([] if args.exporter else list(MODES))
@@ -151,11 +156,32 @@ def run(args: argparse.Namespace) -> int:
                               "payload_bytes": workload.payload_bytes()}
     report["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                          "loadavg_start": os.getloadavg()[0]}
-    ok = True
+    if args.cluster:
+        from .cluster import compare
+
+        report["cluster"] = compare(prefix, workload, primaries_count=args.primaries, repeat=args.repeat,
+                                    warmup=args.warmup)
+        report["redis"] = {"version": report["cluster"]["version"], "private": True,
+                           "where": f"a private redis-server and a private {args.primaries}-primary Redis Cluster"}
+        ok = report["cluster"]["checksums_equal"]
+    else:
+        ok = _measure(args, selected, prefix, workload, report)
+    report["machine"]["loadavg_end"] = os.getloadavg()[0]
+    report["targets"] = targets(report)
+    if not args.json:
+        print(table(report))
+    print(json_line(report), flush=True)
+    return 0 if ok else 1
+
+
+def _measure(args: argparse.Namespace, selected: list[str], prefix: str, workload: Workload,
+             report: dict[str, Any]) -> bool:
+    """The modes or the soak against the Redis of ``--url`` (or a private one); whether all went well."""
     with redis_target(args.url, args.unix) as (url, private):
-        client = redis.Redis.from_url(url)
-        report["redis"] = {"version": client.info("server")["redis_version"], "where": redact(url), "private": private}
-        client.close()
+        with admin(url) as client:
+            report["redis"] = {"version": server_version(client), "where": redact(url), "private": private}
+            if is_cluster(client):
+                report["redis"]["cluster_primaries"] = len(primaries(client))
         if args.soak:
             from .soak import SoakConfig, run_soak
 
@@ -164,15 +190,8 @@ def run(args: argparse.Namespace) -> int:
                              churn=args.churn, seed=args.seed)
             _say(f"soak: {cfg.clients} clients for {cfg.seconds:g} s")
             report["soak"] = run_soak(url, f"{prefix}-soak", cfg)
-            ok = report["soak"]["ok"]
-        else:
-            ok = _modes(args, selected, url, prefix, workload, report)
-    report["machine"]["loadavg_end"] = os.getloadavg()[0]
-    report["targets"] = targets(report)
-    if not args.json:
-        print(table(report))
-    print(json_line(report), flush=True)
-    return 0 if ok else 1
+            return bool(report["soak"]["ok"])
+        return _modes(args, selected, url, prefix, workload, report)
 
 
 def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str, workload: Workload,
@@ -215,8 +234,9 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
         _say("memory: the whole batch in the broker, then in the floor")
         opened = openers(url, prefix, workload)
         report["memory"] = measure(url, workload, {
-            "broker": (opened["broker"], scan_pattern(f"{prefix}-broker")),
-            "redis-floor": (opened["redis-floor"], f"bench:{{{prefix}-floor}}:*"),
+            # A sharded dock's bytes are under its data shards' tags, {NAME~S}: the second pattern.
+            "broker": (opened["broker"], (scan_pattern(f"{prefix}-broker"), shard_pattern(f"{prefix}-broker"))),
+            "redis-floor": (opened["redis-floor"], (f"bench:{{{prefix}-floor}}:*",)),
         })
     if args.exporter:
         from .exporter import scrape_cost

@@ -17,14 +17,15 @@ import time
 from typing import Any
 
 import numpy as np
-import redis
 import torch
 
+from ..connection import Client, connect, disconnect
 from ..dock import TransferDock
 from ..rollout import Rollout
 from ..validation import POLICIES as ALL_POLICIES
 from .broker_dock import delete_dock
 from .docks import dock_target
+from .servers import command_stats
 
 #: The benchmark's dock has no length columns, so "seqlen" would be the random policy again.
 POLICIES = tuple(p for p in ALL_POLICIES if p != "seqlen")
@@ -40,10 +41,9 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
     return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "max_ms": float(a.max())}
 
 
-def _evalsha(client: redis.Redis) -> tuple[int, int]:
-    """Calls and microseconds the server has charged to EVALSHA so far."""
-    stats = client.info("commandstats").get("cmdstat_evalsha", {})
-    return int(stats.get("calls", 0)), int(stats.get("usec", 0))
+def _evalsha(client: Client) -> tuple[int, int]:
+    """Calls and microseconds the server (every primary of a cluster) has charged to EVALSHA so far."""
+    return command_stats(client, ["evalsha"])["evalsha"]
 
 
 def _server_time(before: tuple[int, int], after: tuple[int, int], gets: int) -> dict[str, float]:
@@ -68,7 +68,7 @@ def sampling_latency(url: str, name: str, sizes: tuple[int, ...] = (4096, 16384,
     sizes too small for it are left out), with its ratio to the plain fifo figure of the same size.
     """
     cols = [f"c{i:02d}" for i in range(columns)]
-    client = redis.Redis.from_url(url)
+    client, _ = connect(url)  # shared with the docks of the URL; handed back below
     out: dict[str, Any] = {"columns": columns, "read_columns": read_columns, "rows_per_call": n, "calls": calls,
                            "sizes": {}}
     try:
@@ -108,7 +108,7 @@ def sampling_latency(url: str, name: str, sizes: tuple[int, ...] = (4096, 16384,
                     out.setdefault("ages", {"max_age": MAX_AGE, "consumers": [TRAINER, ROLLOUT], "sizes": {}})
                     out["ages"]["sizes"][str(rows)] = aged
     finally:
-        client.close()
+        disconnect(url)
     small, large = out["sizes"][str(sizes[0])], out["sizes"][str(sizes[-1])]
     out["growth"] = {
         "rows_factor": sizes[-1] / sizes[0],
@@ -215,7 +215,7 @@ def _aged_dock(url: str, name: str, rows: int, n: int, cols: list[str], response
         raise
 
 
-def _timed(client: redis.Redis, call: Any, count: int, what: str, expect: set[int]) -> dict[str, float]:
+def _timed(client: Client, call: Any, count: int, what: str, expect: set[int]) -> dict[str, float]:
     """p50/p99 and server time of ``count`` calls after a warm one, whose rows must lie in ``expect``."""
     warm = call()  # warm: script load, connection
     if not warm or not set(warm) <= expect:
@@ -248,7 +248,7 @@ def ages_latency(url: str, name: str, rows: int, n: int = 8, columns: int = 16, 
         return None
     dock, state = made
     first = state.pop("first_age_rows")
-    client = redis.Redis.from_url(url)
+    client, _ = connect(url)  # shared with the docks of the URL; handed back below
     try:
         out: dict[str, Any] = {"setup_seconds": time.perf_counter() - t0, **state}
 
@@ -264,5 +264,5 @@ def ages_latency(url: str, name: str, rows: int, n: int = 8, columns: int = 16, 
                                 f"a rollout sample from a dock of {rows} rows with ages", first)
         return out
     finally:
-        client.close()
+        disconnect(url)
         delete_dock(dock)

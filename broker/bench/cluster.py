@@ -1,0 +1,303 @@
+"""``--cluster``: the same dock workload on one redis-server and on a Redis Cluster, in one run, side by side.
+
+The run starts a private redis-server and a private cluster of ``primaries`` primaries (``LocalCluster``),
+opens the broker's dock on each (on the cluster: one data shard per primary, the dock's control keys in
+its own slot ``{NAME}``), and runs the sequential pipeline through both with one client, passes
+interleaved as in the pipeline mode. It reports the time ratio cluster / one server, that both runs'
+checksums equal the in-process reference, and what each server spent on the bytes moved.
+
+Server time, per primary, over the timed passes (each pass's stats are reset before it, read after it):
+
+``command``  ``INFO commandstats`` usec of what the client sends: the scripts (EVALSHA & co., with the
+             commands they call inside) and the data commands (HSET, HMGET, HDEL, UNLINK). EXEC and the
+             commands scripts call are left out: commandstats counts them too, inside their EXEC or
+             script, and again on their own. (The scripts' schema check is one small HMGET per script
+             call, which stays in: a microsecond or so.) Command time leaves out reading requests from
+             and writing replies to the sockets, which for a data plane is much of the work.
+``process``  ``INFO cpu`` used_cpu_user + used_cpu_sys: everything the server process did, I/O included.
+
+Bytes moved per pass: the tensor bytes every put writes and every get reads (counted on the in-process
+floor, ``moved_bytes``); a primary's share is the bytes of the rows whose data shard it holds (group g
+on shard g % S; all of them on one server). Seconds per GB of a primary are its seconds over its share.
+The bytes on its sockets (``INFO stats`` total_net_input_bytes + total_net_output_bytes) are reported
+beside it: the encoded tensors, the protocol and the scripts' own traffic.
+
+Projection, assuming the servers, not the clients, are the bottleneck (enough client machines; on a
+small machine the clients fill the cores before any server does, so scaling cannot be measured here):
+
+``linear``   S primaries move S / c GB/s, c the seconds per GB of the busiest primary: every primary is
+             taken to cost what the busiest does per byte through it, with the bytes evenly spread.
+``control``  the scripts stay on the one primary holding the control slot however many primaries there
+             are, while the data spreads: with k its script seconds per GB of the whole workload and d the
+             data seconds per GB summed over the primaries, that primary is busy k + d / S seconds per GB
+             moved, so S primaries move 1 / (k + d / S) GB/s, never more than 1 / k. For process CPU,
+             k is the control primary's excess over the mean of the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.cluster import RedisCluster
+
+from ..connection import Client
+from ..keys import DockKeys
+from .broker_dock import BrokerDock
+from .inprocess import InProcessDock
+from .pipeline import RunResult, run_pipeline
+from .servers import admin, primaries, server_version
+from .workload import Rows, Workload
+
+#: What the client sends that commandstats charges once: the scripts (their inner commands included). SCRIPT
+#: LOAD, which a client sends to every primary on first use, is setup, not work per batch: left out.
+SCRIPT_COMMANDS = ("evalsha", "evalsha_ro", "eval", "eval_ro", "fcall", "fcall_ro")
+#: And the data plane's commands.
+DATA_COMMANDS = ("hset", "hmget", "hdel", "unlink")
+
+#: Primaries the projection is given for.
+PROJECTED_PRIMARIES = (3, 6, 12, 24)
+
+
+def _say(text: str) -> None:
+    print(f"broker bench: {text}", file=sys.stderr, flush=True)
+
+
+class _Counting:
+    """A dock passing calls through and adding up the tensor bytes put and got, per row."""
+
+    def __init__(self, inner: InProcessDock, capacity: int):
+        self.inner, self.written, self.read = inner, 0, 0
+        self.per_row = [0] * capacity
+
+    def _count(self, data: Rows, rows: list[int]) -> int:
+        total = 0
+        for values in data.values():
+            for row, t in zip(rows, values):
+                self.per_row[row] += t.nbytes
+                total += t.nbytes
+        return total
+
+    def put(self, data: Rows, rows: list[int]) -> None:
+        self.written += self._count(data, rows)
+        self.inner.put(data, rows)
+
+    def get(self, consumer: str, columns: tuple[str, ...], count: int) -> tuple[Rows, list[int]]:
+        batch, rows = self.inner.get(consumer, columns, count)
+        self.read += self._count(batch, rows)
+        return batch, rows
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@dataclass
+class Moved:
+    """The tensor bytes one pass moves: put, got, and both per row; and the pass's reference checksum."""
+
+    written: int
+    read: int
+    per_row: list[int]
+    checksum: str
+
+    @property
+    def total(self) -> int:
+        return self.written + self.read
+
+
+def moved_bytes(workload: Workload) -> Moved:
+    """What one pass moves, counted on the in-process floor (whose checksum is every system's reference)."""
+    dock = _Counting(InProcessDock(workload), workload.capacity)
+    result = run_pipeline("inprocess", dock, workload)
+    return Moved(dock.written, dock.read, dock.per_row, result.checksums.total())
+
+
+@dataclass
+class _Node:
+    """One primary's figures summed over the timed passes."""
+
+    control: bool
+    script_usec: int = 0
+    data_usec: int = 0
+    cpu_seconds: float = 0.0
+    net_bytes: int = 0
+    calls: dict[str, int] = field(default_factory=dict)
+
+
+def _snapshot(node: Client) -> tuple[float, int]:
+    cpu, stats = node.info("cpu"), node.info("stats")
+    return (float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]),
+            int(stats["total_net_input_bytes"]) + int(stats["total_net_output_bytes"]))
+
+
+class _Target:
+    """One server or cluster, its dock, and what its primaries spent during the timed passes."""
+
+    def __init__(self, label: str, url: str, name: str, workload: Workload, client: Client, moved: Moved):
+        self.label, self.url = label, url
+        self.dock = BrokerDock(url, name, workload)
+        try:
+            self._layout(name, workload, client, moved)
+        except BaseException:
+            self.dock.close()
+            raise
+        self.runs: list[RunResult] = []
+        self.client_cpu: list[float] = []
+
+    def _layout(self, name: str, workload: Workload, client: Client, moved: Moved) -> None:
+        """The primaries, which holds the control slot, and the bytes a pass moves through each."""
+        self.nodes = primaries(client)
+        node_of: Callable[[str], str] = (
+            (lambda key: client.get_node_from_key(key).name) if isinstance(client, RedisCluster)
+            else (lambda key: self.nodes[0][0])
+        )
+        control = node_of(DockKeys(name).meta)
+        self.stats = {where: _Node(control=where == control) for where, _ in self.nodes}
+        #: Per primary, the tensor bytes a pass moves through it: a sharded dock keeps group g on data shard
+        #: g % S (store.py), an unsharded one everything in its own slot.
+        self.share = {where: 0 for where, _ in self.nodes}
+        shards = self.dock.dock.schema.shards
+        tags = [node_of("{" + tag + "}") for tag in shards]
+        for row, size in enumerate(moved.per_row):
+            self.share[tags[(row // workload.n) % len(tags)] if tags else control] += size
+
+    def timed(self, workload: Workload) -> RunResult:
+        before: dict[str, tuple[float, int]] = {}
+        for where, node in self.nodes:
+            node.config_resetstat()
+            before[where] = _snapshot(node)
+        cpu = time.process_time()
+        result = run_pipeline(self.label, self.dock, workload)
+        self.client_cpu.append(time.process_time() - cpu)
+        for where, node in self.nodes:
+            cpu_now, net_now = _snapshot(node)
+            s = self.stats[where]
+            s.cpu_seconds += cpu_now - before[where][0]
+            s.net_bytes += net_now - before[where][1]
+            for key, value in node.info("commandstats").items():
+                name = key.removeprefix("cmdstat_")
+                usec = int(value.get("usec", 0))
+                if name in SCRIPT_COMMANDS:
+                    s.script_usec += usec
+                elif name in DATA_COMMANDS:
+                    s.data_usec += usec
+                else:
+                    continue
+                s.calls[name] = s.calls.get(name, 0) + int(value.get("calls", 0))
+        return result
+
+    def report(self) -> dict[str, Any]:
+        best = min(self.runs, key=lambda r: r.seconds)
+        passes = len(self.runs)
+        nodes: dict[str, Any] = {}
+        for where, s in self.stats.items():
+            share = self.share[where] * passes
+            gb = share / 1e9
+            command = (s.script_usec + s.data_usec) / 1e6
+            nodes[where] = {
+                "control": s.control, "script_seconds": s.script_usec / 1e6, "data_seconds": s.data_usec / 1e6,
+                "command_seconds": command, "cpu_seconds": s.cpu_seconds, "net_bytes": s.net_bytes,
+                "payload_bytes": share,  # per GB: None for a primary holding no rows (fewer groups than shards)
+                "command_seconds_per_gb": command / gb if gb else None,
+                "cpu_seconds_per_gb": s.cpu_seconds / gb if gb else None, "calls": s.calls,
+            }
+        return {
+            "seconds": best.seconds, "median_seconds": statistics.median(r.seconds for r in self.runs),
+            "dock_seconds": min(r.dock_seconds for r in self.runs),
+            "runs": [round(r.seconds, 4) for r in self.runs], "checksum": best.checksums.total(),
+            "checksums": sorted({r.checksums.total() for r in self.runs}),
+            "client_cpu_seconds": statistics.median(self.client_cpu), "passes": passes, "nodes": nodes,
+            "stages": {k: {"get": v.get, "compute": v.compute, "put": v.put, "calls": v.calls}
+                       for k, v in best.stages.items()},
+        }
+
+
+def _projection(nodes: dict[str, Any], gb: float) -> dict[str, Any]:
+    """Throughput for S primaries from the cluster's per-primary figures (see the module docstring)."""
+    control = next(where for where, n in nodes.items() if n["control"])
+    out: dict[str, Any] = {
+        "assumption": "the servers, not the clients, are the bottleneck (enough client machines); the bytes spread "
+                      "evenly over the primaries; the scripts run on the control slot's primary alone",
+        "control_node": control, "primaries": list(PROJECTED_PRIMARIES),
+    }
+    others = [n for where, n in nodes.items() if where != control]
+    for measure, key in (("command", "command_seconds_per_gb"), ("process", "cpu_seconds_per_gb")):
+        busiest = max((where for where in nodes if nodes[where][key] is not None), key=lambda w: nodes[w][key])
+        c = nodes[busiest][key]
+        if measure == "command":
+            fixed = nodes[control]["script_seconds"] / gb
+            spread = sum(n["data_seconds"] for n in nodes.values()) / gb
+        else:
+            mean_other = statistics.mean(n["cpu_seconds"] for n in others) if others else 0.0
+            fixed = max(nodes[control]["cpu_seconds"] - mean_other, 0.0) / gb
+            spread = mean_other * len(nodes) / gb if others else nodes[control]["cpu_seconds"] / gb - fixed
+        out[measure] = {
+            "busiest": busiest, "busiest_is_control": busiest == control, "seconds_per_gb": c,
+            "linear_gb_per_second": {str(s): s / c for s in PROJECTED_PRIMARIES},
+            "control_seconds_per_gb": fixed, "spread_seconds_per_gb": spread,
+            "control_gb_per_second": {str(s): 1 / (fixed + spread / s) for s in PROJECTED_PRIMARIES},
+            "control_ceiling_gb_per_second": 1 / fixed if fixed > 0 else None,
+        }
+    return out
+
+
+@contextlib.contextmanager
+def _servers(primaries_count: int) -> Iterator[tuple[str, str]]:
+    """A private redis-server and a private cluster, their URLs; every server stopped after, on an error too."""
+    from ..local_cluster import LocalCluster
+    from ..local_redis import private_redis
+
+    with private_redis() as single, LocalCluster(primaries_count) as cluster:
+        _say(f"started a {single.description}, and a {primaries_count}-primary Redis Cluster "
+             f"{cluster.version} on ports {', '.join(str(n.port) for n in cluster.nodes)}, stopped at the end")
+        yield single.url, cluster.url
+
+
+def compare(prefix: str, workload: Workload, *, primaries_count: int = 3, repeat: int = 3,
+            warmup: int = 1) -> dict[str, Any]:
+    """Run the comparison on private servers; every server is stopped before this returns or raises."""
+    moved = moved_bytes(workload)
+    with _servers(primaries_count) as (single_url, cluster_url), contextlib.ExitStack() as stack:
+        single_admin = stack.enter_context(admin(single_url))
+        cluster_admin = stack.enter_context(admin(cluster_url))
+        targets: dict[str, _Target] = {}
+        for label, url, client in (("single", single_url, single_admin), ("cluster", cluster_url, cluster_admin)):
+            _say(f"cluster: opening the dock on the {label}")
+            targets[label] = _Target(label, url, f"{prefix}-{label}", workload, client, moved)
+            stack.callback(targets[label].dock.close)
+        shards = len(targets["cluster"].dock.dock.schema.shards)
+        version = server_version(single_admin)
+        order = list(targets)
+        for i in range(warmup + repeat):
+            for label in order[i % 2:] + order[: i % 2]:
+                target = targets[label]
+                target.dock.reset()
+                if i < warmup:
+                    result = run_pipeline(label, target.dock, workload)
+                else:
+                    result = target.timed(workload)
+                    target.runs.append(result)
+                name = f"warm-up {i + 1}" if i < warmup else f"pass {i + 1 - warmup}"
+                _say(f"cluster: {name}: {label} {result.seconds:.3f} s")
+        single, cluster = targets["single"].report(), targets["cluster"].report()
+    gb = moved.total * repeat / 1e9
+    checks = {moved.checksum, *single["checksums"], *cluster["checksums"]}
+    return {
+        "version": version, "primaries": primaries_count, "shards": shards, "repeat": repeat, "warmup": warmup,
+        "written_bytes": moved.written, "read_bytes": moved.read, "moved_bytes": moved.total,
+        "reference_checksum": moved.checksum,
+        "single": single, "cluster": cluster,
+        "ratio": cluster["seconds"] / single["seconds"],
+        "median_ratio": cluster["median_seconds"] / single["median_seconds"],
+        "dock_ratio": cluster["dock_seconds"] / single["dock_seconds"],
+        "checksums_equal": len(checks) == 1,
+        "projection": _projection(cluster["nodes"], gb),
+    }
