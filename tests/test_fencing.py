@@ -14,7 +14,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
-import redis
 import torch
 from redis.commands.core import Script
 
@@ -217,14 +216,15 @@ def _consumer(url: str, name: str, out: mp.Queue, stop: mp.Event, ready: mp.Queu
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_put_clear_loop_against_consumer_processes_never_repeats_or_mixes_rows(real_url):
-    """A driver puts batch b, clears, puts b + 1, ... while 4 processes read: each (batch, row) at most once."""
-    redis.Redis.from_url(real_url).flushdb()
-    dock = TransferDock(real_url, "race", prompts_num=4, n_samples_per_prompt=2, columns=["prompts"],
+def test_put_clear_loop_against_consumer_processes_never_repeats_or_mixes_rows(dock_url):
+    """A driver puts batch b, clears, puts b + 1, ... while 4 processes read: each (batch, row) at most once.
+
+    On a cluster the dock's bytes are on data shards: the put is two steps, which a clear may split."""
+    dock = TransferDock(dock_url, "race", prompts_num=4, n_samples_per_prompt=2, columns=["prompts"],
                         consumers=["reader"])
     ctx = mp.get_context("spawn")
     out, stop, ready = ctx.Queue(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_consumer, args=(real_url, "race", out, stop, ready)) for _ in range(4)]
+    procs = [ctx.Process(target=_consumer, args=(dock_url, "race", out, stop, ready)) for _ in range(4)]
     for p in procs:
         p.start()
     batches = 0

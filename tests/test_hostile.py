@@ -17,6 +17,7 @@ from broker import BrokerError, DecodeError, DockNotFoundError, SchemaError, Tra
 from broker.cli import main as cli_main
 from broker.codec import decode, encode
 from broker.keys import DockKeys
+from tests.helpers import data_cell, server_keys
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -144,11 +145,16 @@ def test_junk_arguments_raise_only_broker_errors_and_change_nothing(call, a, b):
 
 # -- garbage written into a dock's keys, as with redis-cli ---------------------------------------
 
+def _cell(client, keys: DockKeys, row: int) -> tuple[str, str]:
+    """Where row ``row`` of column prompts keeps its bytes (in the dock's slot, or on a data shard)."""
+    return data_cell(TransferDock.attach(client, keys.name), "prompts", row)
+
+
 GARBAGE = {
     "meta field": lambda c, k: c.hset(k.meta, "columns", "not json"),
     "meta type": lambda c, k: (c.delete(k.meta), c.set(k.meta, "x")),
-    "data bytes": lambda c, k: c.hset(k.data("prompts"), "1", b"\x80\x04\x95 pickle? no"),
-    "data type": lambda c, k: (c.delete(k.data("prompts")), c.rpush(k.data("prompts"), "x")),
+    "data bytes": lambda c, k: c.hset(*_cell(c, k, 1), b"\x80\x04\x95 pickle? no"),
+    "data type": lambda c, k: (c.delete(_cell(c, k, 1)[0]), c.rpush(_cell(c, k, 1)[0], "x")),
     "ready type": lambda c, k: (c.delete(k.ready("prompts")), c.sadd(k.ready("prompts"), "x")),
     "gready type": lambda c, k: (c.delete(k.group_ready("prompts")), c.hset(k.group_ready("prompts"), "a", "b")),
     "consumed type": lambda c, k: c.hset(k.consumed("train"), "a", "b"),
@@ -231,16 +237,16 @@ def test_a_dock_whose_keys_vanished_under_it_raises_and_writes_nothing(client):
     for op in _every_operation(dock):
         with pytest.raises(DockNotFoundError, match=r"td:\{g\}:meta"):
             op()
-    assert client.keys() == []  # not even the bytes of the refused put
+    assert server_keys(client) == []  # not even the bytes of the refused put
 
 
 def test_a_dock_whose_schema_was_edited_under_it_raises_and_changes_nothing(client):
     dock = TransferDock(client, "g", prompts_num=2, n_samples_per_prompt=2, columns=["prompts"], consumers=["train"])
     dock.put_experience({"prompts": torch.arange(8).reshape(4, 2)}, indexes=[0, 1, 2, 3])
     client.hset(DockKeys("g").meta, "prompts_num", "8")
-    before = {key: client.dump(key) for key in client.keys()}
+    before = {key: client.dump(key) for key in server_keys(client)}
     for op in _every_operation(dock)[1:]:  # a refused put takes its bytes back, but row 3's old ones with them
         with pytest.raises(SchemaError, match="no longer holds the schema"):
             op()
-    assert {key: client.dump(key) for key in client.keys()} == before
+    assert {key: client.dump(key) for key in server_keys(client)} == before
     assert TransferDock.attach(client, "g").capacity == 16  # opening it again reads the schema now stored

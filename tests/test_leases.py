@@ -8,11 +8,10 @@ import signal
 import time
 
 import pytest
-import redis
 import torch
 
 from broker import InvalidExperienceError, TransferDock, UnknownConsumerError
-from tests.helpers import fill
+from tests.helpers import fill, held_rows
 
 
 def test_leased_rows_stay_out_until_acked(make_dock):
@@ -228,9 +227,8 @@ def _stage_worker(dock: TransferDock, victim: bool, holding: mp.Event, log: mp.Q
 
 
 @pytest.mark.real
-def test_killed_worker_rows_are_redelivered_and_every_row_gets_one_result(real_url):
-    redis.Redis.from_url(real_url).flushdb()
-    dock = TransferDock(real_url, "fault", prompts_num=PROMPTS, n_samples_per_prompt=N,
+def test_killed_worker_rows_are_redelivered_and_every_row_gets_one_result(dock_url):
+    dock = TransferDock(dock_url, "fault", prompts_num=PROMPTS, n_samples_per_prompt=N,
                         columns=["prompts", "results"], consumers=["stage"])
     capacity = PROMPTS * N
     dock.put_experience({"prompts": torch.arange(capacity).reshape(capacity, 1)}, indexes=list(range(capacity)))
@@ -240,7 +238,7 @@ def test_killed_worker_rows_are_redelivered_and_every_row_gets_one_result(real_u
     victim = ctx.Process(target=_stage_worker, args=(dock, True, holding, victim_log))
     victim.start()
     assert holding.wait(120), f"the victim never took rows (exit code {victim.exitcode})"
-    held = sorted(int(r) for r in redis.Redis.from_url(real_url).zrange("td:{fault}:leases:stage", 0, -1))
+    held = sorted(int(r) for r in dock.client.zrange("td:{fault}:leases:stage", 0, -1))
     assert len(held) == BATCH
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(10)
@@ -265,6 +263,6 @@ def test_killed_worker_rows_are_redelivered_and_every_row_gets_one_result(real_u
     assert status["consumers"]["stage"] == {"consumed": capacity, "leased": 0, "redelivered": len(held)}
     batch, _ = dock.get_experience("stage", ["prompts", "results"], indexes=list(range(capacity)))
     assert all(torch.equal(r, p * p) for p, r in zip(batch["prompts"], batch["results"]))
-    # One result per row: the results hash has exactly one field per row.
-    assert redis.Redis.from_url(real_url).hlen("td:{fault}:data:results") == capacity
+    # One result per row: the results hash (or hashes, on data shards) has exactly one field per row.
+    assert held_rows(dock, "results") == capacity
     dock.delete()

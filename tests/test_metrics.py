@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker import UnknownConsumerError, metrics
+from tests.helpers import data_cell
 
 
 @pytest.fixture
@@ -28,8 +29,11 @@ def sample(registry, name: str, **labels: str) -> float:
 def test_puts_and_gets_are_timed_and_counted(make_dock, registry):
     dock = make_dock(name="grpo")
     dock.put_experience({"prompts": torch.ones(4, 8), "responses": torch.ones(4, 8)}, indexes=[0, 1, 2, 3])
-    prompt_bytes = sum(len(v) for v in dock.client.hvals("td:{grpo}:data:prompts"))
-    put_bytes = prompt_bytes + sum(len(v) for v in dock.client.hvals("td:{grpo}:data:responses"))
+    def stored_bytes(column: str) -> int:  # the bytes the put wrote, in the dock's slot or on its data shards
+        return sum(len(dock.client.hget(*data_cell(dock, column, row))) for row in range(4))
+
+    prompt_bytes = stored_bytes("prompts")
+    put_bytes = prompt_bytes + stored_bytes("responses")
     assert sample(registry, "broker_client_rows_total", dock="grpo", op="put") == 4
     assert sample(registry, "broker_client_bytes_total", dock="grpo", op="put") == put_bytes
     assert sample(registry, "broker_client_call_seconds_count", dock="grpo", op="put", outcome="ok") == 1

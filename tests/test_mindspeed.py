@@ -24,6 +24,7 @@ from broker.mindspeed import (
     TransferQueueClient,
     get_transfer_queue_client,
 )
+from tests.helpers import server_keys
 
 _names = itertools.count()
 
@@ -200,7 +201,7 @@ def test_a_second_process_with_more_columns_grows_the_dock(client):
 # -- bad input: MindSpeed's ValueErrors, nothing changed in Redis ---------------------------------
 
 def snapshot(client) -> dict[bytes, bytes]:
-    return {k: client.dump(k) for k in sorted(client.keys("*")) if b":reply:" not in k}
+    return {k: client.dump(k) for k in server_keys(client) if b":reply:" not in k}
 
 
 @pytest.mark.parametrize("call, message", [

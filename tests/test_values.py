@@ -11,6 +11,7 @@ import torch
 
 from broker import DecodeError, InvalidExperienceError
 from broker.codec import KIND_VALUE, KIND_VERSION, MAGIC, VERSION, decode, encode, encode_value
+from tests.helpers import held_rows
 
 VALUES = [
     "a label", "", "汉字 and emoji \N{ROCKET}", b"\x00\xff raw", 0, -1, 2**63 - 1, -(2**63), 2**64 - 1, 1.5,
@@ -122,7 +123,7 @@ def test_a_bad_value_in_a_put_names_its_column_and_row_and_writes_nothing(make_d
     with pytest.raises(InvalidExperienceError, match=r"column 'labels', row 1: a set cannot be stored"):
         dock.put_experience({"prompts": torch.ones(2, 2), "labels": ["fine", {1, 2}]}, [0, 1])
     assert dock.status()["columns"]["prompts"]["ready"] == 0
-    assert not client.exists(f"td:{{{dock.name}}}:data:prompts")
+    assert held_rows(dock, "prompts") == 0
 
 
 def test_a_zero_dimensional_object_array_is_refused(make_dock):
