@@ -30,7 +30,7 @@ from .generation import AGE_COLUMN, AGES_KEY, GenerationCalls
 from .keys import DockKeys
 from .leased_rows import LeasedRows, like
 from .put_listener import PutListener
-from .replication import wait_for_replicas
+from .replication import Replication
 from .rollout import Rollout
 from .schema import Schema, fingerprint
 from .scripts import DockScripts, Handout, Selection, rows_of, run_pipeline, runs_of, supports_flags
@@ -188,6 +188,7 @@ class TransferDock(GenerationCalls):
         self._listener = PutListener(self._client, self._keys.events, sharded=sharded_events)
         self._seed = seed
         self._seeds = _Seeds(seed)
+        self._replication = Replication(self._client, self._durability[0], round(self._durability[1] * 1000))
 
     def _set_schema(self, schema: Schema, stored_fingerprint: str) -> None:
         self._schema = schema
@@ -351,8 +352,7 @@ class TransferDock(GenerationCalls):
                 def finish(pipe: redis.client.Pipeline | None) -> None:
                     self._scripts.finish(pipe, runs, flags_in_run_order, version)
 
-            self._run(lambda: self._store.put(encoded, runs, lengths, finish))
-            self._replicate("put", data=True)
+            self._run(lambda: self._store.put(encoded, runs, lengths, finish, self._wait_replicas("put")))
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
 
@@ -589,15 +589,19 @@ class TransferDock(GenerationCalls):
 
         return sample
 
-    def _replicate(self, what: str, *, data: bool = False) -> None:
-        """With ``wait_replicas``, wait until replicas have the call's writes: the control slot's, and
-        with ``data`` every data shard's (see replication.py)."""
-        replicas, timeout = self._durability
-        if replicas:
-            keys = [self._keys.replicated]
-            if data:
-                keys += [DockKeys.shard_replicated(tag) for tag in self._schema.shards]
-            wait_for_replicas(self._client, keys, replicas, int(timeout * 1000), f"dock {self.name!r}: {what}")
+    def _wait_replicas(self, what: str) -> Callable[[Sequence[str]], None] | None:
+        """With ``wait_replicas``, what a put calls to wait until replicas of the nodes of some keys (the
+        dock's ``replicated`` counters) have its writes; a shortfall raises (see replication.py)."""
+        if not self._replication.replicas:
+            return None
+        return lambda keys: self._replication.wait(keys, f"dock {self.name!r}: {what}", must=True)
+
+    def _replicate(self, what: str) -> None:
+        """With ``wait_replicas``, wait until replicas of the control slot have a hand-out's marks. A
+        shortfall is logged, not raised: the rows are handed out already, and a call that raised would
+        lose the ones it handed out without a lease (see replication.py)."""
+        if self._replication.replicas:
+            self._replication.wait([self._keys.replicated], f"dock {self.name!r}: {what}", must=False)
 
     @staticmethod
     def _handed_out(rows: list[int], token: str, consumer: str) -> list[int]:

@@ -61,6 +61,10 @@ Encoded = dict[str, dict[str, bytes]]
 #: run on its own when the pipe is None.
 Finish = Callable[[Pipeline | None], None]
 
+#: What a put calls, with wait_replicas, to wait until replicas of the nodes holding some keys (the dock's
+#: ``replicated`` counters) have its writes (see replication.py); None: no waiting.
+Durable = Callable[[Sequence[str]], None]
+
 #: How many times a sharded put writes again after clears moved its rows between its two steps. Each
 #: retry means a clear of these rows landed within one round trip; running out takes a clearer in a
 #: tight loop, and the put then fails with a BrokerError saying so.
@@ -70,8 +74,12 @@ PUT_RETRIES = 16
 class DataStore(Protocol):
     """Where a dock's row bytes live (see the module docstring)."""
 
-    def put(self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None) -> None:
-        """Write the rows' bytes and mark them ready in their columns; all or nothing."""
+    def put(
+        self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
+        durable: Durable | None = None,
+    ) -> None:
+        """Write the rows' bytes and mark them ready in their columns; all or nothing. With ``durable``,
+        wait for replicas of the bytes before marking them, and of the marks before returning."""
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         """The bytes of the handout's ``rows`` (in that order) per column, or None if a clear took any of
@@ -96,7 +104,10 @@ class SlotStore:
     def __init__(self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Callable[[], Sequence[str]]):
         self._client, self._keys, self._scripts, self._columns = client, keys, scripts, columns
 
-    def put(self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None) -> None:
+    def put(
+        self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
+        durable: Durable | None = None,
+    ) -> None:
         def transaction(pipe: Pipeline) -> None:
             for col, mapping in encoded.items():
                 pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
@@ -109,6 +120,8 @@ class SlotStore:
         for reply in replies[::-1]:
             if isinstance(reply, Exception):
                 raise reply
+        if durable is not None:
+            durable([self._keys.replicated])
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         # One round trip: the HMGETs, then the fence script in the same pipeline, after them (see
@@ -164,16 +177,25 @@ class ShardedStore:
             out.setdefault(self._shard(row), []).append((i, f"{row}:{gen}"))
         return out
 
-    def put(self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None) -> None:
+    def put(
+        self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
+        durable: Durable | None = None,
+    ) -> None:
         rows = rows_of(runs)  # ascending, the order of the generations the fence returns
         columns = list(encoded)
         for _ in range(PUT_RETRIES):
             epoch, generations = self._scripts.fence_now(runs)
             written = self._write(encoded, rows, epoch, generations)
+            if durable is not None:
+                # The bytes reach the shards' replicas before any reader may be handed them: a shard
+                # failing over afterwards cannot leave rows ready whose bytes it lost.
+                durable(sorted({DockKeys.shard_replicated(self._shard(r)) for r in rows}))
             marked = self._scripts.mark(columns, runs, lengths, epoch, generations)
             if not marked.stale and not marked.epoch_moved:
                 if finish is not None:
                     finish(None)
+                if durable is not None:
+                    durable([self._keys.replicated])
                 return
             # A clear moved some rows between the two steps: their bytes under the old generation are
             # nobody's. The other rows' fields are left: a concurrent put of them may own them now.
