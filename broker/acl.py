@@ -5,21 +5,28 @@ server-wide commands. ``worker_rules("A")`` gives the rules for ``ACL SETUSER``:
 
     ACL SETUSER worker-a on >PASSWORD <rules...>
 
-Keys: only ``td:{A}:*``. Channels: only ``td:{A}:*`` (the dock's put notifications). Commands: only
-what the client and the Lua scripts call. Redis checks the keys that scripts touch against the same
-patterns, so a script cannot reach another dock either. Server-wide commands (FLUSHDB, KEYS, CONFIG,
-SCAN, ...) are not granted. ``reader_rules()`` gives the exporter's: every dock, reading only.
+Keys: only ``td:{A}:*`` and the data shards ``td:{A~*}:*`` (no other dock's keys match: ``~`` is not
+allowed in names). Channels: only ``td:{A}:*`` (the dock's put notifications). Commands: only what the
+client and the Lua scripts call. Redis checks the keys that scripts touch against the same patterns, so
+a script cannot reach another dock either. Server-wide commands (FLUSHDB, KEYS, CONFIG, SCAN, ...) are
+not granted. ``reader_rules()`` gives the exporter's: every dock, reading only.
+
+On a Redis Cluster every node checks its own users: the user must be created on every node, primaries
+and replicas (a replica promoted by a failover serves the same clients), with ``cluster=True``: the
+broker tells a cluster node by INFO, and redis-py reads the slot map and the command table when it
+connects. A Redis 7 cluster also announces puts with sharded pub/sub (SPUBLISH from the scripts,
+SSUBSCRIBE by waiting readers), which Redis 6.2 does not know: ``sharded_pubsub=False`` for its nodes.
 """
 
 from __future__ import annotations
 
-from .keys import PREFIX, DockKeys
+from .keys import PREFIX, DockKeys, shard_pattern
 
 #: Commands sent by the client (dock methods and redis-py's connection set-up).
 CLIENT_COMMANDS = (
     "ping", "select", "multi", "exec", "discard", "evalsha", "eval", "script|load", "script|exists",
     "hset", "hget", "hmget", "hgetall", "hlen", "bitcount", "bitfield", "zcard", "get", "del", "subscribe",
-    "unsubscribe",
+    "unsubscribe", "hdel", "unlink", "incr", "wait",  # the data shards' puts and clears, wait_replicas
 )
 
 #: Commands the Lua scripts in lua/ call.
@@ -30,6 +37,13 @@ SCRIPT_COMMANDS = (
 )
 
 
+#: What a cluster client sends beside the broker's own commands: INFO (``connect`` tells a cluster node by
+#: it), and redis-py's reading of the slot map and of the command table.
+CLUSTER_COMMANDS = ("info", "cluster|slots", "command")
+
+#: Sharded pub/sub: put notifications on a Redis 7 cluster (unknown to Redis 6.2).
+SHARDED_PUBSUB_COMMANDS = ("ssubscribe", "sunsubscribe", "spublish")
+
 #: Commands the exporter and ``broker status`` send, and those lua/status.lua calls: reads only.
 READER_COMMANDS = (
     "ping", "select", "scan", "hgetall", "evalsha", "script|load", "memory|usage",
@@ -37,17 +51,24 @@ READER_COMMANDS = (
 )
 
 
-def reader_rules() -> list[str]:
+def reader_rules(*, cluster: bool = False) -> list[str]:
     """ACL SETUSER rules for ``broker exporter`` and ``broker status``: every dock's keys, reads only.
 
     Scripts run with the user's permissions, so granting EVALSHA grants no write: the only commands a
-    script may call are the read commands listed here.
+    script may call are the read commands listed here. ``cluster``: for a Redis Cluster node (see above).
     """
-    return ["resetkeys", f"~{PREFIX}:*", "resetchannels", "-@all", *(f"+{c}" for c in sorted(READER_COMMANDS))]
+    commands = set(READER_COMMANDS) | (set(CLUSTER_COMMANDS) if cluster else set())
+    return ["resetkeys", f"~{PREFIX}:*", "resetchannels", "-@all", *(f"+{c}" for c in sorted(commands))]
 
 
-def worker_rules(dock: str) -> list[str]:
-    """ACL SETUSER rules (without ``on`` and the password) letting a user work on dock ``dock`` only."""
-    pattern = DockKeys(dock).base + "*"
-    commands = sorted(set(CLIENT_COMMANDS) | set(SCRIPT_COMMANDS))
-    return ["resetkeys", f"~{pattern}", "resetchannels", f"&{pattern}", "-@all", *(f"+{c}" for c in commands)]
+def worker_rules(dock: str, *, cluster: bool = False, sharded_pubsub: bool = True) -> list[str]:
+    """ACL SETUSER rules (without ``on`` and the password) letting a user work on dock ``dock`` only.
+
+    ``cluster``: for a Redis Cluster node, of Redis 7 unless ``sharded_pubsub`` is False (see above).
+    """
+    keys = DockKeys(dock)
+    commands = set(CLIENT_COMMANDS) | set(SCRIPT_COMMANDS)
+    if cluster:
+        commands |= set(CLUSTER_COMMANDS) | (set(SHARDED_PUBSUB_COMMANDS) if sharded_pubsub else set())
+    return ["resetkeys", f"~{keys.base}*", f"~{shard_pattern(dock)}", "resetchannels", f"&{keys.base}*", "-@all",
+            *(f"+{c}" for c in sorted(commands))]

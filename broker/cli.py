@@ -2,6 +2,7 @@
 
     broker status [--url URL] [NAME] [--json] [--watch [SECONDS]]
     broker clear NAME --yes [--url URL]
+    broker acl NAME | --reader [--user U] [--password P] [--cluster] [--apply --url URL]
     broker exporter [--url URL] [--port 9808] [NAME...]
     broker demo [--redis-url URL] [--iterations N] [--prompts N] [--n N] [--dp N] [--tp N] ...
     broker bench [--url URL] [--prompts N] [--n N] [--systems ...] [--json] ...   (see broker/bench/__init__.py)
@@ -16,7 +17,9 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from .acl import reader_rules, worker_rules
+from redis.cluster import RedisCluster
+
+from .acl import SHARDED_PUBSUB_COMMANDS, reader_rules, worker_rules
 from .connection import connect, default_url, disconnect, redact, redis_errors
 from .dock import TransferDock
 from .errors import BrokerError, DockNotFoundError
@@ -88,13 +91,63 @@ def _clear(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``broker acl``'s password when none is given: fine to print, refused by ``--apply``.
+PLACEHOLDER_PASSWORD = "CHANGE-ME"
+
+
 def _acl(args: argparse.Namespace) -> int:
     if args.reader == bool(args.name):
         print("broker: acl takes a dock NAME (a worker's rules) or --reader (the exporter's), not both",
               file=sys.stderr)
         return 2
-    rules = " ".join(reader_rules() if args.reader else worker_rules(args.name))
-    print(f"ACL SETUSER {args.user} on >{args.password} {rules}")
+    if args.apply:
+        return _apply_acl(args)
+    print(f"ACL SETUSER {args.user} on >{args.password} {' '.join(_acl_rules(args, cluster=args.cluster))}")
+    if args.cluster:
+        # On stderr: stdout stays one command, to paste or pipe into redis-cli.
+        print("broker: run it on every node of the cluster, primaries and replicas (on Redis 6.2 nodes without "
+              f"{' '.join('+' + c for c in SHARDED_PUBSUB_COMMANDS)}), or let broker acl ... --apply --url URL "
+              "do it", file=sys.stderr)
+    return 0
+
+
+def _acl_rules(args: argparse.Namespace, *, cluster: bool, sharded_pubsub: bool = True) -> list[str]:
+    if args.reader:
+        return reader_rules(cluster=cluster)
+    return worker_rules(args.name, cluster=cluster, sharded_pubsub=sharded_pubsub)
+
+
+def _apply_acl(args: argparse.Namespace) -> int:
+    """ACL SETUSER on the server at ``--url``; on a Redis Cluster on every node, each with its version's rules."""
+    if args.password == PLACEHOLDER_PASSWORD:
+        print("broker: acl --apply creates a real user: give it a --password", file=sys.stderr)
+        return 2
+    client, _ = connect(args.url)
+    where = redact(args.url)
+    done: list[str] = []
+    try:
+        if isinstance(client, RedisCluster):
+            nodes = [(node.name, node.redis_connection) for node in client.get_nodes()]
+        else:
+            nodes = [("the server", client)]
+        for name, node in nodes:
+            try:
+                with redis_errors(f"{where} (node {name})" if isinstance(client, RedisCluster) else where):
+                    if node is None:
+                        raise BrokerError(f"Redis Cluster at {where}: no connection to node {name}")
+                    major = int(str(node.info("server")["redis_version"]).split(".")[0])
+                    rules = _acl_rules(args, cluster=isinstance(client, RedisCluster), sharded_pubsub=major >= 7)
+                    node.execute_command("ACL", "SETUSER", args.user, "on", f">{args.password}", *rules)
+            except BrokerError as exc:
+                before = ", ".join(done) or "no node"
+                raise BrokerError(f"{exc} (user {args.user!r} was set on {before} before)") from exc
+            done.append(name)
+    finally:
+        disconnect(args.url)
+    if isinstance(client, RedisCluster):
+        print(f"set ACL user {args.user} on all {len(done)} nodes of the Redis Cluster at {where}: {', '.join(done)}")
+    else:
+        print(f"set ACL user {args.user} at {where}")
     return 0
 
 
@@ -159,13 +212,19 @@ def build_parser() -> argparse.ArgumentParser:
     exporter.set_defaults(run=_exporter)
 
     acl = commands.add_parser(
-        "acl", help="print the ACL SETUSER command confining a worker user to one dock, or a read-only user"
+        "acl", parents=[url],
+        help="print (or --apply) the ACL SETUSER command confining a worker user to one dock, or a read-only user",
     )
     acl.add_argument("name", nargs="?", help="the dock a worker may use")
     acl.add_argument("--reader", action="store_true",
                      help="rules for broker exporter and broker status instead: every dock, reads only")
     acl.add_argument("--user", default="worker", help="ACL user name (default: %(default)s)")
-    acl.add_argument("--password", default="CHANGE-ME", help="its password (default: a placeholder)")
+    acl.add_argument("--password", default=PLACEHOLDER_PASSWORD, help="its password (default: a placeholder)")
+    acl.add_argument("--cluster", action="store_true",
+                     help="rules for the nodes of a Redis Cluster, on each of which the user must be created")
+    acl.add_argument("--apply", action="store_true",
+                     help="create the user on the server at --url instead of printing the command; on a Redis "
+                          "Cluster on every node (primaries and replicas), each with the rules its version takes")
     acl.set_defaults(run=_acl)
 
     # workers.options is argparse only, so building the parser stays cheap; the demo itself loads lazily.

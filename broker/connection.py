@@ -306,7 +306,8 @@ def redis_errors(where: str) -> Iterator[None]:
         raise ClusterError(
             f"Redis at {where} is a Redis Cluster node and redirected the call ({kind} {exc}: slot {exc.slot_id} "
             f"is served by {exc.host}:{exc.port}); the redirects did not settle. Open the dock from a URL so the "
-            "broker uses a cluster client, or pass a redis.cluster.RedisCluster client"
+            "broker uses a cluster client, or pass a redis.cluster.RedisCluster client (from a URL, a user not "
+            "granted INFO cannot be told it is on a cluster: grant +info, as broker acl --cluster does)"
         ) from exc
     except redis.exceptions.ClusterDownError as exc:
         raise ClusterError(

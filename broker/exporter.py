@@ -35,6 +35,7 @@ from redis.client import Pipeline
 
 from .connection import Client, redis_errors
 from .errors import BrokerError
+from .keys import DockKeys
 from .status import DockRef, Survey
 
 log = logging.getLogger(__name__)
@@ -48,35 +49,80 @@ MEMORY_KEYS_PER_SCRAPE = 256
 #: Elements ``MEMORY USAGE`` looks at in a hash (Redis's own default).
 MEMORY_SAMPLES = 5
 
+#: End of the name under which a sharded dock's data hash of the current epoch is measured.
+EPOCH_FIELD = "<epoch>"
+
 
 class MemorySampler:
-    """Measures a bounded share of the docks' keys per scrape and remembers every key's latest size."""
+    """Measures a bounded share of the docks' keys per scrape and remembers every key's latest size.
 
-    def __init__(self, keys_per_scrape: int = MEMORY_KEYS_PER_SCRAPE):
+    A sharded dock's bytes are in its data shards' hashes of the current epoch (``td:{NAME~S}:data:COLUMN:
+    EPOCH``), whose names change with every whole clear: they are kept under a name ending in
+    ``EPOCH_FIELD``, measured under the epoch read just before (one more round trip, in a scrape that
+    measures some of them), and a hash's latest measure stands for it until it is measured again.
+    """
+
+    def __init__(self, keys_per_scrape: int = MEMORY_KEYS_PER_SCRAPE, client: Client | None = None):
         self.keys_per_scrape = keys_per_scrape
         self.enabled = keys_per_scrape > 0
+        self._client = client  # reads the epochs of sharded docks; None: their data hashes are not measured
         self._sizes: dict[str, int] = {}  # key -> bytes at its latest measure
         self._turn = 0  # where in the list of every dock's keys the next scrape starts
         self._queued: list[str] = []
         self._keys: dict[DockRef, list[str]] = {}  # each known dock's keys, built once: scrapes come often
+        self._epoch_keys: dict[str, str] = {}  # a data shard hash's name with EPOCH_FIELD -> its dock's epoch key
 
     def queue(self, pipe: Pipeline, refs: Sequence[DockRef]) -> None:
         """Queue this scrape's ``MEMORY USAGE`` commands for some of ``refs``'s keys on ``pipe``."""
         self._queued = []
         if not self.enabled:
             return
-        self._keys = {ref: self._keys.get(ref) or _keys_of(ref) for ref in refs}
+        self._keys = {ref: self._keys.get(ref) or self._keys_of(ref) for ref in refs}
         every = [key for keys in self._keys.values() for key in keys]
         if not every:
             return
         live = set(every)
         for gone in [k for k in self._sizes if k not in live]:  # deleted docks, or a schema that lost a column
             del self._sizes[gone]
+        self._epoch_keys = {k: epoch for k, epoch in self._epoch_keys.items() if k in live}
         start = self._turn % len(every)
         self._queued = (every[start:] + every[:start])[: self.keys_per_scrape]
         self._turn = start + len(self._queued)
+        epochs = self._epochs([self._epoch_keys[k] for k in self._queued if k in self._epoch_keys])
         for key in self._queued:
+            if key in self._epoch_keys:
+                key = key.removesuffix(EPOCH_FIELD) + str(epochs[self._epoch_keys[key]])
             pipe.execute_command("MEMORY", "USAGE", key, "SAMPLES", MEMORY_SAMPLES)
+
+    def _keys_of(self, ref: DockRef) -> list[str]:
+        """The dock's keys to measure: those of its slot, and its data shards' hashes (see the class)."""
+        keys = ref.keys.every_key(ref.schema.columns, ref.schema.consumers)
+        if self._client is None:
+            return keys
+        for tag in ref.schema.shards:
+            for column in ref.schema.columns:
+                key = DockKeys.shard_data(tag, column, 0).removesuffix("0") + EPOCH_FIELD
+                self._epoch_keys[key] = ref.keys.epoch
+                keys.append(key)
+        return keys
+
+    def _epochs(self, keys: list[str]) -> dict[str, int]:
+        """The current epoch of each dock whose epoch key is in ``keys``, in one round trip."""
+        wanted = sorted(set(keys))
+        if not wanted or self._client is None:
+            return {}
+        pipe = self._client.pipeline(transaction=False)
+        for key in wanted:
+            pipe.get(key)
+        out = {}
+        for key, raw in zip(wanted, pipe.execute(raise_on_error=False)):
+            if isinstance(raw, Exception):
+                raise raw
+            try:
+                out[key] = int(raw or 0)
+            except ValueError:  # garbage: the status script reports the dock; its data hashes read as absent
+                out[key] = -1
+        return out
 
     def record(self, replies: Sequence[Any]) -> None:
         """Take the replies of what ``queue`` queued: bytes, or None for a key that does not exist."""
@@ -88,16 +134,12 @@ class MemorySampler:
     def dock_bytes(self, ref: DockRef) -> int | None:
         """The dock's bytes by the latest measure of each key; None until every key was measured once."""
         total = 0
-        for key in self._keys.get(ref) or _keys_of(ref):
+        for key in self._keys.get(ref) or self._keys_of(ref):
             size = self._sizes.get(key)
             if size is None:
                 return None
             total += size
         return total
-
-
-def _keys_of(ref: DockRef) -> list[str]:
-    return ref.keys.every_key(ref.schema.columns, ref.schema.consumers)
 
 
 class DockCollector:
@@ -117,7 +159,7 @@ class DockCollector:
     ):
         self._survey = Survey(client, names, rescan_seconds=rescan_seconds)
         self._where = where
-        self._memory = MemorySampler(memory_keys)
+        self._memory = MemorySampler(memory_keys, client)
         self._lock = threading.Lock()
         self._errors: dict[tuple[str, str], int] = {}  # (dock, error class) -> scrapes that found it
         self._failed_scrapes = 0

@@ -20,7 +20,7 @@ from redis.cluster import RedisCluster
 from broker import TransferDock
 from broker.local_cluster import LocalCluster
 from broker.local_redis import RedisServer
-from tests.helpers import in_ci, redis62_binary, redis_server_binary, small_dock
+from tests.helpers import empty_cluster, in_ci, redis62_binary, redis_server_binary, small_dock
 
 
 @pytest.fixture(scope="session")
@@ -100,12 +100,6 @@ def client(backend, request):
     yield c
     c.flushdb()
     c.close()
-
-
-def empty_cluster(cluster: RedisCluster) -> None:
-    """FLUSHALL and SCRIPT FLUSH on every primary."""
-    cluster.flushall(target_nodes=RedisCluster.PRIMARIES)
-    cluster.script_flush()  # sent to every primary by default
 
 
 _names = itertools.count()

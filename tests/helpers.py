@@ -68,6 +68,12 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
+def empty_cluster(cluster: RedisCluster) -> None:
+    """FLUSHALL and SCRIPT FLUSH on every primary of a cluster."""
+    cluster.flushall(target_nodes=RedisCluster.PRIMARIES)
+    cluster.script_flush()  # sent to every primary by default
+
+
 def server_keys(client: Any, pattern: str = "*") -> list[bytes]:
     """Every key matching ``pattern`` on the whole server, sorted: on a cluster, on every primary (a plain
     KEYS there asks one node only)."""

@@ -26,9 +26,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from redis.cluster import RedisCluster
 
 from broker import ExperienceTimeoutError, TransferDock
 from broker.keys import DockKeys
+from tests.helpers import empty_cluster
 
 COLUMN_NAMES = ("prompts", "responses", "rewards")
 CONSUMERS = ("actor_train", "reference")
@@ -46,7 +48,7 @@ MACHINE_SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
-Store = Callable[[], redis.Redis]
+Store = Callable[[], redis.Redis | RedisCluster]
 Batch = dict[str, list[torch.Tensor]]
 
 
@@ -417,6 +419,9 @@ def fresh_store(backend: str, request: pytest.FixtureRequest) -> Iterator[Store]
     if backend == "fake":
         yield lambda: fakeredis.FakeRedis(server=fakeredis.FakeServer())
         return
+    if backend == "cluster":
+        yield from _fresh_clusters(request.getfixturevalue("cluster_url"))
+        return
     url = request.getfixturevalue("redis62_url" if backend == "redis62" else "real_url")
     opened: list[redis.Redis] = []
 
@@ -431,6 +436,21 @@ def fresh_store(backend: str, request: pytest.FixtureRequest) -> Iterator[Store]
     yield fresh
     c.flushdb()  # leave the database empty for the next test, as conftest's client does
     c.close()
+    for o in opened:
+        o.close()
+
+
+def _fresh_clusters(url: str) -> Iterator[Store]:
+    """``fresh_store`` on the local cluster: a cluster client per example, every primary flushed."""
+    opened: list[RedisCluster] = []
+
+    def fresh() -> RedisCluster:
+        c = RedisCluster.from_url(url)
+        empty_cluster(c)
+        opened.append(c)
+        return c
+
+    yield fresh
     for o in opened:
         o.close()
 

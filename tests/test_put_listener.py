@@ -5,44 +5,70 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import fakeredis
 import pytest
 import redis
 import torch
+from redis.cluster import RedisCluster
 
 from broker import TransferDock
 from broker.local_redis import RedisServer
 from broker.put_listener import PutListener
+from tests.helpers import empty_cluster
 
 CHANNEL = "td:{w}:events"
 
 
-@pytest.fixture(params=["fake", "real"])
+@dataclass
+class Store:
+    """A client; an admin client of the node holding the channel, for CLIENT LIST / KILL (None on fakeredis);
+    and whether puts are announced with sharded pub/sub (a Redis 7 cluster's, as the dock does there)."""
+
+    client: Any
+    admin: redis.Redis | None
+    sharded: bool = False
+
+    def listener(self, **kwargs: Any) -> PutListener:
+        return PutListener(self.client, CHANNEL, sharded=self.sharded, **kwargs)
+
+    def put(self, *items: bytes) -> None:
+        """Push ``items`` and announce them, as a put does."""
+        self.client.rpush("items", *items)
+        self.client.execute_command("SPUBLISH" if self.sharded else "PUBLISH", CHANNEL, len(items))
+
+
+@pytest.fixture(params=["fake", "real", "cluster"])
 def store(request):
-    """A client, and an admin client for CLIENT LIST / KILL (None on fakeredis)."""
     if request.param == "fake":
-        yield fakeredis.FakeRedis(server=fakeredis.FakeServer()), None
+        yield Store(fakeredis.FakeRedis(server=fakeredis.FakeServer()), None)
+        return
+    if request.param == "cluster":
+        with RedisCluster.from_url(request.getfixturevalue("cluster_url")) as client:
+            empty_cluster(client)
+            yield Store(client, client.get_node_from_key(CHANNEL).redis_connection, sharded=True)
         return
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
-        yield client, server.client()
+        yield Store(client, server.client())
         client.close()
 
 
-def pop(client: redis.Redis):
+def pop(client: Any):
     return lambda: client.lpop("items")
 
 
 def subscribers(admin: redis.Redis) -> int:
-    return sum(int(c["sub"]) > 0 for c in admin.client_list())
+    """Connections subscribed to a channel (with SUBSCRIBE, or with Redis 7's SSUBSCRIBE)."""
+    return sum(int(c["sub"]) > 0 or int(c.get("ssub", 0)) > 0 for c in admin.client_list())
 
 
 def test_a_put_wakes_the_waiter_long_before_its_recheck(store):
-    client, _ = store
-    listener = PutListener(client, CHANNEL)
-    threading.Timer(0.3, lambda: (client.rpush("items", b"x"), client.publish(CHANNEL, 1))).start()
+    client = store.client
+    listener = store.listener()
+    threading.Timer(0.3, lambda: store.put(b"x")).start()
     start = time.monotonic()
     assert listener.wait(pop(client), timeout=20, recheck=60) == b"x"
     assert 0.25 <= time.monotonic() - start < 5
@@ -50,15 +76,14 @@ def test_a_put_wakes_the_waiter_long_before_its_recheck(store):
 
 
 def test_a_put_between_an_empty_attempt_and_the_wait_is_not_missed(store):
-    client, _ = store
-    listener = PutListener(client, CHANNEL)
+    client = store.client
+    listener = store.listener()
     calls = []
 
     def attempt():
         calls.append(1)
         if len(calls) == 2:  # the attempt right after subscribing: the put lands as it returns empty-handed
-            client.rpush("items", b"x")
-            client.publish(CHANNEL, 1)
+            store.put(b"x")
             return None
         return client.lpop("items")
 
@@ -69,8 +94,8 @@ def test_a_put_between_an_empty_attempt_and_the_wait_is_not_missed(store):
 
 
 def test_waits_end_on_time(store):
-    client, _ = store
-    listener = PutListener(client, CHANNEL)
+    client = store.client
+    listener = store.listener()
     for timeout in (0.3, 0.0, None):
         start = time.monotonic()
         assert listener.wait(pop(client), timeout=timeout, recheck=0.1) is None
@@ -152,8 +177,8 @@ def test_the_listener_resubscribes_after_its_connection_is_killed():
 
 
 def test_close_ends_the_waits_in_progress_and_frees_the_connection(store):
-    client, admin = store
-    listener = PutListener(client, CHANNEL)
+    client, admin = store.client, store.admin
+    listener = store.listener()
     ends = []
     start = time.monotonic()
     threads = [threading.Thread(target=lambda: ends.append(listener.wait(pop(client), timeout=30, recheck=60)))
@@ -170,22 +195,21 @@ def test_close_ends_the_waits_in_progress_and_frees_the_connection(store):
 
 
 def test_an_idle_listener_stops_and_starts_again_on_the_next_wait(store):
-    client, admin = store
-    listener = PutListener(client, CHANNEL, idle_seconds=0.2)
+    client, admin = store.client, store.admin
+    listener = store.listener(idle_seconds=0.2)
     assert listener.wait(pop(client), timeout=0.3, recheck=0.1) is None
     time.sleep(1.0)
     if admin is not None:
         assert subscribers(admin) == 0
-    threading.Timer(0.3, lambda: (client.rpush("items", b"y"), client.publish(CHANNEL, 1))).start()
+    threading.Timer(0.3, lambda: store.put(b"y")).start()
     assert listener.wait(pop(client), timeout=10, recheck=60) == b"y"
     listener.close()
 
 
 @pytest.mark.real
-def test_120_threads_waiting_on_one_dock_are_all_served(real_url):
+def test_120_threads_waiting_on_one_dock_are_all_served(dock_url):
     """The review's case: 120 threads wait on one dock object, 100 rows are put after 1 s, timeout 5."""
-    redis.Redis.from_url(real_url).flushdb()
-    dock = TransferDock(real_url, "crowd", prompts_num=100, n_samples_per_prompt=1, columns=["x"], consumers=["c"])
+    dock = TransferDock(dock_url, "crowd", prompts_num=100, n_samples_per_prompt=1, columns=["x"], consumers=["c"])
     results = crowd(
         lambda: dock.get_experience("c", ["x"], 1, timeout=5)[1],
         lambda: dock.put_experience({"x": torch.arange(100).reshape(100, 1)}, indexes=list(range(100))),
