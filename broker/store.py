@@ -165,6 +165,11 @@ class ShardedStore:
         self._client, self._keys, self._scripts, self._columns = client, keys, scripts, columns
         self._shards = tuple(shards)
         self._n = n_samples_per_prompt
+        #: Row -> (epoch, generation) of rows this object read last, each kept until the next put of the row.
+        #: A stage reads rows and then writes its results into the same rows: its put can then write its
+        #: bytes under what the read saw, without asking first; mark.lua still checks, so a clear in
+        #: between costs a retry, never a wrong mark. At most one entry per row of the dock.
+        self._seen: dict[int, tuple[int, int]] = {}
 
     def _shard(self, row: int) -> str:
         """The data shard of ``row``: groups are striped over the shards."""
@@ -183,8 +188,10 @@ class ShardedStore:
     ) -> None:
         rows = rows_of(runs)  # ascending, the order of the generations the fence returns
         columns = list(encoded)
+        guess = self._guess(rows)
         for _ in range(PUT_RETRIES):
-            epoch, generations = self._scripts.fence_now(runs)
+            epoch, generations = guess or self._scripts.fence_now(runs)
+            guess = None
             written = self._write(encoded, rows, epoch, generations)
             if durable is not None:
                 # The bytes reach the shards' replicas before any reader may be handed them: a shard
@@ -205,6 +212,14 @@ class ShardedStore:
             f"dock {self._keys.name!r}: rows {rows[:8]}{'...' if len(rows) > 8 else ''} were cleared during each of "
             f"{PUT_RETRIES} puts of them; nothing was marked"
         )
+
+    def _guess(self, rows: list[int]) -> tuple[int, bytes] | None:
+        """The epoch and generations this object last read ``rows`` under, if it read them all in one
+        epoch (forgotten either way: a guess is good for one put)."""
+        known = [seen for seen in (self._seen.pop(r, None) for r in rows) if seen is not None]
+        if not rows or len(known) != len(rows) or len({epoch for epoch, _ in known}) != 1:
+            return None
+        return known[0][0], b"".join(struct.pack(">I", gen) for _, gen in known)
 
     def _write(
         self, encoded: Encoded, rows: list[int], epoch: int, generations: bytes
@@ -242,7 +257,11 @@ class ShardedStore:
         values = self._read(columns, list(rows), handout.epoch, _in_order(rows, handout.runs, handout.generations))
         # Second round trip, after the bytes are in: the fence must follow the reads (see module docstring).
         fence = self._scripts.fence_now(handout.runs)
-        return values if fence == (handout.epoch, handout.generations) else None
+        if fence != (handout.epoch, handout.generations):
+            return None
+        for row, gen in zip(rows_of(handout.runs), _u32s(handout.generations)):
+            self._seen[row] = (handout.epoch, gen)
+        return values
 
     def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
         runs = runs_of(rows)
@@ -271,6 +290,11 @@ class ShardedStore:
     def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
         if forgot.epoch is None:  # the dock is not sharded after all (cannot happen: the schema says so)
             return forgot.value
+        # What this object saw of the rows is over: a guess from it would only cost a refused put.
+        if whole:
+            self._seen.clear()
+        for row in forgot.rows:
+            self._seen.pop(row, None)
         pipe = self._client.pipeline(transaction=False)
         columns = self._columns()
         if whole:

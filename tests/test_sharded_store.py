@@ -148,6 +148,26 @@ def test_a_refused_put_keeps_the_bytes_of_rows_another_put_owns(target):
     dock.close()
 
 
+@pytest.mark.parametrize("clear", ["rows", "whole"])
+def test_a_put_after_a_read_writes_under_what_the_read_saw_and_a_clear_between_is_caught(target, clear):
+    """A stage reads rows, then puts its results into them without asking their generations first (it
+    saw them at its read). Another process clearing them in between must not leave them ready without
+    bytes: the guess is refused and the put writes again under the new generations."""
+    stage = _dock(target)
+    other = TransferDock.attach(target, stage.name)
+    stage.put_experience(_rows([0, 1, 2, 3]), [0, 1, 2, 3])
+    batch, rows = stage.get_experience("actor_train", ["prompts"], indexes=[0, 1])
+    other.clear([0, 1] if clear == "rows" else None)
+    stage.put_experience({"responses": [torch.tensor([r + 100]) for r in rows]}, rows)
+    assert stage.status()["columns"]["responses"]["ready"] == 2
+    got = stage.read_rows(["responses"], rows)["responses"]
+    assert [t.item() for t in got] == [100, 101]
+    other.clear()
+    assert _shard_keys(stage) == []
+    other.close()
+    stage.close()
+
+
 def test_a_clear_of_rows_in_any_order_deletes_exactly_their_bytes(target):
     """Rows named out of order, with different generations: each row's own bytes go, no other's."""
     dock = _dock(target)
