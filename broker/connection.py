@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -12,7 +13,7 @@ from urllib.parse import quote
 
 import redis
 from redis.backoff import EqualJitterBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterPipeline, RedisCluster
 from redis.retry import Retry
 
 from .errors import (
@@ -198,11 +199,56 @@ def _open_url(url: str) -> Client:
 CLUSTER_ATTEMPTS = 12
 
 
+#: The pause before a cluster client's retry after a connection failure, by failures so far: as a plain
+#: client's (``default_retry``).
+_CLUSTER_BACKOFF = EqualJitterBackoff(cap=2.0, base=0.05)
+
+
+class _PacedRetries:
+    """Mixin of the cluster client and its pipelines: a pause before each retry after a connection failure.
+
+    redis-py's cluster client retries a command whose connection failed (having reloaded the slot map)
+    at once, up to its retry count, with no backoff: a connection cut, or a node restarting, used every
+    retry up within milliseconds and the call failed where a plain client rides it out. Here the error
+    goes back to that retry loop only after the backoff's pause, so the retries span seconds.
+    """
+
+    _failures = threading.local()  # connection failures of the calling thread's current command
+
+    def _internal_execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        self._failures.count = 0
+        return super()._internal_execute_command(*args, **kwargs)  # type: ignore[misc]
+
+    def _execute_command(self, target_node: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._execute_command(target_node, *args, **kwargs)  # type: ignore[misc]
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if type(exc) in RedisCluster.ERRORS_ALLOW_RETRY:  # not a refused password, nor a full pool
+                count = getattr(self._failures, "count", 0) + 1
+                self._failures.count = count
+                if count <= CLUSTER_ATTEMPTS:
+                    time.sleep(_CLUSTER_BACKOFF.compute(count))
+            raise
+
+
+class _PacedPipeline(_PacedRetries, ClusterPipeline):
+    """A cluster pipeline whose commands retried one by one (after a connection failure) are paced."""
+
+
+class _PacedCluster(_PacedRetries, RedisCluster):
+    """The broker's cluster client: retries after connection failures are paced (see ``_PacedRetries``)."""
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        pipe: ClusterPipeline = super().pipeline(transaction, shard_hint)  # type: ignore[no-untyped-call]
+        pipe.__class__ = _PacedPipeline  # built by redis-py with its own arguments; only the class changes
+        return pipe
+
+
 def _open_cluster(url: str) -> RedisCluster:
     """A cluster client for ``url`` (any node's), with the same timeouts and retries as a plain one."""
     try:
         with redis_errors(redact(url)):
-            return RedisCluster.from_url(
+            return _PacedCluster.from_url(
                 url, retry=_ReconnectRetry(EqualJitterBackoff(cap=2.0, base=0.05), retries=CLUSTER_ATTEMPTS),
                 health_check_interval=30, socket_connect_timeout=10, socket_timeout=60, socket_keepalive=True,
             )

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 import torch
+from redis.cluster import RedisCluster
 
 from broker import TransferDock
 from tests.helpers import fill
@@ -100,7 +101,15 @@ def dock(real_url) -> TransferDock:
                         columns=["prompts", "responses"], consumers=["actor_train"])
 
 
-def test_lost_sampling_reply_returns_the_same_rows_on_retry(dock):
+@pytest.fixture
+def dock_anywhere(dock_url) -> TransferDock:
+    """The dock on the real server, or on the cluster (whose client retries a lost reply on its own path)."""
+    return TransferDock(dock_url, "blip", prompts_num=4, n_samples_per_prompt=2,
+                        columns=["prompts", "responses"], consumers=["actor_train"])
+
+
+def test_lost_sampling_reply_returns_the_same_rows_on_retry(dock_anywhere):
+    dock = dock_anywhere
     fill(dock)
     with lose_next_reply("EVALSHA") as cuts:
         batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
@@ -141,19 +150,23 @@ def test_connection_cut_while_the_pool_hands_it_out_is_retried(dock, real_url):
         "actor_train", ["prompts"], indexes=rows)[0]["prompts"]]
 
 
-def test_exactly_once_while_connections_are_killed_at_random(real_url):
-    """Readers race a killer that cuts every client connection every few milliseconds."""
-    admin = redis.Redis.from_url(real_url)
-    admin.flushdb()
-    dock = TransferDock(real_url, "storm", prompts_num=64, n_samples_per_prompt=4, columns=["prompts"],
+def test_exactly_once_while_connections_are_killed_at_random(dock_url):
+    """Readers race a killer that cuts every client connection every few milliseconds (on a cluster, on
+    every primary: the dock's control slot and its data shards)."""
+    dock = TransferDock(dock_url, "storm", prompts_num=64, n_samples_per_prompt=4, columns=["prompts"],
                         consumers=["actor_train"])
     fill(dock)
+    if isinstance(dock.client, RedisCluster):
+        admins = [redis.Redis(host=n.host, port=n.port) for n in dock.client.get_primaries()]
+    else:
+        admins = [redis.Redis.from_url(dock_url)]
     stop = threading.Event()
     kills = []
 
     def killer() -> None:
         while not stop.is_set():
-            kills.append(admin.client_kill_filter(_type="normal", skipme=True))
+            for admin in admins:
+                kills.append(admin.client_kill_filter(_type="normal", skipme=True))
             time.sleep(0.003)
 
     got: list[list[int]] = []
