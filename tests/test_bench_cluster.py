@@ -96,6 +96,18 @@ def test_cluster_mode_compares_one_server_and_a_cluster_and_stops_them(redis_ser
     assert len(single) == 1 and next(iter(single.values()))["payload_bytes"] == c["moved_bytes"]
 
 
+def test_cluster_mode_times_wait_replicas_on_a_cluster_with_replicas(redis_server_on_path, capsys):
+    before = set(local_redis._running)
+    assert main(["bench", "--cluster", *TINY, "--repeat", "1", "--warmup", "0", "--wait-replicas", "1"]) == 0
+    out = capsys.readouterr().out
+    assert set(local_redis._running) == before  # the replicas are stopped too
+    c = _json_line(out)["cluster"]
+    assert c["wait_replicas"] == 1 and c["checksums_equal"]
+    assert c["durable"]["checksum"] == c["reference_checksum"]
+    assert c["durable_ratio"] == c["durable"]["seconds"] / c["cluster"]["seconds"] > 0
+    assert "wait_replicas=1 / cluster" in out
+
+
 def test_cluster_mode_stops_every_server_when_the_run_fails(redis_server_on_path, monkeypatch):
     before = set(local_redis._running)
 

@@ -13,9 +13,10 @@ from .workload import COLUMNS, Rows, Workload
 class BrokerDock:
     """A TransferDock holding the global batch; calls are exactly what a worker would make."""
 
-    def __init__(self, url: str, name: str, workload: Workload):
+    def __init__(self, url: str, name: str, workload: Workload, *, wait_replicas: int = 0):
         self.dock = TransferDock(dock_target(url), name, prompts_num=workload.prompts, n_samples_per_prompt=workload.n,
-                                 columns=list(COLUMNS), consumers=list(workload.consumers))
+                                 columns=list(COLUMNS), consumers=list(workload.consumers),
+                                 wait_replicas=wait_replicas)
         self.dock.clear()  # a dock left by an interrupted run of the same name
 
     def put(self, data: Rows, rows: list[int]) -> None:

@@ -141,9 +141,10 @@ def _snapshot(node: Client) -> tuple[float, int]:
 class _Target:
     """One server or cluster, its dock, and what its primaries spent during the timed passes."""
 
-    def __init__(self, label: str, url: str, name: str, workload: Workload, client: Client, moved: Moved):
+    def __init__(self, label: str, url: str, name: str, workload: Workload, client: Client, moved: Moved,
+                 wait_replicas: int = 0):
         self.label, self.url = label, url
-        self.dock = BrokerDock(url, name, workload)
+        self.dock = BrokerDock(url, name, workload, wait_replicas=wait_replicas)
         try:
             self._layout(name, workload, client, moved)
         except BaseException:
@@ -250,34 +251,42 @@ def _projection(nodes: dict[str, Any], gb: float) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _servers(primaries_count: int) -> Iterator[tuple[str, str]]:
-    """A private redis-server and a private cluster, their URLs; every server stopped after, on an error too."""
+def _servers(primaries_count: int, replicas: int = 0) -> Iterator[tuple[str, str]]:
+    """A private redis-server and a private cluster (``replicas`` per primary), their URLs; every server
+    stopped after, on an error too."""
     from ..local_cluster import LocalCluster
     from ..local_redis import private_redis
 
-    with private_redis() as single, LocalCluster(primaries_count) as cluster:
+    with private_redis() as single, LocalCluster(primaries_count, replicas=replicas) as cluster:
         _say(f"started a {single.description}, and a {primaries_count}-primary Redis Cluster "
-             f"{cluster.version} on ports {', '.join(str(n.port) for n in cluster.nodes)}, stopped at the end")
+             f"{cluster.version} with {replicas} replica(s) per primary on ports "
+             f"{', '.join(str(n.port) for n in cluster.nodes)}, stopped at the end")
         yield single.url, cluster.url
 
 
 def compare(prefix: str, workload: Workload, *, primaries_count: int = 3, repeat: int = 3,
-            warmup: int = 1) -> dict[str, Any]:
-    """Run the comparison on private servers; every server is stopped before this returns or raises."""
+            warmup: int = 1, wait_replicas: int = 0) -> dict[str, Any]:
+    """Run the comparison on private servers; every server is stopped before this returns or raises.
+
+    With ``wait_replicas`` the cluster has that many replicas per primary, and a third dock on it, opened
+    with ``wait_replicas``, is timed beside the plain one: the durability option's cost, in one run."""
     moved = moved_bytes(workload)
-    with _servers(primaries_count) as (single_url, cluster_url), contextlib.ExitStack() as stack:
+    with _servers(primaries_count, wait_replicas) as (single_url, cluster_url), contextlib.ExitStack() as stack:
         single_admin = stack.enter_context(admin(single_url))
         cluster_admin = stack.enter_context(admin(cluster_url))
         targets: dict[str, _Target] = {}
-        for label, url, client in (("single", single_url, single_admin), ("cluster", cluster_url, cluster_admin)):
+        systems = [("single", single_url, single_admin, 0), ("cluster", cluster_url, cluster_admin, 0)]
+        if wait_replicas:
+            systems.append(("durable", cluster_url, cluster_admin, wait_replicas))
+        for label, url, client, wait in systems:
             _say(f"cluster: opening the dock on the {label}")
-            targets[label] = _Target(label, url, f"{prefix}-{label}", workload, client, moved)
+            targets[label] = _Target(label, url, f"{prefix}-{label}", workload, client, moved, wait)
             stack.callback(targets[label].dock.close)
         shards = len(targets["cluster"].dock.dock.schema.shards)
         version = server_version(single_admin)
         order = list(targets)
         for i in range(warmup + repeat):
-            for label in order[i % 2:] + order[: i % 2]:
+            for label in order[i % len(order):] + order[: i % len(order)]:
                 target = targets[label]
                 target.dock.reset()
                 if i < warmup:
@@ -288,8 +297,9 @@ def compare(prefix: str, workload: Workload, *, primaries_count: int = 3, repeat
                 name = f"warm-up {i + 1}" if i < warmup else f"pass {i + 1 - warmup}"
                 _say(f"cluster: {name}: {label} {result.seconds:.3f} s")
         single, cluster = targets["single"].report(), targets["cluster"].report()
+        durable = targets["durable"].report() if wait_replicas else None
     gb = moved.total * repeat / 1e9
-    checks = {moved.checksum, *single["checksums"], *cluster["checksums"]}
+    checks = {moved.checksum, *single["checksums"], *cluster["checksums"], *(durable or {}).get("checksums", [])}
     return {
         "version": version, "primaries": primaries_count, "shards": shards, "repeat": repeat, "warmup": warmup,
         "written_bytes": moved.written, "read_bytes": moved.read, "moved_bytes": moved.total,
@@ -300,4 +310,9 @@ def compare(prefix: str, workload: Workload, *, primaries_count: int = 3, repeat
         "dock_ratio": cluster["dock_seconds"] / single["dock_seconds"],
         "checksums_equal": len(checks) == 1,
         "projection": _projection(cluster["nodes"], gb),
+        **({} if durable is None else {
+            "wait_replicas": wait_replicas, "durable": durable,
+            "durable_ratio": durable["seconds"] / cluster["seconds"],
+            "durable_median_ratio": durable["median_seconds"] / cluster["median_seconds"],
+        }),
     }

@@ -66,6 +66,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "Redis Cluster in one run: time ratio, checksums, server seconds per GB per primary, and "
                         "the throughput that projects for more primaries (uses --repeat, --warmup and the workload)")
     g.add_argument("--primaries", type=int, default=3, help="primaries of the cluster (default: %(default)s)")
+    g.add_argument("--wait-replicas", type=int, default=0, metavar="K",
+                   help="give each primary K replicas and time a third dock on the cluster, opened with "
+                        "wait_replicas=K: what the durability option costs (default: %(default)s, off)")
     g = p.add_argument_group("soak (runs instead of the modes above)")
     g.add_argument("--soak", action="store_true", help="run the soak")
     g.add_argument("--clients", type=int, default=16, help="client processes (default: %(default)s)")

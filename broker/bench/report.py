@@ -183,6 +183,13 @@ def _cluster(c: dict[str, Any]) -> list[str]:
             else "checksums DIFFER: data was damaged in transit")
     lines.append(f"  cluster / one server {c['ratio']:.3f} (medians {c['median_ratio']:.3f}, "
                  f"dock {c['dock_ratio']:.3f}); {same}")
+    if "durable" in c:
+        d = c["durable"]
+        label = f"wait_replicas={c['wait_replicas']}"
+        lines.append(f"  {label:<22}{d['seconds']:>9.3f} ({d['median_seconds']:6.3f})"
+                     f"{d['dock_seconds']:>10.3f}{d['client_cpu_seconds']:>14.3f}  {d['checksum']}")
+        lines.append(f"  wait_replicas={c['wait_replicas']} / cluster {c['durable_ratio']:.3f} "
+                     f"(medians {c['durable_median_ratio']:.3f}): what waiting for replicas costs")
     total = c["moved_bytes"] * c["repeat"]
     lines += ["", f"  server seconds per GB moved ({c['moved_bytes'] / 1e6:.1f} MB a pass: "
                   f"{c['written_bytes'] / 1e6:.1f} MB put, {c['read_bytes'] / 1e6:.1f} MB got; {c['repeat']} passes; "

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         from .cluster import compare
 
         report["cluster"] = compare(prefix, workload, primaries_count=args.primaries, repeat=args.repeat,
-                                    warmup=args.warmup)
+                                    warmup=args.warmup, wait_replicas=args.wait_replicas)
         report["redis"] = {"version": report["cluster"]["version"], "private": True,
                            "where": f"a private redis-server and a private {args.primaries}-primary Redis Cluster"}
         ok = report["cluster"]["checksums_equal"]
