@@ -166,7 +166,9 @@ def _counter(raw: Any, key: str) -> int:
 
 
 def dock_names(client: Client) -> list[str]:
-    """Names of every dock on the server, sorted (a SCAN of the whole keyspace: one round trip per 1,000 keys)."""
+    """Names of every dock on the server, sorted (a SCAN of the whole keyspace: one round trip per 1,000 keys).
+
+    On a Redis Cluster, of every primary: a cluster client's SCAN goes to each of them in turn."""
     found = {dock_name_from_meta_key(k) for k in client.scan_iter(match=META_PATTERN, count=1000)}
     return sorted(n for n in found if n)
 

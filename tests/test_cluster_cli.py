@@ -247,3 +247,22 @@ def test_a_dock_opened_from_a_cluster_url_pickles_as_its_url_and_name(cluster, c
     assert dock.status()["consumers"]["actor_train"]["consumed"] == 4
     back.close()
     dock.close()
+
+
+def test_acl_apply_on_one_server_sets_the_user_there(url, capsys):
+    admin = redis.Redis.from_url(url)
+    try:
+        assert main(["acl", "a", "--user", "worker-a", "--password", "pw-a", "--apply", "--url", url]) == 0
+        assert "set ACL user worker-a at" in capsys.readouterr().out
+        small_dock(url, "a", shards=2)  # data shards on one server too: the rules cover their keys
+        worker_url = url.replace("redis://", "redis://worker-a:pw-a@", 1)
+        with TransferDock.attach(worker_url, "a") as dock:
+            dock.put_experience({"prompts": torch.ones(8, 2)}, list(range(8)))
+            assert dock.get_experience("actor_train", ["prompts"], 8)[1] == list(range(8))
+            dock.clear()
+            assert dock.status()["columns"]["prompts"]["ready"] == 0
+        with pytest.raises(RedisCommandError, match="denied"):
+            small_dock(worker_url, "b")
+    finally:
+        admin.execute_command("ACL", "DELUSER", "worker-a")
+        admin.close()
