@@ -97,7 +97,11 @@ class Replication:
             known = self._attached.get(name)
         if known is not None and now - known[1] < _REPLICAS_TTL_SECONDS:
             return known[0]
-        info = node_client.info("replication")
+        try:
+            info = node_client.info("replication")
+        except redis.exceptions.NoPermissionError:
+            # A user confined by `broker acl` without INFO cannot see its replicas: wait for all it asks.
+            return self.replicas
         # Only replicas in sync can acknowledge: one still loading the primary's snapshot (a killed primary
         # rejoining as a replica) would make WAIT time out on every call until it is done.
         count = sum(1 for key, value in info.items()

@@ -46,11 +46,12 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import redis
 from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
 from .connection import Client
-from .errors import BrokerError
+from .errors import BrokerError, DecodeError
 from .keys import DockKeys, shard_pattern, shard_tag
 from .scripts import DockScripts, Forgot, Handout, rows_of, run_pipeline, runs_of
 
@@ -237,10 +238,10 @@ class ShardedStore:
                 pipe.hset(key, mapping={field: mapping[str(rows[i])] for i, field in fields})
                 written.append((key, fields))
         replies = pipe.execute(raise_on_error=False)
-        errors = [r for r in replies if isinstance(r, Exception)]
+        errors = [(key, r) for (key, _), r in zip(written, replies) if isinstance(r, Exception)]
         if errors:
             self._delete_fields(written, None)
-            raise errors[0]
+            raise self._foreign(*errors[0])
         return written
 
     def _delete_fields(self, written: list[tuple[str, list[tuple[int, str]]]], positions: set[int] | None) -> None:
@@ -275,17 +276,28 @@ class ShardedStore:
         by_shard = self._fields(rows, generations)
         pipe = self._client.pipeline(transaction=False)
         order: list[tuple[int, list[tuple[int, str]]]] = []
+        keys: list[str] = []
         for c, col in enumerate(columns):
             for tag, fields in by_shard.items():
-                pipe.hmget(DockKeys.shard_data(tag, col, epoch), [f for _, f in fields])
+                keys.append(DockKeys.shard_data(tag, col, epoch))
+                pipe.hmget(keys[-1], [f for _, f in fields])
                 order.append((c, fields))
         out: list[list[bytes | None]] = [[None] * len(rows) for _ in columns]
-        for (c, fields), reply in zip(order, pipe.execute(raise_on_error=False)):
+        for (c, fields), reply, key in zip(order, pipe.execute(raise_on_error=False), keys):
             if isinstance(reply, Exception):
-                raise reply
+                raise self._foreign(key, reply)
             for (i, _), value in zip(fields, reply):
                 out[c][i] = value
         return out
+
+    def _foreign(self, key: str, error: Exception) -> Exception:
+        """``error`` of a command on data key ``key``: a DecodeError naming the key if it holds something
+        no broker writes (as the scripts report the dock's own keys), else the error itself."""
+        if isinstance(error, redis.ResponseError) and str(error).startswith("WRONGTYPE"):
+            kind = self._client.type(key)
+            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            return DecodeError(f"{key} holds a {kind}, expected a hash; nothing of this call was marked")
+        return error
 
     def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
         if forgot.epoch is None:  # the dock is not sharded after all (cannot happen: the schema says so)

@@ -35,6 +35,7 @@ delete from the data shards (see include/forget.lua forgotten_reply).
 ]]
 -- @include bits
 -- @include schema
+-- @include generations
 -- @include forget
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])

@@ -33,7 +33,7 @@ stale) or some rows' generations did (those rows), having marked nothing.
 -- @include bits
 -- @include schema
 -- @include generations
--- @include mark
+-- @include mark_ready
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end

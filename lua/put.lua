@@ -28,7 +28,7 @@ Publishes and returns the number of rows written.
 ]]
 -- @include bits
 -- @include schema
--- @include mark
+-- @include mark_ready
 
 local nlen, nruns = tonumber(ARGV[5]), tonumber(ARGV[6])
 local starts, lengths = {}, {}

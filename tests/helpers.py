@@ -12,7 +12,6 @@ import shutil
 from collections.abc import Sequence
 from typing import Any
 
-import pytest
 import redis
 import torch
 from redis.cluster import RedisCluster
@@ -110,12 +109,6 @@ def held_rows(dock: TransferDock, column: str) -> int:
         return int(client.hlen(dock.keys.data(column)))
     epoch = int(client.get(dock.keys.epoch) or 0)
     return sum(int(client.hlen(DockKeys.shard_data(tag, column, epoch))) for tag in dock.schema.shards)
-
-
-def xfail_on_cluster(request: Any, reason: str) -> None:
-    """Mark the running test as a known library bug (strict xfail) on the cluster backend only."""
-    if request.getfixturevalue("backend") == "cluster":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
 
 
 def in_ci() -> bool:

@@ -37,7 +37,6 @@ from tests.helpers import (
     held_rows,
     random_tensor,
     server_keys,
-    xfail_on_cluster,
 )
 
 
@@ -450,8 +449,6 @@ def test_ready_row_without_bytes_raises_missing_data(make_dock, client):
 
 
 def test_a_data_key_of_the_wrong_type_is_reported_not_crashed_on(make_dock, client, request):
-    xfail_on_cluster(request, "a sharded put reports a data shard key of the wrong type as a bare WRONGTYPE "
-                              "RedisCommandError naming no key (store.ShardedStore._write)")
     dock = make_dock(name="grpo")
     prompts, _ = data_cell(dock, "prompts", 0)
     client.set(prompts, "oops")

@@ -1,4 +1,4 @@
---[[ mark: set the ready bits of rows just written, pasted in by `-- @include mark` (put.lua, mark.lua).
+--[[ mark_ready: set the ready bits of rows just written, pasted in by `-- @include mark_ready` (put.lua, mark.lua).
 
 Both scripts end a put: put.lua inside the MULTI that wrote the bytes (one node, the whole dock in one
 slot), mark.lua after the bytes were written to the data shards of a sharded dock (see mark.lua).
