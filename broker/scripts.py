@@ -1,4 +1,7 @@
-"""The Lua scripts in ``lua/``, one file per atomic operation, and one typed wrapper per script.
+"""The control plane: the Lua scripts in ``lua/``, one file per atomic operation, and one typed wrapper per
+script. Everything they touch lives in the dock's own slot ``{NAME}`` (status bitmaps, leases, replies);
+the row bytes are the data plane's (``store.py``), which a script reaches only when the dock keeps them in
+its own slot too.
 
 Each wrapper is the single place that knows its script's contract: it builds the KEYS and ARGV in the
 order the script's header gives, and turns the reply into Python values. The dock calls only these.
