@@ -1,0 +1,60 @@
+"""Every Redis Cluster error reaches the caller as a ``broker.ClusterError`` that says what happened:
+keys of several slots in one transaction (redis-py's RedisClusterException, not a RedisError), and a
+cluster that is down (CLUSTERDOWN: a primary died with no replica to take over). MOVED to a plain
+client is in test_cluster_cli.py, and failovers in test_failover.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+from broker import ClusterError, TransferDock
+from broker.connection import redis_errors
+from broker.local_cluster import LocalCluster
+from tests.helpers import in_ci, redis_server_binary
+
+
+def test_keys_of_several_slots_in_one_transaction_are_a_cluster_error(cluster_url):
+    client = RedisCluster.from_url(cluster_url)
+    try:
+        pipe = client.pipeline(transaction=True)
+        pipe.set("td:{a}:x", 1)
+        pipe.set("td:{b}:x", 1)
+        with pytest.raises(ClusterError, match="refused the call") as caught, redis_errors("the cluster"):
+            pipe.execute()
+        assert not isinstance(caught.value.__cause__, redis.RedisError)  # redis-py's own hierarchy, caught too
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_a_cluster_that_is_down_is_a_cluster_error_naming_it():
+    if redis_server_binary() is None:
+        if in_ci():
+            pytest.fail("redis-server is not installed, and CI must run the cluster tests")
+        pytest.skip("redis-server is not installed")
+    with LocalCluster(3, node_timeout_ms=1000) as cluster:
+        dock = TransferDock(cluster.url, "down", 6, 2, ["prompts"], ["actor_train"])
+        dock.put_experience({"prompts": [torch.ones(1)] * 12}, list(range(12)))
+        victim = next(n for n in cluster.nodes if n.url != cluster.url)
+        cluster.kill(victim)
+        admin = redis.Redis(host="127.0.0.1", port=cluster.nodes[0].port)
+        deadline = time.monotonic() + 30
+        while admin.cluster("info").get("cluster_state") != "fail":
+            assert time.monotonic() < deadline, "the cluster never noticed its dead primary"
+            time.sleep(0.1)
+        admin.close()
+        # A client of its own that does not ride it out for a minute: the error is the point here.
+        impatient = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port, retry=Retry(NoBackoff(), 1))
+        # The surviving primaries refuse every command while the cluster is down (full coverage is lost).
+        with pytest.raises(ClusterError, match="is down") as caught:
+            TransferDock.attach(impatient, "down").status()
+        assert "CLUSTERDOWN" in str(caught.value) or "down" in str(caught.value.__cause__)
+        impatient.close()
+        dock.close()
