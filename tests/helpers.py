@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 import redis
 import torch
 from redis.cluster import RedisCluster
@@ -109,6 +110,16 @@ def held_rows(dock: TransferDock, column: str) -> int:
         return int(client.hlen(dock.keys.data(column)))
     epoch = int(client.get(dock.keys.epoch) or 0)
     return sum(int(client.hlen(DockKeys.shard_data(tag, column, epoch))) for tag in dock.schema.shards)
+
+
+def required(binary: str | None, what: str, why: str) -> str:
+    """``binary``, else the test skips (locally) or fails (in CI, where a skip would hide a broken set-up):
+    ``what`` is not installed, and CI must run ``why``."""
+    if binary is None:
+        if in_ci():
+            pytest.fail(f"{what} is not installed, and CI must run {why}")
+        pytest.skip(f"{what} is not installed")
+    return binary
 
 
 def in_ci() -> bool:

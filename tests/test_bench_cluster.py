@@ -11,7 +11,7 @@ from redis.cluster import RedisCluster
 from broker import local_redis
 from broker.bench import cluster as bench_cluster
 from broker.cli import main
-from tests.helpers import in_ci, redis_server_binary
+from tests.helpers import redis_server_binary, required
 
 pytestmark = pytest.mark.real
 
@@ -24,10 +24,7 @@ def _json_line(out: str) -> dict:
 
 @pytest.fixture
 def redis_server_on_path():
-    if redis_server_binary() is None:
-        if in_ci():
-            pytest.fail("redis-server is not installed, and CI must run the Redis Cluster benchmark")
-        pytest.skip("redis-server is not installed")
+    required(redis_server_binary(), "redis-server", "the Redis Cluster benchmark")
 
 
 def _bench_keys(url: str) -> list[bytes]:

@@ -17,7 +17,7 @@ from redis.retry import Retry
 from broker import ClusterError, TransferDock
 from broker.connection import redis_errors
 from broker.local_cluster import LocalCluster
-from tests.helpers import in_ci, redis_server_binary
+from tests.helpers import redis_server_binary, required
 
 
 def test_keys_of_several_slots_in_one_transaction_are_a_cluster_error(cluster_url):
@@ -35,10 +35,7 @@ def test_keys_of_several_slots_in_one_transaction_are_a_cluster_error(cluster_ur
 
 @pytest.mark.slow
 def test_a_cluster_that_is_down_is_a_cluster_error_naming_it():
-    if redis_server_binary() is None:
-        if in_ci():
-            pytest.fail("redis-server is not installed, and CI must run the cluster tests")
-        pytest.skip("redis-server is not installed")
+    required(redis_server_binary(), "redis-server", "the cluster tests")
     with LocalCluster(3, node_timeout_ms=1000) as cluster:
         dock = TransferDock(cluster.url, "down", 6, 2, ["prompts"], ["actor_train"])
         dock.put_experience({"prompts": [torch.ones(1)] * 12}, list(range(12)))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import in_ci, redis_server_binary
+from tests.helpers import redis_server_binary, required
 
 pytest.importorskip("ray")
 
@@ -19,10 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_grpo_module_runs_and_writes_metrics_and_png(tmp_path):
-    if redis_server_binary() is None:
-        if in_ci():
-            pytest.fail("redis-server is not installed, and CI must run the demo")
-        pytest.skip("redis-server is not installed")
+    required(redis_server_binary(), "redis-server", "the demo")
     # No URL and no cluster: the demo must start (and stop) its own Redis and Ray.
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RAY_ADDRESS")}
     out = tmp_path / "out"

@@ -53,7 +53,7 @@ from redis.cluster import RedisCluster
 from broker import BrokerConnectionError, BrokerError, ClusterError, MissingDataError, ReplicationError, TransferDock
 from broker.local_cluster import LocalCluster
 from broker.local_redis import RedisServer
-from tests.helpers import in_ci, redis_server_binary
+from tests.helpers import redis_server_binary, required
 
 T = TypeVar("T")
 
@@ -224,11 +224,7 @@ def worker_thread(run: Run, target: Callable[..., None], *args: Any) -> threadin
 @pytest.fixture
 def cluster() -> Iterator[LocalCluster]:
     """A 3 + 3 Redis 7 cluster of this test's own, stopped (every node, a restarted one too) on any exit."""
-    binary = redis_server_binary()
-    if binary is None:
-        if in_ci():
-            pytest.fail("redis-server is not installed, and CI must run the failover tests")
-        pytest.skip("redis-server is not installed")
+    binary = required(redis_server_binary(), "redis-server", "the failover tests")
     c = LocalCluster(3, replicas=1, node_timeout_ms=1000, binary=binary)
     try:
         c.start(timeout=60)
