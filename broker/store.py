@@ -50,6 +50,7 @@ import redis
 from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
+from . import fanout
 from .connection import Client
 from .errors import BrokerError, DecodeError
 from .keys import DockKeys, shard_pattern, shard_tag
@@ -231,13 +232,13 @@ class ShardedStore:
         """
         by_shard = self._fields(rows, generations)
         written: list[tuple[str, list[tuple[int, str]]]] = []
-        pipe = self._client.pipeline(transaction=False)
+        commands: list[fanout.Command] = []
         for col, mapping in encoded.items():  # mapping: field = the row in decimal
             for tag, fields in by_shard.items():
                 key = DockKeys.shard_data(tag, col, epoch)
-                pipe.hset(key, mapping={field: mapping[str(rows[i])] for i, field in fields})
+                commands.append(("HSET", key, *(x for i, field in fields for x in (field, mapping[str(rows[i])]))))
                 written.append((key, fields))
-        replies = pipe.execute(raise_on_error=False)
+        replies = fanout.send(self._client, commands)
         errors = [(key, r) for (key, _), r in zip(written, replies) if isinstance(r, Exception)]
         if errors:
             self._delete_fields(written, None)
@@ -246,13 +247,13 @@ class ShardedStore:
 
     def _delete_fields(self, written: list[tuple[str, list[tuple[int, str]]]], positions: set[int] | None) -> None:
         """HDEL the fields ``written`` (only those of rows at ``positions`` unless None), in one pipeline."""
-        pipe = self._client.pipeline(transaction=False)
+        commands: list[fanout.Command] = []
         for key, fields in written:
             chosen = [f for i, f in fields if positions is None or i in positions]
             if chosen:
-                pipe.hdel(key, *chosen)
-        if len(pipe):
-            pipe.execute(raise_on_error=False)  # best effort: what stays is an orphan the next clear removes
+                commands.append(("HDEL", key, *chosen))
+        if commands:
+            fanout.send(self._client, commands)  # best effort: what stays is an orphan the next clear removes
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         values = self._read(columns, list(rows), handout.epoch, _in_order(rows, handout.runs, handout.generations))
@@ -274,16 +275,16 @@ class ShardedStore:
     ) -> list[list[bytes | None]]:
         """HMGET the rows' fields from every shard in one pipeline; per column, the values in row order."""
         by_shard = self._fields(rows, generations)
-        pipe = self._client.pipeline(transaction=False)
+        commands: list[fanout.Command] = []
         order: list[tuple[int, list[tuple[int, str]]]] = []
         keys: list[str] = []
         for c, col in enumerate(columns):
             for tag, fields in by_shard.items():
                 keys.append(DockKeys.shard_data(tag, col, epoch))
-                pipe.hmget(keys[-1], [f for _, f in fields])
+                commands.append(("HMGET", keys[-1], *(f for _, f in fields)))
                 order.append((c, fields))
         out: list[list[bytes | None]] = [[None] * len(rows) for _ in columns]
-        for (c, fields), reply, key in zip(order, pipe.execute(raise_on_error=False), keys):
+        for (c, fields), reply, key in zip(order, fanout.send(self._client, commands), keys):
             if isinstance(reply, Exception):
                 raise self._foreign(key, reply)
             for (i, _), value in zip(fields, reply):

@@ -182,6 +182,25 @@ def test_a_clear_of_rows_in_any_order_deletes_exactly_their_bytes(target):
     dock.close()
 
 
+def test_a_stale_slot_map_is_followed_and_the_rows_arrive_whole(request):
+    """The data plane sends each node its commands straight from the client's slot map (broker/fanout.py).
+    When the map is out of date (a slot moved), the node answers MOVED and the batch goes again through
+    the cluster pipeline, which follows it: puts and reads see nothing of it."""
+    url = request.getfixturevalue("cluster_url")
+    dock = small_dock(url, f"moved{next(_names)}", 6, 2, ("prompts",), ("actor_train",))
+    client = dock.client
+    cache = client.nodes_manager.slots_cache
+    for tag in dock.schema.shards:  # every data shard's slot now points at a primary that does not serve it
+        slot = client.keyslot("{" + tag + "}")
+        right = cache[slot][0]
+        cache[slot] = [next(n for n in client.get_primaries() if n.name != right.name)]
+    dock.put_experience(_rows(list(range(12))), list(range(12)))
+    batch, rows = dock.get_experience("actor_train", ["prompts"], 12)
+    assert [t.item() for t in batch["prompts"]] == rows == list(range(12))
+    dock.delete()
+    dock.close()
+
+
 def test_a_full_shard_fails_the_put_and_marks_nothing(request):
     """One primary at maxmemory: the HSET there fails, the put removes what the others took, and
     raises StoreFullError; nothing is marked."""
