@@ -33,7 +33,7 @@ from .put_listener import PutListener
 from .replication import Replication
 from .rollout import Rollout
 from .schema import Schema, fingerprint
-from .scripts import DockScripts, Handout, Selection, rows_of, run_pipeline, runs_of, supports_flags
+from .scripts import DockScripts, Handout, Selection, read_pipeline, rows_of, runs_of, supports_flags
 from .status import DockRef, read_statuses
 from .store import DataStore, ShardedStore, SlotStore, choose_shards
 from .validation import (
@@ -120,8 +120,10 @@ class TransferDock(GenerationCalls):
 
         ``wait_replicas=k`` makes every put and every call that hands rows out wait (``WAIT``, up to
         ``wait_timeout`` seconds per node) until k replicas of each node it wrote to have its writes, so a
-        primary failing right after the call does not take them along; fewer acknowledgements raise
-        ReplicationError (the call was applied; repeating it is safe). See replication.py and the README.
+        primary failing right after the call does not take them along. A put whose replicas did not all
+        acknowledge raises ReplicationError (it was applied; repeating it is safe); a hand-out logs it and
+        returns its rows. A node with fewer replicas in sync than k is waited on for those it has, and
+        logged as degraded. See replication.py and the README.
         """
         wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout)
         if shards is not None and (not is_int(shards) or shards < 0):
@@ -807,10 +809,8 @@ class TransferDock(GenerationCalls):
         minute: finding them would need a SCAN of the whole server.
         """
         keys = self._keys.every_key(self.columns, self.consumers, self._schema.rollout.age_buckets)
-        self._run(lambda: self._client.delete(*keys))
-        shard_keys = self._run(self._store.every_key) if self._schema.shards else []
-        if shard_keys:
-            self._run(lambda: self._client.delete(*shard_keys))
+        keys += self._run(self._store.data_keys)
+        self._run(lambda: self._client.delete(*dict.fromkeys(keys)))
 
     def _run(self, call: Callable[[], T]) -> T:
         if self._closed:
@@ -830,14 +830,7 @@ class TransferDock(GenerationCalls):
     def _reads(self, build: Callable[[redis.client.Pipeline], None], *, transaction: bool = False) -> list[Any]:
         """The replies of the read pipeline ``build`` queues; an error reply raises, as a broker error
         (inside ``_run``, whose ``redis_errors`` turns Redis errors into the broker's)."""
-        def fetch() -> list[Any]:
-            replies = run_pipeline(self._client, self._scripts.load_all, build, transaction=transaction)
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-            return replies
-
-        return self._run(fetch)
+        return self._run(lambda: read_pipeline(self._client, self._scripts.load_all, build, transaction=transaction))
 
     def _read_int(self, key: str) -> int:
         """An integer key (a counter, the cursor, the version), 0 when unset."""

@@ -591,5 +591,16 @@ def run_pipeline(
     raise AssertionError("unreachable")
 
 
+def read_pipeline(
+    client: Client, load: Callable[[Client], None], build: Callable[[Pipeline], None], *, transaction: bool = False,
+) -> list[Any]:
+    """The replies of the read pipeline ``build`` queues (see ``run_pipeline``); an error reply raises."""
+    replies = run_pipeline(client, load, build, transaction=transaction)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
 for _name in SCRIPT_FILES:  # fail at import if the package was built without its Lua files
     script_text(_name)

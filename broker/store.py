@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import redis
 from redis.client import Pipeline
@@ -54,7 +54,7 @@ from . import fanout
 from .connection import Client
 from .errors import BrokerError, DecodeError
 from .keys import DockKeys, shard_pattern, shard_tag
-from .scripts import DockScripts, Forgot, Handout, rows_of, run_pipeline, runs_of
+from .scripts import DockScripts, Forgot, Handout, read_pipeline, rows_of, run_pipeline, runs_of
 
 #: Per column, field -> encoded bytes: what a put writes (field = the row in decimal).
 Encoded = dict[str, dict[str, bytes]]
@@ -93,11 +93,8 @@ class DataStore(Protocol):
     def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
         """Delete from the data shards what a script forgot (nothing to do in one slot); its value."""
 
-    def held(self, column: str) -> int:
-        """How many rows of ``column`` hold bytes (ready or not)."""
-
-    def every_key(self) -> list[str]:
-        """Every data key the dock has now (for ``delete``)."""
+    def data_keys(self) -> list[str]:
+        """Every key holding the dock's row bytes now (for ``delete``)."""
 
 
 class SlotStore:
@@ -135,7 +132,7 @@ class SlotStore:
                 pipe.hmget(self._keys.data(col), fields)
             self._scripts.fence(pipe, handout.runs)  # after the HMGETs: it vouches for what they read
 
-        *values, fence = _replies(self._client, self._scripts, reads)
+        *values, fence = read_pipeline(self._client, self._scripts.load_all, reads)
         return values if self._scripts.fence_holds(fence, handout) else None
 
     def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
@@ -145,15 +142,12 @@ class SlotStore:
             for col in columns:
                 pipe.hmget(self._keys.data(col), fields)
 
-        return _replies(self._client, self._scripts, reads)
+        return read_pipeline(self._client, self._scripts.load_all, reads)
 
     def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
         return forgot.value
 
-    def held(self, column: str) -> int:
-        return int(self._client.hlen(self._keys.data(column)))
-
-    def every_key(self) -> list[str]:
+    def data_keys(self) -> list[str]:
         return [self._keys.data(c) for c in self._columns()]
 
 
@@ -331,14 +325,7 @@ class ShardedStore:
                     raise reply
         return forgot.value
 
-    def held(self, column: str) -> int:
-        epoch = int(self._client.get(self._keys.epoch) or 0)
-        pipe = self._client.pipeline(transaction=False)
-        for tag in self._shards:
-            pipe.hlen(DockKeys.shard_data(tag, column, epoch))
-        return sum(int(n) for n in pipe.execute())
-
-    def every_key(self) -> list[str]:
+    def data_keys(self) -> list[str]:
         return [key.decode() if isinstance(key, bytes) else key
                 for key in self._client.scan_iter(match=shard_pattern(self._keys.name), count=1000)]
 
@@ -377,14 +364,3 @@ def _in_order(rows: Sequence[int], runs: Sequence[int], generations: bytes) -> b
 def _u32s(packed: bytes) -> list[int]:
     """Big-endian u32s (the generations the fence scripts return)."""
     return list(struct.unpack(f">{len(packed) // 4}I", packed))
-
-
-def _replies(client: Client, scripts: DockScripts, build: Callable[[Pipeline], None]) -> list[Any]:
-    """The replies of the read pipeline ``build`` queues; an error reply raises."""
-    replies = run_pipeline(client, scripts.load_all, build, transaction=False)
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    return replies
-
-
