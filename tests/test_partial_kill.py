@@ -40,6 +40,8 @@ def _rollout_worker(url: str, name: str, seed: int) -> None:
                                           get_n_samples=False, lease=1.0, timeout=0.2)
         if batch is None:
             continue
+        generating = f"generating:{name}:{os.getpid()}"  # tells the test this worker holds rows now
+        dock.client.set(generating, 1)
         responses, done = [], []
         for prompt, partial in zip(batch["prompts"], batch["responses"]):
             have = [] if partial.tolist() == [-1] else partial.tolist()
@@ -51,6 +53,7 @@ def _rollout_worker(url: str, name: str, seed: int) -> None:
                              "response_length": [torch.tensor([len(r)], dtype=torch.int32) for r in responses]},
                             rows, rollout_completed=done)
         dock.ack("actor_rollout", rows)
+        dock.client.delete(generating)
 
 
 def test_rollout_workers_killed_mid_generation_lose_nothing(url):
@@ -82,9 +85,13 @@ def test_rollout_workers_killed_mid_generation_lose_nothing(url):
     deadline = time.monotonic() + 120
     try:
         while len(trained) < PROMPTS and time.monotonic() < deadline:
-            if time.monotonic() >= next_kill:  # kill one worker, most likely mid-generation; start another
+            # Kill a worker that holds rows (mid-generation), as soon as one does; start another. Chosen by
+            # its flag rather than at random: on a loaded machine a random kill could find the workers still
+            # starting up each time, and a run end with no kill mid-generation at all (seen once in CI).
+            busy = [i for i, w in enumerate(workers) if dock.client.exists(f"generating:{name}:{w.pid}")]
+            if time.monotonic() >= next_kill and busy:
                 next_kill = time.monotonic() + rng.uniform(0.5, 1.5)
-                victim = rng.randrange(len(workers))
+                victim = rng.choice(busy)
                 os.kill(workers[victim].pid, signal.SIGKILL)
                 workers[victim].join()
                 kills += 1
@@ -109,7 +116,7 @@ def test_rollout_workers_killed_mid_generation_lose_nothing(url):
                 w.kill()
         status = dock.status()
         dock.delete()
-        dock.client.delete(f"stop:{name}")
+        dock.client.delete(f"stop:{name}", *(f"generating:{name}:{w.pid}" for w in workers))
     assert kills >= 3
     assert status["consumers"]["actor_rollout"]["redelivered"] > 0, "no kill landed mid-generation"
     assert sorted(trained) == list(range(PROMPTS)), f"trained {sorted(trained)}; status {status}"
