@@ -110,6 +110,11 @@ class _PoolExhausted(redis.ConnectionError):
     """No connection of a pool came free in time (not worth retrying: it already waited)."""
 
 
+#: The pause before a retry, by failures so far, for plain and cluster clients alike (EqualJitterBackoff
+#: keeps no state, so one serves every retry loop).
+_BACKOFF = EqualJitterBackoff(cap=2.0, base=0.05)
+
+
 def default_retry() -> Retry:
     """Retry policy of clients opened from URLs: 8 reconnect attempts over about 4-7 s, then an error.
 
@@ -119,7 +124,7 @@ def default_retry() -> Retry:
     Every broker call is safe to resend: puts, acks and clears are idempotent, and a sampling call
     carries a request id whose reply Redis keeps, so a resend after a lost reply gets the same rows.
     """
-    return _ReconnectRetry(EqualJitterBackoff(cap=2.0, base=0.05), retries=8)
+    return _ReconnectRetry(_BACKOFF, retries=8)
 
 
 def default_url() -> str:
@@ -199,9 +204,6 @@ def _open_url(url: str) -> Client:
 CLUSTER_ATTEMPTS = 12
 
 
-#: The pause before a cluster client's retry after a connection failure, by failures so far: as a plain
-#: client's (``default_retry``).
-_CLUSTER_BACKOFF = EqualJitterBackoff(cap=2.0, base=0.05)
 
 
 class _PacedRetries:
@@ -227,7 +229,7 @@ class _PacedRetries:
                 count = getattr(self._failures, "count", 0) + 1
                 self._failures.count = count
                 if count <= CLUSTER_ATTEMPTS:
-                    time.sleep(_CLUSTER_BACKOFF.compute(count))
+                    time.sleep(_BACKOFF.compute(count))
             raise
 
 
@@ -249,7 +251,7 @@ def _open_cluster(url: str) -> RedisCluster:
     try:
         with redis_errors(redact(url)):
             return _PacedCluster.from_url(
-                url, retry=_ReconnectRetry(EqualJitterBackoff(cap=2.0, base=0.05), retries=CLUSTER_ATTEMPTS),
+                url, retry=_ReconnectRetry(_BACKOFF, retries=CLUSTER_ATTEMPTS),
                 health_check_interval=30, socket_connect_timeout=10, socket_timeout=60, socket_keepalive=True,
             )
     except ValueError as exc:

@@ -48,13 +48,22 @@ def send(client: Client, commands: Sequence[Command]) -> list[Any]:
     return pipe.execute(raise_on_error=False)
 
 
-def _per_node(client: RedisCluster, commands: Sequence[Command]) -> list[Any]:
+def by_node(client: RedisCluster, keys: Sequence[str]) -> dict[str, tuple[Any, list[int]]] | None:
+    """Per node name, the node (as the client's slot map has it) and the positions of the ``keys`` it
+    serves; None if a key's slot has no known, connected node (the cluster is failing over)."""
     groups: dict[str, tuple[Any, list[int]]] = {}
-    for i, command in enumerate(commands):
-        node = client.get_node_from_key(command[1])
+    for i, key in enumerate(keys):
+        node = client.get_node_from_key(key)
         if node is None or node.redis_connection is None:
-            raise _Unsettled(f"no known node serves {command[1]!r}")
+            return None
         groups.setdefault(node.name, (node, []))[1].append(i)
+    return groups
+
+
+def _per_node(client: RedisCluster, commands: Sequence[Command]) -> list[Any]:
+    groups = by_node(client, [command[1] for command in commands])
+    if groups is None:
+        raise _Unsettled("a key's slot has no known node")
     replies: list[Any] = [None] * len(commands)
     sent: list[tuple[Any, Any, list[int]]] = []
     done = False

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import redis
 from redis.cluster import RedisCluster
 
+from . import fanout
 from .connection import Client
 from .errors import ClusterError
 
@@ -123,10 +124,7 @@ class Replication:
         client = self._client
         if not isinstance(client, RedisCluster):
             return [("the server", client, keys[0])] if keys else []
-        out: dict[str, tuple[str, redis.Redis, str]] = {}
-        for key in keys:
-            node = client.get_node_from_key(key)
-            if node is None or node.redis_connection is None:
-                raise ClusterError(f"no live primary serves {key} (the cluster is failing over?)")
-            out.setdefault(node.name, (node.name, node.redis_connection, key))
-        return list(out.values())
+        groups = fanout.by_node(client, keys)
+        if groups is None:
+            raise ClusterError(f"no live primary serves one of {list(keys)} (the cluster is failing over?)")
+        return [(name, node.redis_connection, keys[positions[0]]) for name, (node, positions) in groups.items()]

@@ -357,15 +357,18 @@ class DockScripts:
         after the bytes were read, no clear touched the rows from the handout until then: the check need
         not share a MULTI with the reads (Redis refuses every MULTI on a full server; plain reads pass).
         """
-        k = self._keys
-        self._queue(pipe, "fence", [k.meta, k.epoch, k.generations], [self._expected, *runs])
+        self._queue(pipe, "fence", *self._fence_args(runs))
 
     def fence_now(self, runs: Sequence[int]) -> tuple[int, bytes]:
         """The epoch and generations of ``runs`` now (4 bytes per row, in run order): what a put on a
         sharded dock writes its bytes under."""
-        k = self._keys
-        epoch, generations = self._call("fence", [k.meta, k.epoch, k.generations], [self._expected, *runs])
+        epoch, generations = self._call("fence", *self._fence_args(runs))
         return int(epoch), bytes(generations)
+
+    def _fence_args(self, runs: Sequence[int]) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV of lua/fence.lua for ``runs``."""
+        k = self._keys
+        return [k.meta, k.epoch, k.generations], [self._expected, *runs]
 
     @staticmethod
     def fence_holds(reply: Any, handout: Handout) -> bool:

@@ -302,7 +302,7 @@ class ShardedStore:
             self._seen.clear()
         for row in forgot.rows:
             self._seen.pop(row, None)
-        pipe = self._client.pipeline(transaction=False)
+        commands: list[fanout.Command] = []
         columns = self._columns()
         if whole:
             # The ended epoch's hashes, and the one before's: orphans of a put that read it and died.
@@ -310,7 +310,7 @@ class ShardedStore:
                 for col in columns:
                     for epoch in (forgot.epoch, forgot.epoch - 1):
                         if epoch >= 0:
-                            pipe.unlink(DockKeys.shard_data(tag, col, epoch))
+                            commands.append(("UNLINK", DockKeys.shard_data(tag, col, epoch)))
         elif forgot.rows:
             by_shard: dict[str, list[str]] = {}
             for row, gen in zip(forgot.rows, _u32s(forgot.generations)):
@@ -318,11 +318,10 @@ class ShardedStore:
                 by_shard.setdefault(self._shard(row), []).extend([f"{row}:{gen}", f"{row}:{(gen - 1) % 2**32}"])
             for tag, fields in by_shard.items():
                 for col in columns:
-                    pipe.hdel(DockKeys.shard_data(tag, col, forgot.epoch), *fields)
-        if len(pipe):
-            for reply in pipe.execute(raise_on_error=False):
-                if isinstance(reply, Exception):
-                    raise reply
+                    commands.append(("HDEL", DockKeys.shard_data(tag, col, forgot.epoch), *fields))
+        for reply in fanout.send(self._client, commands) if commands else ():
+            if isinstance(reply, Exception):
+                raise reply
         return forgot.value
 
     def data_keys(self) -> list[str]:
