@@ -181,7 +181,7 @@ class TransferDock(GenerationCalls):
         self._server = redact(self._url) if self._url else repr(self._client)
         self._where = f"{self._server} (dock {name!r})"  # names the dock in every Redis error
         with self._closed_on_error():
-            allow_oom = self._run(lambda: supports_flags(self._client))
+            allow_oom = self._run(lambda: supports_flags(self._client, self._keys.meta))
         # A Redis 7 cluster announces puts with sharded pub/sub (allow_oom: the server takes Redis 7
         # script flags), which stays on the dock's shard instead of being broadcast to every node.
         sharded_events = isinstance(self._client, RedisCluster) and allow_oom
