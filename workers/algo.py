@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from torch import Tensor
+
+from .ppo_math import clipped_policy_loss, k3_kl, policy_metrics
 
 
 def group_advantages(scores: Tensor, n: int, eps: float = 1e-6) -> Tensor:
@@ -66,27 +67,15 @@ def grpo_loss(
     Metrics: ``clip_frac`` (share of tokens whose gradient the clip cut off), ``kl`` (mean k3),
     ``pg_loss`` and ``ratio`` (mean), all over unmasked tokens.
     """
-    mask = mask.to(log_probs.dtype)
-    adv = advantages.to(log_probs.dtype).unsqueeze(1)
-    ratio = torch.exp(log_probs - old_log_probs)
-    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    delta = ref_log_probs - log_probs
-    kl = torch.exp(delta) - delta - 1
-    per_token = pg + kl_coef * kl
-
-    if agg == "token_mean":
-        loss = _masked_mean(per_token, mask)
-    elif agg == "seq_mean":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1.0)).mean()
-    else:
+    if agg not in ("token_mean", "seq_mean"):
         raise ValueError(f"unknown aggregation {agg!r}")
-
-    with torch.no_grad():
-        clipped = ((adv > 0) & (ratio > 1 + clip_eps)) | ((adv < 0) & (ratio < 1 - clip_eps))
-        metrics = {
-            "clip_frac": float(_masked_mean(clipped.to(mask.dtype), mask)),
-            "kl": float(_masked_mean(kl, mask)),
-            "pg_loss": float(_masked_mean(pg, mask)),
-            "ratio": float(_masked_mean(ratio, mask)),
-        }
-    return loss, metrics
+    token_level = agg == "token_mean"
+    # The pieces are PPO's (ppo_math), so GRPO, PPO and DAPO share one surrogate; the sum of the two
+    # aggregated terms equals aggregating their per-token sum.
+    pg = clipped_policy_loss(log_probs, old_log_probs, advantages, mask, clip_eps, clip_eps, token_level)
+    kl = k3_kl(log_probs, ref_log_probs)
+    mask = mask.to(log_probs.dtype)
+    kl_term = _masked_mean(kl, mask) if token_level else ((kl * mask).sum(1) / mask.sum(1).clamp_min(1.0)).mean()
+    metrics = policy_metrics(log_probs, old_log_probs, advantages, mask, clip_eps, clip_eps)
+    metrics["kl"] = float(_masked_mean(kl.detach(), mask))
+    return pg + kl_coef * kl_term, metrics

@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from broker import TransferDock
 
-from .config import ROLES, RunConfig
+from .config import RunConfig
 from .worker import RoleWorker
 
 RemoteWorker = ray.remote(RoleWorker)
@@ -53,7 +53,7 @@ class WorkerGroup:
 
     def __init__(self, role: str, cfg: RunConfig, dock: TransferDock, cpus_per_rank: float) -> None:
         self.role = role
-        self.layout = cfg.layouts[role]
+        self.layout = cfg.layout(role)
         bundles = [{"CPU": cpus_per_rank} for _ in range(self.layout.world)]
         self.placement = placement_group(bundles, strategy="PACK")
         ray.get(self.placement.ready(), timeout=300)
@@ -88,7 +88,7 @@ class WorkerGroup:
 
 def cpus_per_rank(cfg: RunConfig, cluster_cpus: float) -> float:
     """Fractional CPUs per rank so every role's every rank fits at once (they all run concurrently)."""
-    ranks = sum(cfg.layouts[role].world for role in ROLES)
+    ranks = sum(cfg.layout(role).world for role in cfg.roles)
     # Ray counts resources in 1e-4 units; round down so the sum never exceeds the cluster.
     return max(0.0001, int(cluster_cpus / ranks * 1e4) / 1e4)
 

@@ -1,54 +1,18 @@
-"""What a GRPO run through the broker is made of: its roles, their columns, layouts and settings."""
+"""What a run through the broker is made of: its algorithm, the layouts of its worker groups, and its settings."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from . import task
+from .batch_sizes import RankBatchSizes, normalize_ppo_batch_sizes
 from .model import ModelConfig
 from .train_local import TrainConfig, model_config
 
-#: The worker groups, in pipeline order. Each is also the dock consumer of the same name.
-ROLES = ("actor_rollout", "ref_log_prob", "actor_log_prob", "rule_reward", "compute_advantage", "actor_train")
-#: Roles that hold a copy of the policy (the others run plain Python on their batch).
-MODEL_ROLES = ("actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train")
-#: Roles whose weights follow the trainer each iteration (the reference stays at the initial weights).
-SYNCED_ROLES = ("actor_rollout", "actor_log_prob")
-
-#: Columns each role reads from the dock.
-INPUTS: dict[str, tuple[str, ...]] = {
-    "actor_rollout": ("prompts", "prompt_length"),
-    "ref_log_prob": ("prompts", "prompt_length", "responses", "response_length"),
-    "actor_log_prob": ("prompts", "prompt_length", "responses", "response_length"),
-    "rule_reward": ("prompts", "prompt_length", "responses", "response_length"),
-    "compute_advantage": ("rewards",),
-    "actor_train": (
-        "prompts", "prompt_length", "responses", "response_length", "advantages", "old_log_probs", "ref_log_probs",
-    ),
-}
-#: Columns each role writes back (the trainer only consumes).
-OUTPUTS: dict[str, tuple[str, ...]] = {
-    "actor_rollout": ("responses", "response_length"),
-    "ref_log_prob": ("ref_log_probs",),
-    "actor_log_prob": ("old_log_probs",),
-    "rule_reward": ("rewards",),
-    "compute_advantage": ("advantages",),
-    "actor_train": (),
-}
-COLUMNS = ("prompts", "prompt_length", "responses", "response_length", "rewards", "advantages",
-           "old_log_probs", "ref_log_probs")
-
-#: Rows a role asks for per get; rounded down to whole groups that divide the dock evenly.
-BATCH_ROWS = {
-    "actor_rollout": 64,
-    "ref_log_prob": 128,
-    "actor_log_prob": 128,
-    "rule_reward": 128,
-    "compute_advantage": 64,
-    "actor_train": 128,  # one minibatch: train_local's value, which learns the task in ~25 iterations
-}
-
+if TYPE_CHECKING:
+    from .algorithm import Algorithm
 
 @dataclass(frozen=True)
 class Layout:
@@ -80,15 +44,39 @@ class Layout:
 class RunConfig:
     """Everything the workers need to know about a run; pickled to every actor."""
 
+    #: The algorithm (``workers.algorithms``): its roles, columns and losses.
+    algo: str = "grpo"
     prompts: int = 64
     n: int = 8
     seed: int = 0
     # The GRPO hyper-parameters tuned on the broker-free loop, so the two cannot drift apart.
     lr: float = TrainConfig.lr
+    #: The clip range below 1 (and above, unless ``clip_high`` is set: DAPO's clip-higher).
     clip_eps: float = TrainConfig.clip_eps
+    clip_high: float = TrainConfig.clip_eps
+    #: GRPO: the KL loss coefficient; PPO: the KL penalty folded into the rewards (DeepSpeed-Chat's kl_ctl).
     kl_coef: float = TrainConfig.kl_coef
     temperature: float = TrainConfig.temperature
+    #: Passes over each iteration's batch (PPO's ppo_epochs), by actor and critic alike.
     epochs: int = TrainConfig.epochs
+    #: Global mini-batch in prompts (verl's ppo_mini_batch_size): one optimizer step per mini-batch;
+    #: None: the algorithm's ``batch_rows`` for the trainer.
+    mini_batch_prompts: int | None = None
+    #: Rows per forward/backward on one DP rank (verl's ppo_micro_batch_size_per_gpu); None: the whole mini-batch.
+    micro_batch_rows: int | None = None
+    # PPO (DeepSpeed-Chat's defaults, but for the critic's learning rate, tuned here).
+    critic_lr: float = 1e-3
+    gamma: float = 1.0
+    lam: float = 0.95
+    cliprange_value: float = 0.2
+    clip_reward_value: float = 5.0
+    # DAPO.
+    #: L_cache of the soft overlong punishment; L_max is the task's limit of new tokens.
+    overlong_buffer: int = 1
+    #: Scale of that punishment (verl's overlong_buffer.penalty_factor).
+    overlong_factor: float = 1.0
+    #: verl's max_num_gen_batches: prompts put per iteration at most this many times the batch.
+    max_gen_batches: int = 3
     guarantee_order: bool = False
     #: Longest a get waits for rows before the worker re-checks all_consumed; pub/sub wakes it earlier.
     poll_seconds: float = 2.0
@@ -96,8 +84,10 @@ class RunConfig:
     stall_seconds: float = 300.0
     #: Record what every rank received (indexes and checksums), for tests.
     trace: bool = False
-    layouts: dict[str, Layout] = field(default_factory=lambda: {role: Layout() for role in ROLES})
-    batch_rows: dict[str, int] = field(default_factory=lambda: dict(BATCH_ROWS))
+    #: Role -> layout; a role not named runs as 1x1 (``with_layouts`` fills them in).
+    layouts: dict[str, Layout] = field(default_factory=dict)
+    #: Role -> rows per get, over the algorithm's ``batch_rows``.
+    batch_rows: dict[str, int] = field(default_factory=dict)
     #: Partial rollout (MindSpeed's ``partial_rollout_max_split``): a response is generated in up to
     #: ``max_age`` passes of ``token_budget`` tokens each, an unfinished one kept for a later pass; 1: off.
     max_age: int = 1
@@ -105,6 +95,27 @@ class RunConfig:
     #: old, and the dock drops groups older than that; None: synchronous (every batch generated with
     #: the weights it is trained against).
     max_staleness: int | None = None
+
+    @classmethod
+    def for_algorithm(cls, algo: str, **settings: Any) -> RunConfig:
+        """A config with the algorithm's own defaults (its paper's settings), then ``settings``."""
+        from .algorithms import get_algorithm
+
+        return cls(algo=algo, **{**get_algorithm(algo).defaults, **settings})
+
+    @property
+    def algorithm(self) -> Algorithm:
+        # Imported here: the algorithms import the roles, which import this module's neighbours.
+        from .algorithms import get_algorithm
+
+        return get_algorithm(self.algo)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return self.algorithm.roles
+
+    def layout(self, role: str) -> Layout:
+        return self.layouts.get(role, Layout())
 
     @property
     def capacity(self) -> int:
@@ -143,16 +154,18 @@ class RunConfig:
     @property
     def columns(self) -> tuple[str, ...]:
         # "versions": the weights version that generated each row, for the trainer's version lag.
-        return COLUMNS + ("versions",) if self.tracked else COLUMNS
+        columns = self.algorithm.columns
+        return columns + ("versions",) if self.tracked else columns
 
     def inputs(self, role: str) -> tuple[str, ...]:
         """Columns ``role`` reads: the rollout also reads the partial responses (and their ages) when
         it continues them; the trainer also reads the versions when they are recorded."""
+        inputs = self.algorithm.inputs[role]
         if role == "actor_rollout" and self.tracked:
-            return INPUTS[role] + ("responses", "response_length", "age")
+            return inputs + ("responses", "response_length", "age")
         if role == "actor_train" and self.tracked:
-            return INPUTS[role] + ("versions",)
-        return INPUTS[role]
+            return inputs + ("versions",)
+        return inputs
 
     def model(self) -> ModelConfig:
         return demo_model_config()
@@ -163,15 +176,35 @@ class RunConfig:
         Dividing evenly matters twice: a sampling get of more rows than remain would never be served,
         and data-parallel trainers step in lockstep, so each must get the same number of batches.
         """
-        dp = self.layouts[role].dp
+        dp = self.layout(role).dp
         share = self.prompts // dp
-        want = max(1, self.batch_rows[role] // self.n)
+        want = max(1, self.wanted_rows(role) // self.n)
         groups = max(g for g in range(1, share + 1) if share % g == 0 and g <= want)
         return groups * self.n
 
+    def wanted_rows(self, role: str) -> int:
+        """Rows ``role`` would like per get: a trainer's per-rank mini-batch when ``mini_batch_prompts`` is
+        given (normalised as verl does), else ``batch_rows``."""
+        if role in self.algorithm.trainers and self.mini_batch_prompts is not None:
+            return self.rank_batch_sizes(role).mini_batch_size
+        return self.batch_rows.get(role) or self.algorithm.batch_rows[role]
+
+    def rank_batch_sizes(self, role: str) -> RankBatchSizes:
+        """A trainer's mini- and micro-batch per DP rank, from the global mini-batch in prompts
+        (``mini_batch_prompts``, or what one get of ``rows_per_get`` rows on each DP rank adds up to). The
+        TP ranks of a replica see the same rows, as an SP group does in verl. ValueError naming the numbers."""
+        layout = self.layout(role)
+        if self.mini_batch_prompts is not None:
+            mini = self.mini_batch_prompts
+        else:
+            mini = self.rows_per_get(role) * layout.dp // self.n
+        return normalize_ppo_batch_sizes(mini, self.n, layout.world, sp_size=layout.tp,
+                                         ppo_micro_batch_size_per_gpu=self.micro_batch_rows)
+
     def validate(self) -> None:
-        if self.n < 2:
-            raise ValueError("GRPO needs --n >= 2 samples per prompt to compare")
+        algorithm = self.algorithm
+        if self.n < algorithm.min_n:
+            raise ValueError(f"{algorithm.name} needs --n >= {algorithm.min_n} samples per prompt to compare")
         if self.prompts < 1:
             raise ValueError("--prompts must be >= 1")
         if self.max_age < 1:
@@ -180,17 +213,40 @@ class RunConfig:
             raise ValueError("--max-staleness must be >= 0")
         if self.partial and self.asynchronous:
             raise ValueError("--max-age and --max-staleness cannot be combined in the demo yet")
+        if self.tracked and algorithm.name != "grpo":
+            raise ValueError(f"--max-age and --max-staleness run with --algo grpo; {algorithm.name} runs synchronously")
+        if self.epochs < 1:
+            raise ValueError("--ppo-epochs must be >= 1")
+        if self.max_gen_batches < 1:
+            raise ValueError("--max-gen-batches must be >= 1")
+        if not 0 < self.overlong_buffer <= task.MAX_NEW_TOKENS:
+            raise ValueError(f"--overlong-buffer must be in 1..{task.MAX_NEW_TOKENS}, the task's limit of new tokens")
+        if self.micro_batch_rows is not None and self.micro_batch_rows < 1:
+            raise ValueError("--micro-batch-size must be >= 1")
         if self.tracked and self.guarantee_order:
             raise ValueError("--guarantee-order takes fixed rows; --max-age and --max-staleness hand rows out "
                              "oldest first")
         heads = self.model().n_heads
-        for role, layout in self.layouts.items():
-            if role not in ROLES:
-                raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+        for role in self.layouts:
+            if role not in algorithm.roles:
+                raise ValueError(f"{algorithm.name} has no role {role!r}; its roles are {', '.join(algorithm.roles)}")
+        for role in algorithm.roles:
+            layout = self.layout(role)
             if self.prompts % layout.dp:
                 raise ValueError(f"{role}: --prompts {self.prompts} must split evenly over its {layout.dp} DP ranks")
-            if role in MODEL_ROLES and heads % layout.tp:
+            if role in algorithm.model_roles and heads % layout.tp:
                 raise ValueError(f"{role}: TP {layout.tp} must divide the model's {heads} attention heads")
+        if self.mini_batch_prompts is not None and self.mini_batch_prompts < 1:
+            raise ValueError("--mini-batch-size must be >= 1")
+        for role in algorithm.trainers:
+            sizes = self.rank_batch_sizes(role)
+            share = self.capacity // self.layout(role).dp
+            step = 1 if algorithm.row_sampling else self.n
+            if share % sizes.mini_batch_size or sizes.mini_batch_size % step:
+                raise ValueError(
+                    f"{role}: normalized mini-batch of {sizes.mini_batch_size} rows per DP rank (--mini-batch-size "
+                    f"{self.mini_batch_prompts} prompts x n {self.n} // DP {self.layout(role).dp}) must be whole "
+                    f"groups of {step} that split the rank's {share} rows per iteration evenly")
 
 
 def demo_model_config() -> ModelConfig:
@@ -203,6 +259,7 @@ def demo_model_config() -> ModelConfig:
 
 def with_layouts(cfg: RunConfig, dp: int, tp: int, overrides: dict[str, Layout] | None = None) -> RunConfig:
     """``cfg`` with ``dp x tp`` for the model roles, 1x1 for the light roles, then ``overrides``."""
-    layouts = {role: Layout(dp, tp) if role in MODEL_ROLES else Layout() for role in ROLES}
+    model_roles = cfg.algorithm.model_roles
+    layouts = {role: Layout(dp, tp) if role in model_roles else Layout() for role in cfg.roles}
     layouts.update(overrides or {})
     return replace(cfg, layouts=layouts)

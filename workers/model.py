@@ -193,16 +193,25 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+#: What a model's last layer computes: next-token logits (the policy), or one scalar per position
+#: (a critic's value head, as verl and DeepSpeed-Chat put on the same network family).
+HEADS = ("lm", "value")
+
+
 class TransformerLM(nn.Module):
-    """Causal LM: ``forward(tokens[B, L]) -> logits[B, L, vocab]``.
+    """Causal LM: ``forward(tokens[B, L]) -> logits[B, L, vocab]``; with ``head="value"`` a critic:
+    ``forward(tokens[B, L]) -> values[B, L]``, a replicated linear head on the same trunk.
 
     Parameters are allocated uninitialised (so building a model never draws from the global RNG);
     fill them with :meth:`load_full_state_dict` or use :func:`build_model`.
     """
 
-    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None = None, head: str = "lm") -> None:
         super().__init__()
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {head!r}")
         self.cfg = cfg
+        self.head = head
         self.tp_group = tp_group
         self.tp_size = _tp_size(tp_group)
         self.tp_rank = _tp_rank(tp_group)
@@ -210,7 +219,11 @@ class TransformerLM(nn.Module):
         self.pos_emb = nn.Parameter(torch.empty(cfg.max_seq_len, cfg.d_model))
         self.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        if head == "lm":
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        else:
+            # Replicated like the LM head: every TP rank holds the whole (tiny) head.
+            self.v_head = nn.Parameter(torch.empty(1, cfg.d_model))
 
     def forward(self, tokens: Tensor) -> Tensor:
         t = tokens.shape[1]
@@ -219,6 +232,8 @@ class TransformerLM(nn.Module):
         x = F.embedding(tokens, self.tok_emb) + self.pos_emb[:t]
         for block in self.blocks:
             x = block(x)
+        if self.head == "value":
+            return F.linear(self.ln_f(x), self.v_head).squeeze(-1)
         return F.linear(self.ln_f(x), self.lm_head)
 
     @torch.no_grad()
@@ -236,11 +251,16 @@ class TransformerLM(nn.Module):
 # Weights: deterministic init, sharding and gathering
 
 
-def init_state_dict(cfg: ModelConfig, seed: int) -> dict[str, Tensor]:
+def init_state_dict(cfg: ModelConfig, seed: int, head: str = "lm") -> dict[str, Tensor]:
     """Full (TP=1) weights drawn from ``seed`` alone: GPT-2 style, normal(0, 0.02), zero biases,
-    residual output projections scaled by ``1/sqrt(2 n_layers)`` so the residual stream starts small."""
+    residual output projections scaled by ``1/sqrt(2 n_layers)`` so the residual stream starts small.
+
+    A critic (``head="value"``) draws exactly the policy's weights, then its value head: it starts from
+    the policy's trunk, as verl's critic starts from the actor's model."""
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, Tensor] = {}
+    # Always in the policy's order: the LM head is drawn among the trunk's tensors (state_dict lists a
+    # module's own parameters before its submodules'), and a critic must not shift the trunk's draws.
     for name, p in TransformerLM(cfg).state_dict().items():
         leaf = name.rsplit(".", 1)[-1]
         if _module_of(name).startswith("ln"):  # ln1, ln2, ln_f
@@ -250,14 +270,21 @@ def init_state_dict(cfg: ModelConfig, seed: int) -> dict[str, Tensor]:
         else:
             std = 0.02 / math.sqrt(2 * cfg.n_layers) if _module_of(name) in ROW_PARALLEL else 0.02
             out[name] = torch.randn(p.shape, generator=gen) * std
+    if head == "value":
+        del out["lm_head"]
+        out["v_head"] = torch.randn(1, cfg.d_model, generator=gen) * 0.02
+    elif head != "lm":
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
     return out
 
 
-def build_model(cfg: ModelConfig, seed: int = 0, tp_group: dist.ProcessGroup | None = None) -> TransformerLM:
+def build_model(
+    cfg: ModelConfig, seed: int = 0, tp_group: dist.ProcessGroup | None = None, head: str = "lm"
+) -> TransformerLM:
     """A model initialised from ``seed``; under TP every rank builds the same full weights and keeps
     its shard, so the result equals sharding the TP=1 model built from the same seed."""
-    model = TransformerLM(cfg, tp_group)
-    model.load_full_state_dict(init_state_dict(cfg, seed))
+    model = TransformerLM(cfg, tp_group, head)
+    model.load_full_state_dict(init_state_dict(cfg, seed, head))
     return model
 
 
@@ -336,6 +363,14 @@ def response_log_probs(model: nn.Module, prompts: Tensor, responses: Tensor) -> 
     """Log-probs [B, T] of ``responses`` [B, T] given ``prompts`` [B, P] (one forward pass)."""
     seq = torch.cat([prompts, responses], dim=1)
     return token_log_probs(model(seq), seq)[:, prompts.shape[1] - 1 :]
+
+
+def response_values(critic: nn.Module, prompts: Tensor, responses: Tensor) -> Tensor:
+    """A critic's values [B, T] of the states before each response token: ``out[:, t]`` is read at the
+    position whose next token is response token t, aligned with :func:`response_log_probs` (and
+    with DeepSpeed-Chat's ``values[:, start:]`` after ``critic(seq)[:, :-1]``)."""
+    seq = torch.cat([prompts, responses], dim=1)
+    return critic(seq)[:, prompts.shape[1] - 1 : -1]
 
 
 @torch.no_grad()

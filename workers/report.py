@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import ROLES
-
 #: One colour per role, in pipeline order (matplotlib's tab10).
-COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+           "tab:cyan", "tab:gray")
 
 
 class MetricsLog:
@@ -39,10 +38,17 @@ def first_last(values: Sequence[float], k: int = 3) -> tuple[float, float]:
     return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
-def _lanes(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, int]]:
+def _roles(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """The run's roles in pipeline order (records written before ``algo`` was recorded are GRPO's)."""
+    from .algorithms import get_algorithm
+
+    return get_algorithm(records[0].get("algo", "grpo")).roles
+
+
+def _lanes(records: Sequence[Mapping[str, Any]], roles: Sequence[str]) -> list[tuple[str, int]]:
     """(role, dp_rank) pairs that were ever busy, in pipeline order."""
     seen = {(role, dp) for r in records for role, dp, _, _ in r["busy"]}
-    return sorted(seen, key=lambda lane: (ROLES.index(lane[0]), lane[1]))
+    return sorted(seen, key=lambda lane: (roles.index(lane[0]), lane[1]))
 
 
 def plot(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> None:
@@ -54,10 +60,13 @@ def plot(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> N
     import matplotlib.pyplot as plt
 
     t0 = records[0]["start"]
-    lanes = _lanes(records)
+    roles = _roles(records)
+    lanes = _lanes(records, roles)
     ages = any(r.get("max_age", 1) > 1 for r in records)
     versions = not ages and any(r.get("max_staleness") is not None for r in records)
-    if ages or versions:
+    critic = "value_loss" in records[0]
+    filtered = "filtered_groups" in records[0]
+    if ages or versions or critic or filtered:
         fig, (ax_r, ax_t, ax_z, ax_x) = plt.subplots(
             4, 1, figsize=(11, 13), gridspec_kw={"height_ratios": [1.1, 1, 1, 0.9]})
     else:
@@ -72,12 +81,13 @@ def plot(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> N
     ax_r.grid(alpha=0.3)
     ax_r.legend(loc="upper left")
     first, last = first_last([r["reward"] for r in records])
-    ax_r.set_title(title or f"GRPO through the broker: reward {first:.2f} (first 3) -> {last:.2f} (last 3)")
+    name = records[0].get("algo", "grpo").upper()
+    ax_r.set_title(title or f"{name} through the broker: reward {first:.2f} (first 3) -> {last:.2f} (last 3)")
 
     def timeline(ax: Any, shown: Sequence[Mapping[str, Any]]) -> None:
         for y, (role, dp) in enumerate(lanes):
             bars = [(b0 - t0, b1 - b0) for r in shown for rr, d, b0, b1 in r["busy"] if (rr, d) == (role, dp)]
-            ax.broken_barh(bars, (y - 0.4, 0.8), color=COLOURS[ROLES.index(role) % len(COLOURS)])
+            ax.broken_barh(bars, (y - 0.4, 0.8), color=COLOURS[roles.index(role) % len(COLOURS)])
         for r in shown:  # iteration boundaries
             ax.axvline(r["start"] - t0, color="grey", linewidth=0.6, alpha=0.6)
         ax.set_yticks(range(len(lanes)))
@@ -97,6 +107,10 @@ def plot(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> N
         _plot_ages(ax_x, records)
     elif versions:
         _plot_versions(ax_x, records)
+    elif critic:
+        _plot_critic(ax_x, records)
+    elif filtered:
+        _plot_filtered(ax_x, records)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -140,3 +154,35 @@ def _plot_versions(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
     ax.legend(lines + more, labels + more_labels, loc="upper left")
     ax.set_title("asynchronous rollout: version lag of the trained data (trainer's version - generator's) "
                  "and stale groups dropped")
+
+
+def _plot_critic(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
+    """PPO: the critic's clipped value loss per iteration, with its mean value and mean return."""
+    its = [r["iteration"] for r in records]
+    ax.plot(its, [r["value_loss"] for r in records], marker="o", color="tab:olive", label="critic value loss")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("value loss")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    means = ax.twinx()
+    means.plot(its, [r["value_mean"] for r in records], linestyle="--", color="tab:blue", label="mean value")
+    means.plot(its, [r["return_mean"] for r in records], linestyle=":", color="tab:red", label="mean return")
+    means.set_ylabel("per token")
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = means.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, loc="upper right")
+    ax.set_title("PPO: the critic's clipped value loss (mean over its steps), its values and the GAE returns")
+
+
+def _plot_filtered(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
+    """DAPO: groups judged by the advantage stage per iteration, kept and filtered (then replaced)."""
+    its = [r["iteration"] for r in records]
+    dropped = [r["filtered_groups"] for r in records]
+    kept = [r["judged_groups"] - d for r, d in zip(records, dropped)]
+    ax.bar(its, kept, color="tab:green", label="groups kept (trained)")
+    ax.bar(its, dropped, bottom=kept, color="tab:red", label="groups filtered (all n rewards equal), replaced")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("groups")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left")
+    ax.set_title("DAPO dynamic sampling: groups judged per iteration")

@@ -1,28 +1,38 @@
-"""What each GRPO role computes on one padded batch, and what it writes back (one tensor per row).
+"""The roles every algorithm shares, and the base classes of the ones an algorithm defines itself.
 
-Every rank of a TP group runs ``compute`` on the same batch; only TP rank 0's output is written.
-Token columns arrive padded with EOS and float columns with 0.0, to a width that is a multiple of
-the TP size, so widths are cut back with the ``*_length`` columns wherever a row's length matters.
+A role computes on one padded batch and returns what it writes back (one tensor per row). Every rank
+of a TP group runs ``compute`` on the same batch; only TP rank 0's output is written. Token columns
+arrive padded with EOS and float columns with 0.0, to a width that is a multiple of the TP size, so
+widths are cut back with the ``*_length`` columns wherever a row's length matters.
+
+Shared as they are: the rollout, the reference and actor log-probs. Shared as bases: the rule reward
+(an algorithm shapes the task's score), and the streamed trainer (an algorithm gives its loss).
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from . import task
-from .algo import group_advantages, grpo_loss
-from .config import OUTPUTS, RunConfig
 from .model import TransformerLM, build_model, generate, response_log_probs
 from .parallel import ParallelState, average_gradients, clip_grad_norm_tp
 
+if TYPE_CHECKING:
+    from .config import RunConfig
+
 Output = dict[str, list[Tensor]]
 
+#: The key under which a role names the groups it rejects (one int64 tensor of group numbers): the worker
+#: drops them from the dock (``TransferDock.drop_groups``) and writes the role's output for the other rows.
+DROP = "drop_groups"
 
-def _prompts(batch: Mapping[str, Tensor]) -> Tensor:
+
+def prompts_of(batch: Mapping[str, Tensor]) -> Tensor:
     # The task's prompts share one length; cut the TP padding off again, generate() takes no mask.
     lengths = batch["prompt_length"][:, 0]
     width = int(lengths.max())
@@ -31,12 +41,12 @@ def _prompts(batch: Mapping[str, Tensor]) -> Tensor:
     return batch["prompts"][:, :width]
 
 
-def _per_row(values: Tensor, lengths: Tensor) -> list[Tensor]:
+def per_row(values: Tensor, lengths: Tensor) -> list[Tensor]:
     """Row i cut to ``lengths[i]`` (views: the dock copies each row once, when it encodes it)."""
     return [values[i, :n] for i, n in enumerate(lengths.tolist())]
 
 
-def _scalars(values: Tensor) -> list[Tensor]:
+def scalars(values: Tensor) -> list[Tensor]:
     return [v.reshape(1) for v in values.float()]
 
 
@@ -52,12 +62,14 @@ class Role:
     """One role's computation. Subclasses set ``name`` and implement ``compute``."""
 
     name = ""
+    #: The network this role holds (``"lm"`` a policy, ``"value"`` a critic), or None.
+    head: str | None = None
 
     def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
         self.cfg = cfg
         self.state = state
         self.inputs = cfg.inputs(self.name)
-        self.outputs = OUTPUTS[self.name]
+        self.outputs = cfg.algorithm.outputs[self.name]
         self._stats: dict[str, float] = {}
 
     def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
@@ -81,11 +93,15 @@ class Role:
 
 
 class ModelRole(Role):
-    """A role holding a TP shard of the policy, initialised from the run's seed on every rank."""
+    """A role holding a TP shard of a network (the policy unless ``head`` says otherwise), initialised
+    from the run's seed on every rank."""
+
+    head: str | None = "lm"
 
     def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
         super().__init__(cfg, state)
-        self.model: TransformerLM = build_model(cfg.model(), seed=cfg.seed, tp_group=state.tp_group)
+        self.model: TransformerLM = build_model(cfg.model(), seed=cfg.seed, tp_group=state.tp_group,
+                                                head=self.head or "lm")
 
     def load_weights(self, full: Mapping[str, Tensor]) -> None:
         self.model.load_full_state_dict(full)
@@ -105,19 +121,19 @@ class Rollout(ModelRole):
         gen = torch.Generator().manual_seed(hash((self.cfg.seed, iteration, indexes[0])) & 0x7FFF_FFFF_FFFF)
         if self.cfg.tracked:
             return self._continue(batch, gen)
-        out = generate(self.model, _prompts(batch), task.MAX_NEW_TOKENS, self.cfg.temperature, gen, eos_id=task.EOS)
+        out = generate(self.model, prompts_of(batch), task.MAX_NEW_TOKENS, self.cfg.temperature, gen, eos_id=task.EOS)
         is_eos = out == task.EOS
         # First EOS position + 1, or the full width for a response that never stopped.
         lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, out.shape[1])
         self.add(tokens=float(lengths.sum()), rows=len(indexes))
-        return {"responses": _per_row(out, lengths), "response_length": [n.reshape(1) for n in lengths]}
+        return {"responses": per_row(out, lengths), "response_length": [n.reshape(1) for n in lengths]}
 
     def _continue(self, batch: Mapping[str, Tensor], gen: torch.Generator) -> Output:
         """One pass of at most ``token_budget`` tokens per row, continuing each row's partial response
         (prompt + what earlier passes generated is the input). A row is finished once it produced EOS or
         reached ``MAX_NEW_TOKENS``; the others go back to the dock unfinished, under the
         ``rollout_completed`` key the worker hands to the put."""
-        prompts = _prompts(batch)
+        prompts = prompts_of(batch)
         done = batch["response_length"][:, 0].long()  # 0 for a fresh prompt (its placeholder response)
         old = batch["responses"].long()
         rows = len(done)
@@ -153,8 +169,8 @@ class LogProb(ModelRole):
 
     @torch.no_grad()
     def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
-        lp = response_log_probs(self.model, _prompts(batch), batch["responses"])
-        return {self.outputs[0]: _per_row(lp, batch["response_length"][:, 0])}
+        lp = response_log_probs(self.model, prompts_of(batch), batch["responses"])
+        return {self.outputs[0]: per_row(lp, batch["response_length"][:, 0])}
 
 
 class RefLogProb(LogProb):
@@ -170,42 +186,40 @@ class ActorLogProb(LogProb):
 
 
 class RuleReward(Role):
-    """The task's rule reward, one score per response."""
+    """The task's rule reward, one score per response; an algorithm shapes it in ``shape``."""
 
     name = "rule_reward"
 
     def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
-        prompts = _prompts(batch)
-        lengths = batch["response_length"][:, 0].tolist()
+        prompts = prompts_of(batch)
+        lengths = batch["response_length"][:, 0]
         scores = torch.tensor([
-            task.reward(p, r[:n]) for p, r, n in zip(prompts, batch["responses"], lengths)
+            task.reward(p, r[:n]) for p, r, n in zip(prompts, batch["responses"], lengths.tolist())
         ])
         self.add(reward_sum=float(scores.sum()), exact=float((scores == 1.0).sum()), rows=len(indexes),
-                 response_tokens=float(sum(lengths)))
-        return {"rewards": _scalars(scores)}
+                 response_tokens=float(lengths.sum()))
+        return self.shape(scores, batch)
+
+    def shape(self, scores: Tensor, batch: Mapping[str, Tensor]) -> Output:
+        """What the stage writes from the task's scores (the report averages the unshaped ones)."""
+        return {"rewards": scalars(scores)}
 
 
-class Advantage(Role):
-    """GRPO advantages: each reward standardised within its prompt's group of n (batches hold whole groups)."""
-
-    name = "compute_advantage"
-
-    def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
-        n = self.cfg.n
-        rewards = batch["rewards"][:, 0]
-        # Order rows by index so each group's n rows are consecutive, whatever order the get returned.
-        order = sorted(range(len(indexes)), key=indexes.__getitem__)
-        groups = [indexes[i] // n for i in order]
-        if any(groups[k] != groups[k - k % n] for k in range(len(groups))) or len(groups) % n:
-            raise ValueError(f"compute_advantage needs whole groups of {n} rows, got rows {sorted(indexes)}")
-        adv = torch.empty(len(indexes))
-        adv[torch.tensor(order)] = group_advantages(rewards[torch.tensor(order)], n)
-        return {"advantages": _scalars(adv)}
+def in_groups(indexes: list[int], n: int, role: str) -> list[int]:
+    """Positions of ``indexes`` ordered so each group's n rows are consecutive, whatever order the get
+    returned them in; ValueError unless the batch holds whole groups."""
+    order = sorted(range(len(indexes)), key=indexes.__getitem__)
+    groups = [indexes[i] // n for i in order]
+    if len(groups) % n or any(groups[k] != groups[k - k % n] for k in range(len(groups))):
+        raise ValueError(f"{role} needs whole groups of {n} rows, got rows {sorted(indexes)}")
+    return order
 
 
 class Trainer(ModelRole):
-    """The actor update, streamed: one clipped-GRPO step on each minibatch as it arrives from the dock,
-    then, once the iteration's rows are all in, ``epochs - 1`` more passes over them in shuffled minibatches.
+    """A model update, streamed: one step on each minibatch as it arrives from the dock, then, once the
+    iteration's rows are all in, ``epochs - 1`` more passes over them in shuffled minibatches (PPO's
+    ``ppo_epochs``). A minibatch is split into micro-batches whose gradients accumulate (verl's
+    ``ppo_micro_batch_size_per_gpu``). Subclasses say which columns a step needs and give the loss.
 
     Why not all epochs per minibatch as it arrives: two steps in a row on the same 16 prompts learn the
     task far slower (mean reward ~0.5 instead of ~0.95 after 25 iterations, measured with
@@ -217,18 +231,26 @@ class Trainer(ModelRole):
 
     def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
         super().__init__(cfg, state)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate(), weight_decay=0.0)
         self._held: list[dict[str, Tensor]] = []
 
+    def learning_rate(self) -> float:
+        return self.cfg.lr
+
+    def minibatch(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The tensors a step needs, one row per sample (2-D ones padded to one width)."""
+        raise NotImplementedError
+
+    def loss(self, mb: Mapping[str, Tensor], mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """The loss of a micro-batch and its metrics; ``mask`` [B, T] marks the response tokens."""
+        raise NotImplementedError
+
+    def log_probs(self, mb: Mapping[str, Tensor]) -> Tensor:
+        """The trained policy's log-probs [B, T] of the micro-batch's responses, with grad."""
+        return response_log_probs(self.model, mb["prompts"], mb["responses"])
+
     def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
-        minibatch = {
-            "prompts": _prompts(batch),
-            "responses": batch["responses"],
-            "lengths": batch["response_length"][:, 0],
-            "advantages": batch["advantages"][:, 0],
-            "old_log_probs": batch["old_log_probs"],
-            "ref_log_probs": batch["ref_log_probs"],
-        }
+        minibatch = self.minibatch(batch)
         if "versions" in batch:
             # How many updates behind the trained weights (iteration - 1 so far) each row's generator was.
             lag = (iteration - 1) - batch["versions"][:, 0].long()
@@ -244,9 +266,10 @@ class Trainer(ModelRole):
         if not self._held:
             return False
         held = _concat_padded(self._held)
-        size = self._held[0]["responses"].shape[0]
+        size = self._held[0]["lengths"].shape[0]
         self._held = []
         # Same seed on every TP rank of a replica (they must pick the same rows), another per DP replica.
+        # Ints only: a str's hash differs between processes (PYTHONHASHSEED), and TP ranks are processes.
         gen = torch.Generator().manual_seed(hash((self.cfg.seed, iteration, self.state.dp_rank)) & 0x7FFF_FFFF_FFFF)
         for _ in range(self.cfg.epochs - 1):
             for idx in torch.randperm(held["lengths"].numel(), generator=gen).split(size):
@@ -254,19 +277,25 @@ class Trainer(ModelRole):
         return True
 
     def _step(self, mb: Mapping[str, Tensor]) -> None:
-        width = mb["responses"].shape[1]
-        mask = (torch.arange(width) < mb["lengths"].unsqueeze(1)).float()
-        lp = response_log_probs(self.model, mb["prompts"], mb["responses"])
-        loss, metrics = grpo_loss(
-            lp, mb["old_log_probs"][:, :width], mb["ref_log_probs"][:, :width], mb["advantages"], mask,
-            self.cfg.clip_eps, self.cfg.kl_coef,
-        )
+        """One optimizer step on a minibatch, its gradient accumulated over micro-batches; each micro-batch's
+        loss is weighted by its share of the minibatch's rows (verl's ``loss * rows / mini_batch_size``)."""
+        rows = int(mb["lengths"].shape[0])
+        micro = self.cfg.micro_batch_rows or rows
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        sums: dict[str, float] = {}
+        for start in range(0, rows, micro):
+            part = {k: v[start:start + micro] for k, v in mb.items()}
+            width = part["responses"].shape[1]
+            mask = (torch.arange(width) < part["lengths"].unsqueeze(1)).float()
+            loss, metrics = self.loss(part, mask)
+            share = part["lengths"].shape[0] / rows
+            (loss * share).backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value * share
         average_gradients(self.model, self.state.dp_group)
         grad_norm = clip_grad_norm_tp(self.model, 1.0, self.state.tp_group)
         self.optimizer.step()
-        self.add(steps=1, grad_norm=grad_norm, **metrics)
+        self.add(steps=1, grad_norm=grad_norm, **sums)
 
     def export_weights(self) -> dict[str, Tensor] | None:
         """Full weights on TP rank 0 of DP replica 0 (a collective over that TP group), else None."""
@@ -274,6 +303,21 @@ class Trainer(ModelRole):
             return None
         full = self.model.full_state_dict()
         return {k: v.clone() for k, v in full.items()} if self.state.is_tp_src else None
+
+
+def policy_minibatch(batch: Mapping[str, Tensor], *extra: str, per_token: bool = False) -> dict[str, Tensor]:
+    """What a policy step reads: prompts, responses, their lengths, ``advantages`` (one per row, or one
+    per token with ``per_token``) and the sampling policy's ``old_log_probs``, with the ``extra`` columns."""
+    advantages = batch["advantages"]  # a one-value column arrives padded to the TP size too
+    out = {
+        "prompts": prompts_of(batch),
+        "responses": batch["responses"],
+        "lengths": batch["response_length"][:, 0],
+        "advantages": advantages if per_token else advantages[:, 0],
+        "old_log_probs": batch["old_log_probs"],
+    }
+    out.update({c: batch[c] for c in extra})
+    return out
 
 
 def _concat_padded(batches: list[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -290,11 +334,8 @@ def _concat_padded(batches: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return out
 
 
-ROLE_CLASSES: dict[str, type[Role]] = {
-    cls.name: cls for cls in (Rollout, RefLogProb, ActorLogProb, RuleReward, Advantage, Trainer)
-}
-
-
 def make_role(name: str, cfg: RunConfig, state: ParallelState) -> Role:
-    return ROLE_CLASSES[name](cfg, state)
+    """Role ``name`` of the run's algorithm."""
+    role: Role = cfg.algorithm.role_classes[name](cfg, state)
+    return role
 

@@ -23,7 +23,7 @@ from . import task
 from .config import RunConfig
 from .dispatch import Dispatcher, guaranteed_ranges
 from .parallel import ParallelState
-from .roles import Role, Trainer, checksum, make_role
+from .roles import DROP, Role, Trainer, checksum, make_role
 
 
 class RoleWorker:
@@ -36,7 +36,7 @@ class RoleWorker:
         self.cfg = cfg
         self.dock = dock
         self.rank = rank
-        self.layout = cfg.layouts[role]
+        self.layout = cfg.layout(role)
         self.state: ParallelState | None = None
         self.role: Role | None = None
         self.dispatcher: Dispatcher | None = None
@@ -67,19 +67,39 @@ class RoleWorker:
         if self.role_name == "actor_rollout" and self.cfg.tracked:
             return self._rollout_iteration(iteration)
         cfg, state = self.cfg, self.state
+        algorithm = cfg.algorithm
         count = cfg.rows_per_get(self.role_name)
         plan = guaranteed_ranges(cfg.capacity, state.dp_size, state.dp_rank, count) if cfg.guarantee_order else None
+        get_kwargs = {"get_n_samples": False} if algorithm.row_sampling and plan is None else {}
+        done = self.dispatcher.all_consumed
+        # Replacement groups arrive a few at a time, and a get of more rows than there are waits forever:
+        # up to the filter, a role takes a full batch if there is one, else waits for a single group.
+        trickle = self.role_name in algorithm.before_filter
+        if trickle and self.role_name != algorithm.filter_role:
+            # Dropped groups come back as new prompts, and a drop un-consumes the group's rows for every
+            # stage: a stage before the filter that had consumed every row must still wait for them. It
+            # is done once the filter's output is written on every row: the filter writes it only for
+            # the groups it keeps, and never holds a group again once kept. (Not the filter's
+            # all_consumed: between its get and its drop it has consumed rows it is about to give back.)
+            kept_column = algorithm.outputs[algorithm.filter_role][0]
+            done = lambda: self.dispatcher.agree(  # noqa: E731
+                lambda: self.dock.status()["columns"][kept_column]["ready"] == cfg.capacity)
         busy: list[tuple[float, float]] = []
         trace: list[dict[str, Any]] = []
         rows_done = 0
         last_progress = time.monotonic()
-        while not self.dispatcher.all_consumed():
+        while not done():
             indexes = None
             if plan is not None:
                 if not plan:
                     break  # this DP rank's fixed range is done; the others finish theirs
                 indexes = plan[0]
-            got = self.dispatcher.dispatch(self.role.inputs, count, indexes, timeout=cfg.poll_seconds)
+            if trickle:
+                got = (self.dispatcher.dispatch(self.role.inputs, count, **get_kwargs)
+                       or self.dispatcher.dispatch(self.role.inputs, cfg.n, timeout=cfg.poll_seconds, **get_kwargs))
+            else:
+                got = self.dispatcher.dispatch(self.role.inputs, count, indexes, timeout=cfg.poll_seconds,
+                                               **get_kwargs)
             if got is None:
                 self._check_stall(last_progress, iteration, "while rows are still owed; is a stage before it stuck?")
                 continue
@@ -88,10 +108,12 @@ class RoleWorker:
             if plan is not None:
                 plan.pop(0)
             output = self.role.compute(batch, rows, iteration)
-            self.dispatcher.collect(output, rows)
+            kept = self._drop(output, rows) if DROP in output else rows
+            if kept:  # a filter may have dropped every group it got
+                self.dispatcher.collect(output, kept)
             busy.append((start, time.time()))
             if cfg.trace:
-                trace.append({"indexes": rows, "checksum": checksum(batch, rows)})
+                trace.append({"indexes": rows, "checksum": checksum(batch, rows), "kept": kept})
             rows_done += len(rows)
             last_progress = time.monotonic()
         start = time.time()
@@ -100,6 +122,24 @@ class RoleWorker:
         if isinstance(self.role, Trainer) and cfg.tracked and state.dp_rank == 0 and state.is_tp_src:
             self.dock.set_version(iteration)  # the weights now include `iteration` updates
         return self._result(rows_done, busy, trace)
+
+    def _drop(self, output: dict[str, list[Tensor]], rows: list[int]) -> list[int]:
+        """Drop the groups the role rejected (``output[DROP]``) and keep only the other rows' outputs.
+
+        The drop goes first, then the put of the kept rows: a dropped group's rows are forgotten before
+        anything else is written, and the driver may put new prompts there at once. Nothing else holds
+        them: the stages after this one read its output, which the dropped rows never get.
+        """
+        assert self.dispatcher is not None
+        groups = [int(g) for g in output.pop(DROP)[0].tolist()]
+        if groups and self.dispatcher.state.is_tp_src:
+            self.dock.drop_groups(self.role_name, groups)
+        n = self.cfg.n
+        gone = set(groups)
+        keep = [i for i, row in enumerate(rows) if row // n not in gone]
+        for column, values in output.items():
+            output[column] = [values[i] for i in keep]
+        return [rows[i] for i in keep]
 
     def _check_stall(self, last_progress: float, iteration: int, detail: str | Callable[[], str]) -> None:
         """Raise TimeoutError once this rank has got no rows for ``stall_seconds``: a stage before it is stuck."""

@@ -1,7 +1,8 @@
-"""``python -m workers.grpo`` (also ``broker demo``): GRPO on digit reversal, Ray worker groups and a Redis broker.
+"""``python -m workers.demo`` (also ``broker demo``): GRPO, PPO or DAPO on digit reversal, Ray worker groups
+and a Redis broker.
 
-Starts (or joins) Ray and a Redis, places the six role groups, runs ``--iterations`` global batches
-with a progress bar, and writes ``metrics.jsonl`` and ``grpo.png`` into ``--out``.
+Starts (or joins) Ray and a Redis, places the algorithm's role groups, runs ``--iterations`` global
+batches with a progress bar, and writes ``metrics.jsonl`` and ``ALGO.png`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -13,22 +14,26 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import MODEL_ROLES, ROLES, Layout, RunConfig, with_layouts
-from .options import build_demo_parser
+from .config import Layout, RunConfig, with_layouts
+from .options import TUNABLES, build_demo_parser
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The run's settings from parsed options; raises ValueError naming a bad one."""
+    tuned = {name: getattr(args, name) for name in TUNABLES if getattr(args, name) is not None}
+    base = RunConfig.for_algorithm(
+        args.algo, seed=args.seed, guarantee_order=args.guarantee_order, max_age=args.max_age,
+        max_staleness=args.max_staleness, mini_batch_prompts=args.mini_batch_size,
+        micro_batch_rows=args.micro_batch_size, **tuned)
+    roles = base.roles
     overrides: dict[str, Layout] = {}
     for item in args.layout:
         role, sep, text = item.partition("=")
-        if not sep or role not in ROLES:
-            raise ValueError(f"--layout {item!r}: expected ROLE=DPxTP with ROLE one of {', '.join(ROLES)}")
+        if not sep or role not in roles:
+            raise ValueError(f"--layout {item!r}: expected ROLE=DPxTP with ROLE one of {', '.join(roles)}")
         overrides[role] = Layout.parse(text)
     if args.iterations < 1:
         raise ValueError("--iterations must be >= 1")
-    base = RunConfig(prompts=args.prompts, n=args.n, seed=args.seed, guarantee_order=args.guarantee_order,
-                     max_age=args.max_age, max_staleness=args.max_staleness)
     cfg = with_layouts(base, args.dp, args.tp, overrides)
     cfg.validate()
     return cfg
@@ -39,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
     except ValueError as exc:
-        print(f"grpo: {exc}", file=sys.stderr)
+        print(f"demo: {exc}", file=sys.stderr)
         return 2
     # Heavy imports only once the options are known to be good.
     import ray
@@ -53,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     from .pipeline import Pipeline, create_dock
     from .report import MetricsLog, first_last, plot
 
-    out = Path(args.out)
+    out = Path(args.out or f"{cfg.algo}-demo")
+    picture = out / f"{cfg.algo}.png"
     began = time.monotonic()
     records: list[dict] = []
     with redis_for_run(args.redis_url) as target:
@@ -62,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         if args.ray_address and not args.redis_url:
             print("redis: the private Redis listens on 127.0.0.1 only; Ray nodes on other machines cannot reach it "
                   "(pass --redis-url)", flush=True)
-        name = args.dock or f"grpo-demo-{uuid.uuid4().hex[:8]}"
+        name = args.dock or f"{cfg.algo}-demo-{uuid.uuid4().hex[:8]}"
         dock = pipeline = log = None
         try:
             cluster_cpus = wait_for_cpus(args.cpus or 1)
@@ -79,12 +85,21 @@ def run(args: argparse.Namespace) -> int:
             if cfg.asynchronous:
                 print(f"asynchronous rollout: up to {cfg.max_staleness} versions behind the trainer; "
                       f"{cfg.prompts} of the dock's {cfg.dock_groups} groups trained per iteration", flush=True)
+            print(f"algorithm: {cfg.algorithm.summary}", flush=True)
+            if cfg.algorithm.dynamic_sampling:
+                print(f"dynamic sampling: groups whose {cfg.n} rewards are all equal are dropped and replaced, up "
+                      f"to {(cfg.max_gen_batches - 1) * cfg.prompts} per iteration", flush=True)
             pipeline = Pipeline(dock, cfg, cluster_cpus)
-            layout = ", ".join(f"{role} {cfg.layouts[role]}" for role in ROLES)
+            layout = ", ".join(f"{role} {cfg.layout(role)}" for role in cfg.roles)
+            sizes = "; ".join(f"{t}: mini-batch {s.mini_batch_size} rows per DP rank" + (
+                f" in {s.grad_accum_steps} micro-batches of {s.micro_batch_size}" if s.micro_batch_size else "")
+                for t in cfg.algorithm.trainers for s in [cfg.rank_batch_sizes(t)])
             print(f"roles (DPxTP): {layout}; {pipeline.cpus_per_rank:g} CPU per rank; model roles "
-                  f"{', '.join(MODEL_ROLES)}; set up in {time.monotonic() - began:.1f} s", flush=True)
+                  f"{', '.join(cfg.algorithm.model_roles)}; set up in {time.monotonic() - began:.1f} s", flush=True)
+            print(f"batches: {cfg.epochs} epoch(s) per iteration; {sizes}", flush=True)
             log = MetricsLog(out / "metrics.jsonl")
-            bar = tqdm(total=args.iterations, desc="GRPO", unit="iter", disable=args.no_progress, dynamic_ncols=True)
+            bar = tqdm(total=args.iterations, desc=cfg.algo.upper(), unit="iter", disable=args.no_progress,
+                       dynamic_ncols=True)
             train_began = time.monotonic()
             for iteration in range(1, args.iterations + 1):
                 metrics, _ = pipeline.run_iteration(iteration)
@@ -96,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
                 if cfg.partial:
                     ages = ", ".join(f"{a}:{c}" for a, c in metrics["groups_by_age"].items())
                     line += f" | groups by age {ages}"
+                if "value_loss" in metrics:
+                    line += f" | value loss {metrics['value_loss']:.4f}"
+                if cfg.algorithm.dynamic_sampling:
+                    line += f" | filtered groups {metrics['filtered_groups']}"
                 if cfg.asynchronous:
                     line += (f" | version lag {metrics.get('version_lag', 0.0):.2f} | "
                              f"stale dropped {metrics['stale_dropped']}")
@@ -113,13 +132,13 @@ def run(args: argparse.Namespace) -> int:
             if dock is not None:
                 dock.delete()
             ray.shutdown()
-    plot(records, out / "grpo.png")
+    plot(records, picture)
     first, last = first_last([r["reward"] for r in records])
     k = min(3, len(records))
     print(f"mean reward: first {k} iterations {first:.3f}, last {k} iterations {last:.3f}")
     print(f"time: {train_seconds:.1f} s for {len(records)} iterations, {time.monotonic() - began:.1f} s in all "
           f"(Ray, Redis and worker start-up included)")
-    print(f"wrote {out / 'metrics.jsonl'} and {out / 'grpo.png'}")
+    print(f"wrote {out / 'metrics.jsonl'} and {picture}")
     return 0
 
 
