@@ -68,6 +68,8 @@ def test_each_algorithm_brings_its_own_settings():
     with pytest.raises(ValueError, match="grpo needs --n >= 2"):
         RunConfig(n=1).validate()
     RunConfig.for_algorithm("ppo").validate()  # n = 1 is PPO's normal case
+    with pytest.raises(ValueError, match="dropped groups come back"):
+        RunConfig.for_algorithm("dapo", guarantee_order=True).validate()
     with pytest.raises(ValueError, match="dapo runs synchronously"):
         RunConfig.for_algorithm("dapo", max_age=2).validate()
     with pytest.raises(ValueError, match="ppo has no role 'rule'"):

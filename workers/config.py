@@ -7,38 +7,16 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from . import task
+from .algorithms import get_algorithm
 from .batch_sizes import RankBatchSizes, normalize_ppo_batch_sizes
 from .model import ModelConfig
+from .parallel import Layout
 from .train_local import TrainConfig, model_config
 
 if TYPE_CHECKING:
     from .algorithm import Algorithm
 
-@dataclass(frozen=True)
-class Layout:
-    """One role's worker group: ``dp`` data-parallel replicas of ``tp`` tensor-parallel ranks each."""
-
-    dp: int = 1
-    tp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp
-
-    def __str__(self) -> str:
-        return f"{self.dp}x{self.tp}"
-
-    @classmethod
-    def parse(cls, text: str) -> Layout:
-        """``"2x2"`` -> Layout(dp=2, tp=2)."""
-        try:
-            dp, tp = (int(x) for x in text.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"layout must look like DPxTP, e.g. 2x1, got {text!r}") from None
-        if dp < 1 or tp < 1:
-            raise ValueError(f"layout {text!r}: DP and TP must be >= 1")
-        return cls(dp, tp)
-
+__all__ = ["Layout", "RunConfig", "demo_model_config", "with_layouts"]
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -99,15 +77,10 @@ class RunConfig:
     @classmethod
     def for_algorithm(cls, algo: str, **settings: Any) -> RunConfig:
         """A config with the algorithm's own defaults (its paper's settings), then ``settings``."""
-        from .algorithms import get_algorithm
-
         return cls(algo=algo, **{**get_algorithm(algo).defaults, **settings})
 
     @property
     def algorithm(self) -> Algorithm:
-        # Imported here: the algorithms import the roles, which import this module's neighbours.
-        from .algorithms import get_algorithm
-
         return get_algorithm(self.algo)
 
     @property
@@ -213,6 +186,9 @@ class RunConfig:
             raise ValueError("--max-staleness must be >= 0")
         if self.partial and self.asynchronous:
             raise ValueError("--max-age and --max-staleness cannot be combined in the demo yet")
+        if self.guarantee_order and algorithm.dynamic_sampling:
+            raise ValueError(f"--guarantee-order takes fixed rows; {algorithm.name}'s dropped groups come back as new "
+                             "prompts in rows already taken")
         if self.tracked and algorithm.name != "grpo":
             raise ValueError(f"--max-age and --max-staleness run with --algo grpo; {algorithm.name} runs synchronously")
         if self.epochs < 1:

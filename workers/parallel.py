@@ -9,14 +9,41 @@ placement group.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import Layout
 from .model import shard_dim
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One role's worker group: ``dp`` data-parallel replicas of ``tp`` tensor-parallel ranks each."""
+
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    def __str__(self) -> str:
+        return f"{self.dp}x{self.tp}"
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """``"2x2"`` -> Layout(dp=2, tp=2)."""
+        try:
+            dp, tp = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"layout must look like DPxTP, e.g. 2x1, got {text!r}") from None
+        if dp < 1 or tp < 1:
+            raise ValueError(f"layout {text!r}: DP and TP must be >= 1")
+        return cls(dp, tp)
+
 
 #: Gloo runs everywhere; the workers keep every tensor on the CPU (see the note in ``ParallelState``).
 BACKEND = "gloo"

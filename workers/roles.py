@@ -21,6 +21,7 @@ from torch import Tensor
 from . import task
 from .model import TransformerLM, build_model, generate, response_log_probs
 from .parallel import ParallelState, average_gradients, clip_grad_norm_tp
+from .ppo_math import clipped_policy_loss, policy_metrics
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -248,6 +249,18 @@ class Trainer(ModelRole):
     def log_probs(self, mb: Mapping[str, Tensor]) -> Tensor:
         """The trained policy's log-probs [B, T] of the micro-batch's responses, with grad."""
         return response_log_probs(self.model, mb["prompts"], mb["responses"])
+
+    def clipped_surrogate(
+        self, mb: Mapping[str, Tensor], mask: Tensor, clip_low: float, clip_high: float
+    ) -> tuple[Tensor, dict[str, float]]:
+        """PPO's clipped surrogate of the micro-batch (advantages per row or per token), averaged over
+        its tokens, and its metrics."""
+        width = mask.shape[1]
+        lp = self.log_probs(mb)
+        old, adv = mb["old_log_probs"][:, :width], mb["advantages"]
+        adv = adv[:, :width] if adv.dim() == 2 else adv
+        loss = clipped_policy_loss(lp, old, adv, mask, clip_low, clip_high, token_level=True)
+        return loss, policy_metrics(lp, old, adv, mask, clip_low, clip_high)
 
     def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
         minibatch = self.minibatch(batch)

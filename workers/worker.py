@@ -25,6 +25,9 @@ from .dispatch import Dispatcher, guaranteed_ranges
 from .parallel import ParallelState
 from .roles import DROP, Role, Trainer, checksum, make_role
 
+#: Longest wait of a get up to the filter under dynamic sampling (see ``run_iteration``), in seconds.
+TRICKLE_WAIT = 0.2
+
 
 class RoleWorker:
     """Rank ``rank`` of role ``role``'s ``dp x tp`` group."""
@@ -95,8 +98,12 @@ class RoleWorker:
                     break  # this DP rank's fixed range is done; the others finish theirs
                 indexes = plan[0]
             if trickle:
+                # A short wait: the batch can be complete while this get waits for a group that will never
+                # come, and only a return to ``done()`` sees it (a put of the filter's output wakes the
+                # get, which finds nothing and would sleep on for the rest of ``poll_seconds``).
                 got = (self.dispatcher.dispatch(self.role.inputs, count, **get_kwargs)
-                       or self.dispatcher.dispatch(self.role.inputs, cfg.n, timeout=cfg.poll_seconds, **get_kwargs))
+                       or self.dispatcher.dispatch(self.role.inputs, cfg.n, timeout=min(cfg.poll_seconds, TRICKLE_WAIT),
+                                                   **get_kwargs))
             else:
                 got = self.dispatcher.dispatch(self.role.inputs, count, indexes, timeout=cfg.poll_seconds,
                                                **get_kwargs)

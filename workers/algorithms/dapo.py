@@ -12,7 +12,6 @@ driver reuses them (verl's DAPO trainer likewise filters right after the reward,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -21,7 +20,6 @@ from .. import task
 from ..algo import group_advantages
 from ..algorithm import Algorithm
 from ..dynamic_sampling import groups_to_keep, overlong_penalty
-from ..ppo_math import clipped_policy_loss, policy_metrics
 from ..roles import (
     DROP,
     ActorLogProb,
@@ -34,10 +32,6 @@ from ..roles import (
     policy_minibatch,
     scalars,
 )
-
-if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..parallel import ParallelState
 
 
 class OverlongShapedReward(RuleReward):
@@ -61,11 +55,9 @@ class FilteringAdvantage(Role):
     """
 
     name = "compute_advantage"
-
-    def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
-        super().__init__(cfg, state)
-        self._iteration = 0
-        self._dropped = 0
+    #: The iteration counted, and the groups this rank dropped in it.
+    _iteration = 0
+    _dropped = 0
 
     def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
         n = self.cfg.n
@@ -92,12 +84,7 @@ class DAPOTrainer(Trainer):
         return policy_minibatch(batch)
 
     def loss(self, mb: Mapping[str, Tensor], mask: Tensor) -> tuple[Tensor, dict[str, float]]:
-        width = mask.shape[1]
-        lp = self.log_probs(mb)
-        old = mb["old_log_probs"][:, :width]
-        low, high = self.cfg.clip_eps, self.cfg.clip_high
-        loss = clipped_policy_loss(lp, old, mb["advantages"], mask, low, high, token_level=True)
-        return loss, policy_metrics(lp, old, mb["advantages"], mask, low, high)
+        return self.clipped_surrogate(mb, mask, self.cfg.clip_eps, self.cfg.clip_high)
 
 
 RESPONSE = ("prompts", "prompt_length", "responses", "response_length")

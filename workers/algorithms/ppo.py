@@ -17,13 +17,7 @@ from torch import Tensor
 
 from ..algorithm import Algorithm
 from ..model import response_values
-from ..ppo_math import (
-    clipped_policy_loss,
-    clipped_value_loss,
-    gae_advantages_and_returns,
-    kl_penalized_rewards,
-    policy_metrics,
-)
+from ..ppo_math import clipped_value_loss, gae_advantages_and_returns, kl_penalized_rewards
 from ..roles import (
     ActorLogProb,
     ModelRole,
@@ -93,12 +87,7 @@ class PPOActorTrainer(Trainer):
         return policy_minibatch(batch, per_token=True)
 
     def loss(self, mb: Mapping[str, Tensor], mask: Tensor) -> tuple[Tensor, dict[str, float]]:
-        width = mask.shape[1]
-        lp = self.log_probs(mb)
-        old, adv = mb["old_log_probs"][:, :width], mb["advantages"][:, :width]
-        clip = self.cfg.clip_eps
-        loss = clipped_policy_loss(lp, old, adv, mask, clip, clip, token_level=True)
-        return loss, policy_metrics(lp, old, adv, mask, clip, clip)
+        return self.clipped_surrogate(mb, mask, self.cfg.clip_eps, self.cfg.clip_eps)
 
 
 class CriticTrainer(Trainer):
