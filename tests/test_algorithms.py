@@ -68,6 +68,10 @@ def test_each_algorithm_brings_its_own_settings():
     with pytest.raises(ValueError, match="grpo needs --n >= 2"):
         RunConfig(n=1).validate()
     RunConfig.for_algorithm("ppo").validate()  # n = 1 is PPO's normal case
+    with pytest.raises(ValueError, match="dapo has no reference model and no KL term"):
+        RunConfig.for_algorithm("dapo", kl_coef=0.01).validate()
+    with pytest.raises(ValueError, match="clip ranges > 0"):
+        RunConfig(clip_high=0.0).validate()
     with pytest.raises(ValueError, match="dropped groups come back"):
         RunConfig.for_algorithm("dapo", guarantee_order=True).validate()
     with pytest.raises(ValueError, match="dapo runs synchronously"):

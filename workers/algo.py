@@ -51,8 +51,10 @@ def grpo_loss(
     clip_eps: float = 0.2,
     kl_coef: float = 0.04,
     agg: Literal["token_mean", "seq_mean"] = "token_mean",
+    clip_high: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped GRPO loss over response tokens.
+    """Clipped GRPO loss over response tokens (the ratio clipped to ``[1 - clip_eps, 1 + clip_high]``,
+    ``clip_high`` defaulting to ``clip_eps``).
 
     Shapes: ``log_probs`` (with grad), ``old_log_probs``, ``ref_log_probs`` and ``mask`` are [B, T];
     ``advantages`` is [B]. Per token::
@@ -72,10 +74,11 @@ def grpo_loss(
     token_level = agg == "token_mean"
     # The pieces are PPO's (ppo_math), so GRPO, PPO and DAPO share one surrogate; the sum of the two
     # aggregated terms equals aggregating their per-token sum.
-    pg = clipped_policy_loss(log_probs, old_log_probs, advantages, mask, clip_eps, clip_eps, token_level)
+    high = clip_eps if clip_high is None else clip_high
+    pg = clipped_policy_loss(log_probs, old_log_probs, advantages, mask, clip_eps, high, token_level)
     kl = k3_kl(log_probs, ref_log_probs)
     mask = mask.to(log_probs.dtype)
     kl_term = _masked_mean(kl, mask) if token_level else ((kl * mask).sum(1) / mask.sum(1).clamp_min(1.0)).mean()
-    metrics = policy_metrics(log_probs, old_log_probs, advantages, mask, clip_eps, clip_eps)
+    metrics = policy_metrics(log_probs, old_log_probs, advantages, mask, clip_eps, high)
     metrics["kl"] = float(_masked_mean(kl.detach(), mask))
     return pg + kl_coef * kl_term, metrics

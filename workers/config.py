@@ -186,6 +186,10 @@ class RunConfig:
             raise ValueError("--max-staleness must be >= 0")
         if self.partial and self.asynchronous:
             raise ValueError("--max-age and --max-staleness cannot be combined in the demo yet")
+        if self.kl_coef < 0 or self.clip_eps <= 0 or self.clip_high <= 0:
+            raise ValueError("--kl-coef must be >= 0, and the clip ranges > 0")
+        if self.kl_coef and "ref_log_prob" not in algorithm.roles:
+            raise ValueError(f"{algorithm.name} has no reference model and no KL term: --kl-coef must be 0")
         if self.guarantee_order and algorithm.dynamic_sampling:
             raise ValueError(f"--guarantee-order takes fixed rows; {algorithm.name}'s dropped groups come back as new "
                              "prompts in rows already taken")

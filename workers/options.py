@@ -46,8 +46,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="rows per forward/backward on one DP rank, gradients accumulated over the mini-batch "
                              "(verl's ppo_micro_batch_size_per_gpu; default: the whole mini-batch)")
     parser.add_argument("--clip-high", type=float, default=None,
-                        help="upper clip range of the policy ratio (DAPO's clip-higher; default: 0.28 for dapo, "
-                             "else the lower one, 0.2)")
+                        help="upper clip range of the policy ratio, for every algorithm (DAPO's clip-higher; "
+                             "default: 0.28 for dapo, else the lower one, 0.2)")
     parser.add_argument("--kl-coef", type=float, default=None,
                         help="grpo: KL loss coefficient; ppo: KL penalty folded into the rewards "
                              "(default: 0.01; 0 for dapo)")

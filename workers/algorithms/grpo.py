@@ -46,7 +46,7 @@ class GRPOTrainer(Trainer):
         width = mb["responses"].shape[1]
         lp = self.log_probs(mb)
         return grpo_loss(lp, mb["old_log_probs"][:, :width], mb["ref_log_probs"][:, :width], mb["advantages"],
-                         mask, self.cfg.clip_eps, self.cfg.kl_coef)
+                         mask, self.cfg.clip_eps, self.cfg.kl_coef, clip_high=self.cfg.clip_high)
 
 
 #: Stage order and columns: the log-prob stages and the reward all start as soon as responses land.

@@ -87,7 +87,7 @@ class PPOActorTrainer(Trainer):
         return policy_minibatch(batch, per_token=True)
 
     def loss(self, mb: Mapping[str, Tensor], mask: Tensor) -> tuple[Tensor, dict[str, float]]:
-        return self.clipped_surrogate(mb, mask, self.cfg.clip_eps, self.cfg.clip_eps)
+        return self.clipped_surrogate(mb, mask, self.cfg.clip_eps, self.cfg.clip_high)
 
 
 class CriticTrainer(Trainer):
