@@ -12,7 +12,7 @@ from typing import Literal
 
 from torch import Tensor
 
-from .ppo_math import clipped_policy_loss, k3_kl, policy_metrics
+from .ppo_math import clipped_policy_loss, k3_kl, masked_mean, policy_metrics, seq_mean
 
 
 def group_advantages(scores: Tensor, n: int, eps: float = 1e-6) -> Tensor:
@@ -36,10 +36,6 @@ def response_mask(responses: Tensor, eos_id: int) -> Tensor:
     # Tokens after the first EOS have at least one EOS strictly before them.
     before = is_eos.cumsum(1) - is_eos
     return (before == 0).float()
-
-
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
 
 def grpo_loss(
@@ -78,7 +74,7 @@ def grpo_loss(
     pg = clipped_policy_loss(log_probs, old_log_probs, advantages, mask, clip_eps, high, token_level)
     kl = k3_kl(log_probs, ref_log_probs)
     mask = mask.to(log_probs.dtype)
-    kl_term = _masked_mean(kl, mask) if token_level else ((kl * mask).sum(1) / mask.sum(1).clamp_min(1.0)).mean()
+    kl_term = masked_mean(kl, mask) if token_level else seq_mean(kl, mask)
     metrics = policy_metrics(log_probs, old_log_probs, advantages, mask, clip_eps, high)
-    metrics["kl"] = float(_masked_mean(kl.detach(), mask))
+    metrics["kl"] = float(masked_mean(kl.detach(), mask))
     return pg + kl_coef * kl_term, metrics

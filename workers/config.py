@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Layout", "RunConfig", "demo_model_config", "with_layouts"]
 
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything the workers need to know about a run; pickled to every actor."""

@@ -94,8 +94,14 @@ def gae_advantages_and_returns(
     return advantages, returns
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over every valid token of the batch (0 when there is none)."""
     return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def seq_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean within each row's valid tokens, then over rows (a row without valid tokens counts as 0)."""
+    return ((x * mask).sum(1) / mask.sum(1).clamp_min(1.0)).mean()
 
 
 def clipped_value_loss(
@@ -108,7 +114,7 @@ def clipped_value_loss(
     clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     loss1 = (values - returns) ** 2
     loss2 = (clipped - returns) ** 2
-    return 0.5 * _masked_mean(torch.max(loss1, loss2), mask)
+    return 0.5 * masked_mean(torch.max(loss1, loss2), mask)
 
 
 def clipped_policy_loss(
@@ -140,9 +146,7 @@ def clipped_policy_loss(
     loss1 = -adv * ratio
     loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.max(loss1, loss2)
-    if token_level:
-        return _masked_mean(per_token, mask)
-    return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1.0)).mean()
+    return masked_mean(per_token, mask) if token_level else seq_mean(per_token, mask)
 
 
 def policy_metrics(
@@ -159,9 +163,9 @@ def policy_metrics(
         per_token = torch.max(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
         clipped = ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
         return {
-            "clip_frac": float(_masked_mean(clipped.to(mask.dtype), mask)),
-            "ratio": float(_masked_mean(ratio, mask)),
-            "pg_loss": float(_masked_mean(per_token, mask)),
+            "clip_frac": float(masked_mean(clipped.to(mask.dtype), mask)),
+            "ratio": float(masked_mean(ratio, mask)),
+            "pg_loss": float(masked_mean(per_token, mask)),
         }
 
 

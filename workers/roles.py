@@ -47,6 +47,11 @@ def per_row(values: Tensor, lengths: Tensor) -> list[Tensor]:
     return [values[i, :n] for i, n in enumerate(lengths.tolist())]
 
 
+def length_mask(lengths: Tensor, width: int) -> Tensor:
+    """Float mask [B, width]: 1.0 on each row's first ``lengths[i]`` tokens, 0.0 on the padding."""
+    return (torch.arange(width) < lengths.reshape(-1, 1)).float()
+
+
 def scalars(values: Tensor) -> list[Tensor]:
     return [v.reshape(1) for v in values.float()]
 
@@ -250,18 +255,6 @@ class Trainer(ModelRole):
         """The trained policy's log-probs [B, T] of the micro-batch's responses, with grad."""
         return response_log_probs(self.model, mb["prompts"], mb["responses"])
 
-    def clipped_surrogate(
-        self, mb: Mapping[str, Tensor], mask: Tensor, clip_low: float, clip_high: float
-    ) -> tuple[Tensor, dict[str, float]]:
-        """PPO's clipped surrogate of the micro-batch (advantages per row or per token), averaged over
-        its tokens, and its metrics."""
-        width = mask.shape[1]
-        lp = self.log_probs(mb)
-        old, adv = mb["old_log_probs"][:, :width], mb["advantages"]
-        adv = adv[:, :width] if adv.dim() == 2 else adv
-        loss = clipped_policy_loss(lp, old, adv, mask, clip_low, clip_high, token_level=True)
-        return loss, policy_metrics(lp, old, adv, mask, clip_low, clip_high)
-
     def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
         minibatch = self.minibatch(batch)
         if "versions" in batch:
@@ -298,9 +291,7 @@ class Trainer(ModelRole):
         sums: dict[str, float] = {}
         for start in range(0, rows, micro):
             part = {k: v[start:start + micro] for k, v in mb.items()}
-            width = part["responses"].shape[1]
-            mask = (torch.arange(width) < part["lengths"].unsqueeze(1)).float()
-            loss, metrics = self.loss(part, mask)
+            loss, metrics = self.loss(part, length_mask(part["lengths"], part["responses"].shape[1]))
             share = part["lengths"].shape[0] / rows
             (loss * share).backward()
             for key, value in metrics.items():
@@ -318,19 +309,39 @@ class Trainer(ModelRole):
         return {k: v.clone() for k, v in full.items()} if self.state.is_tp_src else None
 
 
-def policy_minibatch(batch: Mapping[str, Tensor], *extra: str, per_token: bool = False) -> dict[str, Tensor]:
-    """What a policy step reads: prompts, responses, their lengths, ``advantages`` (one per row, or one
-    per token with ``per_token``) and the sampling policy's ``old_log_probs``, with the ``extra`` columns."""
-    advantages = batch["advantages"]  # a one-value column arrives padded to the TP size too
-    out = {
-        "prompts": prompts_of(batch),
-        "responses": batch["responses"],
-        "lengths": batch["response_length"][:, 0],
-        "advantages": advantages if per_token else advantages[:, 0],
-        "old_log_probs": batch["old_log_probs"],
-    }
+class PolicyTrainer(Trainer):
+    """The actor update with PPO's clipped surrogate (ratio clipped to ``[1 - clip_eps, 1 + clip_high]``),
+    averaged over every token of the micro-batch; advantages one per row, or one per token with
+    ``per_token``. No KL term: an algorithm that wants one adds it to the rewards or to the loss."""
+
+    per_token = False
+
+    def minibatch(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return policy_minibatch(batch, per_token=self.per_token)
+
+    def loss(self, mb: Mapping[str, Tensor], mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+        width = mask.shape[1]
+        lp = self.log_probs(mb)
+        old, adv = mb["old_log_probs"][:, :width], mb["advantages"]
+        adv = adv[:, :width] if self.per_token else adv
+        low, high = self.cfg.clip_eps, self.cfg.clip_high
+        loss = clipped_policy_loss(lp, old, adv, mask, low, high, token_level=True)
+        return loss, policy_metrics(lp, old, adv, mask, low, high)
+
+
+def response_minibatch(batch: Mapping[str, Tensor], *extra: str) -> dict[str, Tensor]:
+    """What any step on responses reads: prompts, responses and their lengths, with the ``extra`` columns."""
+    out = {"prompts": prompts_of(batch), "responses": batch["responses"], "lengths": batch["response_length"][:, 0]}
     out.update({c: batch[c] for c in extra})
     return out
+
+
+def policy_minibatch(batch: Mapping[str, Tensor], *extra: str, per_token: bool = False) -> dict[str, Tensor]:
+    """What a policy step reads: :func:`response_minibatch`'s columns, ``advantages`` (one per row, or one
+    per token with ``per_token``) and the sampling policy's ``old_log_probs``, with the ``extra`` columns."""
+    advantages = batch["advantages"]  # a one-value column arrives padded to the TP size too
+    return {**response_minibatch(batch, "old_log_probs", *extra),
+            "advantages": advantages if per_token else advantages[:, 0]}
 
 
 def _concat_padded(batches: list[dict[str, Tensor]]) -> dict[str, Tensor]:

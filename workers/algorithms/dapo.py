@@ -24,12 +24,11 @@ from ..roles import (
     DROP,
     ActorLogProb,
     Output,
+    PolicyTrainer,
     Role,
     Rollout,
     RuleReward,
-    Trainer,
     in_groups,
-    policy_minibatch,
     scalars,
 )
 
@@ -76,17 +75,6 @@ class FilteringAdvantage(Role):
         return {"advantages": scalars(adv), DROP: [torch.tensor(drop, dtype=torch.int64)]}
 
 
-class DAPOTrainer(Trainer):
-    """The actor update: clipped surrogate with clip-higher (``[1 - clip_eps, 1 + clip_high]``), averaged
-    over every token of the minibatch, no KL term."""
-
-    def minibatch(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return policy_minibatch(batch)
-
-    def loss(self, mb: Mapping[str, Tensor], mask: Tensor) -> tuple[Tensor, dict[str, float]]:
-        return self.clipped_surrogate(mb, mask, self.cfg.clip_eps, self.cfg.clip_high)
-
-
 RESPONSE = ("prompts", "prompt_length", "responses", "response_length")
 
 DAPO = Algorithm(
@@ -111,7 +99,7 @@ DAPO = Algorithm(
     },
     role_classes={
         "actor_rollout": Rollout, "rule_reward": OverlongShapedReward, "compute_advantage": FilteringAdvantage,
-        "actor_log_prob": ActorLogProb, "actor_train": DAPOTrainer,
+        "actor_log_prob": ActorLogProb, "actor_train": PolicyTrainer,
     },
     follows={"actor_rollout": "actor_train", "actor_log_prob": "actor_train"},
     batch_rows={"actor_rollout": 64, "rule_reward": 64, "compute_advantage": 64, "actor_log_prob": 128,

@@ -17,25 +17,22 @@ from torch import Tensor
 
 from ..algorithm import Algorithm
 from ..model import response_values
-from ..ppo_math import clipped_value_loss, gae_advantages_and_returns, kl_penalized_rewards
+from ..ppo_math import clipped_value_loss, gae_advantages_and_returns, kl_penalized_rewards, masked_mean
 from ..roles import (
     ActorLogProb,
     ModelRole,
     Output,
+    PolicyTrainer,
     RefLogProb,
     Role,
     Rollout,
     RuleReward,
     Trainer,
+    length_mask,
     per_row,
-    policy_minibatch,
     prompts_of,
+    response_minibatch,
 )
-
-
-def response_mask(batch: Mapping[str, Tensor], width: int) -> Tensor:
-    """1.0 on each row's response tokens (``response_length`` of them), 0.0 on the padding."""
-    return (torch.arange(width) < batch["response_length"][:, :1]).float()
 
 
 class CriticValue(ModelRole):
@@ -55,7 +52,7 @@ class KLPenalizedReward(RuleReward):
 
     def shape(self, scores: Tensor, batch: Mapping[str, Tensor]) -> Output:
         old, ref = batch["old_log_probs"], batch["ref_log_probs"]
-        mask = response_mask(batch, old.shape[1])
+        mask = length_mask(batch["response_length"][:, 0], old.shape[1])
         rewards = kl_penalized_rewards(old, ref, scores, mask, self.cfg.kl_coef, self.cfg.clip_reward_value)
         self.add(kl_sum=float(((old - ref) * mask).sum()), kl_tokens=float(mask.sum()))
         return {"token_rewards": per_row(rewards, batch["response_length"][:, 0])}
@@ -69,25 +66,21 @@ class GAE(Role):
 
     def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
         values, rewards = batch["values"], batch["token_rewards"]
-        mask = response_mask(batch, values.shape[1])
+        mask = length_mask(batch["response_length"][:, 0], values.shape[1])
         advantages, returns = gae_advantages_and_returns(values, rewards, mask, self.cfg.gamma, self.cfg.lam)
         if mask.sum() > 1:
-            mean = (advantages * mask).sum() / mask.sum()
+            mean = masked_mean(advantages, mask)
             var = (((advantages - mean) * mask) ** 2).sum() / (mask.sum() - 1)
             advantages = (advantages - mean) * torch.rsqrt(var + 1e-8) * mask
         lengths = batch["response_length"][:, 0]
         return {"advantages": per_row(advantages, lengths), "returns": per_row(returns, lengths)}
 
 
-class PPOActorTrainer(Trainer):
+class PPOActorTrainer(PolicyTrainer):
     """The actor update: PPO's clipped surrogate on per-token advantages, averaged over tokens (DeepSpeed-Chat's
     ``actor_loss_fn``); the KL to the reference is already in the rewards."""
 
-    def minibatch(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return policy_minibatch(batch, per_token=True)
-
-    def loss(self, mb: Mapping[str, Tensor], mask: Tensor) -> tuple[Tensor, dict[str, float]]:
-        return self.clipped_surrogate(mb, mask, self.cfg.clip_eps, self.cfg.clip_high)
+    per_token = True
 
 
 class CriticTrainer(Trainer):
@@ -100,8 +93,7 @@ class CriticTrainer(Trainer):
         return self.cfg.critic_lr
 
     def minibatch(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return {"prompts": prompts_of(batch), "responses": batch["responses"],
-                "lengths": batch["response_length"][:, 0], "values": batch["values"], "returns": batch["returns"]}
+        return response_minibatch(batch, "values", "returns")
 
     def loss(self, mb: Mapping[str, Tensor], mask: Tensor) -> tuple[Tensor, dict[str, float]]:
         width = mask.shape[1]
@@ -109,9 +101,8 @@ class CriticTrainer(Trainer):
         returns = mb["returns"][:, :width]
         loss = clipped_value_loss(values, mb["values"][:, :width], returns, mask, self.cfg.cliprange_value)
         with torch.no_grad():
-            tokens = mask.sum().clamp_min(1.0)
-            metrics = {"value_loss": float(loss), "value_mean": float((values * mask).sum() / tokens),
-                       "return_mean": float((returns * mask).sum() / tokens)}
+            metrics = {"value_loss": float(loss), "value_mean": float(masked_mean(values, mask)),
+                       "return_mean": float(masked_mean(returns, mask))}
         return loss, metrics
 
 
