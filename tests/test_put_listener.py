@@ -138,7 +138,14 @@ def crowd(wait: Callable[[], Any], put: Callable[[], None], during: Callable[[],
 
 def test_one_subscription_for_many_waiters_and_a_put_never_queues_behind_them():
     with RedisServer() as server:
-        client = redis.Redis.from_url(server.url)  # redis-py's default pool: at most 100 connections
+        # 100 connections for 120 waiters, as redis-py's default pool, but a checkout waits up to 1 s as the
+        # broker's own pool does: a put wakes every waiter at once, and on a loaded machine more than 100
+        # attempts (each a millisecond's LPOP) can overlap, which failed 2 of 6 runs beside two busy
+        # processes with the default pool's immediate "Too many connections". A listener holding a
+        # connection per waiter for the whole wait (what this test is here to catch) still exhausts the
+        # pool for seconds and fails the waiters past 100.
+        client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+            server.url, max_connections=100, timeout=1.0))
         admin = server.client()
         listener = PutListener(client, CHANNEL)
 
