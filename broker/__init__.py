@@ -4,6 +4,7 @@
 consumed status, n-sample-aware sampling) in Redis, so any number of processes can share one dock.
 """
 
+from .delivery import HandedRows, LeasedRows
 from .dock import TransferDock
 from .errors import (
     BrokerConnectionError,
@@ -13,6 +14,7 @@ from .errors import (
     DockNotFoundError,
     ExperienceTimeoutError,
     ExperienceTooLargeError,
+    FencedError,
     InvalidExperienceError,
     MissingDataError,
     RedisCommandError,
@@ -23,12 +25,12 @@ from .errors import (
     UnknownConsumerError,
     VersionError,
 )
-from .leased_rows import LeasedRows
 from .replication import ReplicationError
 from .rollout import Rollout
 
 __all__ = [
     "TransferDock",
+    "HandedRows",
     "LeasedRows",
     "Rollout",
     "BrokerError",
@@ -37,6 +39,7 @@ __all__ = [
     "DockNotFoundError",
     "ExperienceTimeoutError",
     "ExperienceTooLargeError",
+    "FencedError",
     "InvalidExperienceError",
     "MissingDataError",
     "RedisCommandError",

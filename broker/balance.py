@@ -15,8 +15,8 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
+from .delivery import like
 from .errors import InvalidExperienceError
-from .leased_rows import like
 from .validation import PAD_INDEX
 
 

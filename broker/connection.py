@@ -22,6 +22,7 @@ from .errors import (
     ClusterError,
     DecodeError,
     DockNotFoundError,
+    FencedError,
     RedisCommandError,
     SchemaError,
     StoreFullError,
@@ -391,11 +392,11 @@ def redis_errors(where: str) -> Iterator[None]:
 
 #: Error prefixes of the Lua scripts, and the broker error each stands for.
 _SCRIPT_ERRORS = {"CORRUPT ": DecodeError, "NODOCK ": DockNotFoundError, "SCHEMA ": SchemaError,
-                  "VERSION ": VersionError}
+                  "VERSION ": VersionError, "FENCED ": FencedError}
 
 
 def script_error(exc: redis.ResponseError) -> BrokerError | None:
-    """The broker error a script's error reply stands for (CORRUPT, NODOCK, SCHEMA), or None."""
+    """The broker error a script's error reply stands for (CORRUPT, NODOCK, SCHEMA, VERSION, FENCED), or None."""
     text = str(exc)
     for prefix, error in _SCRIPT_ERRORS.items():
         if text.startswith(prefix):

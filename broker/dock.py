@@ -6,7 +6,6 @@ import dataclasses
 import json
 import random
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
@@ -17,6 +16,7 @@ from redis.cluster import RedisCluster
 from . import codec, metrics
 from .balance import balanced_order, dp_padded
 from .connection import Client, connect, disconnect, redact, redis_errors, value_limit
+from .delivery import HandedRows, LeasedRows, fence_of, like
 from .errors import (
     BrokerError,
     DecodeError,
@@ -28,12 +28,21 @@ from .errors import (
 )
 from .generation import AGE_COLUMN, AGES_KEY, GenerationCalls
 from .keys import DockKeys
-from .leased_rows import LeasedRows, like
 from .put_listener import PutListener
 from .replication import Replication
 from .rollout import Rollout
 from .schema import Schema, fingerprint
-from .scripts import DockScripts, Handout, Selection, read_pipeline, rows_of, runs_of, supports_flags
+from .scripts import (
+    DockScripts,
+    Finish,
+    Handout,
+    Selection,
+    new_request_id,
+    read_pipeline,
+    rows_of,
+    runs_of,
+    supports_flags,
+)
 from .status import DockRef, read_statuses
 from .store import DataStore, ShardedStore, SlotStore, choose_shards
 from .validation import (
@@ -69,9 +78,6 @@ T = TypeVar("T")
 #: Longest a waiting reader sleeps between checks even without a notification. Pub/sub delivers at
 #: most once (a reconnect can drop a message), so this bounds the cost of a lost one; it is not polling.
 _RECHECK_SECONDS = 1.0
-
-#: How long a sampling call's reply is kept for a retry after a lost reply.
-_REPLY_TTL_MS = 60_000
 
 #: How many times one call hands rows out again after a clear took some of them away before their
 #: bytes were read (see ``_read``). Each retry means a clear landed in a window of one round trip, so
@@ -292,9 +298,10 @@ class TransferDock(GenerationCalls):
 
     def put_experience(
         self, data_dict: Mapping[str, Any], indexes: Sequence[int], *, is_prompt: bool = False,
-        rollout_completed: Any = None, version: int | None = None,
+        rollout_completed: Any = None, version: int | None = None, delivery: HandedRows | None = None,
     ) -> None:
-        """Write rows ``indexes`` of some columns and mark them ready, atomically.
+        """Write rows ``indexes`` of some columns and mark them ready, atomically, and once however often
+        the call is resent after a lost reply.
 
         Each value of ``data_dict`` is a stacked tensor (split along dim 0 into rows), a list of rows
         (tensors or plain values, see ``codec``) or a numpy object array, with one row per index.
@@ -307,11 +314,25 @@ class TransferDock(GenerationCalls):
         ``tensor([1])`` works): unfinished rows go back to the rollout consumer, and a group whose rows
         are all finished becomes visible to the other consumers. ``version`` records the policy
         version that produced the rows (the staleness bound keeps each group's oldest).
+
+        A put of rows that ``get_experience`` handed out is fenced by that delivery (``indexes`` is the
+        :class:`HandedRows` or :class:`LeasedRows` it returned, or a slice of it; or pass it as
+        ``delivery``): it lands only while no clear or drop has taken the rows since, and, under a lease,
+        while the lease is still this delivery's (not run out and given back to another worker, not
+        acked). Otherwise it raises FencedError and writes nothing, so a slow worker's late result never
+        lands on rows that hold other prompts now or that another worker redoes. Put before you ack. A
+        put naming no delivery (a plain list of rows: the producer of new prompts) is not fenced.
         """
         with metrics.observe(self.name, "put") as call:
             rollout = self._schema.rollout
             check_flag("is_prompt", is_prompt)
             version = None if version is None else check_version(version)
+            if delivery is None and isinstance(indexes, HandedRows):
+                delivery = indexes
+            if delivery is not None and not isinstance(delivery, HandedRows):
+                raise InvalidExperienceError(
+                    f"delivery must be the rows get_experience returned (HandedRows), got {type(delivery).__name__}"
+                )
             given = indexes
             if rollout_completed is not None:
                 if not rollout.partial:
@@ -348,13 +369,11 @@ class TransferDock(GenerationCalls):
             # client's retries would send it again and again.
             check_sizes(encoded, *self._run(lambda: value_limit(self._client)))
             runs = runs_of(rows)
-            flags_in_run_order = None if flags is None else [flags[i] for i in in_run_order]
+            fence = None if delivery is None else fence_of(delivery, rows_of(runs))
             finish = None
-            if flags_in_run_order is not None or version is not None:
-                def finish(pipe: redis.client.Pipeline | None) -> None:
-                    self._scripts.finish(pipe, runs, flags_in_run_order, version)
-
-            self._run(lambda: self._store.put(encoded, runs, lengths, finish, self._wait_replicas("put")))
+            if flags is not None or version is not None:
+                finish = Finish(None if flags is None else tuple(flags[i] for i in in_run_order), version)
+            self._run(lambda: self._store.put(encoded, runs, lengths, finish, fence, self._wait_replicas("put")))
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
 
@@ -514,7 +533,7 @@ class TransferDock(GenerationCalls):
         def take() -> tuple[Batch, list[int]] | None:
             missing.clear()
             for _ in range(_FENCE_RETRIES):
-                token = "r" + uuid.uuid4().hex if lease_ms else ""
+                token = "r" + new_request_id() if lease_ms else ""
                 got = self._scripts.take(consumer, columns, runs, lease_ms=lease_ms, token=token)
                 if not isinstance(got, Handout):
                     for col, cells in got.items():  # the script goes by runs; report in the caller's order
@@ -524,7 +543,7 @@ class TransferDock(GenerationCalls):
                 batch = self._read(columns, rows, got, call)
                 if batch is not None:
                     self._replicate("get_experience")
-                    return batch, self._handed_out(rows, token, consumer)
+                    return batch, self._handed_out(rows, got, token, consumer)
                 # A clear took some rows between the take and the read. Nothing to give back: a take
                 # may re-take rows already handed out, and the next try marks the same rows again.
             return None
@@ -561,12 +580,12 @@ class TransferDock(GenerationCalls):
             for _ in range(_FENCE_RETRIES):
                 # A fresh id per attempt; the client's own retries of this one call resend the same id,
                 # so a reply lost on a dropped connection is answered again, not sampled twice.
-                request_id = uuid.uuid4().hex
+                request_id = new_request_id()
                 token = ("g" if groups else "r") + request_id if lease_ms else ""
                 seed = self._seeds.peek() if policy != "fifo" else 0  # "seqlen" may fall back to random
                 sampled = self._scripts.sample(
                     consumer, status_columns, groups=groups, count=count, policy=policy, seed=seed,
-                    lease_ms=lease_ms, reply_ttl_ms=_REPLY_TTL_MS, request_id=request_id, token=token,
+                    lease_ms=lease_ms, request_id=request_id, token=token,
                     weigh_by=weigh_by, select=select,
                 )
                 if sampled.stale:
@@ -583,10 +602,10 @@ class TransferDock(GenerationCalls):
                         ages = self._schema.rollout.age_buckets - 1  # the age tiers come first
                         batch, rows = self._oldest_first(batch, rows, handout.tiers, ages)
                     self._replicate("get_experience")
-                    return batch, self._handed_out(rows, token, consumer)
+                    return batch, self._handed_out(rows, handout, token, consumer)
                 # A clear took some of the rows between sampling and reading: give back the rest
                 # (they were never delivered) and sample again.
-                self._scripts.release(consumer, handout, token, request_id, _REPLY_TTL_MS)
+                self._scripts.release(consumer, handout, token, request_id)
             return None
 
         return sample
@@ -606,8 +625,11 @@ class TransferDock(GenerationCalls):
             self._replication.wait([self._keys.replicated], f"dock {self.name!r}: {what}", must=False)
 
     @staticmethod
-    def _handed_out(rows: list[int], token: str, consumer: str) -> list[int]:
-        return LeasedRows(rows, token, consumer) if token else rows
+    def _handed_out(rows: list[int], handout: Handout, token: str, consumer: str) -> HandedRows:
+        """``rows`` as the delivery they are: with the lease's ``token`` if they were leased."""
+        if token:
+            return LeasedRows(rows, token, consumer, handout.epoch, handout.runs, handout.generations)
+        return HandedRows(rows, handout.epoch, handout.runs, handout.generations)
 
     def _read(self, columns: list[str], rows: list[int], handout: Handout, call: metrics.Call) -> Batch | None:
         """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out

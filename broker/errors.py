@@ -84,5 +84,14 @@ class StoreFullError(RedisCommandError):
     """Redis reached its ``maxmemory`` and refused a write; the call that got this applied nothing."""
 
 
+class FencedError(BrokerError):
+    """A write named rows of a delivery that is no longer current, and wrote nothing.
+
+    Since ``get_experience`` handed the rows out, a clear or a drop took them (they may hold other
+    prompts now), or their lease ran out and they were given back to be redone by another worker, or
+    they were acked. Like Kafka's fenced producer, the late writer should drop its result and go on.
+    """
+
+
 class VersionError(InvalidExperienceError):
     """A policy version that would move the dock's version backwards."""

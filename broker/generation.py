@@ -14,6 +14,7 @@ import redis
 import torch
 
 from .connection import Client
+from .delivery import HandedRows, LeasedRows, fence_of
 from .errors import InvalidExperienceError
 from .keys import DockKeys
 from .rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
@@ -198,18 +199,37 @@ class GenerationCalls:
         self._check.columns([column])
         return self._run(lambda: self._scripts.reserve(int(count), column))
 
-    def drop_groups(self, consumer: str, groups: Sequence[int]) -> int:
+    def drop_groups(self, consumer: str, groups: Sequence[int], *, delivery: HandedRows | None = None) -> int:
         """Discard whole groups ``consumer`` rejects (DAPO's dynamic sampling: all n rewards equal):
         their rows are forgotten and free for new prompts at once, and they are counted under the
-        consumer in ``status()["discarded"]``. Returns how many groups were dropped.
+        consumer in ``status()["discarded"]``. Returns how many groups were dropped; a resend of the
+        call after a lost reply drops and counts nothing twice.
+
+        ``delivery``: the rows ``get_experience`` handed the consumer, which hold these groups. The drop
+        is then fenced by it as a put is (FencedError, nothing dropped): once a clear or another drop
+        took the groups (the driver may have refilled them with new prompts), or the lease ran out and
+        they went to another worker, a late filter must not drop what it never judged. Without it, the
+        groups are dropped whatever they hold now.
 
         A worker still holding rows of a dropped group finds them gone at its read (the read fence), and
         its ack releases nothing.
         """
         self._check.consumer(consumer)
         picked = self._check.groups(groups)
+        fence = None
+        if delivery is not None:
+            if not isinstance(delivery, HandedRows):
+                raise InvalidExperienceError(
+                    f"delivery must be the rows get_experience returned (HandedRows), got {type(delivery).__name__}"
+                )
+            if isinstance(delivery, LeasedRows) and delivery.consumer != consumer:
+                raise InvalidExperienceError(
+                    f"these rows were leased to consumer {delivery.consumer!r}, not to {consumer!r}"
+                )
+            n = self.n_samples_per_prompt
+            fence = fence_of(delivery, [g * n + j for g in sorted(set(picked)) for j in range(n)])
         return self._run(lambda: self._store.forget(
-            self._scripts.discard(picked, regenerate=False, field=consumer, max_staleness=None)
+            self._scripts.discard(picked, regenerate=False, field=consumer, max_staleness=None, fence=fence)
         ))
 
     def _discard_stale(self, groups: list[int], max_staleness: int | None) -> None:

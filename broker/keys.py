@@ -18,8 +18,13 @@ key                                type    contents
 ``td:{NAME}:tokens:CONSUMER``      hash    field = leased row, value = token of the call holding its
                                            lease (an ack must name it)
 ``td:{NAME}:redelivered:CONSUMER`` string  counter: rows given back to CONSUMER after a lease expired
-``td:{NAME}:reply:REQUEST``        string  rows a sampling call returned, kept briefly so a retry
-                                           after a lost reply gets the same rows
+``td:{NAME}:reply:REQUEST``        string  the reply of a call that changed the dock, kept for a minute
+                                           so that a resend after a lost reply gets it instead of
+                                           applying the call twice (lua/include/once.lua)
+``td:{NAME}:gate``                 string  a put's verdict between gate.lua and put.lua; exists only
+                                           inside the put's MULTI/EXEC
+``td:{NAME}:aside:COLUMN``         hash    a data hash set aside by gate.lua while a refused put's HSETs
+                                           fail; exists only inside the put's MULTI/EXEC
 ``td:{NAME}:scratch``              string  work space of the sampling script; deleted before it returns
 ``td:{NAME}:scratch2``             string  more of it (tiers of oldest-first sampling)
 ``td:{NAME}:scratch3``             string  more of it (the iteration's batch)
@@ -131,6 +136,13 @@ class DockKeys:
     @property
     def meta(self) -> str:
         return self.base + "meta"
+
+    @property
+    def gate(self) -> str:
+        return self.base + "gate"
+
+    def aside(self, column: str) -> str:
+        return f"{self.base}aside:{column}"
 
     @property
     def scratch(self) -> str:

@@ -10,6 +10,12 @@ A line ``-- @include NAME`` in a script is replaced by ``lua/include/NAME.lua`` 
 written once; an include declares what it needs the same way (see ``expand_includes``). Scripts are
 sent with EVALSHA through redis-py ``Script`` objects, which load the text again when the server
 answers NOSCRIPT (after a restart or ``SCRIPT FLUSH``); inside a pipeline ``run_pipeline`` does that.
+
+Every script that changes the dock in a way a second run would change again carries a request id,
+made once per call (``new_request_id``) and the same in every resend of it, and keeps its reply for
+``REPLY_TTL_MS`` (lua/include/once.lua): a client retrying after a lost reply gets that reply back
+instead of applying the call twice. The others are idempotent as they are (fence, reclaim, grow,
+columns_of, version, unready, status, claim).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -33,7 +40,9 @@ from .schema import Schema
 #: Script name -> file in lua/. Listed explicitly so a missing file fails at import, not mid-run.
 SCRIPT_FILES = {
     "create": "create.lua",
+    "gate": "gate.lua",
     "put": "put.lua",
+    "claim": "claim.lua",
     "sample": "sample.lua",
     "take": "take.lua",
     "fence": "fence.lua",
@@ -46,7 +55,6 @@ SCRIPT_FILES = {
     "grow": "grow.lua",
     "columns_of": "columns_of.lua",
     "reset": "reset.lua",
-    "finish": "finish.lua",
     "discard": "discard.lua",
     "version": "version.lua",
     "reserve": "reserve.lua",
@@ -54,6 +62,16 @@ SCRIPT_FILES = {
     "status": "status.lua",
     "mark": "mark.lua",
 }
+
+#: How long a script keeps its reply for a resend of the same call (lua/include/once.lua). A resend
+#: comes within the client's retries, seconds after the call; a minute leaves room for slow retries.
+REPLY_TTL_MS = 60_000
+
+
+def new_request_id() -> str:
+    """A request id for one call (see the module docstring): unique, the same in every resend of the call."""
+    return uuid.uuid4().hex
+
 
 #: Scripts run for many docks at once, outside any dock object (see ``StatusScript``).
 _SHARED = ("status",)
@@ -166,6 +184,40 @@ class Handout:
 
 
 @dataclass(frozen=True)
+class Fence:
+    """The delivery a write names (lua/include/delivery.lua): the write lands only while it is current.
+
+    ``generations`` are the delivery's generations of the rows written (4 bytes per row, ascending,
+    as the write's runs list them); ``consumer`` and ``token`` name its lease ("" without one).
+    """
+
+    epoch: int
+    generations: bytes
+    consumer: str = ""
+    token: str = ""
+
+
+@dataclass(frozen=True)
+class Finish:
+    """What a rollout put records beside its bytes (lua/include/finish.lua): completion ``flags``, one per
+    row in the order of the put's runs (None: no flags), and the ``version`` of the rows (None: none)."""
+
+    flags: tuple[bool, ...] | None = None
+    version: int | None = None
+
+    def args(self) -> list[Any]:
+        """ARGV the marking scripts take for it: the mode ("1" flags, "0" version only) and the version."""
+        return ["0" if self.flags is None else "1", "" if self.version is None else str(self.version)]
+
+    def flag_args(self) -> list[str]:
+        return [("1" if f else "0") for f in (self.flags or ())]
+
+
+#: The ARGV of the marking scripts when a put records nothing beside its bytes.
+_NO_FINISH = ["-", ""]
+
+
+@dataclass(frozen=True)
 class Sampled:
     """What one sampling call did: the rows it handed out (None: too few qualified), and the stale
     groups it left out, which the caller discards (see lua/discard.lua)."""
@@ -250,6 +302,14 @@ class DockScripts:
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._scripts[name](keys, args)
 
+    def _once(self, name: str, keys: list[str], args: list[Any], request_id: str | None = None) -> Any:
+        """Run a script that keeps its reply for resends of the call (lua/include/once.lua): the reply key
+        goes last in KEYS and the time to keep it last in ARGV."""
+        return self._call(name, [*keys, self._keys.reply(request_id or new_request_id())], [*args, REPLY_TTL_MS])
+
+    def _queue_once(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any], request_id: str) -> None:
+        self._queue(pipe, name, [*keys, self._keys.reply(request_id)], [*args, REPLY_TTL_MS])
+
     def _queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
         # EVALSHA sent as is rather than through Script(client=pipe), which costs a SCRIPT EXISTS round
         # trip per call; run_pipeline loads the script and repeats the pipeline on NOSCRIPT.
@@ -269,43 +329,78 @@ class DockScripts:
 
     def create(self, fields: dict[str, str]) -> dict[bytes, bytes] | None:
         """Store ``fields`` as the dock's meta unless a dock exists; None if stored, else the stored meta."""
-        reply = self._call("create", [self._keys.meta], [x for pair in fields.items() for x in pair])
+        reply = self._once("create", [self._keys.meta], [x for pair in fields.items() for x in pair])
         if reply[0] == 1:
             return None
         return dict(zip(reply[1::2], reply[2::2]))
 
-    def put(
-        self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]]
+    def gate(
+        self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], fence: Fence | None, request_id: str
     ) -> None:
-        """Queue the marking of rows ``runs`` of ``columns`` as written, after their HSETs on ``pipe``.
+        """Queue the first step of a put on one slot (lua/gate.lua), before the HSETs of its bytes: it lets
+        them land, or makes them fail when the put must not land (a resend, a fenced delivery)."""
+        k = self._keys
+        keys = [k.meta, k.gate, k.epoch, k.generations, k.tokens(fence.consumer) if fence and fence.token else k.meta]
+        keys += [key for c in columns for key in (k.data(c), k.aside(c))]
+        fenced = ["1", fence.epoch, fence.generations, fence.token] if fence else ["0", 0, b"", ""]
+        self._queue_once(pipe, "gate", keys, [self._expected, *fenced, *runs], request_id)
+
+    def put(
+        self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]],
+        finish: Finish | None, request_id: str,
+    ) -> None:
+        """Queue the marking of rows ``runs`` of ``columns`` as written, after their HSETs on ``pipe``, with
+        what a rollout put records beside them (``finish``); the last step of a put on one slot.
 
         ``lengths`` holds, per length column written, its rows' values in the order of ``runs``.
         """
         k = self._keys
-        keys = [k.meta] + [key for c in columns for key in (k.data(c), k.ready(c), k.group_ready(c))]
-        keys += [k.lengths(c) for c in lengths]
-        args = [self._expected, self._n, k.events, self.publish, len(lengths), len(runs), *runs]
-        self._queue(pipe, "put", keys, args + [v for values in lengths.values() for v in values])
+        per_column = (k.data, k.aside, k.ready, k.group_ready)
+        keys = [k.meta, k.gate, *(kind(c) for c in columns for kind in per_column)]
+        keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
+        args = [self._expected, self._n, k.events, self.publish, len(lengths),
+                *(finish.args() if finish else _NO_FINISH), len(runs), *runs,
+                *(v for values in lengths.values() for v in values)]
+        self._queue_once(pipe, "put", keys, args + (finish.flag_args() if finish else []), request_id)
+
+    def _finish_keys(self) -> list[str]:
+        """The keys of lua/include/finish.lua, in its order."""
+        k = self._keys
+        return [k.finished, k.group_finished, k.rows_finished, k.group_rolled, k.age(0), k.group_age(0),
+                k.group_versions, *self._consumer_keys(self._bound.rollout.consumer)]
 
     def mark(
         self, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]], epoch: int,
-        generations: bytes,
+        generations: bytes, finish: Finish | None = None, fence: Fence | None = None, request_id: str | None = None,
     ) -> Marked:
         """Mark rows ``runs`` of ``columns`` ready after their bytes went to the data shards under
-        ``epoch`` and ``generations`` (lua/mark.lua): unless a clear moved them meanwhile."""
+        ``epoch`` and ``generations``, with what ``finish`` records (lua/mark.lua): unless a clear moved
+        them meanwhile, or the lease of the delivery ``fence`` names is no longer its own (FencedError)."""
         k = self._keys
-        keys = [k.meta, k.epoch, k.generations, *(key for c in columns for key in (k.ready(c), k.group_ready(c)))]
-        keys += [k.lengths(c) for c in lengths]
-        args = [self._expected, self._n, k.events, self.publish, len(lengths), epoch, generations, len(runs), *runs]
-        reply = self._call("mark", keys, args + [v for values in lengths.values() for v in values])
+        token = fence.token if fence else ""
+        keys = [k.meta, k.epoch, k.generations, k.tokens(fence.consumer) if fence and token else k.meta]
+        keys += [key for c in columns for key in (k.ready(c), k.group_ready(c))]
+        keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
+        args = [self._expected, self._n, k.events, self.publish, len(lengths), epoch, generations, token,
+                *(finish.args() if finish else _NO_FINISH), len(runs), *runs,
+                *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else [])]
+        reply = self._once("mark", keys, args, request_id)
         if int(reply[0]) >= 0:
             return Marked(int(reply[0]))
         return Marked(0, _numbers(reply[2]), epoch_moved=int(reply[1]) != epoch)
 
+    def claim(self, runs: Sequence[int], fence: Fence, hold_ms: int) -> None:
+        """Check, before a sharded put sends its bytes, that the delivery ``fence`` names still holds the
+        rows, and hold its lease for ``hold_ms`` (lua/claim.lua); FencedError if it does not."""
+        k = self._keys
+        leased = bool(fence.token)
+        keys = [k.meta, k.epoch, k.generations, k.tokens(fence.consumer) if leased else k.meta,
+                k.leases(fence.consumer) if leased else k.meta]
+        self._call("claim", keys, [self._expected, fence.epoch, fence.generations, fence.token, hold_ms, *runs])
+
     def sample(
         self, consumer: str, columns: Sequence[str], *, groups: bool, count: int, policy: str, seed: int,
-        lease_ms: int, reply_ttl_ms: int, request_id: str, token: str, weigh_by: Sequence[str] = (),
-        select: Selection | None = None,
+        lease_ms: int, request_id: str, token: str, weigh_by: Sequence[str] = (), select: Selection | None = None,
     ) -> Sampled:
         """Pick ``count`` units (groups or rows) for ``consumer`` and mark them; no handout if too few qualify.
 
@@ -315,7 +410,7 @@ class DockScripts:
         select = select or Selection()
         status = k.group_ready if groups else k.ready
         keys = [k.meta, k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.tokens(consumer),
-                k.redelivered(consumer), k.reply(request_id), k.scratch, k.epoch, k.generations,
+                k.redelivered(consumer), k.scratch, k.epoch, k.generations,
                 *(status(c) for c in columns), *select.require, *(k.lengths(c) for c in weigh_by), *select.tiers,
                 *(key for c in select.unready for key in (k.ready(c), k.group_ready(c)))]
         if select.tiers:
@@ -326,10 +421,10 @@ class DockScripts:
             keys += [k.group_batch, k.scratch3]
         units = schema.prompts_num if groups else schema.capacity
         args = [self._expected, "groups" if groups else "rows", count, self._n, units, policy, seed, lease_ms,
-                reply_ttl_ms, token, len(weigh_by), len(select.tiers), int(select.fewer), select.cap,
+                token, len(weigh_by), len(select.tiers), int(select.fewer), select.cap,
                 len(select.unready), "" if select.max_staleness is None else select.max_staleness,
                 "" if select.batch is None else select.batch]
-        reply = self._call("sample", keys, args)
+        reply = self._once("sample", keys, args, request_id)
         if not reply:
             return Sampled(None)
         stale = _numbers(reply[3])
@@ -345,7 +440,7 @@ class DockScripts:
         k = self._keys
         keys = [k.meta, *self._consumer_keys(consumer), k.redelivered(consumer), k.epoch, k.generations,
                 *(k.ready(c) for c in columns)]
-        reply = self._call("take", keys, [self._expected, self._n, lease_ms, token, *runs])
+        reply = self._once("take", keys, [self._expected, self._n, lease_ms, token, *runs])
         if reply[0] == 1:
             return Handout(tuple(runs), int(reply[1]), reply[2])
         missing: dict[str, list[int]] = {}
@@ -378,17 +473,17 @@ class DockScripts:
         """Whether no clear touched the handout's rows between handing them out and the fence's read."""
         return int(reply[0]) == handout.epoch and reply[1] == handout.generations
 
-    def release(self, consumer: str, handout: Handout, token: str, request_id: str, reply_ttl_ms: int) -> int:
+    def release(self, consumer: str, handout: Handout, token: str, request_id: str) -> int:
         """Give back the rows a sampling call (``request_id``) handed out but could not deliver."""
         k = self._keys
         keys = [k.meta, *self._consumer_keys(consumer), k.epoch, k.generations, k.reply(request_id)]
-        args = [self._expected, self._n, handout.epoch, handout.generations, token, reply_ttl_ms, *handout.runs]
+        args = [self._expected, self._n, handout.epoch, handout.generations, token, REPLY_TTL_MS, *handout.runs]
         return int(self._call("release", keys, args))
 
     def ack(self, consumer: str, token: str, rows: Sequence[int]) -> int:
         """Release rows of ``consumer`` leased under ``token``; returns how many were."""
         k = self._keys
-        return int(self._call("ack", [k.meta, k.leases(consumer), k.tokens(consumer)], [self._expected, token, *rows]))
+        return int(self._once("ack", [k.meta, k.leases(consumer), k.tokens(consumer)], [self._expected, token, *rows]))
 
     def reclaim(self, consumer: str) -> tuple[int, int]:
         """Give back ``consumer``'s expired leases; returns (rows consumed, rows still leased)."""
@@ -425,45 +520,37 @@ class DockScripts:
         else:
             mode = ["rows", *rows] if rows else ["all"]
         keys += [self._keys.scratch, self._keys.scratch2]
-        return Forgot.parse(self._call("clear", keys, [self._expected, *layout, *mode]))
+        return Forgot.parse(self._once("clear", keys, [self._expected, *layout, *mode]))
 
     def discard(
         self, groups: Sequence[int], *, regenerate: bool, field: str, max_staleness: int | None,
-        placeholders: dict[str, bytes] | None = None,
+        placeholders: dict[str, bytes] | None = None, fence: Fence | None = None,
     ) -> Forgot:
         """Drop or regenerate ``groups``, counted under ``field`` (lua/discard.lua); returns how many were,
         and what to delete from the data shards.
 
         ``max_staleness``: discard only groups still older than the current version minus it.
         ``placeholders``: the encoded placeholder of each response column, written by "regenerate".
+        ``fence``: the delivery the groups' rows came in (its generations of the groups' rows, ascending):
+        the drop is refused (FencedError) unless it still holds them.
         """
         schema = self._bound
         keys, layout = self._forget_layout()
         keep = [schema.columns.index(c) + 1 for c in schema.rollout.prompt_columns] if regenerate else []
         pairs = [x for c, b in (placeholders or {}).items() for x in (schema.columns.index(c) + 1, b)]
+        fenced: list[Any] = [0, 0, b"", ""]
+        if fence:  # without a lease only the generations fence the drop: any consumer's position will do
+            fenced = [schema.consumers.index(fence.consumer) + 1 if fence.token else 1, fence.epoch,
+                      fence.generations, fence.token]
         args = [self._expected, *layout, "regenerate" if regenerate else "drop", field,
-                "" if max_staleness is None else max_staleness, len(keep), *keep, len(pairs) // 2, *pairs, *groups]
-        return Forgot.parse(self._call("discard", keys + [self._keys.admitted, self._keys.version], args))
-
-    def finish(
-        self, pipe: Pipeline | None, runs: Sequence[int], flags: Sequence[bool] | None, version: int | None
-    ) -> None:
-        """Queue what a rollout put records beside its bytes (lua/finish.lua): completion ``flags`` per
-        row in the order of ``runs``, and the ``version`` of the rows; with no ``pipe``, run it now."""
-        k, rollout = self._keys, self._bound.rollout
-        keys = [k.meta, k.finished, k.group_finished, k.rows_finished, k.group_rolled, k.age(0), k.group_age(0),
-                k.group_versions, *self._consumer_keys(rollout.consumer)]
-        args = [self._expected, self._n, "0" if flags is None else "1", "" if version is None else version,
-                len(runs), *runs, *(("1" if f else "0") for f in (flags or ()))]
-        if pipe is None:  # on its own, after a sharded put's mark
-            self._call("finish", keys, args)
-        else:
-            self._queue(pipe, "finish", keys, args)
+                "" if max_staleness is None else max_staleness, *fenced, len(keep), *keep, len(pairs) // 2, *pairs,
+                *groups]
+        return Forgot.parse(self._once("discard", keys + [self._keys.admitted, self._keys.version], args))
 
     def reserve(self, count: int, column: str) -> list[int] | None:
         """Claim ``count`` free groups for new prompts of ``column`` (lua/reserve.lua); None if too few are free."""
         k = self._keys
-        reply = self._call("reserve", [k.meta, k.claimed, k.group_ready(column), k.scratch],
+        reply = self._once("reserve", [k.meta, k.claimed, k.group_ready(column), k.scratch],
                            [self._expected, count, self._bound.prompts_num])
         return [int(g) for g in reply] if reply else None
 
@@ -483,7 +570,7 @@ class DockScripts:
         k, schema = self._keys, self._bound
         rollout = schema.rollout
         batch = rollout.gbs_train * self._n if rollout.bounded else 0
-        reply = self._call("prefetch", [k.meta, k.cursor, k.admitted, k.version],
+        reply = self._once("prefetch", [k.meta, k.cursor, k.admitted, k.version],
                            [self._expected, count, schema.capacity, batch, rollout.max_staleness or 0])
         if not reply or int(reply[0]) < 0:
             return None
@@ -492,7 +579,7 @@ class DockScripts:
     def metrics(self, values: dict[str, str], append: bool) -> int:
         """Store metrics (name -> JSON text); ``append`` extends stored lists (see lua/metrics.lua)."""
         args = [self._expected, "append" if append else "set", *(x for pair in values.items() for x in pair)]
-        return int(self._call("metrics", [self._keys.meta, self._keys.metrics], args))
+        return int(self._once("metrics", [self._keys.meta, self._keys.metrics], args))
 
     def grow(self, grown: Schema) -> None:
         """Store the columns and consumers of ``grown`` if the dock still holds the schema bound now."""
@@ -507,7 +594,7 @@ class DockScripts:
     def reset(self, consumer: str, rows: Sequence[int]) -> int:
         """Make ``rows`` (all when empty) available to ``consumer`` again; returns how many were handed out."""
         keys = [self._keys.meta, *self._consumer_keys(consumer)]
-        return int(self._call("reset", keys, [self._expected, self._n, *rows]))
+        return int(self._once("reset", keys, [self._expected, self._n, *rows]))
 
     @property
     def _bound(self) -> Schema:

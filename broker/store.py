@@ -6,8 +6,9 @@ apart from it by one of two stores with one small interface:
 
 ``SlotStore``
     the bytes in the dock's slot (``td:{NAME}:data:COLUMN``, field = row), as on one Redis server: a
-    put is one MULTI holding the HSETs and the marking script, so nothing is ever ready without its
-    bytes, and a clear deletes bytes inside its own script.
+    put is one MULTI holding the gate (lua/gate.lua), the HSETs and the marking script, so nothing is
+    ever ready without its bytes, a put that must not land (a resend of one that did, a delivery no
+    longer current) writes nothing, and a clear deletes bytes inside its own script.
 
 ``ShardedStore``
     the bytes spread over data shards ``{NAME~S}`` chosen to land on distinct cluster primaries
@@ -38,6 +39,14 @@ then mark ready (lua/mark.lua). The interleavings that matter, and why each is s
   outlive the next whole clear.
 - *a full shard* (maxmemory) fails the HSET on that node: the put deletes what it wrote elsewhere and
   raises StoreFullError having marked nothing.
+- *a put naming a delivery* (a stage's results for the rows it was handed) must not land once the
+  delivery is no longer current (lua/include/delivery.lua). mark.lua checks it with the generations;
+  a clear in between refuses the put, and the bytes it wrote under the old generations are deleted as
+  above (no retry under new ones: the rows are no longer this worker's). Under a lease, claim.lua
+  checks it before any byte is sent and holds the lease for the put's time bound, so the rows cannot be
+  given back to another worker, who would write the same fields, while this put's bytes travel. Only
+  an explicit take-over (``get_experience(indexes=...)`` of the rows, ``reset_consumer``) ignores the
+  hold: mark.lua then refuses the put, but its bytes may already have replaced the taker's.
 """
 
 from __future__ import annotations
@@ -52,16 +61,23 @@ from redis.cluster import RedisCluster
 
 from . import fanout
 from .connection import Client
-from .errors import BrokerError, DecodeError
+from .errors import BrokerError, DecodeError, FencedError
 from .keys import DockKeys, shard_pattern, shard_tag
-from .scripts import DockScripts, Forgot, Handout, read_pipeline, rows_of, run_pipeline, runs_of
+from .scripts import (
+    DockScripts,
+    Fence,
+    Finish,
+    Forgot,
+    Handout,
+    new_request_id,
+    read_pipeline,
+    rows_of,
+    run_pipeline,
+    runs_of,
+)
 
 #: Per column, field -> encoded bytes: what a put writes (field = the row in decimal).
 Encoded = dict[str, dict[str, bytes]]
-
-#: What a put records beside its bytes after they are marked (finish.lua), queued on the given pipe, or
-#: run on its own when the pipe is None.
-Finish = Callable[[Pipeline | None], None]
 
 #: What a put calls, with wait_replicas, to wait until replicas of the nodes holding some keys (the dock's
 #: ``replicated`` counters) have its writes (see replication.py); None: no waiting.
@@ -72,16 +88,22 @@ Durable = Callable[[Sequence[str]], None]
 #: tight loop, and the put then fails with a BrokerError saying so.
 PUT_RETRIES = 16
 
+#: How long a sharded put naming a leased delivery holds the lease while its bytes travel (claim.lua),
+#: by default: the longest a call may take.
+HOLD_MS = 60_000
+
 
 class DataStore(Protocol):
     """Where a dock's row bytes live (see the module docstring)."""
 
     def put(
         self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
-        durable: Durable | None = None,
+        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS,
     ) -> None:
-        """Write the rows' bytes and mark them ready in their columns; all or nothing. With ``durable``,
-        wait for replicas of the bytes before marking them, and of the marks before returning."""
+        """Write the rows' bytes and mark them ready in their columns, with what ``finish`` records; all
+        or nothing, and once however often it is resent. With ``fence``, only while that delivery still
+        holds the rows (else FencedError, nothing written). With ``durable``, wait for replicas of the
+        bytes before marking them, and of the marks before returning."""
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         """The bytes of the handout's ``rows`` (in that order) per column, or None if a clear took any of
@@ -105,20 +127,26 @@ class SlotStore:
 
     def put(
         self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
-        durable: Durable | None = None,
+        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS,
     ) -> None:
+        request_id = new_request_id()  # the same in the client's resends of this MULTI
+        columns = list(encoded)
+
         def transaction(pipe: Pipeline) -> None:
+            self._scripts.gate(pipe, columns, runs, fence, request_id)
             for col, mapping in encoded.items():
                 pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
-            self._scripts.put(pipe, list(encoded), runs, lengths)
-            if finish is not None:
-                finish(pipe)
+            self._scripts.put(pipe, columns, runs, lengths, finish, request_id)
 
         replies = run_pipeline(self._client, self._scripts.load_all, transaction, transaction=True)
-        # The script's own error names the bad key; a failed HSET alone would only say WRONGTYPE.
-        for reply in replies[::-1]:
-            if isinstance(reply, Exception):
-                raise reply
+        # put.lua's reply is the verdict: an error (refused, fenced) or the put's counts. Only a put the gate
+        # let through can have failed HSETs of its own; a refused one's fail by design (see lua/gate.lua).
+        if isinstance(replies[-1], Exception):
+            raise replies[-1]
+        if replies[0] == 1:
+            for reply in replies[1:-1]:
+                if isinstance(reply, Exception):
+                    raise reply
         if durable is not None:
             durable([self._keys.replicated])
 
@@ -180,11 +208,19 @@ class ShardedStore:
 
     def put(
         self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
-        durable: Durable | None = None,
+        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS,
     ) -> None:
         rows = rows_of(runs)  # ascending, the order of the generations the fence returns
         columns = list(encoded)
-        guess = self._guess(rows)
+        request_id = new_request_id()  # one for the whole put: mark.lua keeps only a reply that marked
+        if fence is not None:
+            if fence.token:
+                self._scripts.claim(runs, fence, hold_ms)
+            for row in rows:
+                self._seen.pop(row, None)
+            guess: tuple[int, bytes] | None = (fence.epoch, fence.generations)
+        else:
+            guess = self._guess(rows)
         for _ in range(PUT_RETRIES):
             epoch, generations = guess or self._scripts.fence_now(runs)
             guess = None
@@ -193,10 +229,10 @@ class ShardedStore:
                 # The bytes reach the shards' replicas before any reader may be handed them: a shard
                 # failing over afterwards cannot leave rows ready whose bytes it lost.
                 durable(sorted({DockKeys.shard_replicated(self._shard(r)) for r in rows}))
-            marked = self._scripts.mark(columns, runs, lengths, epoch, generations)
+            # FencedError here: the lease was taken over. The fields are the rows' current ones, maybe
+            # holding the taker's bytes by now, so they stay (see the module docstring).
+            marked = self._scripts.mark(columns, runs, lengths, epoch, generations, finish, fence, request_id)
             if not marked.stale and not marked.epoch_moved:
-                if finish is not None:
-                    finish(None)
                 if durable is not None:
                     durable([self._keys.replicated])
                 return
@@ -204,6 +240,12 @@ class ShardedStore:
             # nobody's. The other rows' fields are left: a concurrent put of them may own them now.
             stale = set(rows) if marked.epoch_moved else set(marked.stale)
             self._delete_fields(written, {i for i, r in enumerate(rows) if r in stale})
+            if fence is not None:
+                moved = sorted(stale)
+                raise FencedError(
+                    f"dock {self._keys.name!r}: rows {moved[:8]}{'...' if len(moved) > 8 else ''} were cleared or "
+                    "dropped since this delivery handed them out: they may hold other prompts now; nothing was written"
+                )
         raise BrokerError(
             f"dock {self._keys.name!r}: rows {rows[:8]}{'...' if len(rows) > 8 else ''} were cleared during each of "
             f"{PUT_RETRIES} puts of them; nothing was marked"

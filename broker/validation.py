@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import codec
+from .delivery import LeasedRows
 from .errors import (
     ExperienceTooLargeError,
     InvalidExperienceError,
@@ -23,7 +24,6 @@ from .errors import (
     UnknownColumnError,
     UnknownConsumerError,
 )
-from .leased_rows import LeasedRows
 from .schema import Schema
 
 #: Which qualifying rows sampling hands out: lowest group first, a seeded random pick, or a batch of

@@ -13,10 +13,18 @@ ARGV[2]     the lease token get_experience returned with the rows
 ARGV[3..]   row indexes, decimal
 
 Returns how many of the rows were released (still leased under that token).
+
+last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
+            (include/once.lua): a resend after a lost reply says how many the ack released
 ]]
 -- @include bits
 -- @include schema
 -- @include leases
+-- @include once
+
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
@@ -31,4 +39,4 @@ for i = 1, #rows do
   if holders[i] == ARGV[2] then mine[#mine + 1] = rows[i] end
 end
 drop_leases(KEYS[2], KEYS[3], mine)
-return #mine
+return keep_reply(reply_key, reply_ttl, #mine)

@@ -19,6 +19,9 @@ ARGV[7]     what to clear:
             "age"        only the ageing (the queue's increment_ages), of every group holding a
                          response or its placeholder, as the queue ages them.
             For these ARGV[9] is the position (1..k) of the first response column, 0 if none.
+last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
+            (include/once.lua): a resend after a lost reply neither clears the next batch's rows
+            nor ages the groups twice
 
 Waiting: a prompt no rollout reached in its iteration does not age (MindSpeed ages rows once they were
 generated), yet MindSpeed's re-sort keeps it ahead of every prompt put after it. Here such groups go
@@ -37,6 +40,11 @@ delete from the data shards (see include/forget.lua forgotten_reply).
 -- @include schema
 -- @include generations
 -- @include forget
+-- @include once
+
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
@@ -53,14 +61,14 @@ if mode == 'all' then
   local before = epoch_of(KEYS[2])
   redis.call('DEL', unpack(KEYS, 4))
   redis.call('INCR', KEYS[2])
-  return forgotten_reply(L, cells, before)   -- sharded: the client deletes the data keys of that epoch
+  return keep_reply(reply_key, reply_ttl, forgotten_reply(L, cells, before))   -- sharded: the client deletes the data keys of that epoch
 end
 
 local bad = forget_wrong_type(L)
 if bad then return redis.error_reply(bad) end
 
 if mode == 'rows' then
-  return forgotten_reply(L, forget_rows(L, numbers_from(8), {}, false))
+  return keep_reply(reply_key, reply_ttl, forgotten_reply(L, forget_rows(L, numbers_from(8), {}, false)))
 end
 
 local cells = 0
@@ -116,9 +124,9 @@ else                                        -- 'iteration' or 'trained'
   local trained = offsets_of(KEYS[L.consumed + tonumber(ARGV[8])])
   redis.call('DEL', KEYS[L.cursor], KEYS[L.metrics], KEYS[L.gbatch])   -- the next iteration's batch is new
   -- As MindSpeed's: an iteration that trained nothing (the first clear, before any batch) ages nothing.
-  if #trained == 0 then return forgotten_reply(L, 0) end
+  if #trained == 0 then return keep_reply(reply_key, reply_ttl, forgotten_reply(L, 0)) end
   cells = forget_rows(L, trained, {}, false)
-  if mode == 'trained' then return forgotten_reply(L, cells) end
+  if mode == 'trained' then return keep_reply(reply_key, reply_ttl, forgotten_reply(L, cells)) end
   if L.nwait > 0 and responses > 0 then
     -- Waiting groups that were generated since leave the wait bitmaps: from now on they age.
     local aged_rows = {}
@@ -142,4 +150,4 @@ end
 older(L.age, 0, L.nages - 1)
 older(L.gage, 0, L.nages - 1)
 redis.call('DEL', scratch, scratch2)
-return forgotten_reply(L, cells)
+return keep_reply(reply_key, reply_ttl, forgotten_reply(L, cells))

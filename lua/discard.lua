@@ -21,9 +21,17 @@ ARGV[7]     "drop" or "regenerate"
 ARGV[8]     the field of td:{NAME}:discarded to count the groups under (a consumer, "stale", ...)
 ARGV[9]     "" to discard the groups whatever their version, else max_staleness: only groups older
             than the current version minus it are discarded
-ARGV[10]    P, then P column positions (1..k) kept by "regenerate"
+ARGV[10]    0, or the position (1..m) of the consumer whose delivery the drop names: the drop is
+            refused (FENCED) unless that delivery still holds every row of the groups
+            (include/delivery.lua), as a filter worker's whose lease ran out must be
+ARGV[11]    the delivery's epoch (with ARGV[10] > 0)
+ARGV[12]    the delivery's generations of the groups' rows, 4 bytes per row, ascending
+ARGV[13]    the token of the delivery's lease, or ""
+ARGV[14]    P, then P column positions (1..k) kept by "regenerate"
 then        Q, then Q pairs: the column position of a response column, its placeholder bytes
 then        the groups, decimal
+last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
+            (include/once.lua): a resend after a lost reply is not counted twice
 
 Returns the number of groups discarded; on a sharded dock, that with what the client must delete from
 the data shards (see include/forget.lua forgotten_reply). A sharded dock has no "regenerate": its kept
@@ -32,6 +40,12 @@ prompt bytes would sit under the old generation.
 -- @include bits
 -- @include schema
 -- @include forget
+-- @include delivery
+-- @include once
+
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
@@ -47,7 +61,7 @@ if ARGV[9] ~= '' then
   fresh_from = current - tonumber(ARGV[9])
 end
 
-local at = 10
+local at = 14
 local keep = {}
 for i = 1, tonumber(ARGV[at]) do keep[tonumber(ARGV[at + i])] = true end
 at = at + tonumber(ARGV[at]) + 1
@@ -56,6 +70,20 @@ for i = 1, tonumber(ARGV[at]) do
   placeholders[#placeholders + 1] = {tonumber(ARGV[at + 2 * i - 1]), ARGV[at + 2 * i]}
 end
 at = at + 2 * tonumber(ARGV[at]) + 1
+
+local named = tonumber(ARGV[10])
+if named > 0 then
+  local all, seen_all = {}, {}
+  for i = at, #ARGV do
+    local g = tonumber(ARGV[i])
+    if not seen_all[g] then seen_all[g] = true; all[#all + 1] = g end
+  end
+  table.sort(all)
+  local starts, lengths = runs_of(rows_of_groups(all, L.n))
+  local fenced = fenced_off(KEYS[2], KEYS[3], KEYS[L.tokens + named], tonumber(ARGV[11]), ARGV[12], ARGV[13],
+    starts, lengths)
+  if fenced then return redis.error_reply(fenced) end
+end
 
 local groups, seen = {}, {}
 for i = at, #ARGV do
@@ -71,7 +99,7 @@ for i = at, #ARGV do
   end
 end
 table.sort(groups)
-if #groups == 0 then return forgotten_reply(L, 0) end
+if #groups == 0 then return keep_reply(reply_key, reply_ttl, forgotten_reply(L, 0)) end
 local rows = rows_of_groups(groups, L.n)
 
 if mode == 'drop' then
@@ -95,4 +123,4 @@ else
   end
 end
 redis.call('HINCRBY', KEYS[L.discarded], field, #groups)
-return forgotten_reply(L, #groups)
+return keep_reply(reply_key, reply_ttl, forgotten_reply(L, #groups))

@@ -12,9 +12,17 @@ ARGV[2]     "set" (replace each value) or "append" (extend a stored list with a 
 ARGV[3..]   name, JSON value, name, JSON value, ...; with "append" every value is a JSON list
 
 Returns the number of metrics written.
+
+last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
+            (include/once.lua): a resend after a lost reply appends nothing twice
 ]]
 -- @include bits
 -- @include schema
+-- @include once
+
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
@@ -38,4 +46,4 @@ for i = 3, #ARGV, 2 do
   end
   redis.call('HSET', KEYS[2], name, value)
 end
-return (#ARGV - 2) / 2
+return keep_reply(reply_key, reply_ttl, (#ARGV - 2) / 2)

@@ -20,9 +20,17 @@ ARGV[5]     max_staleness
 Returns {} when the cursor has passed the last row, {-1} when admission refuses, else {first, stop}:
 rows [first, stop), which is shorter than count at the end of the dock. The cursor moves by count
 whenever rows are handed out, as MindSpeed's does.
+
+last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
+            (include/once.lua): a resend after a lost reply gets the same rows, and the cursor moves once
 ]]
 -- @include bits
 -- @include schema
+-- @include once
+
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
@@ -43,4 +51,4 @@ if batch > 0 then
   redis.call('INCRBY', KEYS[3], stop - first)
 end
 redis.call('INCRBY', KEYS[2], count)
-return {first, stop}
+return keep_reply(reply_key, reply_ttl, {first, stop})

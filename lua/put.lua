@@ -1,64 +1,78 @@
---[[ put: mark rows as written in some columns and wake waiting readers.
+--[[ put: mark rows as written in some columns, record what a rollout put says of them, and wake
+waiting readers: the last step of a put on one slot.
 
-The client sends this right after the HSETs of the rows' bytes, inside the same MULTI/EXEC, so no
-reader can see a row ready whose bytes are not there, and a failed transaction marks nothing. A put
-changes no generation (see include/generations.lua): rewriting a row that a reader was handed
-replaces its bytes, it does not take the row away from that reader.
+The client sends this right after gate.lua and the HSETs of the rows' bytes, inside the same
+MULTI/EXEC, so no reader can see a row ready whose bytes are not there, and a failed transaction marks
+nothing. If gate.lua fenced the put off (its verdict in td:{NAME}:gate), this puts back the data hashes
+it set aside (the HSETs failed on them, writing nothing) and answers with the verdict: the kept reply
+of the put this one repeats, or the error. A put changes no generation (see include/generations.lua):
+rewriting a row that a reader was handed replaces its bytes, it does not take the row away from that
+reader.
 
 KEYS[1]       td:{NAME}:meta
-KEYS[3i-1]    td:{NAME}:data:COLUMN_i      data hash of the i-th column written (checked: a HSET that
-                                           failed inside the MULTI left a non-hash here)
-KEYS[3i]      td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
-KEYS[3i+1]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
-then, for each of the L length columns written (after the k columns' triples):
+KEYS[2]       td:{NAME}:gate               gate.lua's verdict
+KEYS[4i-1]    td:{NAME}:data:COLUMN_i      data hash of the i-th column written
+KEYS[4i]      td:{NAME}:aside:COLUMN_i     where gate.lua set it aside
+KEYS[4i+1]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
+KEYS[4i+2]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
+then, for each of the L length columns written (after the k columns' quadruples):
               td:{NAME}:len:COLUMN         u32 per row: the rows' values (see include/bits.lua set_u32)
+then, if ARGV[6] is not "-":  the keys of include/finish.lua
+last          td:{NAME}:reply:REQUEST_ID   the put's request id (include/once.lua)
 ARGV[1]       the schema the client expects (see include/schema.lua)
 ARGV[2]       n_samples_per_prompt (rows per group)
 ARGV[3]       pub/sub channel to announce the put on (td:{NAME}:events)
 ARGV[4]       the command announcing it: PUBLISH, or SPUBLISH on a Redis 7 cluster
 ARGV[5]       L, the number of length columns written
-ARGV[6]       R, the number of values that follow for the runs
-ARGV[7..6+R]  rows written, as runs: start, length, start, length, ... (ascending, disjoint)
-then, per length column, one value per row written, in the order of the runs
+ARGV[6]       what the put records beside its bytes (include/finish.lua): "-" nothing, "1" completion
+              flags (one per row, after the length values), "0" none but the version
+ARGV[7]       the version of the rows, or "" (with ARGV[6] not "-")
+ARGV[8]       R, the number of values that follow for the runs
+ARGV[9..8+R]  rows written, as runs: start, length, start, length, ... (ascending, disjoint)
+then, per length column, one value per row written, in the order of the runs; then the flags
+last          how long to keep the reply, in ms (include/once.lua)
 
 Lengths are stored here, beside the ready bits and in the same transaction as the bytes, so that the
 sampling script can weigh rows by them without reading or decoding any row.
 
-Publishes and returns the number of rows written.
+Publishes and returns {rows written, rows newly finished}.
 ]]
 -- @include bits
--- @include schema
 -- @include mark_ready
+-- @include finish
+-- @include once
 
-local nlen, nruns = tonumber(ARGV[5]), tonumber(ARGV[6])
+local reply_key, reply_ttl = once_args()
+local nlen, finishing, nruns = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[8])
+local first_len = #KEYS - nlen - (finishing ~= '-' and FINISH_KEYS or 0) + 1
 local starts, lengths = {}, {}
-for i = 7, 6 + nruns, 2 do
+for i = 9, 8 + nruns, 2 do
   starts[#starts + 1] = tonumber(ARGV[i]); lengths[#lengths + 1] = tonumber(ARGV[i + 1])
 end
-local last_triple = #KEYS - nlen          -- KEYS[2..last_triple] are the columns' triples
 
-local wrong_schema = schema_error(KEYS[1], ARGV[1])
-if wrong_schema then
-  -- The HSETs before this script already ran: take their bytes out again, so a put on a dock that
-  -- vanished leaves no keys behind. (A row it overwrote loses its old bytes too: the dock is no
-  -- longer the one this client knows, and it refuses to read or mark anything in it.)
-  local rows, fields = rows_of_runs(starts, lengths), {}
-  for i = 1, #rows do fields[i] = tostring(rows[i]) end
-  for k = 2, last_triple, 3 do
-    if redis.call('TYPE', KEYS[k])['ok'] == 'hash' then call_in_chunks('HDEL', KEYS[k], fields) end
+local verdict = redis.call('GET', KEYS[2])
+if verdict then
+  redis.call('DEL', KEYS[2])
+  for k = 3, first_len - 1, 4 do
+    redis.call('DEL', KEYS[k])
+    if redis.call('EXISTS', KEYS[k + 1]) == 1 then redis.call('RENAME', KEYS[k + 1], KEYS[k]) end
   end
-  return redis.error_reply(wrong_schema)
+  if verdict == '=replay' then return kept_reply(reply_key) end
+  return redis.error_reply(verdict)
 end
-for k = 2, last_triple, 3 do
-  local bad = wrong_type(k, k, 'hash') or wrong_type(k + 1, k + 2, 'string')
-  if bad then return redis.error_reply(bad) end
-end
-local bad = wrong_type(last_triple + 1, #KEYS, 'string')
+-- gate.lua checked the schema and the data hashes in this MULTI; what it did not check, here.
+local bad = wrong_type(2, 2, 'string')
+for k = 3, first_len - 1, 4 do bad = bad or wrong_type(k + 2, k + 3, 'string') end
+bad = bad or wrong_type(first_len, first_len + nlen - 1, 'string')
+if finishing ~= '-' then bad = bad or finish_wrong_type(first_len + nlen) end
 if bad then return redis.error_reply(bad) end
 
 local ready_keys, gready_keys, len_keys = {}, {}, {}
-for k = 3, last_triple, 3 do
-  ready_keys[#ready_keys + 1] = KEYS[k]; gready_keys[#gready_keys + 1] = KEYS[k + 1]
+for k = 3, first_len - 1, 4 do
+  ready_keys[#ready_keys + 1] = KEYS[k + 2]; gready_keys[#gready_keys + 1] = KEYS[k + 3]
 end
-for j = 1, nlen do len_keys[j] = KEYS[last_triple + j] end
-return mark_ready(ready_keys, gready_keys, len_keys, 7 + nruns, starts, lengths, tonumber(ARGV[2]), ARGV[4], ARGV[3])
+for j = 1, nlen do len_keys[j] = KEYS[first_len + j - 1] end
+local n = tonumber(ARGV[2])
+local written = mark_ready(ready_keys, gready_keys, len_keys, 9 + nruns, starts, lengths, n, ARGV[4], ARGV[3])
+local newly = finish_put(first_len + nlen, starts, lengths, n, finishing, ARGV[7], 9 + nruns + nlen * written, written)
+return keep_reply(reply_key, reply_ttl, {written, newly})

@@ -14,9 +14,17 @@ ARGV[2]     how many groups
 ARGV[3]     prompts_num
 
 Returns the groups claimed, ascending, or {} (claiming nothing) if fewer are free.
+
+last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
+            (include/once.lua): a resend after a lost reply gets the same groups, and claims no more
 ]]
 -- @include bits
 -- @include schema
+-- @include once
+
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
@@ -39,4 +47,4 @@ end
 redis.call('DEL', KEYS[4])
 if #free < count then return {} end
 set_bits(KEYS[2], free, 1)
-return free
+return keep_reply(reply_key, reply_ttl, free)

@@ -12,10 +12,18 @@ ARGV[2]     n_samples_per_prompt
 ARGV[3..]   rows, decimal; none resets every row
 
 Returns the number of rows that had been handed to the consumer and now are not.
+
+last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
+            (include/once.lua): a resend after a lost reply gives back no rows handed out since
 ]]
 -- @include bits
 -- @include schema
 -- @include leases
+-- @include once
+
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
@@ -24,10 +32,10 @@ if bad then return redis.error_reply(bad) end
 local before = redis.call('BITCOUNT', KEYS[2])
 if #ARGV == 2 then
   redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
-  return before
+  return keep_reply(reply_key, reply_ttl, before)
 end
 local rows, fields = numbers_from(3), {}
 for i = 1, #rows do fields[i] = ARGV[i + 2] end
 drop_leases(KEYS[4], KEYS[5], fields)
 give_back(KEYS[2], KEYS[3], rows, tonumber(ARGV[2]))
-return before - redis.call('BITCOUNT', KEYS[2])
+return keep_reply(reply_key, reply_ttl, before - redis.call('BITCOUNT', KEYS[2]))

@@ -5,9 +5,8 @@ Works on whole groups (the n responses of one prompt) or on single rows. Everyth
 algebra on the server, so the cost grows with the bitmap bytes (capacity / 8), not with rows.
 First it gives back rows whose lease expired unacked, so they are offered again.
 
-A call carries a request id; its reply is kept for a short while under the reply key, and a call
-repeating the id gets the kept reply instead of new rows. A client whose connection dropped after
-the script ran retries with the same id and loses nothing.
+A call carries a request id (see include/once.lua): a resend of it after a lost reply gets the rows
+the call was handed, instead of new rows. Only a reply that hands rows out is kept.
 
 KEYS[1]     td:{NAME}:meta
 KEYS[2]     td:{NAME}:consumed:CONSUMER      row bitmap: rows handed to the consumer
@@ -15,11 +14,10 @@ KEYS[3]     td:{NAME}:gtaken:CONSUMER        group bitmap: groups with any row h
 KEYS[4]     td:{NAME}:leases:CONSUMER        sorted set: leased rows by deadline (ms)
 KEYS[5]     td:{NAME}:tokens:CONSUMER        hash: leased row -> token of its lease
 KEYS[6]     td:{NAME}:redelivered:CONSUMER   counter of rows given back after their lease expired
-KEYS[7]     td:{NAME}:reply:REQUEST_ID       the kept reply of this call
-KEYS[8]     td:{NAME}:scratch                work space, deleted before returning
-KEYS[9]     td:{NAME}:epoch                  see include/generations.lua
-KEYS[10]    td:{NAME}:gen
-KEYS[11..]  per requested column: td:{NAME}:gready:COLUMN in group mode,
+KEYS[7]     td:{NAME}:scratch                work space, deleted before returning
+KEYS[8]     td:{NAME}:epoch                  see include/generations.lua
+KEYS[9]     td:{NAME}:gen
+KEYS[10..]  per requested column: td:{NAME}:gready:COLUMN in group mode,
             td:{NAME}:ready:COLUMN in row mode
 then        td:{NAME}:len:COLUMN for each of the L length columns the "seqlen" policy weighs by
 ARGV[1]     the schema the client expects (see include/schema.lua)
@@ -31,28 +29,28 @@ ARGV[6]     policy: "fifo" (lowest units first), "random", or "seqlen" (MindSpee
             use_batch_seqlen_balance: a batch of average total length, see below)
 ARGV[7]     seed of the random policy, an integer in [0, 2^31)
 ARGV[8]     lease in ms; 0 hands rows out for good
-ARGV[9]     how long to keep the reply, in ms
-ARGV[10]    token of the lease (the client's request id, 'g' or 'r' first); unused without a lease
-ARGV[11]    L, the number of length columns after the status bitmaps (0 unless the policy is "seqlen")
-ARGV[12]    T, the number of tier bitmaps after the length columns (0: none). With tiers the picks come
+ARGV[9]     token of the lease (the client's request id, 'g' or 'r' first); unused without a lease
+ARGV[10]    L, the number of length columns after the status bitmaps (0 unless the policy is "seqlen")
+ARGV[11]    T, the number of tier bitmaps after the length columns (0: none). With tiers the picks come
             from tier 1 first (lowest units first), then tier 2, ..., then the rest: partial rollout
             passes the age bitmaps, oldest first, so that "oldest first" is bitmap algebra over
             capacity / 8 bytes per age instead of MindSpeed's re-sort of the whole dock by age.
-ARGV[13]    "1": hand out what qualifies when fewer than ARGV[3] units do (at least one); "0": all or nothing
-ARGV[14]    cap: hand out nothing once the consumer holds this many rows (MindSpeed's GBS_train x n);
+ARGV[12]    "1": hand out what qualifies when fewer than ARGV[3] units do (at least one); "0": all or nothing
+ARGV[13]    cap: hand out nothing once the consumer holds this many rows (MindSpeed's GBS_train x n);
             0 for no cap
-ARGV[15]    U, the number of columns whose readiness the handout takes back (the rollout consumer's
+ARGV[14]    U, the number of columns whose readiness the handout takes back (the rollout consumer's
             response columns: being generated, they are not ready for anyone else); their
             td:{NAME}:ready:COLUMN and td:{NAME}:gready:COLUMN follow the tiers, in pairs
-ARGV[16]    "" or max_staleness: groups of td:{NAME}:gversions older than the current version
+ARGV[15]    "" or max_staleness: groups of td:{NAME}:gversions older than the current version
             (td:{NAME}:version) minus it are left out and reported, never handed out
-ARGV[17]    "" or B, the groups of an iteration (partial rollout's gbs_train, group mode only): the
+ARGV[16]    "" or B, the groups of an iteration (partial rollout's gbs_train, group mode only): the
             first B groups handed to any consumer but the rollout form the iteration's batch
             (td:{NAME}:gbatch), and every such consumer takes groups of the batch first and new
             groups only while it is not full. Stages running in parallel, each capped at B groups,
             then hold the same groups, even when an older group finishes after one of them filled up.
-then, when T > 0: td:{NAME}:scratch2, more work space; when ARGV[16] is set: td:{NAME}:version and
-            td:{NAME}:gversions; when ARGV[17] is set: td:{NAME}:gbatch and td:{NAME}:scratch3
+then, when T > 0: td:{NAME}:scratch2, more work space; when ARGV[15] is set: td:{NAME}:version and
+            td:{NAME}:gversions; when ARGV[16] is set: td:{NAME}:gbatch and td:{NAME}:scratch3
+last        td:{NAME}:reply:REQUEST_ID, and as the last ARGV how long to keep the reply, in ms (include/once.lua)
 
 The "seqlen" policy: when the qualifying units split evenly into batches of `count`, they are dealt,
 longest first (the sum of the length columns over the unit's rows), each to the batch with the least
@@ -72,17 +70,11 @@ When stale groups were left out and nothing is handed out, the reply is {-1, "",
 -- @include schema
 -- @include leases
 -- @include generations
+-- @include once
 
-local kept = redis.call('GET', KEYS[7])
-if kept then
-  -- Kept as "epoch|start,length,...|tiers|stale|generations"; the generations are raw bytes, so last.
-  local bars, at = {}, 0
-  for i = 1, 4 do at = string.find(kept, '|', at + 1, true); bars[i] = at end
-  local reply = {tonumber(string.sub(kept, 1, bars[1] - 1)), string.sub(kept, bars[4] + 1),
-    string.sub(kept, bars[2] + 1, bars[3] - 1), string.sub(kept, bars[3] + 1, bars[4] - 1)}
-  for number in string.gmatch(string.sub(kept, bars[1] + 1, bars[2] - 1), '%d+') do reply[#reply + 1] = tonumber(number) end
-  return reply
-end
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
@@ -91,35 +83,35 @@ local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type
 if bad then return redis.error_reply(bad) end
 
 local consumed, gtaken, leases, tokens, redelivered = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local scratch = KEYS[8]
+local scratch = KEYS[7]
 local groups_mode = ARGV[2] == 'groups'
 local count, n, units = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local lease_ms = tonumber(ARGV[8])
 local taken = groups_mode and gtaken or consumed
 -- A bitmap longer than the dock is not one of ours (BITOP would count its extra bits as candidates).
 local nbytes = math.ceil(units / 8)
-local nlen, ntiers, fewer, cap = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1', tonumber(ARGV[14])
-local nunready, bounded = tonumber(ARGV[15]), ARGV[16] ~= ''
-local batch_groups = (ARGV[17] or '') ~= '' and groups_mode and tonumber(ARGV[17]) or nil
-local tail = (ntiers > 0 and 1 or 0) + (bounded and 2 or 0) + ((ARGV[17] or '') ~= '' and 2 or 0)
-local last_status = #KEYS - nlen - ntiers - 2 * nunready - tail   -- KEYS[11..last_status]: status bitmaps
+local nlen, ntiers, fewer, cap = tonumber(ARGV[10]), tonumber(ARGV[11]), ARGV[12] == '1', tonumber(ARGV[13])
+local nunready, bounded = tonumber(ARGV[14]), ARGV[15] ~= ''
+local batch_groups = (ARGV[16] or '') ~= '' and groups_mode and tonumber(ARGV[16]) or nil
+local tail = (ntiers > 0 and 1 or 0) + (bounded and 2 or 0) + ((ARGV[16] or '') ~= '' and 2 or 0)
+local last_status = #KEYS - nlen - ntiers - 2 * nunready - tail   -- KEYS[10..last_status]: status bitmaps
 local first_tier = last_status + nlen + 1
 local first_unready = first_tier + ntiers
 local at = first_unready + 2 * nunready                          -- the optional keys, in header order
 local scratch2, scratch3, version_key, gversions, gversions_at, gbatch
 if ntiers > 0 then scratch2 = KEYS[at]; at = at + 1 end
 if bounded then version_key, gversions, gversions_at = KEYS[at], KEYS[at + 1], at + 1; at = at + 2 end
-if (ARGV[17] or '') ~= '' then gbatch, scratch3 = KEYS[at], KEYS[at + 1] end
+if (ARGV[16] or '') ~= '' then gbatch, scratch3 = KEYS[at], KEYS[at + 1] end
 if batch_groups and not scratch2 then return redis.error_reply('ERR the iteration batch needs tiers') end
-bad = wrong_type(9, #KEYS, 'string', gversions_at) or (gversions_at and wrong_type(gversions_at, gversions_at, 'zset'))
+bad = wrong_type(8, #KEYS, 'string', gversions_at) or (gversions_at and wrong_type(gversions_at, gversions_at, 'zset'))
 if bad then return redis.error_reply(bad) end
 local fresh_from = nil
 if bounded then
   local current = tonumber(redis.call('GET', version_key) or '0')
   if not current then return redis.error_reply('CORRUPT ' .. version_key .. ' holds no integer') end
-  fresh_from = current - tonumber(ARGV[16])
+  fresh_from = current - tonumber(ARGV[15])
 end
-local too_long = longer_than(nbytes, taken, unpack(KEYS, 11, last_status))
+local too_long = longer_than(nbytes, taken, unpack(KEYS, 10, last_status))
 if too_long then return redis.error_reply(too_long) end
 local now = now_ms()
 local _, corrupt = reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
@@ -134,13 +126,13 @@ local have = redis.call('STRLEN', scratch)
 if have < nbytes then
   redis.call('SETRANGE', scratch, have, string.rep('\255', nbytes - have))
 end
-redis.call('BITOP', 'AND', scratch, scratch, unpack(KEYS, 11, last_status))
+redis.call('BITOP', 'AND', scratch, scratch, unpack(KEYS, 10, last_status))
 
 -- Stale groups that would qualify are left out here, atomically with the pick, and reported: the
 -- client discards them next (discard.lua), which checks their version again.
 local stale = {}
 if gversions then
-  local old = redis.call('ZRANGEBYSCORE', gversions, '-inf', '(' .. fresh_from)
+  local old = redis.call('ZRANGEBYSCORE', gversions, '-inf', '(' .. int_text(fresh_from))
   for _, member in ipairs(old) do
     local g = tonumber(member)
     if groups_mode then
@@ -159,7 +151,7 @@ if gversions then
 end
 local stale_text = table.concat(stale, ',')
 
--- The iteration's batch (ARGV[17], with tiers): the candidates already in it (scratch3) are taken
+-- The iteration's batch (ARGV[16], with tiers): the candidates already in it (scratch3) are taken
 -- first; the others (left in scratch) count only as far as the batch has room for new groups.
 local available
 local from_batch = 0
@@ -311,7 +303,7 @@ elseif policy == 'random' then
     seen = seen + #offsets
   end
 else
-  -- Lowest units first, tier by tier (see ARGV[12]); the rest after the last tier. With the
+  -- Lowest units first, tier by tier (see ARGV[11]); the rest after the last tier. With the
   -- iteration's batch, its groups (scratch3) go through the tiers first, then the new ones (scratch).
   local tier_of = {}
   local function pick_by_tiers(candidates)
@@ -353,7 +345,7 @@ end
 mark_runs_taken(consumed, gtaken, starts, lengths, n)
 if batch_groups then set_bits(gbatch, picked, 1) end
 local rows = rows_of_runs(starts, lengths)
-if lease_ms > 0 then lease_rows(leases, tokens, rows, now + lease_ms, ARGV[10]) end
+if lease_ms > 0 then lease_rows(leases, tokens, rows, now + lease_ms, ARGV[9]) end
 for u = 1, nunready do
   set_runs(KEYS[first_unready + 2 * u - 2], starts, lengths, 0)
   set_bits(KEYS[first_unready + 2 * u - 1], groups_of_runs(starts, lengths, n), 0)
@@ -364,12 +356,10 @@ if picked_tier then
   for i, r in ipairs(rows) do list[i] = picked_tier[groups_mode and math.floor(r / n) or r] or 0 end
   tiers = table.concat(list, ',')
 end
-local epoch = epoch_of(KEYS[9])
-local generations = generations_of_runs(KEYS[10], starts, lengths)
+local epoch = epoch_of(KEYS[8])
+local generations = generations_of_runs(KEYS[9], starts, lengths)
 local runs = {}
 for i = 1, #starts do runs[2 * i - 1], runs[2 * i] = starts[i], lengths[i] end
-redis.call('SET', KEYS[7], epoch .. '|' .. table.concat(runs, ',') .. '|' .. tiers .. '|' .. stale_text .. '|'
-  .. generations, 'PX', ARGV[9])
 local reply = {epoch, generations, tiers, stale_text}
 for i = 1, #runs do reply[i + 4] = runs[i] end
-return reply
+return keep_reply(reply_key, reply_ttl, reply)

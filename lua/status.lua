@@ -23,6 +23,7 @@ leased and the redelivered counter as stored (false if unset); then the version 
 discarded counts as one "field=count,..." string, the stale groups (older than version -
 max_staleness; 0 without a bound) and the rows holding a response or its placeholder.
 ]]
+-- @include bits
 -- @include schema
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
@@ -70,7 +71,7 @@ out[#out + 1] = table.concat(parts, ',')
 local stale = 0
 if ARGV[3] ~= '' and redis.call('TYPE', gversions)['ok'] == 'zset' then
   local bound = (tonumber(current) or 0) - tonumber(ARGV[3])
-  stale = redis.call('ZCOUNT', gversions, '-inf', '(' .. bound)
+  stale = redis.call('ZCOUNT', gversions, '-inf', '(' .. int_text(bound))
 end
 out[#out + 1] = stale
 local held = 0

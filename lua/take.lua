@@ -26,11 +26,19 @@ ARGV[5..]   the rows as runs: start, length, ... (ascending, disjoint)
 Returns {1, epoch, generations} when the rows were all written (they are now marked consumed; see
 sample.lua for the generations), else {0, column position (1 = KEYS[9]), row, column position,
 row, ...} naming every missing cell.
+
+last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
+            (include/once.lua): a resend after a lost reply gets the same reply
 ]]
 -- @include bits
 -- @include schema
 -- @include leases
 -- @include generations
+-- @include once
+
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
@@ -61,4 +69,4 @@ if lease_ms > 0 then
 else
   drop_leases(KEYS[4], KEYS[5], rows)
 end
-return {1, epoch_of(KEYS[7]), generations_of_runs(KEYS[8], starts, lengths)}
+return keep_reply(reply_key, reply_ttl, {1, epoch_of(KEYS[7]), generations_of_runs(KEYS[8], starts, lengths)})

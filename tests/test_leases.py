@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from broker import InvalidExperienceError, TransferDock, UnknownConsumerError
+from broker import InvalidExperienceError, LeasedRows, TransferDock, UnknownConsumerError
 from tests.helpers import fill, held_rows
 
 
@@ -125,7 +125,7 @@ def test_ack_needs_the_lease_it_releases(make_dock):
     assert dock.ack("actor_train", rows) == 0
     assert dock.all_consumed("actor_train")
     _, unleased = dock.get_experience("actor_rollout", ["prompts"], 2)
-    assert type(unleased) is list  # rows taken for good carry no lease
+    assert not isinstance(unleased, LeasedRows)  # rows taken for good carry no lease
     with pytest.raises(InvalidExperienceError, match="lease token"):
         dock.ack("actor_rollout", unleased)
 

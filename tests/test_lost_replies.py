@@ -13,54 +13,9 @@ import torch
 from redis.cluster import RedisCluster
 
 from broker import TransferDock
-from tests.helpers import fill
+from tests.helpers import fill, lose_next_reply, lose_next_transaction_reply
 
 pytestmark = pytest.mark.real
-
-
-@contextlib.contextmanager
-def lose_next_reply(command: str) -> Iterator[list[int]]:
-    """Let the server run the next ``command``, then drop the connection instead of returning its reply.
-
-    This is what a network blip or a proxy restart does to a client; yields a list that counts the cuts.
-    """
-    original = redis.Redis.parse_response
-    cuts: list[int] = []
-
-    def parse_response(self, connection, command_name, **options):
-        response = original(self, connection, command_name, **options)
-        if command_name == command and not cuts:
-            cuts.append(1)
-            connection.disconnect()
-            raise redis.ConnectionError(f"test: reply to {command} lost")
-        return response
-
-    redis.Redis.parse_response = parse_response
-    try:
-        yield cuts
-    finally:
-        redis.Redis.parse_response = original
-
-
-@contextlib.contextmanager
-def lose_next_transaction_reply() -> Iterator[list[int]]:
-    """Let the server run the next MULTI/EXEC, then drop the connection before its replies are used."""
-    original = redis.client.Pipeline._execute_transaction
-    cuts: list[int] = []
-
-    def execute_transaction(self, connection, commands, raise_on_error):
-        response = original(self, connection, commands, raise_on_error)
-        if not cuts:
-            cuts.append(1)
-            connection.disconnect()
-            raise redis.ConnectionError("test: reply to EXEC lost")
-        return response
-
-    redis.client.Pipeline._execute_transaction = execute_transaction
-    try:
-        yield cuts
-    finally:
-        redis.client.Pipeline._execute_transaction = original
 
 
 @contextlib.contextmanager

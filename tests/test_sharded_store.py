@@ -19,7 +19,7 @@ import pytest
 import redis
 import torch
 
-from broker import BrokerError, StoreFullError, TransferDock
+from broker import BrokerError, FencedError, StoreFullError, TransferDock
 from broker.keys import shard_pattern
 from broker.store import ShardedStore
 from tests.helpers import small_dock
@@ -149,21 +149,29 @@ def test_a_refused_put_keeps_the_bytes_of_rows_another_put_owns(target):
 
 
 @pytest.mark.parametrize("clear", ["rows", "whole"])
-def test_a_put_after_a_read_writes_under_what_the_read_saw_and_a_clear_between_is_caught(target, clear):
+@pytest.mark.parametrize("fenced", [False, True])
+def test_a_put_after_a_read_writes_under_what_the_read_saw_and_a_clear_between_is_caught(target, clear, fenced):
     """A stage reads rows, then puts its results into them without asking their generations first (it
     saw them at its read). Another process clearing them in between must not leave them ready without
-    bytes: the guess is refused and the put writes again under the new generations."""
+    bytes: the guess is refused. A put naming plain rows then writes again under the new generations;
+    a put naming the delivery is refused for good (the rows are no longer the stage's)."""
     stage = _dock(target)
     other = TransferDock.attach(target, stage.name)
     stage.put_experience(_rows([0, 1, 2, 3]), [0, 1, 2, 3])
     batch, rows = stage.get_experience("actor_train", ["prompts"], indexes=[0, 1])
     other.clear([0, 1] if clear == "rows" else None)
-    stage.put_experience({"responses": [torch.tensor([r + 100]) for r in rows]}, rows)
-    assert stage.status()["columns"]["responses"]["ready"] == 2
-    got = stage.read_rows(["responses"], rows)["responses"]
-    assert [t.item() for t in got] == [100, 101]
+    results = {"responses": [torch.tensor([r + 100]) for r in rows]}
+    if fenced:
+        with pytest.raises(FencedError, match=r"rows \[0, 1\] were cleared"):
+            stage.put_experience(results, rows)
+        assert stage.status()["columns"]["responses"]["ready"] == 0
+    else:
+        stage.put_experience(results, list(rows))
+        assert stage.status()["columns"]["responses"]["ready"] == 2
+        got = stage.read_rows(["responses"], rows)["responses"]
+        assert [t.item() for t in got] == [100, 101]
     other.clear()
-    assert _shard_keys(stage) == []
+    assert _shard_keys(stage) == []  # the refused put's bytes were deleted
     other.close()
     stage.close()
 

@@ -122,7 +122,9 @@ def _client(url: str, name: str, params: dict[str, Any], log_path: str, stop: An
         log(CLEAR, group, gen, time.perf_counter() - t0)
         log(PUT_BEGIN, group, gen + 1)
         t0 = time.perf_counter()
-        dock.put_experience({COLUMN: content(cfg, group, gen + 1)}, indexes=rows)
+        # The next item is a new prompt in rows this client cleared itself: a producer's put, named by a
+        # plain list (the rows object would fence it: the clear ended that delivery).
+        dock.put_experience({COLUMN: content(cfg, group, gen + 1)}, indexes=list(rows))
         log(PUT_DONE, group, gen + 1, time.perf_counter() - t0)
 
 

@@ -10,6 +10,12 @@ local BITFIELD_CHUNK = 1200   -- sub-commands per BITFIELD call
 -- (LUAI_MAXCSTACK, 8000) a command with more arguments would pass.
 local UNPACK_CHUNK = 1000
 
+-- An integer as decimal text, exact up to 2^53. Lua's own conversion (`..`, tostring) keeps 14
+-- significant digits: a version of 16 digits would become "1.7e+15" in a command's argument.
+local function int_text(x)
+  return string.format('%.0f', x)
+end
+
 -- The first of KEYS[first..last] (but KEYS[skip]) holding another type than `expected` (a missing
 -- key is fine), as a CORRUPT error message for redis.error_reply, or nil. Scripts are not rolled back
 -- on error, so they check before their first write; the client turns CORRUPT into its decode error.

@@ -1,0 +1,120 @@
+"""The rows a ``get_experience`` returns: a list of row indexes that also names the delivery they came in.
+
+A delivery is one hand-out of rows to one consumer. It is identified by what the dock's clears had made
+of the rows when they were handed out (the dock's epoch and each row's generation, see
+lua/include/generations.lua) and, under a lease, by the lease's token (lua/include/leases.lua). Writes
+that name a delivery are fenced by it (lua/include/delivery.lua): a put of a stage's results into the
+rows it was handed, or a drop of the groups a filter rejected, lands only while the delivery is still
+current, so a slow worker whose rows were cleared, dropped, or given to another worker cannot write
+its late result over somebody else's.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any, SupportsIndex, overload
+
+from .errors import InvalidExperienceError
+from .scripts import Fence
+
+
+class HandedRows(list[int]):
+    """Row indexes handed out by one ``get_experience`` call, with the delivery's ``epoch`` and generations.
+
+    It is a plain list in every other way (compares, indexes, pickles and crosses Ray as one), so
+    MindSpeed-style code keeps working, and ``put_experience(data, rows)`` is fenced by it without
+    more arguments. A slice, or the list reordered or padded by the dock, still names the delivery;
+    a list built anew from it (``list(rows)``, ``rows + [...]``, a tensor) does not: pass the original
+    as ``delivery=`` then.
+    """
+
+    __slots__ = ("epoch", "_runs", "_generations", "_by_row")
+
+    def __init__(self, rows: Iterable[int], epoch: int, runs: Sequence[int], generations: bytes):
+        super().__init__(rows)
+        self.epoch = epoch
+        #: The delivery's rows as flattened runs (ascending) and their generations, 4 bytes each, in that
+        #: order: as sample.lua / take.lua returned them. Read through ``generations_of``.
+        self._runs = tuple(runs)
+        self._generations = bytes(generations)
+        self._by_row: dict[int, int] | None = None
+
+    def generations_of(self, rows: Sequence[int]) -> bytes:
+        """The generations of ``rows`` (ascending, as a write's runs list them), 4 bytes per row.
+
+        Raises InvalidExperienceError naming the rows that were not handed out in this delivery.
+        """
+        if self._by_row is None:
+            runs = self._runs
+            handed = [r for start, length in zip(runs[::2], runs[1::2]) for r in range(start, start + length)]
+            self._by_row = dict(zip(handed, struct.unpack(f">{len(handed)}I", self._generations)))
+        by_row = self._by_row
+        foreign = [r for r in rows if r not in by_row]
+        if foreign:
+            shown = ", ".join(map(str, foreign[:8])) + (", ..." if len(foreign) > 8 else "")
+            raise InvalidExperienceError(
+                f"rows {shown} were not handed out in the delivery this write names; name the delivery they "
+                "came in, or pass a plain list of rows for an unfenced write"
+            )
+        return b"".join(struct.pack(">I", by_row[r]) for r in rows)
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: SupportsIndex | slice) -> int | list[int]:
+        if isinstance(index, slice):  # a DP rank's chunk is still part of the delivery
+            return like(self, list.__getitem__(self, index))
+        return list.__getitem__(self, index)
+
+    def _state(self) -> tuple[Any, ...]:
+        return (list(self), self.epoch, self._runs, self._generations)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # list's would drop the slots
+        return type(self), self._state()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self)!r}, epoch={self.epoch})"
+
+
+class LeasedRows(HandedRows):
+    """Rows handed out under a lease: a :class:`HandedRows` that also carries the lease's ``token`` and ``consumer``.
+
+    ``dock.ack(consumer, rows)`` reads the token from it. The token identifies this one delivery, like an
+    SQS receipt handle: once the lease expired and the rows went to another call, or a clear made way
+    for new rows, an ack naming it releases nothing, and a put naming it writes nothing. Ack or put part
+    of a delivery by slicing it, or with ``token=rows.token`` / ``delivery=rows``.
+    """
+
+    __slots__ = ("token", "consumer")
+
+    def __init__(self, rows: Iterable[int], token: str, consumer: str, epoch: int, runs: Sequence[int],
+                 generations: bytes):
+        super().__init__(rows, epoch, runs, generations)
+        self.token = token
+        self.consumer = consumer
+
+    def _state(self) -> tuple[Any, ...]:
+        return (list(self), self.token, self.consumer, self.epoch, self._runs, self._generations)
+
+    def __repr__(self) -> str:
+        return f"LeasedRows({list(self)!r}, token={self.token!r}, consumer={self.consumer!r})"
+
+
+def like(rows: list[int], new_rows: list[int]) -> list[int]:
+    """``new_rows`` (a reordering, part or padding of ``rows``) in the same delivery as ``rows``, if it named one."""
+    if isinstance(rows, LeasedRows):
+        return LeasedRows(new_rows, rows.token, rows.consumer, rows.epoch, rows._runs, rows._generations)
+    if isinstance(rows, HandedRows):
+        return HandedRows(new_rows, rows.epoch, rows._runs, rows._generations)
+    return new_rows
+
+
+def fence_of(delivery: HandedRows, rows: list[int]) -> Fence:
+    """What a write of ``rows`` (ascending) naming ``delivery`` checks (see lua/include/delivery.lua)."""
+    if isinstance(delivery, LeasedRows):
+        return Fence(delivery.epoch, delivery.generations_of(rows), delivery.consumer, delivery.token)
+    return Fence(delivery.epoch, delivery.generations_of(rows))

@@ -1,0 +1,50 @@
+--[[ claim: the first step of a put on a sharded dock that names a delivery: check that the delivery
+still holds its rows, and keep its lease from running out while the bytes travel.
+
+A sharded put writes its bytes to the data shards (other nodes) before mark.lua marks them ready, so
+the fence (include/delivery.lua) is checked twice: here, before any byte is sent, and again by
+mark.lua. Between the two, a clear moves the rows' generations, and the bytes go under fields no
+reader asks for (see broker/store.py); but a lease that ran out and went to another worker would not:
+both workers write the same fields. So this also holds the lease: its deadline moves to at least now
+plus the put's own time bound, and the rows cannot be given back to anyone else while the put may
+still be writing. (Only an explicit take of the rows, or reset_consumer, takes a lease over regardless;
+mark.lua then refuses the put, but its bytes may already have replaced the taker's.)
+
+KEYS[1]     td:{NAME}:meta
+KEYS[2]     td:{NAME}:epoch
+KEYS[3]     td:{NAME}:gen
+KEYS[4]     td:{NAME}:tokens:CONSUMER    of the delivery's lease (td:{NAME}:meta without one)
+KEYS[5]     td:{NAME}:leases:CONSUMER    (td:{NAME}:meta without a lease)
+ARGV[1]     the schema the client expects (see include/schema.lua)
+ARGV[2]     the delivery's epoch
+ARGV[3]     the delivery's generations of the rows, 4 bytes per row in run order
+ARGV[4]     the token of the delivery's lease, or ""
+ARGV[5]     how long to hold the lease, in ms: the put's time bound
+ARGV[6..]   the rows, as runs: start, length, ... (ascending, disjoint)
+
+Returns 1, or a FENCED error if the delivery no longer holds the rows. Repeating it is harmless.
+]]
+-- @include bits
+-- @include schema
+-- @include leases
+-- @include delivery
+
+local wrong_schema = schema_error(KEYS[1], ARGV[1])
+if wrong_schema then return redis.error_reply(wrong_schema) end
+local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'hash') or (ARGV[4] ~= '' and wrong_type(5, 5, 'zset'))
+if bad then return redis.error_reply(bad) end
+local starts, lengths = runs_from(6)
+local fenced = fenced_off(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), ARGV[3], ARGV[4], starts, lengths)
+if fenced then return redis.error_reply(fenced) end
+if ARGV[4] ~= '' then
+  local until_ms = now_ms() + tonumber(ARGV[5])
+  local rows = rows_of_runs(starts, lengths)
+  local deadlines = {}
+  for i = 1, #rows do deadlines[i] = redis.call('ZSCORE', KEYS[5], rows[i]) end
+  local held = {}
+  for i = 1, #rows do
+    if deadlines[i] and tonumber(deadlines[i]) < until_ms then held[#held + 1] = rows[i] end
+  end
+  if #held > 0 then lease_rows(KEYS[5], KEYS[4], held, until_ms, ARGV[4]) end
+end
+return 1
