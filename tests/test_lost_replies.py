@@ -12,7 +12,7 @@ import redis
 import torch
 from redis.cluster import RedisCluster
 
-from broker import TransferDock
+from broker import Rollout, TransferDock
 from tests.helpers import fill, lose_next_reply, lose_next_transaction_reply
 
 pytestmark = pytest.mark.real
@@ -147,3 +147,96 @@ def test_exactly_once_while_connections_are_killed_at_random(dock_url):
     assert sum(kills) > 0
     flat = sorted(r for rows in got for r in rows)
     assert flat == list(range(256)), "rows lost or handed out twice while connections were cut"
+
+
+# -- every call that changes the dock applies once, however often it is resent ---------------------
+# The reply of each call below is cut after Redis ran it; the client resends the same call (the same
+# request id). Before the request ids, each of these applied twice (seen: reserve_groups returned [2, 3]
+# and left groups 0 and 1 claimed for good; prefetch skipped rows 0 and 1; a metric was appended twice;
+# a dropped group was counted twice; a resent clear cleared the next batch's rows).
+
+
+def lose_exec_reply(dock: TransferDock, between=lambda: None):
+    """Cut the reply of the next MULTI/EXEC of ``dock``'s client (plain or cluster)."""
+    if isinstance(dock.client, RedisCluster):
+        return lose_next_reply("EXEC", between)
+    return lose_next_transaction_reply(between)
+
+
+def test_a_resent_reserve_claims_its_groups_once(dock_anywhere):
+    dock = dock_anywhere
+    with lose_next_reply("EVALSHA") as cuts:
+        assert dock.reserve_groups(2, "prompts") == [0, 1]
+    assert cuts == [1]
+    assert dock.reserve_groups(2, "prompts") == [2, 3]
+    assert dock.reserve_groups(1, "prompts") is None
+
+
+def test_a_resent_prefetch_moves_the_cursor_once(dock_anywhere):
+    dock = dock_anywhere
+    with lose_next_reply("EVALSHA") as cuts:
+        assert dock.prefetch_request_index(2) == [0, 1]
+    assert cuts == [1]
+    assert dock.prefetch_request_index(2) == [2, 3]
+
+
+def test_a_resent_cumulated_metric_is_appended_once(dock_anywhere):
+    dock = dock_anywhere
+    dock.update_metrics("reward", [1.0], cumulate=True)
+    with lose_next_reply("EVALSHA") as cuts:
+        dock.update_metrics("reward", [2.0], cumulate=True)
+    assert cuts == [1]
+    assert dock.get_metrics() == {"reward": [1.0, 2.0]}
+
+
+def test_a_resent_drop_is_counted_once(dock_anywhere):
+    dock = dock_anywhere
+    fill(dock)
+    with lose_next_reply("EVALSHA") as cuts:
+        assert dock.drop_groups("actor_train", [1]) == 1
+    assert cuts == [1]
+    assert dock.status()["discarded"] == {"actor_train": 1}
+
+
+def test_a_resent_clear_does_not_clear_the_next_batch(dock_anywhere):
+    dock = dock_anywhere
+    fill(dock)
+    with lose_next_reply("EVALSHA", between=lambda: fill(dock)) as cuts:  # the driver refills at once
+        dock.clear()
+    assert cuts == [1]
+    assert dock.status()["columns"]["prompts"] == {"ready": 8, "groups_ready": 4}
+
+
+def test_a_resent_ack_says_how_many_it_released(dock_anywhere):
+    dock = dock_anywhere
+    fill(dock)
+    _, rows = dock.get_experience("actor_train", ["prompts"], 2, lease=30)
+    with lose_next_reply("EVALSHA") as cuts:
+        assert dock.ack("actor_train", rows) == 2
+    assert cuts == [1]
+
+
+def test_a_resent_rollout_put_gives_its_unfinished_rows_back_once(dock_url):
+    """The rollout's put gives unfinished rows back to be continued; another worker takes them before
+    the resend. The resend must not give them back again (they would be generated twice at once) nor
+    write its bytes over what that worker writes."""
+    rollout = Rollout(response_columns=("responses",), max_age=2, gbs_train=1)
+    dock = TransferDock(dock_url, "resent-rollout", 2, 2, ["prompts", "responses"], ["actor_rollout", "actor_train"],
+                        rollout=rollout)
+    dock.put_experience({"prompts": [torch.tensor([1])] * 2}, [0, 1], is_prompt=True)
+    _, rows = dock.get_experience("actor_rollout", ["prompts", "responses"], 2, get_n_samples=False, lease=30)
+    taken = []
+    with lose_exec_reply(dock, between=lambda: taken.append(dock.get_experience(
+            "actor_rollout", ["prompts", "responses"], 2, get_n_samples=False, lease=30)[1])) as cuts:
+        dock.put_experience({"responses": [torch.tensor([1, 2])] * 2}, rows, rollout_completed=[0, 0])
+    assert cuts == [1] and taken == [rows]
+    assert dock.get_experience("actor_rollout", ["prompts"], 2, get_n_samples=False) == (None, None)
+    assert dock.status()["consumers"]["actor_rollout"]["leased"] == 2  # the other worker's lease stands
+    dock.delete()
+
+
+def test_a_resent_create_still_says_it_created_the_dock(dock_url):
+    with lose_next_reply("EVALSHA") as cuts:
+        dock = TransferDock(dock_url, "resent-create", 2, 2, ["prompts"], ["actor_train"])
+    assert cuts == [1] and dock.created
+    dock.delete()
