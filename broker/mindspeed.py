@@ -25,8 +25,20 @@ Deliberate differences from MindSpeed-RL (where its behaviour is a defect, ours 
 * ``GBS_train`` limits sampling only with partial rollout (``max_age > 1``). MindSpeed's newest dock
   also applies it without, so with the default ``GBS_train=0`` every sampling call with
   ``get_n_samples=True`` returns ``(None, None)``.
-* Rows are handed out at least once with leases if asked (``lease=`` on the native dock); a crashed
-  MindSpeed actor loses the batch, here it stays in Redis.
+* Indexes come back as the delivery they are (a list of ints that also carries the rows' generations,
+  :class:`broker.HandedRows`), and a put naming them is fenced by it, as on the native dock: a slow
+  worker whose rows were cleared (and refilled with the next batch's prompts) or, under a lease, given
+  to another worker, writes nothing. MindSpeed's workers have no handler for that, so the put logs a
+  warning and returns: the late result is dropped and the worker goes on. Pass the indexes object the
+  get returned (a tensor or ``list(indexes)`` made from it carries no delivery: such a put is not fenced).
+* ``lease=S`` (a keyword of ``GRPOTransferDock`` and ``TransferQueueClient``) hands rows out at least
+  once: rows not done within S seconds are offered again, so a worker that dies loses nothing (a crashed
+  MindSpeed actor loses the batch). MindSpeed's workers never ack, so this object acks for them, as
+  Kafka's auto-commit does: a put of a delivery's rows acks them, and a consumer's next
+  ``get_experience`` or ``all_consumed`` through this object acks what it was handed before (a consumer
+  that writes nothing, the trainer, is done with a batch when it asks for the next). That holds when each
+  worker process has its own object, as recommended; through one shared Ray actor, one worker's next get
+  would ack another's rows early (they are then at most once, as without a lease).
 * Puts of rows past the dock's end raise (``RowIndexError``, a ``IndexError``); negative indexes
   (the ``-2`` DP padding) are skipped, as MindSpeed does. MindSpeed's queue drops rows past the end
   with a warning; its dock also lets a ``-2`` wrap to row ``max_len - 2`` in one path.
@@ -68,9 +80,11 @@ import torch
 
 from .balance import dp_padded
 from .connection import Client, connect, default_url, disconnect
+from .delivery import HandedRows, LeasedRows, like
 from .dock import TransferDock
 from .errors import (
     DockNotFoundError,
+    FencedError,
     InvalidExperienceError,
     RowIndexError,
     SchemaError,
@@ -79,7 +93,7 @@ from .errors import (
 from .experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
 from .rollout import Rollout
 from .status import dock_names
-from .validation import PAD_INDEX, drop_padding, is_int
+from .validation import PAD_INDEX, check_lease, drop_padding, is_int
 
 __all__ = [
     "DEFAULT_COLUMNS",
@@ -242,6 +256,7 @@ class _Docked:
              is_prompt: bool | None = False, finished: bool | None = None) -> None:
         """A MindSpeed put. ``finished`` (the queue's ``data_status``) stands for ``rollout_completed``;
         ``is_prompt=None``: a put of the ``prompts`` column is a prompt put (the queue has no flag)."""
+        delivery = indexes if isinstance(indexes, HandedRows) else None
         rows = None if indexes is None else _rows(indexes)
         if not rows:
             raise _bad("put experience into TD without indexes, indexes must be provided")
@@ -273,8 +288,26 @@ class _Docked:
             if column not in dock.columns:
                 raise _bad(f"put experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
         if partial and is_prompt:
-            rows = self._free_rows(dock, rows)
-        dock.put_experience(data, rows, is_prompt=is_prompt, rollout_completed=flags)
+            rows, delivery = self._free_rows(dock, rows), None  # new prompts, wherever there is room
+        try:
+            dock.put_experience(data, rows, is_prompt=is_prompt, rollout_completed=flags, delivery=delivery)
+        except FencedError as exc:
+            # MindSpeed's workers have no handler for this: the late result is dropped, the worker goes on.
+            log.warning("put of rows %s dropped: %s", rows[:8], exc)
+            return
+        if isinstance(delivery, LeasedRows):
+            dock.ack(delivery.consumer, rows, token=delivery.token)  # the stage's result is written
+
+    #: Seconds rows are leased for when handed out; None: for good, as MindSpeed (see the module docstring).
+    lease: float | None
+    #: Leased deliveries handed out through this object and not acked yet, per (dock, consumer).
+    _leased: dict[tuple[str, str], list[LeasedRows]]
+
+    def _done(self, dock: TransferDock, consumer: str) -> None:
+        """Ack what ``consumer`` was handed through this object before: it asks for more, so it is done
+        with that (Kafka's auto-commit; see the module docstring)."""
+        for rows in self._leased.pop((dock.name, consumer), []):
+            dock.ack(consumer, rows)
 
     @staticmethod
     def _free_rows(dock: TransferDock, rows: list[int]) -> list[int]:
@@ -297,15 +330,20 @@ class _Docked:
         self, dock: TransferDock, consumer: str, columns: list[str], count: int | None, indexes: Any,
         get_n_samples: bool, seqlen: bool, timeout: float | None,
     ) -> tuple[dict[str, list[Any]], list[int]] | tuple[None, None]:
+        self._done(dock, consumer)
         if indexes is not None:
             rows = [r for r in _rows(indexes) if r != PAD_INDEX]
-            return dock.get_experience(consumer, columns, indexes=rows, timeout=timeout)
-        assert count is not None
-        policy = "seqlen" if seqlen and consumer in SEQLEN_BALANCED and dock.schema.length_columns else "random"
-        # MindSpeed's workers call again at once when they get (None, None): a short wait for a put
-        # (woken by the dock's pub/sub) keeps a dozen such loops from spinning on the server.
-        return dock.get_experience(consumer, columns, count, get_n_samples=get_n_samples, policy=policy,
-                                   timeout=self.empty_wait or None)
+            got = dock.get_experience(consumer, columns, indexes=rows, timeout=timeout, lease=self.lease)
+        else:
+            assert count is not None
+            policy = "seqlen" if seqlen and consumer in SEQLEN_BALANCED and dock.schema.length_columns else "random"
+            # MindSpeed's workers call again at once when they get (None, None): a short wait for a put
+            # (woken by the dock's pub/sub) keeps a dozen such loops from spinning on the server.
+            got = dock.get_experience(consumer, columns, count, get_n_samples=get_n_samples, policy=policy,
+                                      timeout=self.empty_wait or None, lease=self.lease)
+        if isinstance(got[1], LeasedRows):
+            self._leased.setdefault((dock.name, consumer), []).append(got[1])
+        return got
 
     @staticmethod
     def _metric(dock: TransferDock) -> Metric:
@@ -390,6 +428,7 @@ class GRPOTransferDock(_Docked):
         *,
         url: str | Client | None = None,
         name: str = DEFAULT_DOCK,
+        lease: float | None = None,
     ) -> None:
         if not is_int(max_age) or max_age < 1:
             raise _bad(f"max_age must be a positive int, got {max_age!r}")
@@ -402,6 +441,9 @@ class GRPOTransferDock(_Docked):
         self.empty_wait = _Docked.empty_wait
         self.timeout_interval = 5.0 if timeout_interval is None else float(timeout_interval)
         self._url, self._name = url, name
+        check_lease(lease)  # refused now, not at the first get
+        self.lease: float | None = lease
+        self._leased = {}
         self.enable_partial_rollout = max_age > 1
         self.dock = _open(url, name, prompts_num, n_samples_per_prompt, self.experience_columns,
                           self.experience_consumers, _rollout(max_age, GBS_train))
@@ -412,7 +454,7 @@ class GRPOTransferDock(_Docked):
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # pickles as its arguments: attaches again
         return _grpo_dock, (self.prompts_num, self.n_samples_per_prompt, self.experience_columns,
                             self.experience_consumers, self.timeout, self.timeout_interval, self._url, self._name,
-                            self.max_age, self.GBS_train)
+                            self.max_age, self.GBS_train, self.lease)
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -449,10 +491,11 @@ class GRPOTransferDock(_Docked):
             return None, None
         if generating and experience_count is not None and 0 < len(rows) < experience_count and dp_size > 1:
             # MindSpeed's rollout takes what is there and pads it for its DP ranks with index -2.
-            batch, rows = dp_padded(batch, list(rows), dp_size)
-        return _mindspeed_batch(batch), list(rows)
+            batch, rows = dp_padded(batch, rows, dp_size)
+        return _mindspeed_batch(batch), rows
 
     def all_consumed(self, consumer: str, get_n_samples: bool = True) -> bool:
+        self._done(self.dock, consumer)
         return self.dock.all_consumed(consumer)
 
     def clear(self, consumer: str = "actor_train") -> None:
@@ -464,8 +507,10 @@ class GRPOTransferDock(_Docked):
             if consumer not in self.dock.consumers:
                 self._check_names(self.dock, consumer, [])
             self.dock.clear(consumer=consumer)
+            self._done(self.dock, consumer)  # the trained rows are gone: nothing of theirs to ack
         else:
             self.dock.clear()
+            self._leased.clear()  # every lease ended with the rows
 
     def get_consumer_status(self) -> dict[str, torch.Tensor]:
         """Per consumer, an int32 tensor with 1 for every row handed to it."""
@@ -537,24 +582,28 @@ class GRPOTransferDock(_Docked):
 
 def _grpo_dock(prompts_num: int, n: int, columns: list[str], consumers: list[str], timeout: float,
                interval: float, url: str | Client | None, name: str, max_age: int = 1,
-               gbs_train: int = 0) -> GRPOTransferDock:
+               gbs_train: int = 0, lease: float | None = None) -> GRPOTransferDock:
     defaults = set(DEFAULT_COLUMNS), set(DEFAULT_CONSUMERS)
     return GRPOTransferDock(prompts_num, n, None, max_age, gbs_train, [c for c in columns if c not in defaults[0]],
-                            [c for c in consumers if c not in defaults[1]], timeout, interval, url=url, name=name)
+                            [c for c in consumers if c not in defaults[1]], timeout, interval, url=url, name=name,
+                            lease=lease)
 
 
 class TransferQueueClient(_Docked):
     """MindSpeed-RL's TransferQueue client: topics, each a dock named ``tq.TOPIC`` on one Redis server."""
 
-    def __init__(self, url: str | Client | None = None, *, prefix: str = "tq.") -> None:
+    def __init__(self, url: str | Client | None = None, *, prefix: str = "tq.", lease: float | None = None) -> None:
         self._url: str | Client = url or default_url()
         self._prefix = prefix
+        check_lease(lease)  # refused now, not at the first get
+        self.lease: float | None = lease
+        self._leased = {}
         self._docks: dict[str, TransferDock] = {}
         self._timeouts: dict[str, float] = {}
         self._timings: dict[str, float] = {"put": 0.0, "get": 0.0, "dispatch": 0.0}
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _tq_client, (self._url, self._prefix)
+        return _tq_client, (self._url, self._prefix, self.lease)
 
     def _dock(self, topic: str | None) -> TransferDock:
         topic = topic or DEFAULT_TOPIC
@@ -700,13 +749,15 @@ class TransferQueueClient(_Docked):
             return None, None
         # The queue returns rows by index; under partial rollout oldest first, as the dock picked them.
         order = list(range(len(rows))) if dock.rollout.partial else sorted(range(len(rows)), key=rows.__getitem__)
-        out, rows = {c: [v[i] for i in order] for c, v in batch.items()}, [rows[i] for i in order]
+        out, rows = {c: [v[i] for i in order] for c, v in batch.items()}, like(rows, [rows[i] for i in order])
         if require_dp_padding and experience_count and 0 < len(rows) < experience_count:  # MindSpeed's rule
             out, rows = dp_padded(out, rows, dp_size)
         return (_mindspeed_batch(out) if pad else out), rows
 
     def all_consumed(self, consumer: str, topic: str = DEFAULT_TOPIC, get_n_samples: bool = True) -> bool:
-        return self._dock(topic).all_consumed(consumer)
+        dock = self._dock(topic)
+        self._done(dock, consumer)
+        return dock.all_consumed(consumer)
 
     def all_updated(self, column: str, topic: str = DEFAULT_TOPIC) -> bool:
         dock = self._dock(topic)
@@ -809,8 +860,8 @@ class TransferQueueClient(_Docked):
         self._timings = dict.fromkeys(self._timings, 0.0)
 
 
-def _tq_client(url: str | Client, prefix: str) -> TransferQueueClient:
-    return TransferQueueClient(url, prefix=prefix)
+def _tq_client(url: str | Client, prefix: str, lease: float | None = None) -> TransferQueueClient:
+    return TransferQueueClient(url, prefix=prefix, lease=lease)
 
 
 def get_transfer_queue_client(name: str | None = None, *, url: str | None = None) -> TransferQueueClient:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import random
+import time
 
 import pytest
 import torch
@@ -386,3 +387,63 @@ def test_the_queue_counts_prompts_without_responses(client):
     queue.put_experience({"prompts": [torch.ones(1)] * 3}, [0, 1, 2], topic="inc")
     queue.put_experience({"responses": [torch.ones(1)]}, [1], topic="inc")
     assert queue.get_incomplete_response_num(topic="inc") == 2
+
+
+# -- writes fenced without the callers changing code ------------------------------------------------
+
+
+def _stage(td, consumer="rule_reward", count=2):
+    """A MindSpeed stage's get: the prompts of ``count`` rows and the indexes, as its workers call it."""
+    batch, index = td.get_experience(consumer=consumer, experience_columns=["prompts"], experience_count=count,
+                                     get_n_samples=False)
+    return [p[0].item() for p in batch["prompts"]], index
+
+
+def _scores(td, index):
+    return [None if s is None else s.item() for s in td.dock.read_rows(["rm_scores"], list(index))["rm_scores"]]
+
+
+def test_a_late_put_after_the_driver_cleared_and_refilled_is_dropped(td, caplog):
+    td.put_experience({"prompts": torch.tensor([[111.0], [111.0]])}, indexes=[0, 1])
+    prompts, index = _stage(td)
+    td.clear()
+    td.put_experience({"prompts": torch.tensor([[222.0], [222.0]])}, indexes=[0, 1])  # the next batch
+    td.put_experience({"rm_scores": torch.tensor([[1.0], [1.0]])}, indexes=index)  # the slow worker's result
+    assert "dropped" in caplog.text and "cleared" in caplog.text
+    assert _scores(td, [0, 1]) == [None, None]  # prompt 222 is not paired with prompt 111's score
+
+
+def test_with_a_lease_a_late_worker_writes_nothing_and_the_redo_counts(client):
+    name = f"ms{next(_names)}"
+    slow = GRPOTransferDock(2, 1, url=client, name=name, lease=0.1)
+    fast = GRPOTransferDock(2, 1, url=client, name=name, lease=30)
+    slow.put_experience({"prompts": torch.tensor([[1.0], [2.0]])}, indexes=[0, 1])
+    _, index = _stage(slow)
+    time.sleep(0.2)  # the slow worker's lease runs out; the rows go to another worker
+    _, again = _stage(fast)
+    assert sorted(again) == sorted(index)
+    fast.put_experience({"rm_scores": torch.tensor([[20.0], [20.0]])}, indexes=again)
+    slow.put_experience({"rm_scores": torch.tensor([[10.0], [10.0]])}, indexes=index)  # dropped
+    assert _scores(fast, [0, 1]) == [20.0, 20.0]
+    assert fast.all_consumed("rule_reward")  # the put acked the redone rows
+    slow.clear()
+
+
+def test_with_a_lease_the_next_get_acks_what_a_consumer_that_writes_nothing_was_handed(client):
+    name = f"ms{next(_names)}"
+    trainer = GRPOTransferDock(4, 1, url=client, name=name, lease=0.2)
+    trainer.put_experience({"prompts": torch.tensor([[1.0], [2.0], [3.0], [4.0]])}, indexes=[0, 1, 2, 3])
+    _stage(trainer, "actor_train")
+    _stage(trainer, "actor_train")  # the first batch is trained: this get acks it
+    assert trainer.all_consumed("actor_train")  # ... and the loop's check acks the second
+    time.sleep(0.3)
+    assert trainer.all_consumed("actor_train")  # nothing came back after the lease
+    assert trainer.dock.status()["consumers"]["actor_train"]["redelivered"] == 0
+    # A trainer that dies holding a batch: it comes back to the next one after the lease.
+    trainer.clear()
+    trainer.put_experience({"prompts": torch.tensor([[1.0], [2.0]])}, indexes=[0, 1])
+    dead = GRPOTransferDock(4, 1, url=client, name=name, lease=0.1)
+    _stage(dead, "actor_train")
+    time.sleep(0.2)
+    assert sorted(_stage(trainer, "actor_train")[1]) == [0, 1]
+    trainer.clear()
