@@ -9,6 +9,7 @@ same way (``unpack_pad_experience``, width a multiple of the TP size).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from broker import ExperienceTimeoutError, TransferDock
+from broker import ExperienceTimeoutError, FencedError, HandedRows, TransferDock
 from broker.experience import pack_experience_columns, unpack_pad_experience
 
 from .parallel import ParallelState
@@ -24,6 +25,8 @@ from .parallel import ParallelState
 #: Dtypes a column may have on the wire; the header carries the position in this list.
 WIRE_DTYPES = (torch.int64, torch.int32, torch.float32, torch.float64, torch.int16, torch.int8, torch.uint8,
                torch.float16, torch.bfloat16)
+
+log = logging.getLogger(__name__)
 
 
 class Dispatcher:
@@ -34,6 +37,9 @@ class Dispatcher:
         self.consumer = consumer
         self.state = state
         self.pad_id = pad_id
+        #: On rank 0, the delivery of the batch dispatched last: the rows travel the group as a tensor,
+        #: and the writes of their results name it (see ``collect``).
+        self.delivery: HandedRows | None = None
 
     def _broadcast(self, tensor: Tensor) -> None:
         if self.state.tp_group is not None:
@@ -75,6 +81,7 @@ class Dispatcher:
             got = self._get(columns, count, indexes, timeout, get_kwargs)
             if got is not None:
                 batch, rows = got
+                self.delivery = rows if isinstance(rows, HandedRows) else None
                 data, lengths = pack_experience_columns({c: batch[c] for c in columns}, len(rows))
                 header[0] = len(rows)
                 for i, column in enumerate(columns):
@@ -114,9 +121,16 @@ class Dispatcher:
         return batch, rows
 
     def collect(self, output: Mapping[str, Sequence[Tensor]], indexes: Sequence[int], **put_kwargs: Any) -> None:
-        """Rank 0 writes the group's result back; the other ranks computed the same and drop theirs."""
+        """Rank 0 writes the group's result back; the other ranks computed the same and drop theirs.
+
+        The put names the batch's delivery: if the rows were cleared or dropped meanwhile (they may hold
+        other prompts now), it writes nothing, and the result is dropped with a warning.
+        """
         if output and self.state.is_tp_src:
-            self.dock.put_experience(dict(output), list(indexes), **put_kwargs)
+            try:
+                self.dock.put_experience(dict(output), list(indexes), delivery=self.delivery, **put_kwargs)
+            except FencedError as exc:
+                log.warning("%s: result of rows %s dropped: %s", self.consumer, list(indexes)[:8], exc)
 
 
 def _one_dtype(batch: dict[str, list[Tensor]]) -> dict[str, list[Tensor]]:

@@ -7,6 +7,7 @@ whatever pace the stages before it write rows, and returns what it did and when 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -17,13 +18,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from broker import TransferDock
+from broker import FencedError, TransferDock
 
 from . import task
 from .config import RunConfig
 from .dispatch import Dispatcher, guaranteed_ranges
 from .parallel import ParallelState
 from .roles import DROP, Role, Trainer, checksum, make_role
+
+log = logging.getLogger(__name__)
 
 #: Longest wait of a get up to the filter under dynamic sampling (see ``run_iteration``), in seconds.
 TRICKLE_WAIT = 0.2
@@ -140,7 +143,13 @@ class RoleWorker:
         assert self.dispatcher is not None
         groups = [int(g) for g in output.pop(DROP)[0].tolist()]
         if groups and self.dispatcher.state.is_tp_src:
-            self.dock.drop_groups(self.role_name, groups)
+            # Fenced by the delivery: a filter late for its groups (refilled meanwhile) drops nothing, and
+            # the rows are no longer this worker's to write either.
+            try:
+                self.dock.drop_groups(self.role_name, groups, delivery=self.dispatcher.delivery)
+            except FencedError as exc:
+                log.warning("%s: groups %s not dropped: %s", self.role_name, groups, exc)
+                return []
         n = self.cfg.n
         gone = set(groups)
         keep = [i for i, row in enumerate(rows) if row // n not in gone]
