@@ -8,6 +8,7 @@ from .dock import TransferDock
 from .errors import (
     BrokerConnectionError,
     BrokerError,
+    BrokerTimeoutError,
     ClusterError,
     DecodeError,
     DockNotFoundError,
@@ -33,6 +34,7 @@ __all__ = [
     "Rollout",
     "BrokerError",
     "BrokerConnectionError",
+    "BrokerTimeoutError",
     "DecodeError",
     "DockNotFoundError",
     "ExperienceTimeoutError",
