@@ -56,8 +56,9 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 #: answering is reported within half a minute, where the 60 s socket timeout and its retries took 75 s.
 DEFAULT_CALL_TIMEOUT = 30.0
 
-#: How long past its ``timeout`` a waiting call (``get_experience(timeout=T)``) may run: the wait makes
-#: its last attempt at T, and that attempt needs a round trip to answer anything.
+#: The least time an attempt of a waiting call (``get_experience(timeout=T)``) is given, even past T:
+#: the wait makes its last attempt at T, and that attempt needs a round trip to answer anything. So an
+#: attempt begun in the last half second of the wait may end up to half a second after T.
 LAST_TRY_SECONDS = 0.5
 
 #: A deadline this close counts as passed: a socket timeout of the time left may end a hair early.
@@ -103,29 +104,28 @@ def call_deadline(seconds: float | None, *, bound: str | None = None) -> Iterato
 def extend_call(seconds: float, *, bound: str | None = None) -> None:
     """Give the rest of the current call, its outer ``call_deadline`` blocks included, ``seconds`` from now
     if its deadline is sooner. The one way to move a deadline later: for work that must not be cut once
-    begun (the rows a script has handed out are read whole, or they would be lost)."""
+    begun (the rows a script has handed out are read whole, or they would be lost). ``bound`` replaces
+    what error messages call the bound."""
     until = time.monotonic() + seconds
-    label = bound or f"{seconds:g} s"
-    _bounds.deadlines[:] = [(until, label) if deadline < until else (deadline, text)
+    _bounds.deadlines[:] = [(until, bound or text) if deadline < until else (deadline, text)
                             for deadline, text in _bounds.deadlines]
 
 
 def waiting_call(timeout: Any, call_timeout: float) -> contextlib.AbstractContextManager[None]:
     """The deadline of a call that waits up to ``timeout`` seconds for rows (``get_experience``).
 
-    A finite ``timeout`` > 0 bounds the wait and every attempt, the last one (made at ``timeout``)
-    given ``LAST_TRY_SECONDS`` to answer. ``float("inf")`` sets none: the wait is unbounded by request,
-    and each attempt still has ``call_timeout`` (the dock's ``_run``). Otherwise (None, 0: no wait) the
-    whole call has ``call_timeout``. An invalid ``timeout`` gets ``call_timeout``; the call rejects it.
+    A finite ``timeout`` > 0 bounds the wait and every attempt (an attempt is given at least
+    ``LAST_TRY_SECONDS``: the caller extends the call by that much as each begins). ``float("inf")`` sets
+    none: the wait is unbounded by request, and each attempt still has ``call_timeout`` (the dock's
+    ``_run``). Otherwise (None, 0: no wait) the whole call has ``call_timeout``. An invalid ``timeout``
+    gets ``call_timeout``; the call rejects it.
     """
     if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
         wait = float(timeout)
         if wait == math.inf:
             return contextlib.nullcontext()
         if 0 < wait < math.inf:
-            seconds = wait + LAST_TRY_SECONDS
-            return call_deadline(seconds, bound=f"{seconds:g} s (timeout={wait:g} s, and {LAST_TRY_SECONDS:g} s "
-                                                "for its last try)")
+            return call_deadline(wait, bound=f"{wait:g} s (get_experience's timeout)")
     return call_deadline(call_timeout)
 
 

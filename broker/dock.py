@@ -18,6 +18,7 @@ from . import codec, metrics
 from .balance import balanced_order, dp_padded
 from .connection import (
     DEFAULT_CALL_TIMEOUT,
+    LAST_TRY_SECONDS,
     Client,
     call_deadline,
     connect,
@@ -437,8 +438,8 @@ class TransferDock(GenerationCalls):
         never handed a group produced by a version older than the current one minus the bound; such
         groups are dropped or regenerated as the dock's ``stale_policy`` says, and counted.
         """
-        # The wait and every attempt end by ``timeout`` (see waiting_call), reading rows once handed out by
-        # call_timeout (see _read).
+        # The wait and every attempt end by ``timeout`` (see waiting_call and _wait); reading rows once
+        # handed out, by call_timeout (see _read).
         with metrics.observe(self.name, "get") as call, waiting_call(timeout, self._call_timeout):
             self._check.consumer(consumer)
             if experience_columns is None:
@@ -656,8 +657,13 @@ class TransferDock(GenerationCalls):
         return batch
 
     def _wait(self, attempt: Callable[[], T | None], timeout: float | None) -> T | None:
-        """Run ``attempt`` until it returns a value or ``timeout`` seconds pass, woken by puts."""
-        return self._listener.wait(lambda: self._run(attempt), timeout, _RECHECK_SECONDS)
+        """Run ``attempt`` until it returns a value or ``timeout`` seconds pass, woken by puts. Each attempt,
+        the last one made at ``timeout`` too, has at least LAST_TRY_SECONDS to answer."""
+        def attempt_in_time() -> T | None:
+            extend_call(LAST_TRY_SECONDS)
+            return self._run(attempt)
+
+        return self._listener.wait(attempt_in_time, timeout, _RECHECK_SECONDS)
 
     # -- status and clearing ------------------------------------------------------------------
 
