@@ -115,17 +115,21 @@ def waiting_call(timeout: Any, call_timeout: float) -> contextlib.AbstractContex
     """The deadline of a call that waits up to ``timeout`` seconds for rows (``get_experience``).
 
     A finite ``timeout`` > 0 bounds the wait and every attempt (an attempt is given at least
-    ``LAST_TRY_SECONDS``: the caller extends the call by that much as each begins). ``float("inf")`` sets
-    none: the wait is unbounded by request, and each attempt still has ``call_timeout`` (the dock's
-    ``_run``). Otherwise (None, 0: no wait) the whole call has ``call_timeout``. An invalid ``timeout``
-    gets ``call_timeout``; the call rejects it.
+    ``LAST_TRY_SECONDS``: the caller extends the call by that much as each begins; and a shorter
+    ``timeout`` bounds the call by that much, so that its round trips before the wait are not cut).
+    ``float("inf")`` sets none: the wait is unbounded by request, and each attempt still has
+    ``call_timeout`` (the dock's ``_run``). Otherwise (None, 0: no wait) the whole call has
+    ``call_timeout``. An invalid ``timeout`` gets ``call_timeout``; the call rejects it.
     """
     if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
         wait = float(timeout)
         if wait == math.inf:
             return contextlib.nullcontext()
         if 0 < wait < math.inf:
-            return call_deadline(wait, bound=f"{wait:g} s (get_experience's timeout)")
+            if wait >= LAST_TRY_SECONDS:
+                return call_deadline(wait, bound=f"{wait:g} s (get_experience's timeout)")
+            return call_deadline(LAST_TRY_SECONDS, bound=f"{LAST_TRY_SECONDS:g} s (get_experience's timeout of "
+                                                         f"{wait:g} s, raised to the least a round trip gets)")
     return call_deadline(call_timeout)
 
 
