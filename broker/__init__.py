@@ -9,6 +9,7 @@ from .dock import TransferDock
 from .errors import (
     BrokerConnectionError,
     BrokerError,
+    BrokerTimeoutError,
     ClusterError,
     DecodeError,
     DockNotFoundError,
@@ -35,6 +36,7 @@ __all__ = [
     "Rollout",
     "BrokerError",
     "BrokerConnectionError",
+    "BrokerTimeoutError",
     "DecodeError",
     "DockNotFoundError",
     "ExperienceTimeoutError",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
 import threading
 import time
@@ -12,13 +14,16 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import redis
-from redis.backoff import EqualJitterBackoff
+from redis.backoff import AbstractBackoff, EqualJitterBackoff
 from redis.cluster import ClusterPipeline, RedisCluster
+from redis.connection import AbstractConnection
 from redis.retry import Retry
+from redis.utils import SENTINEL
 
 from .errors import (
     BrokerConnectionError,
     BrokerError,
+    BrokerTimeoutError,
     ClusterError,
     DecodeError,
     DockNotFoundError,
@@ -38,6 +43,294 @@ Client = redis.Redis | RedisCluster
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
+# -- a call's bound ------------------------------------------------------------------------------
+#
+# A dock call runs under a deadline (``call_deadline``), kept per thread: the connections of the
+# clients opened here (``_Bounded``) bound every socket operation by the time left, and once none is
+# left fail with ``_DeadlinePassed``, which no retry loop repeats. A thread with no deadline (the put
+# listener's, a tool's) sees redis-py's behaviour unchanged.
+
+#: The bound of a dock call that has no ``timeout`` of its own (``TransferDock(call_timeout=...)``),
+#: retries and reconnects included. Long enough for what a healthy call may need: riding out a restart
+#: (the reconnect retries span 4-7 s), following a cluster failover at Redis's default
+#: ``cluster-node-timeout`` of 15 s, moving a batch of a few GB. Short enough that a server that stops
+#: answering is reported within half a minute, where the 60 s socket timeout and its retries took 75 s.
+DEFAULT_CALL_TIMEOUT = 30.0
+
+#: The least time an attempt of a waiting call (``get_experience(timeout=T)``) is given, even past T:
+#: the wait makes its last attempt at T, and that attempt needs a round trip to answer anything. So an
+#: attempt begun in the last half second of the wait may end up to half a second after T.
+LAST_TRY_SECONDS = 0.5
+
+#: A deadline this close counts as passed: a socket timeout of the time left may end a hair early.
+_DEADLINE_SLACK = 0.001
+
+
+class _CallBounds(threading.local):
+    """The calling thread's deadlines (outermost first) and its allowance for slow replies."""
+
+    def __init__(self) -> None:
+        self.deadlines: list[tuple[float, str]] = []  # (time.monotonic() deadline, the bound, for messages)
+        self.allowance = 0.0
+
+
+_bounds = _CallBounds()
+
+
+@contextlib.contextmanager
+def call_deadline(seconds: float | None, *, bound: str | None = None) -> Iterator[None]:
+    """Bound what the block does with Redis, retries included, to ``seconds`` from now.
+
+    Every socket operation of a client opened here (connect, send, read, the health-check PING, the wait
+    for a free pooled connection) waits at most the time left, and once none is left the call fails
+    with a BrokerTimeoutError (through ``redis_errors``) that no retry loop repeats; pauses between
+    retries end at the deadline too. A nested block never moves the deadline later: the earlier one
+    holds (``extend_call`` is the explicit exception). ``None`` adds no bound. ``bound`` says what the
+    bound is in error messages (default: the seconds). Clients passed in by the user are not bounded.
+    """
+    if seconds is None:
+        yield
+        return
+    deadlines = _bounds.deadlines
+    entry = (time.monotonic() + seconds, bound or f"{seconds:g} s")
+    if deadlines and deadlines[-1][0] <= entry[0]:
+        entry = deadlines[-1]  # the outer deadline comes first: it holds
+    deadlines.append(entry)
+    try:
+        yield
+    finally:
+        deadlines.pop()
+
+
+def extend_call(seconds: float, *, bound: str | None = None) -> None:
+    """Give the rest of the current call, its outer ``call_deadline`` blocks included, ``seconds`` from now
+    if its deadline is sooner. The one way to move a deadline later: for work that must not be cut once
+    begun (the rows a script has handed out are read whole, or they would be lost). ``bound`` replaces
+    what error messages call the bound."""
+    until = time.monotonic() + seconds
+    _bounds.deadlines[:] = [(until, bound or text) if deadline < until else (deadline, text)
+                            for deadline, text in _bounds.deadlines]
+
+
+def waiting_call(timeout: Any, call_timeout: float) -> contextlib.AbstractContextManager[None]:
+    """The deadline of a call that waits up to ``timeout`` seconds for rows (``get_experience``).
+
+    A finite ``timeout`` > 0 bounds the wait and every attempt (an attempt is given at least
+    ``LAST_TRY_SECONDS``: the caller extends the call by that much as each begins; and a shorter
+    ``timeout`` bounds the call by that much, so that its round trips before the wait are not cut).
+    ``float("inf")`` sets none: the wait is unbounded by request, and each attempt still has
+    ``call_timeout`` (the dock's ``_run``). Otherwise (None, 0: no wait) the whole call has
+    ``call_timeout``. An invalid ``timeout`` gets ``call_timeout``; the call rejects it.
+    """
+    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        wait = float(timeout)
+        if wait == math.inf:
+            return contextlib.nullcontext()
+        if 0 < wait < math.inf:
+            if wait >= LAST_TRY_SECONDS:
+                return call_deadline(wait, bound=f"{wait:g} s (get_experience's timeout)")
+            return call_deadline(LAST_TRY_SECONDS, bound=f"{LAST_TRY_SECONDS:g} s (get_experience's timeout of "
+                                                         f"{wait:g} s, raised to the least a round trip gets)")
+    return call_deadline(call_timeout)
+
+
+def time_left() -> float | None:
+    """Seconds left before the calling thread's deadline (<= 0: passed), None outside any."""
+    deadlines = _bounds.deadlines
+    return deadlines[-1][0] - time.monotonic() if deadlines else None
+
+
+def _expired() -> bool:
+    left = time_left()
+    return left is not None and left <= _DEADLINE_SLACK
+
+
+@contextlib.contextmanager
+def slow_reply(seconds: float) -> Iterator[None]:
+    """Let each reply read in the block take ``seconds`` beyond the socket timeout (the call's deadline
+    still holds): for WAIT, which the server answers only after up to its own timeout."""
+    saved = _bounds.allowance
+    _bounds.allowance = saved + seconds
+    try:
+        yield
+    finally:
+        _bounds.allowance = saved
+
+
+class _DeadlinePassed(redis.RedisError):
+    """A Redis operation cut because the call's deadline passed.
+
+    Deliberately neither a redis-py ConnectionError nor a TimeoutError: redis-py's retries, the cluster
+    client's and ours go by those types, so none sends the call again. The connection it happened on
+    is closed (a reply may still be due on it).
+    """
+
+    def __init__(self, bound: str, detail: str):
+        super().__init__(f"no answer within the call's bound of {bound} ({detail})")
+        self.bound = bound
+        self.detail = detail
+
+
+def _passed(detail: str) -> _DeadlinePassed:
+    deadlines = _bounds.deadlines
+    return _DeadlinePassed(deadlines[-1][1] if deadlines else "its deadline", detail)
+
+
+def _cut_by_deadline(exc: BaseException) -> _DeadlinePassed | None:
+    """The deadline that ended the call with ``exc``, if one did: a ``_DeadlinePassed`` it stems from,
+    or a connection failure (a retry loop given up) once the deadline has passed."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # causes and contexts: redis-py wraps and re-raises
+        if seen is None:
+            break
+        if isinstance(seen, _DeadlinePassed):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    if _expired():
+        return _passed(str(exc)[:300])
+    return None
+
+
+class _Bounded(AbstractConnection):
+    """Mixin of the connections of clients opened here: each socket operation bounded by the call's deadline.
+
+    Under ``call_deadline`` a connect (TLS handshake included), a send, a read (the health-check PING's
+    too) waits at most the time left, and one that finds none left, or times out at the deadline,
+    closes the connection and raises ``_DeadlinePassed``. Under ``slow_reply`` the socket timeout grows
+    by the allowance. Otherwise each method is redis-py's own. (redis-py's methods are untyped: they are
+    called through ``Any``.)
+    """
+
+    def _op_timeout(self) -> float | None:
+        """The next operation's socket timeout; None: the connection's own (no deadline, no allowance)."""
+        deadlines, allowance = _bounds.deadlines, _bounds.allowance
+        if not deadlines and not allowance:
+            return None
+        own = self._socket_timeout
+        timeout = None if own is None else own + allowance
+        if deadlines:
+            left = deadlines[-1][0] - time.monotonic()
+            if left <= _DEADLINE_SLACK:
+                conn: Any = self
+                conn.disconnect()  # a reply may be due on it: no later call must read it as its own
+                raise _passed(f"no time left for a request to {conn._host_error()}")
+            timeout = left if timeout is None else min(timeout, left)
+        return timeout
+
+    @contextlib.contextmanager
+    def _cut_at_deadline(self) -> Iterator[None]:
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if _expired():
+                conn: Any = self
+                conn.disconnect()
+                raise _passed(f"{exc}") from exc
+            raise
+
+    def _connect(self) -> Any:
+        base: Any = super()
+        timeout = self._op_timeout()
+        if timeout is None:
+            return base._connect()
+        # Opening the socket and a TLS handshake read these two; the parser reads the socket timeout only
+        # after, so it keeps the connection's own.
+        own, own_connect = self._socket_timeout, self._socket_connect_timeout
+        self._socket_timeout = timeout
+        self._socket_connect_timeout = timeout if own_connect is None else min(own_connect, timeout)
+        try:
+            sock = base._connect()
+        finally:
+            self._socket_timeout, self._socket_connect_timeout = own, own_connect
+        sock.settimeout(own)  # as redis-py leaves it; every operation under a deadline sets its own
+        return sock
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        base: Any = super()
+        if self._op_timeout() is None:
+            base.connect_check_health(check_health, retry_socket_connect)
+            return
+        with self._cut_at_deadline():
+            base.connect_check_health(check_health, retry_socket_connect)
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        base: Any = super()
+        if self._op_timeout() is None:
+            base.send_packed_command(command, check_health)
+            return
+        conn: Any = self
+        with self._cut_at_deadline():
+            # redis-py's own steps before the send (each bounded by its own operations), then the send.
+            if not conn._sock:
+                self.connect_check_health(check_health=False)
+            if check_health:
+                conn.check_health()
+            sock, timeout = conn._sock, self._op_timeout()
+            sock.settimeout(timeout)
+            try:
+                base.send_packed_command(command, check_health=False)
+            finally:
+                if conn._sock is sock:
+                    sock.settimeout(self._socket_timeout)
+
+    def read_response(self, disable_decoding: bool = False, *, timeout: Any = SENTINEL, **kwargs: Any) -> Any:
+        base: Any = super()
+        bound = self._op_timeout()
+        if bound is None:
+            return base.read_response(disable_decoding, timeout=timeout, **kwargs)
+        if timeout is SENTINEL or timeout is None or timeout > bound:
+            timeout = bound  # the parser sets it on the socket for each read, then restores the own one
+        with self._cut_at_deadline():
+            return base.read_response(disable_decoding, timeout=timeout, **kwargs)
+
+
+class _BoundedConnection(_Bounded, redis.Connection):
+    """A TCP connection bounded by the call's deadline (see ``_Bounded``)."""
+
+
+class _BoundedSSLConnection(_Bounded, redis.SSLConnection):
+    """A TLS connection bounded by the call's deadline (see ``_Bounded``)."""
+
+
+class _BoundedUnixConnection(_Bounded, redis.UnixDomainSocketConnection):
+    """A unix-socket connection bounded by the call's deadline (see ``_Bounded``)."""
+
+
+#: redis-py's connection classes, and the bounded one that stands for each.
+_BOUNDED: dict[type[Any], type[Any]] = {
+    redis.Connection: _BoundedConnection,
+    redis.SSLConnection: _BoundedSSLConnection,
+    redis.UnixDomainSocketConnection: _BoundedUnixConnection,
+}
+
+
+class _BoundedPool(redis.ConnectionPool):
+    """The pool of each node of a cluster client: its connections are bounded ones.
+
+    The cluster client gives ``connection_class`` to its nodes' pools, but from a ``rediss://`` URL
+    its own parsing replaces any given class with ``SSLConnection``; the pool class it takes as it is,
+    so the swap happens here, for every scheme.
+    """
+
+    def __init__(self, connection_class: type[Any] = redis.Connection, **kwargs: Any):
+        super().__init__(connection_class=_BOUNDED.get(connection_class, connection_class), **kwargs)
+
+
+class _BoundedBackoff(AbstractBackoff):
+    """A backoff whose pauses end at the calling thread's deadline."""
+
+    def __init__(self, backoff: AbstractBackoff):
+        self._backoff = backoff
+
+    def reset(self) -> None:
+        self._backoff.reset()
+
+    def compute(self, failures: int) -> float:
+        pause = self._backoff.compute(failures)
+        left = time_left()
+        return pause if left is None else max(0.0, min(pause, left))
+
+
 #: Attribute set on an error that a retry loop has given up on.
 _RETRIED = "_broker_retried"
 
@@ -48,7 +341,8 @@ class _ReconnectRetry(Retry):
     redis-py nests its retries: a command's retry (or the pool's hand-out retry below) wraps a
     reconnect whose own retry wraps opening the socket. Against a dead server the attempts multiply
     (9 x 9 sockets, over a minute instead of seconds). An error that has already been through one
-    retry loop is marked, and the loops around it pass it on at once.
+    retry loop is marked, and the loops around it pass it on at once. Nothing is retried once the
+    call's deadline has passed (see ``call_deadline``).
     """
 
     def call_with_retry(
@@ -59,7 +353,7 @@ class _ReconnectRetry(Retry):
         with_failure_count: bool = False,
     ) -> T:
         def retryable(error: Exception) -> bool:
-            if getattr(error, _RETRIED, False):
+            if getattr(error, _RETRIED, False) or _expired():
                 return False
             if isinstance(error, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
                 return False
@@ -88,7 +382,29 @@ class _RetryingPool(redis.BlockingConnectionPool):
     been sent yet, retrying there is always safe. A socket that cannot be opened at all is not tried
     again here: the reconnect has already retried it (see ``_ReconnectRetry``), and a pool that had
     no free connection for ``POOL_WAIT_SECONDS`` is reported at once.
+
+    Its connections are bounded ones (see ``_Bounded``), and so is the wait for a free one: it ends at
+    the call's deadline.
     """
+
+    def __init__(self, connection_class: type[Any] = redis.Connection, **kwargs: Any):
+        super().__init__(  # type: ignore[no-untyped-call]
+            connection_class=_BOUNDED.get(connection_class, connection_class), **kwargs
+        )
+
+    # BlockingConnectionPool waits ``self.timeout`` for a free connection: the pool's own wait, or the
+    # time left of the calling thread's call if that is shorter.
+    @property
+    def timeout(self) -> float | None:
+        left = time_left()
+        if left is None:
+            return self._wait_seconds
+        left = max(0.0, left)
+        return left if self._wait_seconds is None else min(self._wait_seconds, left)
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self._wait_seconds = seconds
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         def get() -> Any:
@@ -96,8 +412,10 @@ class _RetryingPool(redis.BlockingConnectionPool):
                 return super(_RetryingPool, self).get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
             except redis.ConnectionError as exc:
                 if str(exc) == "No connection available.":  # BlockingConnectionPool's wait ran out
+                    if _expired():
+                        raise _passed("waiting for a free connection of the pool") from None
                     raise _PoolExhausted(
-                        f"all {self.max_connections} connections of the pool stayed busy for {self.timeout} s"
+                        f"all {self.max_connections} connections of the pool stayed busy for {self._wait_seconds} s"
                     ) from None
                 raise
 
@@ -112,8 +430,8 @@ class _PoolExhausted(redis.ConnectionError):
 
 
 #: The pause before a retry, by failures so far, for plain and cluster clients alike (EqualJitterBackoff
-#: keeps no state, so one serves every retry loop).
-_BACKOFF = EqualJitterBackoff(cap=2.0, base=0.05)
+#: keeps no state, so one serves every retry loop), ending at the call's deadline if sooner.
+_BACKOFF = _BoundedBackoff(EqualJitterBackoff(cap=2.0, base=0.05))
 
 
 def default_retry() -> Retry:
@@ -204,7 +522,16 @@ def _open_url(url: str) -> Client:
 #: below, few enough that a cluster that stays broken is reported within a minute.
 CLUSTER_ATTEMPTS = 12
 
-
+#: Socket timeout (and connect timeout) of one attempt of a cluster client, against 60 s (10 s) for a
+#: plain one. A primary that stops answering is failed over by the cluster after its
+#: ``cluster-node-timeout`` (Redis's default 15 s; 2 s in the local test cluster) and a second or two
+#: of election; a call waiting on it for a minute would never see that. With a second per attempt the
+#: call times out, the client reloads its slot map, and after the promotion its next attempt reaches
+#: the new primary, within a second or two of it. Resending a timed-out attempt is safe: broker calls
+#: are idempotent, and a sampling call's resend gets its first reply back (request ids). A reply that
+#: takes longer than this is sent again too; WAIT is given its own allowance (``slow_reply``). A
+#: URL's ``?socket_timeout=`` overrides it.
+CLUSTER_ATTEMPT_SECONDS = 1.0
 
 
 class _PacedRetries:
@@ -226,16 +553,29 @@ class _PacedRetries:
         try:
             return super()._execute_command(target_node, *args, **kwargs)  # type: ignore[misc]
         except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if _expired():  # the call is over: no retry (the loop above goes by the error's type)
+                raise _passed(f"{exc}") from exc
             if type(exc) in RedisCluster.ERRORS_ALLOW_RETRY:  # not a refused password, nor a full pool
                 count = getattr(self._failures, "count", 0) + 1
                 self._failures.count = count
                 if count <= CLUSTER_ATTEMPTS:
-                    time.sleep(_BACKOFF.compute(count))
+                    time.sleep(_BACKOFF.compute(count))  # ends at the deadline
+                    if _expired():
+                        raise _passed(f"{exc}") from exc
             raise
 
 
 class _PacedPipeline(_PacedRetries, ClusterPipeline):
     """A cluster pipeline whose commands retried one by one (after a connection failure) are paced."""
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        # The pipeline keeps any error of a node's reads as that command's reply; a deadline that
+        # passed ends the call instead of passing for a reply.
+        replies: list[Any] = super().execute(raise_on_error)
+        for reply in replies:
+            if isinstance(reply, _DeadlinePassed):
+                raise reply
+        return replies
 
 
 class _PacedCluster(_PacedRetries, RedisCluster):
@@ -248,12 +588,14 @@ class _PacedCluster(_PacedRetries, RedisCluster):
 
 
 def _open_cluster(url: str) -> RedisCluster:
-    """A cluster client for ``url`` (any node's), with the same timeouts and retries as a plain one."""
+    """A cluster client for ``url`` (any node's), with the retries of a plain one and short attempts
+    (``CLUSTER_ATTEMPT_SECONDS``); its nodes' connections are bounded (see ``_BoundedPool``)."""
     try:
         with redis_errors(redact(url)):
             return _PacedCluster.from_url(
-                url, retry=_ReconnectRetry(_BACKOFF, retries=CLUSTER_ATTEMPTS),
-                health_check_interval=30, socket_connect_timeout=10, socket_timeout=60, socket_keepalive=True,
+                url, retry=_ReconnectRetry(_BACKOFF, retries=CLUSTER_ATTEMPTS), connection_pool_class=_BoundedPool,
+                health_check_interval=30, socket_connect_timeout=CLUSTER_ATTEMPT_SECONDS,
+                socket_timeout=CLUSTER_ATTEMPT_SECONDS, socket_keepalive=True,
             )
     except ValueError as exc:
         raise BrokerError(f"invalid Redis Cluster URL {redact(url)!r}: {exc}") from None
@@ -265,6 +607,7 @@ def _open_node(url: str) -> redis.Redis:
         # turn a silent peer into an error (no broker command runs for a minute); the URL's query
         # (?socket_timeout=..., ?max_connections=...) overrides them.
         tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}  # unix sockets take no keepalive
+        # The pool swaps the URL's connection class (TCP, TLS, unix) for its bounded one.
         pool = _RetryingPool.from_url(
             url, health_check_interval=30, retry=default_retry(), socket_connect_timeout=10, socket_timeout=60,
             max_connections=POOL_SIZE, timeout=POOL_WAIT_SECONDS, **tcp,
@@ -315,7 +658,7 @@ def url_of(client: Client) -> str | None:
         return None if node is None or node.redis_connection is None else url_of(node.redis_connection)
     pool = client.connection_pool
     kwargs = pool.connection_kwargs
-    cls = pool.connection_class
+    cls = {bounded: plain for plain, bounded in _BOUNDED.items()}.get(pool.connection_class, pool.connection_class)
     if cls is redis.UnixDomainSocketConnection:
         url = f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
         auth = _auth(kwargs)
@@ -348,6 +691,8 @@ def redis_errors(where: str) -> Iterator[None]:
     """Re-raise redis-py errors as broker errors; ``where`` names the server for the message."""
     try:
         yield
+    except _DeadlinePassed as exc:
+        raise _timeout_error(where, exc) from exc
     except redis.AuthenticationError as exc:
         raise BrokerConnectionError(f"Redis at {where} refused the credentials: {exc}") from exc
     except redis.exceptions.AskError as exc:  # MovedError too: redis-py keeps only "SLOT HOST:PORT" of it
@@ -369,8 +714,14 @@ def redis_errors(where: str) -> Iterator[None]:
     except redis.exceptions.ClusterError as exc:
         raise ClusterError(f"Redis Cluster at {where}: {exc}") from exc
     except redis.exceptions.RedisClusterException as exc:  # not a RedisError: cross-slot MULTI, uncovered slot
+        cut = _cut_by_deadline(exc)  # a slot map reload that found no node answering in time
+        if cut is not None:
+            raise _timeout_error(where, cut) from exc
         raise ClusterError(f"Redis Cluster at {where} refused the call: {_short(exc)}") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
+        cut = _cut_by_deadline(exc)  # a retry loop that stopped at the deadline
+        if cut is not None:
+            raise _timeout_error(where, cut) from exc
         raise BrokerConnectionError(f"Redis at {where}: {exc}") from exc
     except redis.exceptions.OutOfMemoryError as exc:
         raise StoreFullError(
@@ -388,6 +739,13 @@ def redis_errors(where: str) -> Iterator[None]:
         raise RedisCommandError(f"Redis at {where} refused a command: {exc}") from exc
     except redis.RedisError as exc:
         raise RedisCommandError(f"Redis at {where} refused a command: {exc}") from exc
+
+
+def _timeout_error(where: str, cut: _DeadlinePassed) -> BrokerTimeoutError:
+    return BrokerTimeoutError(
+        f"Redis at {where} did not answer within the call's bound of {cut.bound}; the call was given up "
+        f"and may or may not have been applied ({_short(Exception(cut.detail))})"
+    )
 
 
 #: Error prefixes of the Lua scripts, and the broker error each stands for.

@@ -15,7 +15,19 @@ from redis.cluster import RedisCluster
 
 from . import codec, metrics
 from .balance import balanced_order, dp_padded
-from .connection import Client, connect, disconnect, redact, redis_errors, value_limit
+from .connection import (
+    DEFAULT_CALL_TIMEOUT,
+    LAST_TRY_SECONDS,
+    Client,
+    call_deadline,
+    connect,
+    disconnect,
+    extend_call,
+    redact,
+    redis_errors,
+    value_limit,
+    waiting_call,
+)
 from .delivery import HandedRows, LeasedRows, fence_of, like
 from .errors import (
     BrokerError,
@@ -48,6 +60,7 @@ from .store import DataStore, ShardedStore, SlotStore, choose_shards
 from .validation import (
     DockChecks,
     abbrev,
+    check_call_timeout,
     check_durability,
     check_flag,
     check_lease,
@@ -108,6 +121,7 @@ class TransferDock(GenerationCalls):
         shards: int | None = None,
         wait_replicas: int = 0,
         wait_timeout: float = 1.0,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
     ):
         """Create dock ``name``, or attach to it if it exists with the same schema.
 
@@ -130,11 +144,15 @@ class TransferDock(GenerationCalls):
         acknowledge raises ReplicationError (it was applied; repeating it is safe); a hand-out logs it and
         returns its rows. A node with fewer replicas in sync than k is waited on for those it has, and
         logged as degraded. See replication.py and the README.
+
+        ``call_timeout`` (seconds, default 30) bounds each call, retries included, unless it has a
+        ``timeout`` of its own (``get_experience``); a call out of time raises BrokerTimeoutError. It
+        bounds only clients the broker opened from a URL: a client passed in keeps its own timeouts.
         """
         wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout)
         if shards is not None and (not is_int(shards) or shards < 0):
             raise SchemaError(f"shards must be None or an int >= 0, got {shards!r}")
-        self._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout))
+        self._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout), call_timeout)
         with self._closed_on_error():
             if wanted.rollout == Rollout() or shards:
                 tags = self._run(lambda: choose_shards(self._client, name, shards))
@@ -155,12 +173,13 @@ class TransferDock(GenerationCalls):
     @classmethod
     def attach(
         cls, url_or_client: str | Client, name: str, *, policy: str = "fifo", seed: int | None = None,
-        wait_replicas: int = 0, wait_timeout: float = 1.0,
+        wait_replicas: int = 0, wait_timeout: float = 1.0, call_timeout: float = DEFAULT_CALL_TIMEOUT,
     ) -> TransferDock:
-        """Open the existing dock ``name`` from the schema stored in Redis (``wait_replicas``: see ``__init__``)."""
+        """Open the existing dock ``name`` from the schema stored in Redis (``wait_replicas``,
+        ``call_timeout``: see ``__init__``)."""
         dock = cls.__new__(cls)
         dock.created = False
-        dock._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout))
+        dock._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout), call_timeout)
         with dock._closed_on_error():
             dock._set_schema(*dock._run(dock._stored))
         return dock
@@ -175,13 +194,16 @@ class TransferDock(GenerationCalls):
             raise
 
     def _open(
-        self, target: str | Client, name: str, policy: str, seed: int | None, durability: tuple[int, float] = (0, 1.0)
+        self, target: str | Client, name: str, policy: str, seed: int | None, durability: tuple[int, float] = (0, 1.0),
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         self._policy = check_policy(policy)
         self._durability = check_durability(*durability)
+        self._call_timeout = check_call_timeout(call_timeout, self._durability)
         self._keys = DockKeys(name)
         self._closed = True  # until connected: close() then has nothing to hand back
-        self._client, self._url = connect(target)
+        with call_deadline(self._call_timeout):  # a URL's client asks the server whether it is a cluster
+            self._client, self._url = connect(target)
         self._owns_client = isinstance(target, str)
         self._closed = False
         self._server = redact(self._url) if self._url else repr(self._client)
@@ -238,7 +260,7 @@ class TransferDock(GenerationCalls):
                 f"dock {self.name!r} was opened from a client with no URL ({type(self._client).__name__}); "
                 "open it from a URL to pickle it"
             )
-        return _reattach, (self._url, self.name, self._policy, self._seed, self._durability)
+        return _reattach, (self._url, self.name, self._policy, self._seed, self._durability, self._call_timeout)
 
     def __repr__(self) -> str:
         s = self._schema
@@ -435,7 +457,9 @@ class TransferDock(GenerationCalls):
         never handed a group produced by a version older than the current one minus the bound; such
         groups are dropped or regenerated as the dock's ``stale_policy`` says, and counted.
         """
-        with metrics.observe(self.name, "get") as call:
+        # The wait and every attempt end by ``timeout`` (see waiting_call and _wait); reading rows once
+        # handed out, by call_timeout (see _read).
+        with metrics.observe(self.name, "get") as call, waiting_call(timeout, self._call_timeout):
             self._check.consumer(consumer)
             if experience_columns is None:
                 experience_columns = self.consumer_columns(consumer)
@@ -635,6 +659,9 @@ class TransferDock(GenerationCalls):
         """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out
         (the read fence: see ``store.py`` and lua/include/generations.lua)."""
         fields = [str(r) for r in rows]
+        # The rows are handed out: cut short now, those without a lease would be lost. The rest of the call
+        # (this read, the wait for replicas, balancing) gets call_timeout, even past a get's own timeout.
+        extend_call(self._call_timeout, bound=f"call_timeout={self._call_timeout:g} s (rows were handed out)")
         values_by_column = self._run(lambda: self._store.read(columns, rows, handout))
         if values_by_column is None:
             return None
@@ -652,8 +679,13 @@ class TransferDock(GenerationCalls):
         return batch
 
     def _wait(self, attempt: Callable[[], T | None], timeout: float | None) -> T | None:
-        """Run ``attempt`` until it returns a value or ``timeout`` seconds pass, woken by puts."""
-        return self._listener.wait(lambda: self._run(attempt), timeout, _RECHECK_SECONDS)
+        """Run ``attempt`` until it returns a value or ``timeout`` seconds pass, woken by puts. Each attempt,
+        the last one made at ``timeout`` too, has at least LAST_TRY_SECONDS to answer."""
+        def attempt_in_time() -> T | None:
+            extend_call(LAST_TRY_SECONDS)
+            return self._run(attempt)
+
+        return self._listener.wait(attempt_in_time, timeout, _RECHECK_SECONDS)
 
     # -- status and clearing ------------------------------------------------------------------
 
@@ -837,17 +869,19 @@ class TransferDock(GenerationCalls):
     def _run(self, call: Callable[[], T]) -> T:
         if self._closed:
             raise BrokerError(f"dock {self.name!r} at {self._server} was closed; open it again to use it")
-        try:
+        # Bounded by call_timeout, or by the deadline of the public call around it if sooner.
+        with call_deadline(self._call_timeout):
+            try:
+                with redis_errors(self._where):
+                    return call()
+            except SchemaError:
+                # Every script refuses to run on a schema other than the one this object knows, and runs
+                # nothing before it checks. If another process only grew the dock, adopt the grown schema
+                # and run the call again; anything else (recreated, edited) stays an error.
+                if not self._follow_growth():
+                    raise
             with redis_errors(self._where):
                 return call()
-        except SchemaError:
-            # Every script refuses to run on a schema other than the one this object knows, and runs
-            # nothing before it checks. If another process only grew the dock, adopt the grown schema
-            # and run the call again; anything else (recreated, edited) stays an error.
-            if not self._follow_growth():
-                raise
-        with redis_errors(self._where):
-            return call()
 
     def _reads(self, build: Callable[[redis.client.Pipeline], None], *, transaction: bool = False) -> list[Any]:
         """The replies of the read pipeline ``build`` queues; an error reply raises, as a broker error
@@ -907,7 +941,8 @@ class TransferDock(GenerationCalls):
             if grown == self._schema:
                 return grown
             try:
-                with redis_errors(self._where):  # not _run: a changed schema here means retry, not adopt
+                # not _run: a changed schema here means retry, not adopt
+                with call_deadline(self._call_timeout), redis_errors(self._where):
                     self._scripts.grow(grown)
             except SchemaError:
                 pass  # another process grew it between our read and our write
@@ -917,11 +952,11 @@ class TransferDock(GenerationCalls):
 
 
 
-def _reattach(url: str, name: str, policy: str, seed: int | None, durability: tuple[int, float] = (0, 1.0)
-              ) -> TransferDock:
+def _reattach(url: str, name: str, policy: str, seed: int | None, durability: tuple[int, float] = (0, 1.0),
+              call_timeout: float = DEFAULT_CALL_TIMEOUT) -> TransferDock:
     """Unpickle a dock: reconnect to its server and read its schema there."""
     return TransferDock.attach(url, name, policy=policy, seed=seed, wait_replicas=durability[0],
-                               wait_timeout=durability[1])
+                               wait_timeout=durability[1], call_timeout=call_timeout)
 
 
 class _Seeds:

@@ -71,6 +71,15 @@ class BrokerConnectionError(BrokerError, ConnectionError):
     """The Redis server could not be reached, or the connection dropped mid-call."""
 
 
+class BrokerTimeoutError(BrokerConnectionError, TimeoutError):
+    """Redis did not answer within the call's bound: the dock's ``call_timeout``, or for
+    ``get_experience(timeout=T)`` T (see the README, "Lost replies and reconnects").
+
+    The call was given up and not retried; it may or may not have been applied. The message names the
+    server and the bound.
+    """
+
+
 class RedisCommandError(BrokerError):
     """Redis refused a command (permissions, wrong server state, ...)."""
 

@@ -33,7 +33,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from . import fanout
-from .connection import Client
+from .connection import Client, slow_reply
 from .errors import ClusterError
 
 log = logging.getLogger("broker")
@@ -73,7 +73,10 @@ class Replication:
                 pipe = node_client.pipeline(transaction=False)
                 pipe.incr(key)
                 pipe.execute_command("WAIT", want, self._timeout_ms)
-                acked = int(pipe.execute()[-1])
+                # The server answers WAIT only after up to its timeout: a reply allowed that much beyond a
+                # cluster client's short socket timeout (the call's deadline still holds).
+                with slow_reply(self._timeout_ms / 1000):
+                    acked = int(pipe.execute()[-1])
                 if acked < want:
                     self._attached.pop(name, None)  # a replica may have gone: read the count again next time
                     short.append(f"{name} ({key}): {acked} of {want}")

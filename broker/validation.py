@@ -83,6 +83,20 @@ def check_durability(replicas: Any, timeout: Any) -> tuple[int, float]:
     return int(replicas), float(timeout)
 
 
+def check_call_timeout(seconds: Any, durability: tuple[int, float]) -> float:
+    """``call_timeout``: seconds in (0, 1 day], above ``wait_timeout`` when waiting for replicas (a put's
+    WAIT runs within it)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 86400:
+        raise InvalidExperienceError(f"call_timeout must be seconds in (0, 86400], got {seconds!r:.40}")
+    replicas, wait_timeout = durability
+    if replicas and seconds <= wait_timeout:
+        raise InvalidExperienceError(
+            f"call_timeout ({seconds:g} s) must exceed wait_timeout ({wait_timeout:g} s): a put's wait for "
+            "replicas runs within it"
+        )
+    return float(seconds)
+
+
 def check_flag(name: str, value: Any) -> bool:
     """A bool argument (numpy's too); 1 or "yes" would hide a mix-up of positional arguments."""
     if not isinstance(value, (bool, np.bool_)):
