@@ -2,6 +2,7 @@
 
     broker status [--url URL] [NAME] [--json] [--watch [SECONDS]]
     broker clear NAME --yes [--url URL]
+    broker dead NAME [--consumer C] [--drop --yes] [--url URL]
     broker acl NAME | --reader [--user U] [--password P] [--cluster] [--apply --url URL]
     broker exporter [--url URL] [--port 9808] [NAME...]
     broker demo [--redis-url URL] [--iterations N] [--prompts N] [--n N] [--dp N] [--tp N] ...
@@ -88,6 +89,24 @@ def _clear(args: argparse.Namespace) -> int:
         else:
             dock.clear()
     print(f"{'deleted' if args.delete else 'cleared'} dock {args.name} at {redact(args.url)}")
+    return 0
+
+
+def _dead(args: argparse.Namespace) -> int:
+    if args.drop and not args.yes:
+        print(f"broker: dropping the dead letters of dock {args.name!r} deletes their rows; add --yes to do it",
+              file=sys.stderr)
+        return 2
+    with TransferDock.attach(args.url, args.name) as dock:
+        letters = dock.dead_letters(args.consumer)
+        for consumer, rows in letters.items():
+            for row, why in rows.items():
+                print(f"{consumer}\t{row}\t{why}")
+        if args.drop:
+            dropped = dock.drop_dead_letters(args.consumer)
+            print(f"dropped {len(dropped)} rows of dock {args.name} at {redact(args.url)}")
+        elif not any(letters.values()):
+            print(f"no dead letters in dock {args.name} at {redact(args.url)}")
     return 0
 
 
@@ -195,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--delete", action="store_true",
                        help="delete the dock itself too (its schema), so it can be made again with another size")
     clear.set_defaults(run=_clear)
+
+    dead = commands.add_parser("dead", parents=[url],
+                               help="list a dock's dead letters (rows whose bytes kept failing to read), or drop them")
+    dead.add_argument("name")
+    dead.add_argument("--consumer", help="only this consumer's (default: every consumer's)")
+    dead.add_argument("--drop", action="store_true", help="forget those rows (their bytes and marks), as clear does")
+    dead.add_argument("--yes", action="store_true", help="confirm --drop")
+    dead.set_defaults(run=_dead)
 
     exporter = commands.add_parser(
         "exporter", parents=[url], help="serve the docks' counts and memory as Prometheus metrics on /metrics",

@@ -8,7 +8,7 @@ import random
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -98,6 +98,20 @@ _RECHECK_SECONDS = 1.0
 _FENCE_RETRIES = 16
 
 
+#: How many times, by default, a row whose bytes cannot be read is handed to a consumer before it becomes
+#: a dead letter for it: enough to ride out a row being rewritten while it was read, few enough that a
+#: corrupt row does not hold a worker up for long.
+DEAD_LETTER_AFTER = 3
+
+
+class _Unreadable(Exception):
+    """Rows of a hand-out whose bytes could not be read (row -> why), raised by ``_read`` to its caller."""
+
+    def __init__(self, rows: dict[int, str], corrupt: bool):
+        super().__init__(rows)
+        self.rows, self.corrupt = rows, corrupt
+
+
 class TransferDock(GenerationCalls):
     """Columns of per-row tensors with ready and consumed status, shared through Redis.
 
@@ -122,6 +136,7 @@ class TransferDock(GenerationCalls):
         wait_replicas: int = 0,
         wait_timeout: float = 1.0,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        dead_letter_after: int = DEAD_LETTER_AFTER,
     ):
         """Create dock ``name``, or attach to it if it exists with the same schema.
 
@@ -148,16 +163,23 @@ class TransferDock(GenerationCalls):
         ``call_timeout`` (seconds, default 30) bounds each call, retries included, unless it has a
         ``timeout`` of its own (``get_experience``); a call out of time raises BrokerTimeoutError. It
         bounds only clients the broker opened from a URL: a client passed in keeps its own timeouts.
+
+        ``dead_letter_after``: how many times a row whose bytes cannot be read (corrupt, or missing) is
+        handed to a consumer before it becomes a dead letter for it (see ``get_experience`` and
+        ``dead_letters``). Like ``shards``, only a dock being made stores it.
         """
         wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout)
         if shards is not None and (not is_int(shards) or shards < 0):
             raise SchemaError(f"shards must be None or an int >= 0, got {shards!r}")
+        if not is_int(dead_letter_after) or dead_letter_after < 1:
+            raise SchemaError(f"dead_letter_after must be an int >= 1, got {dead_letter_after!r:.40}")
         self._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout), call_timeout)
         with self._closed_on_error():
             if wanted.rollout == Rollout() or shards:
                 tags = self._run(lambda: choose_shards(self._client, name, shards))
                 wanted = dataclasses.replace(wanted, shards=tags)
             fields = wanted.to_meta()
+            fields["dead_letter_after"] = str(int(dead_letter_after))  # read by lua/release.lua; not schema
             stored = self._run(lambda: self._scripts.create(fields))
             #: Whether this call made the dock (False: it existed, with this schema).
             self.created = stored is None
@@ -564,7 +586,11 @@ class TransferDock(GenerationCalls):
                         unwritten = set(cells)
                         missing[col] = [r for r in rows if r in unwritten]
                     return None
-                batch = self._read(columns, rows, got, call)
+                try:
+                    batch = self._read(columns, rows, got, call)
+                except _Unreadable as bad:  # give back only what this take handed out
+                    fresh = got if got.fresh is None else got.only(got.fresh)
+                    self._give_back_unreadable(consumer, fresh, token, new_request_id(), False, bad)
                 if batch is not None:
                     self._replicate("get_experience")
                     return batch, self._handed_out(rows, got, token, consumer)
@@ -620,7 +646,10 @@ class TransferDock(GenerationCalls):
                 if policy != "fifo":
                     self._seeds.advance(seed)
                 rows = rows_of(handout.runs)
-                batch = self._read(columns, rows, handout, call)
+                try:
+                    batch = self._read(columns, rows, handout, call)
+                except _Unreadable as bad:
+                    self._give_back_unreadable(consumer, handout, token, request_id, groups, bad)
                 if batch is not None:
                     if select.tiers:
                         ages = self._schema.rollout.age_buckets - 1  # the age tiers come first
@@ -629,7 +658,7 @@ class TransferDock(GenerationCalls):
                     return batch, self._handed_out(rows, handout, token, consumer)
                 # A clear took some of the rows between sampling and reading: give back the rest
                 # (they were never delivered) and sample again.
-                self._scripts.release(consumer, handout, token, request_id)
+                self._scripts.release(consumer, handout, token, request_id, groups=groups)
             return None
 
         return sample
@@ -657,7 +686,8 @@ class TransferDock(GenerationCalls):
 
     def _read(self, columns: list[str], rows: list[int], handout: Handout, call: metrics.Call) -> Batch | None:
         """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out
-        (the read fence: see ``store.py`` and lua/include/generations.lua)."""
+        (the read fence: see ``store.py`` and lua/include/generations.lua). Rows whose bytes cannot be
+        read raise _Unreadable, naming each of them; the caller gives the hand-out back."""
         fields = [str(r) for r in rows]
         # The rows are handed out: cut short now, those without a lease would be lost. The rest of the call
         # (this read, the wait for replicas, balancing) gets call_timeout, even past a get's own timeout.
@@ -666,17 +696,53 @@ class TransferDock(GenerationCalls):
         if values_by_column is None:
             return None
         batch: Batch = {}
+        unreadable: dict[int, str] = {}
+        corrupt = False
         for col, values in zip(columns, values_by_column):
             key = self._keys.data(col) if not self._schema.shards else f"column {col!r} of dock {self.name!r}"
-            gone = [r for r, v in zip(rows, values) if v is None]
-            if gone:
-                # No clear touched them (the fence held): their bytes were removed behind the broker's back,
-                # or lost with a cluster primary that failed before its replica had them (see the README).
-                raise MissingDataError(f"{key}: rows {abbrev(gone)} are marked ready but hold no bytes")
-            batch[col] = codec.decode_rows(cast("list[bytes]", values), where=key, fields=fields)
+            if all(v is not None for v in values):
+                try:
+                    batch[col] = codec.decode_rows(cast("list[bytes]", values), where=key, fields=fields)
+                    continue
+                except DecodeError:
+                    pass  # find every row that fails, below: the good ones must not be lost with it
+            for row, field, value in zip(rows, fields, values):
+                if value is None:
+                    # No clear touched it (the fence held): its bytes were removed behind the broker's back,
+                    # evicted, or lost with a cluster primary that failed before its replica had them.
+                    unreadable.setdefault(row, f"{key}: marked ready but holds no bytes")
+                    continue
+                try:
+                    codec.decode_rows([value], where=key, fields=[field])
+                except DecodeError as exc:
+                    unreadable.setdefault(row, str(exc))
+                    corrupt = True
+        if unreadable:
+            raise _Unreadable(unreadable, corrupt)
         if call.live:
             call.nbytes += sum(len(v) for values in values_by_column for v in values if v is not None)
         return batch
+
+    def _give_back_unreadable(
+        self, consumer: str, handout: Handout, token: str, request_id: str, groups: bool, bad: _Unreadable,
+    ) -> NoReturn:
+        """Give back a hand-out some of whose rows could not be read, count their failed deliveries, and
+        raise: DecodeError (or MissingDataError when bytes were only missing) saying what became of them.
+
+        Raising after marking them consumed lost the good rows (never delivered, all_consumed True); with
+        a lease the same batch came back for ever. Now every row is given back, and a row that keeps
+        failing becomes a dead letter after ``dead_letter_after`` deliveries (lua/release.lua), so the
+        good rows are delivered by the calls that follow."""
+        released = self._run(lambda: self._scripts.release(
+            consumer, handout, token, request_id, groups=groups, unreadable=bad.rows))
+        detail = "; ".join(f"row {row}: {why}" for row, why in list(bad.rows.items())[:4])
+        counts = ", ".join(f"row {row} {n}" for row, n in zip(bad.rows, released.failures))
+        fate = (f"rows {abbrev(list(released.dead))} are dead letters now (see dock.dead_letters())" if released.dead
+                else "they are handed out again until they fail dead_letter_after times")
+        message = (f"dock {self.name!r}, consumer {consumer!r}: {len(bad.rows)} of the rows handed out could not be "
+                   f"read ({detail}); {released.given_back} rows were given back; failed deliveries so far: {counts}; "
+                   f"{fate}")
+        raise (DecodeError if bad.corrupt else MissingDataError)(message)
 
     def _wait(self, attempt: Callable[[], T | None], timeout: float | None) -> T | None:
         """Run ``attempt`` until it returns a value or ``timeout`` seconds pass, woken by puts. Each attempt,
@@ -831,6 +897,38 @@ class TransferDock(GenerationCalls):
         if isinstance(result, BrokerError):
             raise result
         return result
+
+    def dead_letters(self, consumer: str | None = None) -> dict[str, dict[int, str]]:
+        """The dead letters: per consumer (or of ``consumer`` alone), row -> why it is no longer handed to it.
+
+        A row becomes one when its bytes could not be read (corrupt, or missing) ``dead_letter_after``
+        times in deliveries to the consumer; it stays handed out, so the consumer goes on without it
+        (``all_consumed`` counts it), and handed out as a whole group, its group stays with it. Drop them
+        with ``drop_dead_letters`` (or ``clear`` of the rows); ``redis-cli HGETALL td:{NAME}:dead:CONSUMER``
+        shows the same."""
+        consumers = list(self.consumers) if consumer is None else [self._check.consumer(consumer)]
+
+        def reads(pipe: redis.client.Pipeline) -> None:
+            for c in consumers:
+                pipe.hgetall(self._keys.dead(c))
+
+        out: dict[str, dict[int, str]] = {}
+        for c, raw in zip(consumers, self._reads(reads)):
+            try:
+                letters = {int(row): why.decode(errors="replace") for row, why in raw.items()}
+            except ValueError:
+                raise DecodeError(f"{self._keys.dead(c)}: a field is not a row number") from None
+            out[c] = dict(sorted(letters.items()))
+        return out
+
+    def drop_dead_letters(self, consumer: str | None = None) -> list[int]:
+        """Forget the rows that are dead letters (of ``consumer``, or of any consumer) as ``clear`` forgets
+        rows: bytes, marks and the dead letters themselves; returns the rows. The producer may write them
+        anew."""
+        rows = sorted({row for letters in self.dead_letters(consumer).values() for row in letters})
+        if rows:
+            self.clear(rows)
+        return rows
 
     def clear(self, indexes: Sequence[int] | None = None, *, consumer: str | None = None, age: bool = True) -> None:
         """Forget every row (``indexes=None``) or some rows: their bytes, status bits and leases.

@@ -225,6 +225,9 @@ class DockCollector:
             "Rows given back to the consumer after a lease expired (resets on a whole clear)",
             labels=["dock", "consumer"],
         )
+        dead = gauge("broker_consumer_dead_letter_rows",
+                     "Rows no longer handed to the consumer: their bytes failed to read dead_letter_after times",
+                     ["dock", "consumer"])
         memory = gauge("broker_dock_memory_bytes", "Redis memory of the dock's keys, sampled (see README)", ["dock"])
         version = gauge("broker_dock_version", "The dock's current policy version (set_version)", ["dock"])
         discarded = CounterMetricFamily(
@@ -255,6 +258,7 @@ class DockCollector:
                 consumed.add_metric([name, consumer], s["consumed"])
                 leased.add_metric([name, consumer], s["leased"])
                 redelivered.add_metric([name, consumer], s["redelivered"])
+                dead.add_metric([name, consumer], s["dead"])
             version.add_metric([name], status["version"])
             for reason, times in status["discarded"].items():
                 discarded.add_metric([name, reason], times)
@@ -276,8 +280,8 @@ class DockCollector:
         )
         for (name, kind), times in sorted(self._errors.items()):
             errors.add_metric([name, kind], times)
-        yield from (count, dock_up, capacity, groups, ready, ready_groups, consumed, leased, redelivered, memory,
-                    version, discarded, unfinished, finished, by_age, stale, errors)
+        yield from (count, dock_up, capacity, groups, ready, ready_groups, consumed, leased, redelivered, dead,
+                    memory, version, discarded, unfinished, finished, by_age, stale, errors)
 
 
 def serve(

@@ -18,6 +18,10 @@ key                                type    contents
 ``td:{NAME}:tokens:CONSUMER``      hash    field = leased row, value = token of the call holding its
                                            lease (an ack must name it)
 ``td:{NAME}:redelivered:CONSUMER`` string  counter: rows given back to CONSUMER after a lease expired
+``td:{NAME}:failures:CONSUMER``    hash    field = row, value = deliveries of it to CONSUMER whose bytes
+                                           could not be read (corrupt, or missing)
+``td:{NAME}:dead:CONSUMER``        hash    dead letters: field = row, value = why it is no longer handed
+                                           to CONSUMER (its bytes failed ``dead_letter_after`` reads)
 ``td:{NAME}:reply:REQUEST``        string  the reply of a call that changed the dock, kept for a minute
                                            so that a resend after a lost reply gets it instead of
                                            applying the call twice (lua/include/once.lua)
@@ -207,6 +211,12 @@ class DockKeys:
     def redelivered(self, consumer: str) -> str:
         return f"{self.base}redelivered:{consumer}"
 
+    def failures(self, consumer: str) -> str:
+        return f"{self.base}failures:{consumer}"
+
+    def dead(self, consumer: str) -> str:
+        return f"{self.base}dead:{consumer}"
+
     def lengths(self, column: str) -> str:
         return f"{self.base}len:{column}"
 
@@ -296,7 +306,8 @@ class DockKeys:
     def every_key(self, columns: Sequence[str], consumers: Sequence[str], age_buckets: int = 0) -> list[str]:
         """Every key the dock has (but reply keys, which expire by themselves): what ``delete`` removes."""
         per_column = (self.data, self.ready, self.group_ready, self.lengths)
-        per_consumer = (self.consumed, self.group_taken, self.leases, self.tokens, self.redelivered)
+        per_consumer = (self.consumed, self.group_taken, self.leases, self.tokens, self.redelivered, self.failures,
+                        self.dead)
         keys = [kind(c) for kind in per_column for c in columns]
         keys += [kind(c) for kind in per_consumer for c in consumers]
         return keys + [self.meta, self.scratch, self.scratch2, self.scratch3, self.epoch, self.generations,

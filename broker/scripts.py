@@ -24,7 +24,7 @@ import functools
 import hashlib
 import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -181,6 +181,26 @@ class Handout:
     generations: bytes
     #: Per row, in run order, the tier sampling took it from (1 = the first tier; 0 = none of them).
     tiers: tuple[int, ...] = ()
+    #: The rows this call handed out that were not handed out before (what it gives back if it cannot
+    #: deliver); None: all of them (sampling only hands out rows not handed out).
+    fresh: tuple[int, ...] | None = None
+
+    def only(self, rows: Sequence[int]) -> Handout:
+        """The handout of ``rows`` alone (rows of this one): their runs and generations."""
+        keep = set(rows)
+        handed = rows_of(self.runs)
+        gens = b"".join(self.generations[4 * i : 4 * i + 4] for i, r in enumerate(handed) if r in keep)
+        return Handout(tuple(runs_of([r for r in handed if r in keep])), self.epoch, gens)
+
+
+@dataclass(frozen=True)
+class Released:
+    """What release.lua did: rows given back, rows made dead letters, and the failed deliveries so far of
+    each unreadable row (in the order the call named them)."""
+
+    given_back: int
+    dead: tuple[int, ...] = ()
+    failures: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -442,7 +462,7 @@ class DockScripts:
                 *(k.ready(c) for c in columns)]
         reply = self._once("take", keys, [self._expected, self._n, lease_ms, token, *runs])
         if reply[0] == 1:
-            return Handout(tuple(runs), int(reply[1]), reply[2])
+            return Handout(tuple(runs), int(reply[1]), reply[2], fresh=_numbers(reply[3]))
         missing: dict[str, list[int]] = {}
         for pos, row in zip(reply[1::2], reply[2::2]):
             missing.setdefault(columns[int(pos) - 1], []).append(int(row))
@@ -473,12 +493,21 @@ class DockScripts:
         """Whether no clear touched the handout's rows between handing them out and the fence's read."""
         return int(reply[0]) == handout.epoch and reply[1] == handout.generations
 
-    def release(self, consumer: str, handout: Handout, token: str, request_id: str) -> int:
-        """Give back the rows a sampling call (``request_id``) handed out but could not deliver."""
+    def release(
+        self, consumer: str, handout: Handout, token: str, request_id: str, *, groups: bool = False,
+        unreadable: Mapping[int, str] | None = None,
+    ) -> Released:
+        """Give back the rows a call (``request_id``) handed out but could not deliver; count a failed
+        delivery of each ``unreadable`` row (row -> why), and make a dead letter of one that failed as
+        often as the dock allows (its whole group if ``groups``: see lua/release.lua)."""
         k = self._keys
-        keys = [k.meta, *self._consumer_keys(consumer), k.epoch, k.generations, k.reply(request_id)]
-        args = [self._expected, self._n, handout.epoch, handout.generations, token, REPLY_TTL_MS, *handout.runs]
-        return int(self._call("release", keys, args))
+        keys = [k.meta, *self._consumer_keys(consumer), k.epoch, k.generations, k.reply(request_id),
+                k.failures(consumer), k.dead(consumer)]
+        bad = [x for row, why in (unreadable or {}).items() for x in (row, why)]
+        args = [self._expected, self._n, handout.epoch, handout.generations, token, REPLY_TTL_MS,
+                "groups" if groups else "rows", len(bad) // 2, *bad, *handout.runs]
+        reply = self._call("release", keys, args)
+        return Released(int(reply[0]), _numbers(reply[1]), _numbers(reply[2]))
 
     def ack(self, consumer: str, token: str, rows: Sequence[int]) -> int:
         """Release rows of ``consumer`` leased under ``token``; returns how many were."""
@@ -496,7 +525,8 @@ class DockScripts:
         k, schema = self._keys, self._bound
         keys = [k.meta, k.epoch, k.generations]
         per_column: tuple[Callable[[str], str], ...] = (k.data, k.ready, k.group_ready)
-        per_consumer: tuple[Callable[[str], str], ...] = (k.consumed, k.group_taken, k.leases, k.tokens, k.redelivered)
+        per_consumer: tuple[Callable[[str], str], ...] = (k.consumed, k.group_taken, k.leases, k.tokens, k.redelivered,
+                                                          k.failures, k.dead)
         keys += [kind(c) for kind in per_column for c in schema.columns]
         keys += [kind(c) for kind in per_consumer for c in schema.consumers]
         keys += [k.lengths(c) for c in schema.length_columns] + k.batch_keys
@@ -633,7 +663,7 @@ class StatusScript:
         """Queue the read of the dock's counts; ``fingerprint`` is the schema the caller expects."""
         rollout = schema.rollout
         bitmaps = [key for key, _ in cls.bitmaps(keys, schema)]
-        rest = [kind(c) for c in schema.consumers for kind in (keys.leases, keys.redelivered)]
+        rest = [kind(c) for c in schema.consumers for kind in (keys.leases, keys.redelivered, keys.dead)]
         responses = keys.data(rollout.response_columns[0]) if rollout.response_columns else keys.meta
         rest += [keys.version, keys.discarded, keys.group_versions, responses]
         staleness = "" if rollout.max_staleness is None else rollout.max_staleness
@@ -643,14 +673,15 @@ class StatusScript:
     @classmethod
     def parse(
         cls, reply: list[Any], keys: DockKeys, schema: Schema
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, Any]], tuple[Any, str, int, int]]:
-        """(bits set, bytes) per bitmap, in ``bitmaps``' order; (leased rows, raw counter) per consumer;
-        (raw version, "field=count,..." discarded, stale groups, rows holding a response)."""
-        bitmaps = len(cls.bitmaps(keys, schema))
-        head, tail = reply[:-4], reply[-4:]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, Any, int]], tuple[Any, str, int, int]]:
+        """(bits set, bytes) per bitmap, in ``bitmaps``' order; (leased rows, raw counter, dead letters) per
+        consumer; (raw version, "field=count,..." discarded, stale groups, rows holding a response)."""
+        bitmaps = 2 * len(cls.bitmaps(keys, schema))
+        head, per_consumer, tail = reply[:bitmaps], reply[bitmaps:-4], reply[-4:]
         pairs = list(zip(head[0::2], head[1::2]))
+        triples = list(zip(per_consumer[0::3], per_consumer[1::3], per_consumer[2::3]))
         text = tail[1].decode() if isinstance(tail[1], bytes) else str(tail[1])
-        return pairs[:bitmaps], pairs[bitmaps:], (tail[0], text, int(tail[2]), int(tail[3]))
+        return pairs, triples, (tail[0], text, int(tail[2]), int(tail[3]))
 
     @classmethod
     def load(cls, client: Client) -> None:

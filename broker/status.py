@@ -115,13 +115,16 @@ def _parse(dock: DockRef, reply: list[Any]) -> dict[str, Any]:
             raise DecodeError(f"{key}: {count} bits set in {size} bytes, more than its dock's {bits} bits")
         counts[key] = count
     consumers = {}
-    for consumer, (leased, redelivered) in zip(s.consumers, consumers_raw):
+    for consumer, (leased, redelivered, dead) in zip(s.consumers, consumers_raw):
         if leased > s.capacity:
             raise DecodeError(f"{k.leases(consumer)}: {leased} rows leased, more than its dock's {s.capacity}")
+        if dead > s.capacity:
+            raise DecodeError(f"{k.dead(consumer)}: {dead} dead letters, more than its dock's {s.capacity} rows")
         consumers[consumer] = {
             "consumed": counts[k.consumed(consumer)],
             "leased": leased,
             "redelivered": _counter(redelivered, k.redelivered(consumer)),
+            "dead": dead,
         }
     discarded = {}
     for part in filter(None, discarded_text.split(",")):

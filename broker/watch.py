@@ -75,11 +75,13 @@ def format_table(status: dict[str, Any], rates: Rates | None = None) -> str:
     for col, s in status["columns"].items():
         ready = rate(rates.ready, col) if rates else ""
         lines.append(f"  {col:<{width}}{s['ready']:>8}/{cap:<5}{s['groups_ready']:>10}/{groups:<5}{ready}")
-    lines.append(f"  {'consumer':<{width}}{'consumed rows':>14}{'leased':>10}{'redelivered':>13}{per_second}")
+    header = f"{'consumed rows':>14}{'leased':>10}{'redelivered':>13}{'dead':>7}"
+    lines.append(f"  {'consumer':<{width}}{header}{per_second}")
     for consumer, s in status["consumers"].items():
         drained = rate(rates.consumed, consumer) if rates else ""
         lines.append(
-            f"  {consumer:<{width}}{s['consumed']:>8}/{cap:<5}{s['leased']:>10}{s['redelivered']:>13}{drained}"
+            f"  {consumer:<{width}}{s['consumed']:>8}/{cap:<5}{s['leased']:>10}{s['redelivered']:>13}{s['dead']:>7}"
+            f"{drained}"
         )
     lines += _generation_lines(status)
     return "\n".join(line.rstrip() for line in lines)

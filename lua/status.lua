@@ -11,7 +11,8 @@ KEYS[2..]   for each column: td:{NAME}:ready:COLUMN, td:{NAME}:gready:COLUMN; th
             td:{NAME}:consumed:CONSUMER, td:{NAME}:gtaken:CONSUMER; then the generation bitmaps
             td:{NAME}:finished, td:{NAME}:gfinished, td:{NAME}:gage:0 .. gage:A-1 and
             td:{NAME}:gwait:1 .. gwait:A-1 (the bitmaps);
-            then for each consumer: td:{NAME}:leases:CONSUMER, td:{NAME}:redelivered:CONSUMER; then
+            then for each consumer: td:{NAME}:leases:CONSUMER, td:{NAME}:redelivered:CONSUMER,
+            td:{NAME}:dead:CONSUMER; then
             td:{NAME}:version, td:{NAME}:discarded, td:{NAME}:gversions, and the data hash of the
             first response column (td:{NAME}:data:COLUMN; td:{NAME}:meta when there is none)
 ARGV[1]     the schema the client expects (see include/schema.lua)
@@ -19,7 +20,7 @@ ARGV[2]     the number of bitmaps: 2 x columns + 2 x consumers + 2 + A + (A - 1,
 ARGV[3]     max_staleness, or "" without a staleness bound
 
 Returns, flat: bits set and bytes of each bitmap, in KEYS order; then for each consumer the rows
-leased and the redelivered counter as stored (false if unset); then the version as stored, the
+leased, the redelivered counter as stored (false if unset) and its dead letters; then the version as stored, the
 discarded counts as one "field=count,..." string, the stale groups (older than version -
 max_staleness; 0 without a bound) and the rows holding a response or its placeholder.
 ]]
@@ -47,14 +48,17 @@ for i = 2, bitmaps + 1 do
   out[#out + 1] = bits
   out[#out + 1] = redis.call('STRLEN', KEYS[i])
 end
-for i = bitmaps + 2, #KEYS - 4, 2 do
+for i = bitmaps + 2, #KEYS - 4, 3 do
   local leased, err = read('ZCARD', KEYS[i], 'lease set')
   if err then return redis.error_reply(err) end
-  local counter
+  local counter, dead
   counter, err = read('GET', KEYS[i + 1], 'counter')
+  if err then return redis.error_reply(err) end
+  dead, err = read('HLEN', KEYS[i + 2], 'hash')
   if err then return redis.error_reply(err) end
   out[#out + 1] = leased
   out[#out + 1] = counter
+  out[#out + 1] = dead
 end
 local version, discarded, gversions, responses = KEYS[#KEYS - 3], KEYS[#KEYS - 2], KEYS[#KEYS - 1], KEYS[#KEYS]
 local err

@@ -23,8 +23,9 @@ ARGV[3]     lease in ms; 0 hands rows out for good
 ARGV[4]     token of the lease (unused without one)
 ARGV[5..]   the rows as runs: start, length, ... (ascending, disjoint)
 
-Returns {1, epoch, generations} when the rows were all written (they are now marked consumed; see
-sample.lua for the generations), else {0, column position (1 = KEYS[9]), row, column position,
+Returns {1, epoch, generations, "row,row,..."} when the rows were all written (they are now marked
+consumed; see sample.lua for the generations; the list names the rows this call handed out that were
+not handed out before, which a call that cannot deliver gives back), else {0, column position (1 = KEYS[9]), row, column position,
 row, ...} naming every missing cell.
 
 last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
@@ -63,10 +64,15 @@ for k = 9, #KEYS do
   end
 end
 if #missing > 1 then return missing end
+local before, fresh = get_bits(KEYS[2], rows), {}
+for i = 1, #rows do
+  if before[i] == 0 then fresh[#fresh + 1] = rows[i] end
+end
 mark_runs_taken(KEYS[2], KEYS[3], starts, lengths, n)
 if lease_ms > 0 then
   lease_rows(KEYS[4], KEYS[5], rows, now + lease_ms, ARGV[4])
 else
   drop_leases(KEYS[4], KEYS[5], rows)
 end
-return keep_reply(reply_key, reply_ttl, {1, epoch_of(KEYS[7]), generations_of_runs(KEYS[8], starts, lengths)})
+return keep_reply(reply_key, reply_ttl,
+  {1, epoch_of(KEYS[7]), generations_of_runs(KEYS[8], starts, lengths), table.concat(fresh, ',')})

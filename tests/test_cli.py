@@ -35,7 +35,7 @@ def test_status_table_of_every_dock(url, capsys):
     line = next(x for x in out.splitlines() if x.strip().startswith("prompts"))
     assert line.split() == ["prompts", "3/4", "1/2"]
     line = next(x for x in out.splitlines() if x.strip().startswith("actor_train"))
-    assert line.split() == ["actor_train", "2/4", "0", "0"]
+    assert line.split() == ["actor_train", "2/4", "0", "0", "0"]
 
 
 def test_status_json_of_one_dock(url, capsys):

@@ -94,6 +94,6 @@ def test_many_processes_consume_every_row_exactly_once_in_whole_groups(dock_url,
         # Several processes really took part, so the exclusion was tested, not a single reader.
         assert sum(1 for bs in mine if bs) >= 2
     assert all(not errors for _, _, errors in results)
-    done = {"consumed": PROMPTS * N, "leased": 0, "redelivered": 0}
+    done = {"consumed": PROMPTS * N, "leased": 0, "redelivered": 0, "dead": 0}
     assert dock.status()["consumers"] == {c: done for c in CONSUMERS}
     dock.delete()

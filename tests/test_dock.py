@@ -171,8 +171,8 @@ def test_status_counts_rows_and_groups(make_dock):
     assert status["capacity"] == 6 and status["prompts_num"] == 3 and status["n_samples_per_prompt"] == 2
     assert status["columns"]["prompts"] == {"ready": 3, "groups_ready": 1}
     assert status["columns"]["responses"] == {"ready": 0, "groups_ready": 0}
-    assert status["consumers"]["actor_rollout"] == {"consumed": 2, "leased": 0, "redelivered": 0}
-    assert status["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 0}
+    assert status["consumers"]["actor_rollout"] == {"consumed": 2, "leased": 0, "redelivered": 0, "dead": 0}
+    assert status["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 0, "dead": 0}
 
 
 def test_status_is_readable_with_redis_cli_commands(make_dock, client):
@@ -445,7 +445,7 @@ def test_ready_row_without_bytes_raises_missing_data(make_dock, client):
     dock = make_dock(name="grpo")
     fill(dock)
     client.hdel(*data_cell(dock, "prompts", 1))
-    with pytest.raises(MissingDataError, match=data_where(dock, "prompts") + r": rows \[1\]"):
+    with pytest.raises(MissingDataError, match=data_where(dock, "prompts") + ": marked ready but holds no bytes"):
         dock.get_experience("actor_train", ["prompts"], 2)
 
 

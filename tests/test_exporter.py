@@ -82,6 +82,7 @@ def test_scrape_reports_what_status_says(url, exporter):
         assert value(samples, "broker_consumer_consumed_rows", dock="grpo", consumer=consumer) == s["consumed"]
         assert value(samples, "broker_consumer_leased_rows", dock="grpo", consumer=consumer) == s["leased"]
         assert value(samples, "broker_consumer_redelivered_rows_total", dock="grpo", consumer=consumer) == 0
+        assert value(samples, "broker_consumer_dead_letter_rows", dock="grpo", consumer=consumer) == s["dead"]
     assert value(samples, "broker_column_ready_rows", dock="grpo", column="prompts") == 6
     assert value(samples, "broker_consumer_leased_rows", dock="grpo", consumer="reference") == 2
     assert value(samples, "broker_scrape_duration_seconds") > 0

@@ -121,7 +121,7 @@ def test_clear_between_sampling_and_reading_releases_the_lease_of_the_rows_given
     with after_script("sample", refill_group_0):
         batch, rows = dock.get_experience("actor_train", ["prompts"], 2, lease=30)
     assert origins(batch, rows) == [(1, 0), (1, 1)]
-    assert dock.status()["consumers"]["actor_train"] == {"consumed": 2, "leased": 2, "redelivered": 0}
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 2, "leased": 2, "redelivered": 0, "dead": 0}
     assert dock.ack("actor_train", rows) == 2
     assert drain(dock, "actor_train", 2) == [(0, 2), (0, 3)]
     assert dock.all_consumed("actor_train")

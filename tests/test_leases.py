@@ -19,12 +19,12 @@ def test_leased_rows_stay_out_until_acked(make_dock):
     fill(dock, columns=["prompts"])
     _, rows = dock.get_experience("actor_train", ["prompts"], 4, lease=30)
     assert rows == [0, 1, 2, 3]
-    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 4, "redelivered": 0}
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 4, "redelivered": 0, "dead": 0}
     assert not dock.all_consumed("actor_train")  # a lease is still out: a worker may yet die
     assert dock.ack("actor_train", [0, 1], token=rows.token) == 2
     assert not dock.all_consumed("actor_train")
     assert dock.ack("actor_train", rows) == 2  # acking twice is harmless
-    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 0, "redelivered": 0}
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 0, "redelivered": 0, "dead": 0}
     assert dock.all_consumed("actor_train")
 
 
@@ -41,8 +41,8 @@ def test_expired_lease_is_offered_again_to_the_same_consumer_only(make_dock):
     assert again == [0, 1]
     assert dock.get_experience("actor_train", ["prompts"], 4) == (None, None)
     status = dock.status()["consumers"]
-    assert status["actor_train"] == {"consumed": 4, "leased": 2, "redelivered": 2}
-    assert status["actor_rollout"] == {"consumed": 6, "leased": 0, "redelivered": 0}
+    assert status["actor_train"] == {"consumed": 4, "leased": 2, "redelivered": 2, "dead": 0}
+    assert status["actor_rollout"] == {"consumed": 6, "leased": 0, "redelivered": 0, "dead": 0}
 
 
 def test_expired_single_rows_come_back_without_freeing_a_group_still_out(make_dock):
@@ -63,7 +63,7 @@ def test_late_ack_after_the_rows_were_given_back_changes_nothing(make_dock):
     time.sleep(0.2)
     # Another call gives the expired rows back (and finds too few for its own request)...
     assert dock.get_experience("actor_train", ["prompts", "responses"], 2) == (None, None)
-    assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 2}
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 2, "dead": 0}
     # ...then the slow worker's ack arrives: too late, the rows are out for redoing (at-least-once).
     assert dock.ack("actor_train", late) == 0
     assert dock.get_experience("actor_train", ["prompts"], 2)[1] == [0, 1]
@@ -77,7 +77,7 @@ def test_late_ack_does_not_release_the_lease_of_the_worker_now_holding_the_rows(
     _, fresh = dock.get_experience("actor_train", ["prompts"], 2, lease=0.5)  # the rows go to worker B
     assert fresh == slow == [0, 1] and fresh.token != slow.token
     assert dock.ack("actor_train", slow) == 0  # A's ack names A's lease, which is over
-    assert dock.status()["consumers"]["actor_train"] == {"consumed": 2, "leased": 2, "redelivered": 2}
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 2, "leased": 2, "redelivered": 2, "dead": 0}
     assert not dock.all_consumed("actor_train")
     time.sleep(0.6)  # B dies without acking: its rows must come back
     _, third = dock.get_experience("actor_train", ["prompts"], 2, lease=30)
@@ -138,7 +138,7 @@ def test_half_acked_group_comes_back_whole(make_dock):
     time.sleep(0.2)
     _, again = dock.get_experience("actor_train", ["prompts"], 4, lease=30)
     assert again == [0, 1, 2, 3]  # whole groups, the acked rows redone with them
-    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 4, "redelivered": 4}
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 4, "redelivered": 4, "dead": 0}
     dock.ack("actor_train", again)
     assert dock.all_consumed("actor_train")
 
@@ -150,7 +150,7 @@ def test_expired_explicit_rows_are_reclaimed_without_any_sampling_call(make_dock
     time.sleep(0.2)
     # A guarantee-order worker loop never samples: all_consumed itself gives the rows back.
     assert not dock.all_consumed("actor_train")
-    assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 2}
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 2, "dead": 0}
     _, rows = dock.get_experience("actor_train", ["prompts"], indexes=[0, 1], lease=30)
     dock.ack("actor_train", rows)
     assert dock.all_consumed("actor_train")
@@ -184,7 +184,7 @@ def test_clear_drops_leases(make_dock):
     dock.clear(indexes=[0, 1])
     assert dock.status()["consumers"]["actor_train"]["leased"] == 2
     dock.clear()
-    assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 0}
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 0, "dead": 0}
 
 
 @pytest.mark.parametrize("lease", [0, -1, "5", 10**9])
@@ -260,7 +260,7 @@ def test_killed_worker_rows_are_redelivered_and_every_row_gets_one_result(dock_u
     assert set(held) <= set(done)
     status = dock.status()
     assert status["columns"]["results"]["ready"] == capacity
-    assert status["consumers"]["stage"] == {"consumed": capacity, "leased": 0, "redelivered": len(held)}
+    assert status["consumers"]["stage"] == {"consumed": capacity, "leased": 0, "redelivered": len(held), "dead": 0}
     batch, _ = dock.get_experience("stage", ["prompts", "results"], indexes=list(range(capacity)))
     assert all(torch.equal(r, p * p) for p, r in zip(batch["prompts"], batch["results"]))
     # One result per row: the results hash (or hashes, on data shards) has exactly one field per row.

@@ -91,7 +91,7 @@ def test_lost_ack_and_status_replies_are_retried(dock):
         dock.ack("actor_train", rows)
     with lose_next_transaction_reply():
         status = dock.status()
-    assert status["consumers"]["actor_train"] == {"consumed": 2, "leased": 0, "redelivered": 0}
+    assert status["consumers"]["actor_train"] == {"consumed": 2, "leased": 0, "redelivered": 0, "dead": 0}
 
 
 def test_connection_cut_while_the_pool_hands_it_out_is_retried(dock, real_url):

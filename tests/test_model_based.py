@@ -172,7 +172,8 @@ class DockModel:
                 for c in self.columns
             },
             "consumers": {
-                c: {"consumed": len(rows), "leased": 0, "redelivered": 0} for c, rows in self.consumed.items()
+                c: {"consumed": len(rows), "leased": 0, "redelivered": 0, "dead": 0}
+                for c, rows in self.consumed.items()
             },
         }
 

@@ -246,7 +246,8 @@ class PartialModel:
         return {
             "columns": {"prompts": column(prompt_rows), "prompt_length": column(prompt_rows),
                         "responses": column(response_rows), "response_length": column(response_rows)},
-            "consumers": {c: {"consumed": len(self.consumed[c]), "leased": 0, "redelivered": 0} for c in CONSUMERS},
+            "consumers": {c: {"consumed": len(self.consumed[c]), "leased": 0, "redelivered": 0, "dead": 0}
+                          for c in CONSUMERS},
             "rollout": {
                 "finished_rows": len(self.finished),
                 "finished_groups": len(self.finished_groups()),

@@ -8,7 +8,8 @@ KEYS[3]           td:{NAME}:gen                  bumped for each row forgotten
 then k keys of each kind, for every column: td:{NAME}:data:COLUMN, td:{NAME}:ready:COLUMN,
                   td:{NAME}:gready:COLUMN
 then m keys of each kind, for every consumer: td:{NAME}:consumed:CONSUMER, td:{NAME}:gtaken:CONSUMER,
-                  td:{NAME}:leases:CONSUMER, td:{NAME}:tokens:CONSUMER, td:{NAME}:redelivered:CONSUMER
+                  td:{NAME}:leases:CONSUMER, td:{NAME}:tokens:CONSUMER, td:{NAME}:redelivered:CONSUMER,
+                  td:{NAME}:failures:CONSUMER, td:{NAME}:dead:CONSUMER
 then              td:{NAME}:len:COLUMN for each of the L length columns
 then              the batch's keys: td:{NAME}:cursor, td:{NAME}:metrics, td:{NAME}:discarded
 then              the generation status: td:{NAME}:finished, gfinished, rfinished, grolled, claimed, gversions,
@@ -23,7 +24,7 @@ slots, which no script may touch: the data keys above are then the dock's unused
 under; `forgotten_reply` hands them to the client, which deletes those bytes from the data shards.
 
 Forgetting a row deletes its bytes, clears its ready bits and every consumer's marks and leases, zeroes
-its lengths, and bumps its generation, so a reader handed it before sees the change at its read (see
+its lengths, its failed deliveries and dead letters, and bumps its generation, so a reader handed it before sees the change at its read (see
 include/generations.lua). Groups touched lose their group state (complete, finished, age, version): a
 group missing a row is no longer the group it was.
 ]]
@@ -38,7 +39,8 @@ local function forget_layout()
   L.data, L.ready, L.gready = 3, 3 + k, 3 + 2 * k           -- KEYS[L.data + c] is column c's data hash
   L.consumed, L.gtaken = 3 + 3 * k, 3 + 3 * k + m
   L.leases, L.tokens, L.redelivered = 3 + 3 * k + 2 * m, 3 + 3 * k + 3 * m, 3 + 3 * k + 4 * m
-  L.lengths = 3 + 3 * k + 5 * m                             -- KEYS[L.lengths + j]: j-th length array
+  L.failures, L.dead = 3 + 3 * k + 5 * m, 3 + 3 * k + 6 * m
+  L.lengths = 3 + 3 * k + 7 * m                             -- KEYS[L.lengths + j]: j-th length array
   L.cursor, L.metrics, L.discarded = L.lengths + nlen + 1, L.lengths + nlen + 2, L.lengths + nlen + 3
   L.finished, L.gfinished, L.rfinished = L.discarded + 1, L.discarded + 2, L.discarded + 3
   L.grolled, L.claimed, L.gversions = L.discarded + 4, L.discarded + 5, L.discarded + 6
@@ -66,7 +68,8 @@ end
 local function forget_wrong_type(L)
   return wrong_type(2, 3, 'string') or wrong_type(L.data + 1, L.data + L.k, 'hash')
     or wrong_type(L.ready + 1, L.gtaken + L.m, 'string') or wrong_type(L.leases + 1, L.leases + L.m, 'zset')
-    or wrong_type(L.tokens + 1, L.tokens + L.m, 'hash') or wrong_type(L.lengths + 1, L.lengths + L.nlen, 'string')
+    or wrong_type(L.tokens + 1, L.tokens + L.m, 'hash') or wrong_type(L.redelivered + 1, L.redelivered + L.m, 'string')
+    or wrong_type(L.failures + 1, L.dead + L.m, 'hash') or wrong_type(L.lengths + 1, L.lengths + L.nlen, 'string')
     or wrong_type(L.discarded, L.discarded, 'hash') or wrong_type(L.finished, L.claimed, 'string')
     or wrong_type(L.gversions, L.gversions, 'zset') or wrong_type(L.gversions + 1, L.last, 'string')
 end
@@ -97,6 +100,8 @@ local function forget_rows(L, rows, keep, keep_age)
   for u = 1, L.m do
     drop_leases(KEYS[L.leases + u], KEYS[L.tokens + u], fields)
     give_back(KEYS[L.consumed + u], KEYS[L.gtaken + u], rows, L.n)
+    call_in_chunks('HDEL', KEYS[L.failures + u], fields)
+    call_in_chunks('HDEL', KEYS[L.dead + u], fields)
   end
   set_bits(KEYS[L.finished], rows, 0)
   set_bits(KEYS[L.rfinished], rows_of_groups(groups, L.n), 0)

@@ -1,0 +1,121 @@
+"""Rows whose bytes cannot be read: the good rows of their hand-out are never lost with them, and a row
+that keeps failing becomes a dead letter that status, the exporter, redis-cli and `broker dead` show.
+
+Before: a sampled get whose rows included one with undecodable bytes raised DecodeError after marking
+all of them consumed (the good rows never delivered, all_consumed True); with a lease, the same batch
+was redelivered without end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from broker import DecodeError, MissingDataError
+from tests.helpers import cli_output, data_cell, fill
+
+GARBAGE = b"\x80\x04garbage"
+
+
+def corrupt(client, dock, row: int, column: str = "prompts") -> None:
+    client.hset(*data_cell(dock, column, row), GARBAGE)
+
+
+def test_a_corrupt_row_loses_no_good_row_and_dies_after_its_third_failed_delivery(make_dock, client):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
+    fill(dock)
+    corrupt(client, dock, 2)
+    for attempt in range(1, 4):
+        with pytest.raises(DecodeError, match=f"row 2: .*field 2.*row 2 {attempt}"):
+            dock.get_experience("actor_train", ["prompts"], 4, get_n_samples=False)
+        consumed = dock.status()["consumers"]["actor_train"]
+        # Given back every time, until the third failure leaves row 2 alone handed out, as a dead letter.
+        assert consumed["consumed"] == (1 if attempt == 3 else 0)
+        assert consumed["dead"] == (1 if attempt == 3 else 0)
+    assert not dock.all_consumed("actor_train")
+    batch, rows = dock.get_experience("actor_train", ["prompts"], 3, get_n_samples=False)
+    assert rows == [0, 1, 3] and [t[0].item() for t in batch["prompts"]] == [0, 1, 3]  # the good rows
+    assert dock.all_consumed("actor_train")  # the dead letter counts as handed out
+    assert list(dock.dead_letters()["actor_train"]) == [2]
+    assert "field 2" in dock.dead_letters("actor_train")["actor_train"][2]
+
+
+def test_with_a_lease_a_corrupt_batch_is_not_redelivered_for_ever(make_dock, client):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
+    fill(dock)
+    corrupt(client, dock, 1)
+    failures = 0
+    for _ in range(3):  # a worker that catches the error and asks again
+        with pytest.raises(DecodeError):
+            dock.get_experience("actor_train", ["prompts"], 4, get_n_samples=False, lease=30)
+        failures += 1
+    assert dock.get_experience("actor_train", ["prompts"], 4, get_n_samples=False, lease=30) == (None, None)
+    batch, rows = dock.get_experience("actor_train", ["prompts"], 3, get_n_samples=False, lease=30)
+    assert rows == [0, 2, 3]
+    dock.ack("actor_train", rows)
+    status = dock.status()["consumers"]["actor_train"]
+    assert (status["leased"], status["redelivered"], status["dead"], failures) == (0, 0, 1, 3)
+    assert dock.all_consumed("actor_train")
+
+
+def test_in_group_sampling_a_dead_row_takes_its_group_along(make_dock, client):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",), dead_letter_after=1)
+    fill(dock)
+    corrupt(client, dock, 3)
+    with pytest.raises(DecodeError, match=r"rows \[2, 3\] are dead letters now"):
+        dock.get_experience("actor_train", ["prompts"], 4)
+    assert dock.dead_letters("actor_train")["actor_train"] == {
+        2: "row 3 of its group is a dead letter", 3: dock.dead_letters()["actor_train"][3]}
+    assert dock.get_experience("actor_train", ["prompts"], 2)[1] == [0, 1]
+    assert dock.all_consumed("actor_train")
+
+
+def test_missing_bytes_give_the_hand_out_back_too(make_dock, client):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
+    fill(dock)
+    client.hdel(*data_cell(dock, "prompts", 1))
+    with pytest.raises(MissingDataError, match="marked ready but holds no bytes"):
+        dock.get_experience("actor_train", ["prompts"], 2)
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 0
+
+
+def test_an_explicit_take_of_a_corrupt_row_marks_nothing(make_dock, client):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
+    fill(dock)
+    dock.get_experience("actor_train", ["prompts"], indexes=[0])
+    corrupt(client, dock, 1)
+    with pytest.raises(DecodeError, match="field 1"):
+        dock.get_experience("actor_train", ["prompts"], indexes=[0, 1])
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 1  # row 0, taken before
+
+
+def test_dead_letters_are_shown_and_dropped(make_dock, client):
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",), dead_letter_after=1)
+    fill(dock)
+    corrupt(client, dock, 0)
+    with pytest.raises(DecodeError):
+        dock.get_experience("actor_train", ["prompts"], 2, get_n_samples=False)
+    assert client.hgetall(dock.keys.dead("actor_train")).keys() == {b"0"}  # what redis-cli shows
+    assert dock.drop_dead_letters() == [0]
+    assert dock.dead_letters() == {"actor_rollout": {}, "actor_train": {}}
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 0, "dead": 0}
+    dock.put_experience({"prompts": [torch.tensor([0, 7])]}, [0])  # the producer writes it anew
+    assert dock.get_experience("actor_train", ["prompts"], 4, get_n_samples=False)[1] == [0, 1, 2, 3]
+
+
+@pytest.mark.real
+def test_broker_dead_lists_and_drops(url):
+    from broker import TransferDock
+
+    dock = TransferDock(url, "dlq", 2, 2, ["prompts"], ["train"], dead_letter_after=1)
+    fill(dock)
+    import redis
+
+    raw = redis.Redis.from_url(url)
+    raw.hset(*data_cell(dock, "prompts", 3), GARBAGE)
+    with pytest.raises(DecodeError):
+        dock.get_experience("train", ["prompts"], 4, get_n_samples=False)
+    listed = cli_output(["dead", "dlq", "--url", url])
+    assert listed.startswith("train\t3\t") and "field 3" in listed
+    assert "dropped 1 rows" in cli_output(["dead", "dlq", "--url", url, "--drop", "--yes"])
+    assert cli_output(["dead", "dlq", "--url", url]).startswith("no dead letters")
