@@ -78,9 +78,7 @@ class GenerationCalls:
         """The staleness bound of a call: None for the rollout consumer and without a bound."""
         rollout = self._schema.rollout
         if max_staleness is not None:
-            if not is_int(max_staleness) or max_staleness < 0:
-                raise InvalidExperienceError(f"max_staleness must be None or an int >= 0, got {max_staleness!r:.40}")
-            bound: int | None = int(max_staleness)
+            bound: int | None = check_version(max_staleness, "max_staleness")
         else:
             bound = rollout.max_staleness
         return None if consumer == rollout.consumer else bound

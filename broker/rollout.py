@@ -81,8 +81,9 @@ class Rollout:
             value = getattr(self, name)
             if type(value) is not int or value < (1 if name == "max_age" else 0):
                 raise SchemaError(f"{name} must be an int >= {1 if name == 'max_age' else 0}, got {value!r}")
-        if self.max_staleness is not None and (type(self.max_staleness) is not int or self.max_staleness < 0):
-            raise SchemaError(f"max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
+        if self.max_staleness is not None and (type(self.max_staleness) is not int
+                                               or not 0 <= self.max_staleness < 2**53):
+            raise SchemaError(f"max_staleness must be None or an int >= 0 and below 2**53, got {self.max_staleness!r}")
         if self.stale_policy not in STALE_POLICIES:
             raise SchemaError(f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
         for name in ("response_columns", "prompt_columns"):

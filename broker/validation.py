@@ -421,10 +421,17 @@ def bitmap_count(bitmap: bytes) -> int:
     return int.from_bytes(bitmap, "big").bit_count() if bitmap else 0
 
 
-def check_version(version: Any) -> int:
-    """A policy version: an int >= 0 (numpy ints too)."""
-    if not is_int(version) or version < 0:
-        raise InvalidExperienceError(f"version must be an int >= 0, got {version!r:.40}")
+#: Versions and staleness bounds stay below this: a group's version is a sorted-set score (a double),
+#: which holds integers exactly only up to 2**53. A microsecond timestamp (16 digits) fits.
+MAX_VERSION = 2**53 - 1
+
+
+def check_version(version: Any, what: str = "version") -> int:
+    """A policy version (or a staleness bound): an int in [0, 2**53) (numpy ints too)."""
+    if not is_int(version) or not 0 <= version <= MAX_VERSION:
+        raise InvalidExperienceError(
+            f"{what} must be an int >= 0 and below 2**53 (Redis keeps it as a double), got {version!r:.40}"
+        )
     return int(version)
 
 

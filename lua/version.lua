@@ -6,7 +6,7 @@ make rows look fresher than they are and let stale rows through the staleness bo
 KEYS[1]     td:{NAME}:meta
 KEYS[2]     td:{NAME}:version
 ARGV[1]     the schema the client expects (see include/schema.lua)
-ARGV[2]     the new version, an integer >= 0
+ARGV[2]     the new version, an integer in [0, 2^53), in decimal
 
 Returns the version now set, or a VERSION error naming the stored one if the new one is lower.
 ]]
@@ -19,9 +19,12 @@ local bad = wrong_type(2, 2, 'string')
 if bad then return redis.error_reply(bad) end
 local now = tonumber(redis.call('GET', KEYS[2]) or '0')
 if not now then return redis.error_reply('CORRUPT ' .. KEYS[2] .. ' holds no integer') end
+-- Compared as numbers, exact below 2^53 (the client refuses larger versions); stored and reported as
+-- the client's text: Lua would write 16 digits as 1.7e+15.
 local v = tonumber(ARGV[2])
 if v < now then
-  return redis.error_reply('VERSION ' .. KEYS[2] .. ' is at version ' .. now .. '; versions only grow, got ' .. v)
+  return redis.error_reply('VERSION ' .. KEYS[2] .. ' is at version ' .. int_text(now) .. '; versions only grow, got '
+    .. ARGV[2])
 end
-redis.call('SET', KEYS[2], v)
+redis.call('SET', KEYS[2], ARGV[2])
 return v

@@ -184,3 +184,39 @@ def test_fast_and_slow_rollout_with_a_trainer_bumping_versions(make_dock, policy
     else:
         assert "stale" not in discarded and len(groups_trained) + left == groups_total
         assert discarded.get("regenerated", 0) > 0, "nothing went stale: the test did not test the policy"
+
+
+# -- versions carried exactly ------------------------------------------------------------------------
+# Lua formats numbers with 14 significant digits: a microsecond timestamp used as a version (16 digits)
+# made every group look stale to sampling but not to the discard, so the trainer waited for ever;
+# set_version(10**17) stored "1e+17", which version() could not read; 2**53 + 1 was stored as 2**53.
+
+MICROSECONDS = 1_732_000_000_123_457  # a version taken from time.time_ns() // 1000
+
+
+def test_a_microsecond_timestamp_is_a_version_like_any_other(make_dock):
+    dock = bounded(make_dock, max_staleness=2)
+    generate(dock, [0], version=MICROSECONDS - 3)  # stale: older than the bound
+    generate(dock, [1], version=MICROSECONDS - 1)
+    generate(dock, [2], version=MICROSECONDS)
+    dock.set_version(MICROSECONDS)
+    assert dock.version() == MICROSECONDS
+    assert dock.status()["stale_groups"] == 1
+    batch, rows = dock.get_experience("actor_train", ["prompts", "responses"], 4)
+    assert sorted(rows) == [2, 3, 4, 5]
+    assert {t.item() for t in batch["responses"]} == {MICROSECONDS - 1, MICROSECONDS}
+    status = dock.status()
+    assert status["discarded"] == {"stale": 1} and status["stale_groups"] == 0
+    with pytest.raises(VersionError, match=f"at version {MICROSECONDS}; versions only grow, got {MICROSECONDS - 1}"):
+        dock.set_version(MICROSECONDS - 1)
+
+
+@pytest.mark.parametrize("version", [2**53, 10**17])
+def test_a_version_that_cannot_be_carried_exactly_is_refused_at_the_call(make_dock, version):
+    dock = bounded(make_dock)
+    with pytest.raises(InvalidExperienceError, match=r"below 2\*\*53"):
+        dock.set_version(version)
+    with pytest.raises(InvalidExperienceError, match=r"below 2\*\*53"):
+        dock.put_experience({"responses": [torch.tensor([1])]}, [0], version=version)
+    dock.set_version(2**53 - 1)
+    assert dock.version() == 2**53 - 1
