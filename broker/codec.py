@@ -228,7 +228,16 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 
 def _unpack(packed: bytes | memoryview) -> Any:
-    return msgpack.unpackb(packed, raw=False, strict_map_key=False, ext_hook=_refuse_ext, timestamp=0)
+    """A value's msgpack, refusing every extension type. msgpack decodes its Timestamp (type -1) itself,
+    without asking ``ext_hook``, so extensions are refused by size (``max_ext_len=0``), and only then
+    unpacked again to name the type."""
+    try:
+        return msgpack.unpackb(packed, raw=False, strict_map_key=False, ext_hook=_refuse_ext, max_ext_len=0)
+    except ValueError as exc:
+        if "max_ext_len" not in str(exc):
+            raise
+    msgpack.unpackb(packed, raw=False, strict_map_key=False, ext_hook=_refuse_ext)  # names any type but -1
+    raise DecodeError("msgpack extension type -1, a Timestamp (the broker writes none)")
 
 
 def _decode_value(data: bytes | bytearray | memoryview, length: int, size: int, where: Any) -> Any:

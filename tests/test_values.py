@@ -70,6 +70,9 @@ def _value_bytes(payload: bytes, *, version: int = KIND_VERSION, kind: int = KIN
     (_value_bytes(msgpack.packb("abc")[:-1]), "unreadable value"),
     (_value_bytes(b"\xa2\xff\xfe"), "unreadable value"),  # a str of invalid UTF-8
     (_value_bytes(msgpack.packb(msgpack.ExtType(5, b"x"))), "extension type 5"),
+    # msgpack decodes its Timestamp (extension -1) without asking ext_hook: it was handed back as one.
+    (_value_bytes(msgpack.packb(msgpack.Timestamp(1, 2))), "extension type -1, a Timestamp"),
+    (_value_bytes(msgpack.packb({"at": [msgpack.Timestamp(1, 2)]})), "extension type -1, a Timestamp"),
     (_value_bytes(msgpack.packb(1) + msgpack.packb(2)), "unreadable value"),  # extra data
 ])
 def test_corrupted_values_raise_decode_error_naming_the_place(data, message):
@@ -130,3 +133,9 @@ def test_a_zero_dimensional_object_array_is_refused(make_dock):
     dock = make_dock(prompts_num=1, n=1, columns=("labels",))
     with pytest.raises(InvalidExperienceError, match="0-d numpy array has no rows"):
         dock.put_experience({"labels": np.array("x", dtype=object)}, [0])
+
+
+def test_a_msgpack_timestamp_is_refused_on_put():
+    """The README says extension types are refused: a Timestamp was accepted and handed back."""
+    with pytest.raises(InvalidExperienceError, match="extension type -1, a Timestamp"):
+        encode_value({"at": msgpack.Timestamp(1, 2)})
