@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, SupportsIndex, overload
 
 from .errors import InvalidExperienceError
-from .scripts import Fence
+from .scripts import Fence, runs_of
 
 
 class HandedRows(list[int]):
@@ -45,8 +45,10 @@ class HandedRows(list[int]):
 
         Raises InvalidExperienceError naming the rows that were not handed out in this delivery.
         """
+        runs = self._runs
+        if len(rows) * 2 >= len(runs) and list(runs_of(rows)) == list(runs):  # the whole delivery, as usual
+            return self._generations
         if self._by_row is None:
-            runs = self._runs
             handed = [r for start, length in zip(runs[::2], runs[1::2]) for r in range(start, start + length)]
             self._by_row = dict(zip(handed, struct.unpack(f">{len(handed)}I", self._generations)))
         by_row = self._by_row

@@ -33,7 +33,7 @@ if bad then return redis.error_reply(bad) end
 
 local rows = {}
 for i = 3, #ARGV do rows[#rows + 1] = ARGV[i] end
-local holders = hmget_in_chunks(KEYS[3], rows)
+local holders = holders_of(KEYS[3], rows)
 local mine = {}
 for i = 1, #rows do
   if holders[i] == ARGV[2] then mine[#mine + 1] = rows[i] end

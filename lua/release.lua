@@ -63,7 +63,7 @@ local starts, lengths = runs_from(9 + 2 * nbad)
 local rows = unchanged_rows(KEYS[6], KEYS[7], tonumber(ARGV[3]), ARGV[4], starts, lengths)
 local token = ARGV[5]
 if token ~= '' and #rows > 0 then
-  local holders = hmget_in_chunks(KEYS[5], rows)
+  local holders = holders_of(KEYS[5], rows)
   local mine = {}
   for i = 1, #rows do
     if holders[i] == token then mine[#mine + 1] = rows[i] end

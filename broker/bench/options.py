@@ -58,6 +58,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--sampling-calls", type=int, default=300, help="calls per size and policy (default: 300)")
     g.add_argument("--exporter", action="store_true",
                    help="cost of one Prometheus exporter scrape against many docks (only when named)")
+    g.add_argument("--fencing", action="store_true",
+                   help="cost of the write fence: the rollout's puts unfenced, fenced, and leased, alternated "
+                        "(only when named; uses --repeat, --warmup and the workload)")
     g.add_argument("--exporter-docks", type=int, default=1000, help="docks the exporter scrapes (default: 1000)")
     g.add_argument("--exporter-scrapes", type=int, default=30, help="timed scrapes (default: %(default)s)")
     g = p.add_argument_group("cluster comparison (runs instead of the modes above, on servers of its own)")

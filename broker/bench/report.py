@@ -23,6 +23,7 @@ TARGETS = {
     "sampling_p99_ages_ms": "sampling p99 at 65,536 rows x 16 columns with ages <= 2 ms",
     "memory_per_payload_byte": "Redis memory <= 1.15 x payload bytes",
     "cluster_over_single": "Redis Cluster, one client, end-to-end <= 1.15 x one redis-server",
+    "fencing_cost": "a put fenced by its lease <= 1.05 x the same put unfenced",
 }
 
 
@@ -64,6 +65,10 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if cluster:
         out["cluster_over_single"] = {"value": cluster["ratio"], "primaries": cluster["primaries"],
                                       "met": cluster["ratio"] <= 1.15}
+    fencing = report.get("fencing")
+    if fencing:
+        value = fencing["leased_over_unfenced"]
+        out["fencing_cost"] = {"value": value, "met": value <= 1.05}
     memory = report.get("memory", {}).get("systems", {})
     if "broker" in memory:
         value = memory["broker"]["per_payload_byte"]
@@ -150,6 +155,16 @@ def _sampling(samp: dict[str, Any]) -> list[str]:
                          f"  {t['server_us_per_get']:10.0f} / {r['server_us_per_get']:9.0f}")
         by_age = next(reversed(aged["sizes"].values()))["groups_by_age"]
         lines.append("  groups by age at the largest size: " + ", ".join(f"{k}: {v}" for k, v in by_age.items()))
+    return lines
+
+
+def _fencing(f: dict[str, Any]) -> list[str]:
+    lines = ["", f"the rollout's puts of {f['rows']} rows ({f['bytes'] / 1e6:.1f} MB), {f['rows_per_put']} rows per "
+                 f"put, best of {f['repeat']}"]
+    for variant, v in f["variants"].items():
+        ratio = v["put_seconds"] / f["variants"]["unfenced"]["put_seconds"]
+        lines.append(f"  {variant:<10}{_ms(v['put_seconds'])} ms  {v['gb_per_s']:6.2f} GB/s  {ratio:6.3f} x unfenced")
+    lines.append(f"  (the leased run's acks: {f['ack_seconds'] * 1000:.0f} ms more)")
     return lines
 
 
@@ -248,7 +263,7 @@ def table(report: dict[str, Any]) -> str:
     """The report as text for a terminal."""
     lines = _header(report)
     sections = {"pipeline": _pipeline, "concurrent": _concurrent, "balance": _balance, "sampling": _sampling,
-                "memory": _memory, "exporter": _exporter, "soak": _soak, "cluster": _cluster}
+                "memory": _memory, "exporter": _exporter, "fencing": _fencing, "soak": _soak, "cluster": _cluster}
     for key, section in sections.items():
         if report.get(key):
             lines += section(report[key])

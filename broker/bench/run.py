@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
               "--unix or --soak", file=sys.stderr)
         return 2
     workload = Workload(prompts=args.prompts, n=args.n, seed=args.seed, groups_per_call=args.groups_per_call)
-    selected = [m for m in MODES if getattr(args, m)] or ([] if args.exporter else list(MODES))
+    selected = [m for m in MODES if getattr(args, m)] or ([] if args.exporter or args.fencing else list(MODES))
     prefix = f"bench-{secrets.token_hex(4)}"
     report: dict[str, Any] = {"bench": "broker", "version": __version__}
     if not args.soak:
@@ -238,6 +238,11 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
             "broker": (opened["broker"], (scan_pattern(f"{prefix}-broker"), shard_pattern(f"{prefix}-broker"))),
             "redis-floor": (opened["redis-floor"], (f"bench:{{{prefix}-floor}}:*",)),
         })
+    if args.fencing:
+        from .fencing import fencing_cost
+
+        _say(f"fencing: the rollout's puts of {workload.capacity} rows, unfenced, fenced and leased, alternated")
+        report["fencing"] = fencing_cost(url, f"{prefix}-fencing", workload, args.repeat, args.warmup)
     if args.exporter:
         from .exporter import scrape_cost
 

@@ -17,6 +17,7 @@ ack: the deadline says when the rows may go to someone else, not that they have.
 ]]
 -- @include bits
 -- @include generations
+-- @include leases
 
 local function listed(rows)
   local shown = {}
@@ -28,19 +29,20 @@ end
 -- lease or "" for none) still holds the rows of the runs; else a FENCED error message naming the rows
 -- and why. `tokens_key` is the delivery consumer's td:{NAME}:tokens:CONSUMER (unused without a token).
 local function fenced_off(epoch_key, gen_key, tokens_key, epoch, generations, token, starts, lengths)
-  local rows = rows_of_runs(starts, lengths)
-  local same = unchanged_rows(epoch_key, gen_key, epoch, generations, starts, lengths)
-  if #same < #rows then
+  -- The usual case, nothing moved, in one comparison of strings; row by row only to name what did.
+  local same_epoch = epoch_of(epoch_key) == epoch
+  if not (same_epoch and generations_of_runs(gen_key, starts, lengths) == generations) then
     local kept, moved = {}, {}
-    for _, r in ipairs(same) do kept[r] = true end
-    for _, r in ipairs(rows) do
+    for _, r in ipairs(unchanged_rows(epoch_key, gen_key, epoch, generations, starts, lengths)) do kept[r] = true end
+    for _, r in ipairs(rows_of_runs(starts, lengths)) do
       if not kept[r] then moved[#moved + 1] = r end
     end
     return 'FENCED rows ' .. listed(moved) .. ' were cleared or dropped since this delivery handed them out: '
       .. 'they may hold other prompts now; nothing was written'
   end
   if token == '' then return nil end
-  local holders = hmget_in_chunks(tokens_key, rows)
+  local rows = rows_of_runs(starts, lengths)
+  local holders = holders_of(tokens_key, rows)
   local lost = {}
   for i = 1, #rows do
     if holders[i] ~= token then lost[#lost + 1] = rows[i] end

