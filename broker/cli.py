@@ -1,6 +1,6 @@
 """The ``broker`` command: look at and clear docks on a Redis server, or run the GRPO demo.
 
-    broker status [--url URL] [NAME] [--json] [--watch [SECONDS]]
+    broker status [--url URL] [NAME] [--json] [--watch [SECONDS]] [--timeout SECONDS]
     broker clear NAME --yes [--url URL]
     broker dead NAME [--consumer C] [--drop --yes] [--url URL]
     broker acl NAME | --reader [--user U] [--password P] [--cluster] [--apply --url URL]
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from redis.cluster import RedisCluster
 
 from .acl import SHARDED_PUBSUB_COMMANDS, reader_rules, worker_rules
-from .connection import connect, default_url, disconnect, redact, redis_errors
+from .connection import DEFAULT_CALL_TIMEOUT, bounded, connect, default_url, disconnect, redact, redis_errors
 from .dock import TransferDock
 from .errors import BrokerError, DockNotFoundError
 from .exporter import DEFAULT_PORT, MEMORY_KEYS_PER_SCRAPE, serve
@@ -30,20 +30,21 @@ from .watch import as_json, format_reading, watch
 
 
 def _status(args: argparse.Namespace) -> int:
-    client, _ = connect(args.url)
+    where = redact(args.url)
+    with bounded(where, args.timeout):  # opening asks the server whether it is a cluster
+        client, _ = connect(args.url)
     try:
         survey = Survey(client, [args.name] if args.name else ())
-        where = redact(args.url)
         if args.watch is not None:
             return watch(survey, args.watch, sys.stdout, where=where, as_lines=args.json,
-                         guard=lambda: redis_errors(where))
+                         guard=lambda: bounded(where, args.timeout))
         return _report(survey, args, where)
     finally:
         disconnect(args.url)
 
 
 def _report(survey: Survey, args: argparse.Namespace, where: str) -> int:
-    with redis_errors(where):  # a scan, the metas, the counts: three round trips for any number of docks
+    with bounded(where, args.timeout):  # a scan, the metas, the counts: three round trips for any number of docks
         docks = survey.read().docks
     if args.name and isinstance(docks[0][1], DockNotFoundError):
         print(f"broker: {docks[0][1]} at {where}", file=sys.stderr)
@@ -206,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--watch", nargs="?", type=_positive_seconds, const=2.0, metavar="SECONDS",
         help="redraw every SECONDS (default 2) with rows per second filling and draining, until Ctrl-C",
     )
+    status.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_CALL_TIMEOUT, metavar="SECONDS",
+                        help="give up on a server that does not answer within SECONDS (default: %(default)g)")
     status.set_defaults(run=_status)
 
     clear = commands.add_parser("clear", parents=[url], help="delete every row and status bit of a dock")

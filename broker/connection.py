@@ -687,6 +687,14 @@ def redact(url: str) -> str:
 
 
 @contextlib.contextmanager
+def bounded(where: str, seconds: float = DEFAULT_CALL_TIMEOUT) -> Iterator[None]:
+    """A tool's reads (``broker status``, its live view, the exporter's scrape): bounded like a dock's
+    call, and their Redis errors turned into broker errors naming ``where``."""
+    with call_deadline(seconds), redis_errors(where):
+        yield
+
+
+@contextlib.contextmanager
 def redis_errors(where: str) -> Iterator[None]:
     """Re-raise redis-py errors as broker errors; ``where`` names the server for the message."""
     try:

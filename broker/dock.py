@@ -417,7 +417,9 @@ class TransferDock(GenerationCalls):
             finish = None
             if flags is not None or version is not None:
                 finish = Finish(None if flags is None else tuple(flags[i] for i in in_run_order), version)
-            self._run(lambda: self._store.put(encoded, runs, lengths, finish, fence, self._wait_replicas("put")))
+            durable = self._wait_replicas("put")
+            hold_ms = int(self._call_timeout * 1000)  # a sharded put holds its lease for as long as it may take
+            self._run(lambda: self._store.put(encoded, runs, lengths, finish, fence, durable, hold_ms))
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
 

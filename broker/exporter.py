@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import CollectorRegistry
 from redis.client import Pipeline
 
-from .connection import Client, redis_errors
+from .connection import Client, bounded
 from .errors import BrokerError
 from .keys import DockKeys
 from .status import DockRef, Survey
@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 #: HTTP port of ``broker exporter`` (the README's scrape config uses it).
 DEFAULT_PORT = 9808
+
+#: The longest a scrape waits for Redis (Prometheus's default scrape_timeout).
+SCRAPE_SECONDS = 10.0
 
 #: Keys whose memory one scrape measures at most.
 MEMORY_KEYS_PER_SCRAPE = 256
@@ -197,7 +200,8 @@ class DockCollector:
         def also(pipe: Pipeline) -> None:
             self._memory.queue(pipe, list(self._survey.refs.values()))
 
-        with redis_errors(self._where):
+        # Bounded by Prometheus's default scrape timeout: a scrape that cannot finish by then is lost anyway.
+        with bounded(self._where, SCRAPE_SECONDS):
             reading = self._survey.read(also=also if self._memory.enabled else None)
             if self._memory.enabled:
                 try:

@@ -288,3 +288,14 @@ def _time_promotion(replica: RedisServer, started: float, took: dict[str, float]
                 took["promoted"] = time.monotonic() - started
                 return
             time.sleep(0.05)
+
+
+def test_broker_status_gives_up_on_a_paused_server_within_its_timeout(server, capsys):
+    from broker.cli import main
+
+    with TransferDock(server.url, "tool", prompts_num=1, n_samples_per_prompt=1, columns=["p"], consumers=["c"]):
+        pass
+    with paused(server):
+        code, took = timed(lambda: main(["status", "--url", server.url, "--timeout", "1"]))
+    assert code == 1 and "within the call's bound of 1 s" in capsys.readouterr().err
+    assert 0.9 < took < 1 + SLACK, took
