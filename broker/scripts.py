@@ -41,7 +41,9 @@ from .schema import Schema
 SCRIPT_FILES = {
     "create": "create.lua",
     "gate": "gate.lua",
+    "bar": "bar.lua",
     "put": "put.lua",
+    "unbar": "unbar.lua",
     "claim": "claim.lua",
     "sample": "sample.lua",
     "take": "take.lua",
@@ -75,6 +77,10 @@ def new_request_id() -> str:
 
 #: Scripts run for many docks at once, outside any dock object (see ``StatusScript``).
 _SHARED = ("status",)
+
+#: Scripts sent as text (EVAL), never by hash: they must run even when the server lost its scripts (see
+#: lua/bar.lua). They are a few hundred bytes, sent with every put.
+_AS_TEXT = ("bar", "unbar")
 
 _INCLUDE = re.compile(r"^-- @include (\w+)[ \t]*$", re.MULTILINE)
 
@@ -310,8 +316,12 @@ class DockScripts:
         #: shard of the dock's slot instead of being broadcast to every node (see put_listener.py).
         self.publish = publish
         self._scripts = {
-            name: client.register_script(prefix + script_text(name)) for name in SCRIPT_FILES if name not in _SHARED
+            name: client.register_script(prefix + script_text(name))
+            for name in SCRIPT_FILES if name not in _SHARED + _AS_TEXT
         }
+        # Without the header: it travels with every put.
+        self._texts = {name: prefix + re.sub(r"^--\[\[.*?\]\]\n", "", script_text(name), flags=re.DOTALL)
+                       for name in _AS_TEXT}
         self._schema: Schema | None = None
         self._expected = ""
 
@@ -357,31 +367,41 @@ class DockScripts:
     def gate(
         self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], fence: Fence | None, request_id: str
     ) -> None:
-        """Queue the first step of a put on one slot (lua/gate.lua), before the HSETs of its bytes: it lets
-        them land, or makes them fail when the put must not land (a resend, a fenced delivery)."""
+        """Queue the first two steps of a put on one slot (lua/gate.lua, lua/bar.lua), before the HSETs of its
+        bytes: the check, and the bar that makes the HSETs fail unless the check let them through."""
         k = self._keys
         keys = [k.meta, k.gate, k.epoch, k.generations, k.tokens(fence.consumer) if fence and fence.token else k.meta]
-        keys += [key for c in columns for key in (k.data(c), k.aside(c))]
         fenced = ["1", fence.epoch, fence.generations, fence.token] if fence else ["0", 0, b"", ""]
-        self._queue_once(pipe, "gate", keys, [self._expected, *fenced, *runs], request_id)
+        self._queue_once(pipe, "gate", [*keys, *(k.data(c) for c in columns)], [self._expected, *fenced, *runs],
+                         request_id)
+        self._queue_text(pipe, "bar", self._barred(columns))
 
     def put(
         self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]],
         finish: Finish | None, request_id: str,
     ) -> None:
         """Queue the marking of rows ``runs`` of ``columns`` as written, after their HSETs on ``pipe``, with
-        what a rollout put records beside them (``finish``); the last step of a put on one slot.
+        what a rollout put records beside them (``finish``), then lua/unbar.lua: the last steps of a put
+        on one slot.
 
         ``lengths`` holds, per length column written, its rows' values in the order of ``runs``.
         """
         k = self._keys
-        per_column = (k.data, k.aside, k.ready, k.group_ready)
-        keys = [k.meta, k.gate, *(kind(c) for c in columns for kind in per_column)]
+        keys = [k.meta, k.gate, *(kind(c) for c in columns for kind in (k.ready, k.group_ready))]
         keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
         args = [self._expected, self._n, k.events, self.publish, len(lengths),
                 *(finish.args() if finish else _NO_FINISH), len(runs), *runs,
                 *(v for values in lengths.values() for v in values)]
         self._queue_once(pipe, "put", keys, args + (finish.flag_args() if finish else []), request_id)
+        self._queue_text(pipe, "unbar", self._barred(columns))
+
+    def _barred(self, columns: Sequence[str]) -> list[str]:
+        """The KEYS of lua/bar.lua and lua/unbar.lua."""
+        k = self._keys
+        return [k.gate, *(key for c in columns for key in (k.data(c), k.aside(c)))]
+
+    def _queue_text(self, pipe: Pipeline, name: str, keys: list[str]) -> None:
+        pipe.execute_command("EVAL", self._texts[name], len(keys), *keys)
 
     def _finish_keys(self) -> list[str]:
         """The keys of lua/include/finish.lua, in its order."""

@@ -6,9 +6,9 @@ apart from it by one of two stores with one small interface:
 
 ``SlotStore``
     the bytes in the dock's slot (``td:{NAME}:data:COLUMN``, field = row), as on one Redis server: a
-    put is one MULTI holding the gate (lua/gate.lua), the HSETs and the marking script, so nothing is
-    ever ready without its bytes, a put that must not land (a resend of one that did, a delivery no
-    longer current) writes nothing, and a clear deletes bytes inside its own script.
+    put is one MULTI holding the gate (lua/gate.lua, lua/bar.lua), the HSETs and the marking script, so
+    nothing is ever ready without its bytes, a put that must not land (a resend of one that did, a
+    delivery no longer current) writes nothing, and a clear deletes bytes inside its own script.
 
 ``ShardedStore``
     the bytes spread over data shards ``{NAME~S}`` chosen to land on distinct cluster primaries
@@ -139,12 +139,15 @@ class SlotStore:
             self._scripts.put(pipe, columns, runs, lengths, finish, request_id)
 
         replies = run_pipeline(self._client, self._scripts.load_all, transaction, transaction=True)
-        # put.lua's reply is the verdict: an error (refused, fenced) or the put's counts. Only a put the gate
-        # let through can have failed HSETs of its own; a refused one's fail by design (see lua/gate.lua).
-        if isinstance(replies[-1], Exception):
-            raise replies[-1]
-        if replies[0] == 1:
-            for reply in replies[1:-1]:
+        # gate, bar, the HSETs, put, unbar. put.lua's reply is the verdict: an error (refused, fenced) or the
+        # put's counts. Only a put the gate let through can have failed HSETs of its own; a barred one's
+        # fail by design (see lua/bar.lua). unbar.lua's error would be the server's own.
+        gate, verdict, unbar = replies[0], replies[-2], replies[-1]
+        for reply in (unbar, verdict):
+            if isinstance(reply, Exception):
+                raise reply
+        if gate == 1:
+            for reply in replies[2:-2]:
                 if isinstance(reply, Exception):
                     raise reply
         if durable is not None:

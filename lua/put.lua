@@ -1,21 +1,19 @@
 --[[ put: mark rows as written in some columns, record what a rollout put says of them, and wake
 waiting readers: the last step of a put on one slot.
 
-The client sends this right after gate.lua and the HSETs of the rows' bytes, inside the same
-MULTI/EXEC, so no reader can see a row ready whose bytes are not there, and a failed transaction marks
-nothing. If gate.lua fenced the put off (its verdict in td:{NAME}:gate), this puts back the data hashes
-it set aside (the HSETs failed on them, writing nothing) and answers with the verdict: the kept reply
-of the put this one repeats, or the error. A put changes no generation (see include/generations.lua):
+The client sends this right after gate.lua, bar.lua and the HSETs of the rows' bytes, inside the same
+MULTI/EXEC (unbar.lua follows), so no reader can see a row ready whose bytes are not there, and a failed
+transaction marks nothing. Unless gate.lua's verdict (td:{NAME}:gate) is "go", the HSETs wrote nothing
+(bar.lua saw to it) and this marks nothing either: it answers with the verdict, the kept reply of the
+put this one repeats, or the error. A put changes no generation (see include/generations.lua):
 rewriting a row that a reader was handed replaces its bytes, it does not take the row away from that
 reader.
 
 KEYS[1]       td:{NAME}:meta
 KEYS[2]       td:{NAME}:gate               gate.lua's verdict
-KEYS[4i-1]    td:{NAME}:data:COLUMN_i      data hash of the i-th column written
-KEYS[4i]      td:{NAME}:aside:COLUMN_i     where gate.lua set it aside
-KEYS[4i+1]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
-KEYS[4i+2]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
-then, for each of the L length columns written (after the k columns' quadruples):
+KEYS[2i+1]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
+KEYS[2i+2]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
+then, for each of the L length columns written (after the k columns' pairs):
               td:{NAME}:len:COLUMN         u32 per row: the rows' values (see include/bits.lua set_u32)
 then, if ARGV[6] is not "-":  the keys of include/finish.lua
 last          td:{NAME}:reply:REQUEST_ID   the put's request id (include/once.lua)
@@ -51,25 +49,18 @@ for i = 9, 8 + nruns, 2 do
 end
 
 local verdict = redis.call('GET', KEYS[2])
-if verdict then
-  redis.call('DEL', KEYS[2])
-  for k = 3, first_len - 1, 4 do
-    redis.call('DEL', KEYS[k])
-    if redis.call('EXISTS', KEYS[k + 1]) == 1 then redis.call('RENAME', KEYS[k + 1], KEYS[k]) end
-  end
+if verdict ~= 'go' then
   if verdict == '=replay' then return kept_reply(reply_key) end
-  return redis.error_reply(verdict)
+  return redis.error_reply(verdict or 'NOGATE the put\'s first step (gate.lua) did not run; nothing was written')
 end
 -- gate.lua checked the schema and the data hashes in this MULTI; what it did not check, here.
-local bad = wrong_type(2, 2, 'string')
-for k = 3, first_len - 1, 4 do bad = bad or wrong_type(k + 2, k + 3, 'string') end
-bad = bad or wrong_type(first_len, first_len + nlen - 1, 'string')
+local bad = wrong_type(2, first_len + nlen - 1, 'string')
 if finishing ~= '-' then bad = bad or finish_wrong_type(first_len + nlen) end
 if bad then return redis.error_reply(bad) end
 
 local ready_keys, gready_keys, len_keys = {}, {}, {}
-for k = 3, first_len - 1, 4 do
-  ready_keys[#ready_keys + 1] = KEYS[k + 2]; gready_keys[#gready_keys + 1] = KEYS[k + 3]
+for k = 3, first_len - 1, 2 do
+  ready_keys[#ready_keys + 1] = KEYS[k]; gready_keys[#gready_keys + 1] = KEYS[k + 1]
 end
 for j = 1, nlen do len_keys[j] = KEYS[first_len + j - 1] end
 local n = tonumber(ARGV[2])

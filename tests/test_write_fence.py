@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from broker import FencedError, HandedRows, InvalidExperienceError, LeasedRows, Rollout, TransferDock
+from tests.helpers import server_keys
 
 #: "slot": the bytes in the dock's slot (a put is one MULTI); "sharded": over data shards (a put is two steps).
 STORES = {"slot": 0, "sharded": 2}
@@ -209,3 +210,21 @@ def test_a_drop_must_name_groups_of_its_delivery(make_dock):
     with pytest.raises(InvalidExperienceError, match="leased to consumer 'rollout'"):
         dock.drop_groups("train", [0], delivery=rows)
     assert dock.drop_groups("rollout", [0], delivery=rows) == 1
+
+
+def test_a_late_put_is_fenced_off_right_after_the_server_lost_its_scripts(make_dock, client, store):
+    """A restart, a failover or SCRIPT FLUSH empties the script cache: the first put after it meets
+    NOSCRIPT and is sent again. Its bytes must not land before the check ran (they would overwrite the
+    next prompt's row). The bar is sent as text, so it runs even when the check cannot."""
+    dock = stage_dock(make_dock, store)
+    prompts(dock, [111, 111], [0, 1])
+    _, slow = dock.get_experience("rollout", ["prompts"], 2, lease=30)
+    dock.put_experience({"responses": answers([7, 7], worker=9)}, [0, 1])  # rows that hold bytes
+    dock.clear()
+    prompts(dock, [222, 222], [0, 1])
+    dock.put_experience({"responses": answers([222, 222], worker=2)}, [0, 1])
+    client.script_flush()
+    with pytest.raises(FencedError):
+        dock.put_experience({"responses": answers([111, 111], worker=1)}, slow)
+    assert pairs(dock, [0, 1]) == [(222, 222), (222, 222)]
+    assert not server_keys(client, "*aside*") and not client.exists(dock.keys.gate)
