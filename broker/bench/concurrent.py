@@ -41,7 +41,7 @@ _POLL = 0.002
 def context() -> Any:
     """A forkserver with the heavy imports done once: a new process costs a fork, not a torch import."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "broker.bench.concurrent", "broker.bench.soak"])
+    ctx.set_forkserver_preload(["torch", "broker.bench.concurrent", "broker.bench.soak", "broker.bench.pipeline_soak"])
     return ctx
 
 

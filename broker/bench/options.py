@@ -46,13 +46,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="groups each stage reads per call (default: %(default)s, i.e. 128 rows at n=8)")
     g = p.add_argument_group("modes (default: all five; naming any runs only those named)")
     for mode in MODES:
-        g.add_argument(f"--{mode}", action="store_true", help=f"run the {mode} mode")
+        more = " (with --soak: the pipeline soak, see below)" if mode == "pipeline" else ""
+        g.add_argument(f"--{mode}", action="store_true", help=f"run the {mode} mode{more}")
     g.add_argument("--systems", type=_systems, default=SYSTEMS,
                    help=f"systems of the pipeline mode, comma-separated (default: {','.join(SYSTEMS)})")
     g.add_argument("--repeat", type=int, default=None,
                    help="timed passes per system; the best counts (default: 3, and 5 with --cluster)")
     g.add_argument("--warmup", type=int, default=1, help="untimed passes per system first (default: 1)")
-    g.add_argument("--per-stage", type=int, default=2, help="processes per stage in concurrent mode (default: 2)")
+    g.add_argument("--per-stage", type=int, default=2,
+                   help="processes per stage in concurrent mode, and rollout and filter processes each in the "
+                        "pipeline soak (default: 2)")
     g.add_argument("--sampling-sizes", type=_sizes, default=(4096, 16384, 65536),
                    help="dock sizes in rows for sampling latency (default: 4096,16384,65536)")
     g.add_argument("--sampling-calls", type=int, default=300, help="calls per size and policy (default: 300)")
@@ -80,6 +83,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--kill", action="store_true", help="SIGKILL a random client now and then (implies --leases)")
     g.add_argument("--churn", action="store_true",
                    help="clients only read; a driver clears and refills the dock as fast as it can")
-    g.add_argument("--lease-seconds", type=float, default=5.0, help="lease length (default: %(default)s)")
+    g.add_argument("--lease-seconds", type=float, default=None,
+                   help="lease length (default: 5.0, and 0.5 with --pipeline)")
     g.add_argument("--kill-every", type=float, default=1.0, help="mean seconds between kills (default: %(default)s)")
+    g = p.add_argument_group("pipeline soak (--soak --pipeline; uses --seconds, --per-stage, --lease-seconds, --kill, "
+                             "--kill-every, --seed)")
+    g.add_argument("--slow", type=float, default=None,
+                   help="chance that a rollout or filter batch sleeps 1.5 x its lease before writing (default: 0.1)")
+    g.add_argument("--unfenced", action="store_true",
+                   help="the control run: workers write and drop naming plain lists of rows, as before writes "
+                        "were fenced (it fails, counting the mispaired rows)")
     return p

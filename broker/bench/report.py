@@ -238,7 +238,39 @@ def _cluster(c: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pipeline_soak(soak: dict[str, Any]) -> list[str]:
+    c = soak["config"]
+    how = "unfenced control run: plain rows, as before the fence" if c["unfenced"] else "writes fenced"
+    killed = f", a worker SIGKILLed every {c['kill_every']:g} s on average" if c["kill"] else ""
+    f, late, m, acks = soak["fenced"], soak["late_writes"], soak["mispaired"], soak["short_acks"]
+    landed = "nothing checked them" if c["unfenced"] else "the lease had run out, but nobody had taken the rows yet"
+    r = soak["redelivered_rows"]
+    return ["", f"pipeline soak: {c['per_stage']} rollout + {c['per_stage']} filter processes for "
+                f"{soak['load_seconds']:.1f} s, lease {c['lease_seconds']:g} s, {c['slow']:.0%} of batches sleeping "
+                f"{c['slow_factor']:g} x the lease{killed} ({how}): {soak['kills']} kills -> "
+                f"{'OK' if soak['ok'] else 'FAILED'}",
+            f"  prompts put {soak['prompts_put']}: trained {soak['trained']} "
+            f"({soak['prompts_trained_per_second']:.1f}/s), "
+            f"dropped {soak['dropped']} (dock's discarded {soak['discarded']}), in the dock {soak['in_dock']}, "
+            f"lost {soak['lost']}; trained twice {soak['trained_twice']}, rejected but trained "
+            f"{soak['trained_rejected']}, unknown {soak['unknown']}",
+            f"  mispaired rows {soak['mispaired_rows']} (response of another prompt {m['response_of_another_prompt']}, "
+            f"reward of another response {m['reward_of_another_response']}, of which {m['reward_after_a_rewrite']} "
+            "after the response was written again by a redo)",
+            f"  slow batches {soak['slow_batches']}: late writes refused {late['refused']}, landed {late['landed']} "
+            f"({landed})",
+            f"  refused (FencedError): rollout puts {f['rollout_puts']}, filter puts {f['filter_puts']}, "
+            f"drops {f['filter_drops']}; prompts whose responses landed twice {soak['rewritten']['responses']} "
+            f"(rewards {soak['rewritten']['rewards']})",
+            f"  rollout / filter / train: rows redelivered {r['rollout']} / {r['filter']} / {r['train']}, acks "
+            f"releasing fewer rows than handed out {acks['rollout']} / {acks['filter']} / {acks['train']}",
+            f"  drained {soak['drained']} in {soak['drain_seconds']:.1f} s, crashed workers {len(soak['crashed'])}"
+            + (f"; failed checks: {', '.join(soak['failed'])}" if soak["failed"] else "")]
+
+
 def _soak(soak: dict[str, Any]) -> list[str]:
+    if soak.get("mode") == "pipeline":
+        return _pipeline_soak(soak)
     c = soak["config"]
     mode = "leases, killing clients" if c["kill"] else "leases" if c["leases"] else "no leases"
     if c.get("churn"):

@@ -135,12 +135,24 @@ def run(args: argparse.Namespace) -> int:
         args.repeat = CLUSTER_REPEAT if args.cluster else REPEAT
     positive = {"--prompts": args.prompts, "--n": args.n, "--groups-per-call": args.groups_per_call,
                 "--repeat": args.repeat, "--per-stage": args.per_stage, "--sampling-calls": args.sampling_calls,
-                "--clients": args.clients, "--seconds": args.seconds, "--lease-seconds": args.lease_seconds,
-                "--kill-every": args.kill_every, "--exporter-docks": args.exporter_docks,
-                "--exporter-scrapes": args.exporter_scrapes, "--primaries": args.primaries}
+                "--clients": args.clients, "--seconds": args.seconds, "--kill-every": args.kill_every,
+                "--exporter-docks": args.exporter_docks, "--exporter-scrapes": args.exporter_scrapes,
+                "--primaries": args.primaries}
+    if args.lease_seconds is not None:  # None: each soak's own default
+        positive["--lease-seconds"] = args.lease_seconds
     bad = [name for name, value in positive.items() if value <= 0] + (["--warmup"] if args.warmup < 0 else [])
     if bad:
         print(f"broker bench: {', '.join(bad)} must be positive", file=sys.stderr)
+        return 2
+    if args.soak and args.pipeline and (args.leases or args.churn):
+        print("broker bench: the pipeline soak always takes rows with leases; --leases and --churn are the plain "
+              "soak's", file=sys.stderr)
+        return 2
+    if (args.unfenced or args.slow is not None) and not (args.soak and args.pipeline):
+        print("broker bench: --slow and --unfenced belong to the pipeline soak (--soak --pipeline)", file=sys.stderr)
+        return 2
+    if args.slow is not None and not 0 <= args.slow <= 1:
+        print("broker bench: --slow is a probability, from 0 to 1", file=sys.stderr)
         return 2
     if args.cluster and (args.url or args.soak or args.unix):
         print("broker bench: --cluster starts a redis-server and a Redis Cluster of its own; it takes no --url, "
@@ -182,12 +194,25 @@ def _measure(args: argparse.Namespace, selected: list[str], prefix: str, workloa
             report["redis"] = {"version": server_version(client), "where": redact(url), "private": private}
             if is_cluster(client):
                 report["redis"]["cluster_primaries"] = len(primaries(client))
+        if args.soak and args.pipeline:
+            from .pipeline_soak import PipelineSoakConfig, run_pipeline_soak
+
+            defaults = PipelineSoakConfig()
+            pipe = PipelineSoakConfig(per_stage=args.per_stage, seconds=args.seconds,
+                                      slow=defaults.slow if args.slow is None else args.slow,
+                                      lease_seconds=args.lease_seconds or defaults.lease_seconds,
+                                      kill=args.kill, kill_every=args.kill_every, unfenced=args.unfenced,
+                                      seed=args.seed)
+            _say(f"pipeline soak: {pipe.per_stage} rollout and {pipe.per_stage} filter processes for "
+                 f"{pipe.seconds:g} s{' (unfenced control run)' if pipe.unfenced else ''}")
+            report["soak"] = run_pipeline_soak(url, f"{prefix}-pipeline-soak", pipe)
+            return bool(report["soak"]["ok"])
         if args.soak:
             from .soak import SoakConfig, run_soak
 
             cfg = SoakConfig(clients=args.clients, seconds=args.seconds, leases=args.leases or args.kill,
-                             kill=args.kill, lease_seconds=args.lease_seconds, kill_every=args.kill_every,
-                             churn=args.churn, seed=args.seed)
+                             kill=args.kill, lease_seconds=args.lease_seconds or SoakConfig().lease_seconds,
+                             kill_every=args.kill_every, churn=args.churn, seed=args.seed)
             _say(f"soak: {cfg.clients} clients for {cfg.seconds:g} s")
             report["soak"] = run_soak(url, f"{prefix}-soak", cfg)
             return bool(report["soak"]["ok"])

@@ -31,6 +31,7 @@ import struct
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,20 +82,112 @@ def content(cfg: SoakConfig, group: int, gen: int) -> list[torch.Tensor]:
     return out
 
 
-class _Log:
+#: A log record as ``read_logs`` returns it: (kind, a, b, latency in s, monotonic time in s).
+Record = tuple[int, int, int, float, float]
+
+
+class RecordLog:
+    """A process's log of fixed-size records (kind, two unsigned ints, a latency), appended with one
+    ``os.write`` each: a process killed with SIGKILL leaves every record it finished, whole."""
+
     def __init__(self, path: Path):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def __call__(self, kind: int, group: int = 0, gen: int = 0, latency: float = 0.0) -> None:
+    def __call__(self, kind: int, a: int = 0, b: int = 0, latency: float = 0.0) -> None:
         # One write per record: a SIGKILL lands between records, never inside one.
-        os.write(self.fd, _RECORD.pack(kind, group, gen, latency, time.monotonic()))
+        os.write(self.fd, _RECORD.pack(kind, a, b, latency, time.monotonic()))
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
-def _client(url: str, name: str, params: dict[str, Any], log_path: str, stop: Any, done: Any) -> None:
+class Flag:
+    """A flag processes share, read and set without a lock, so a process SIGKILLed while it looks leaves
+    nothing held. A multiprocessing Event takes a lock to read, and its ``set`` waits until every process
+    waiting on it has woken: one killed inside ``is_set`` or ``wait`` hung whoever set it, for ever."""
+
+    def __init__(self, ctx: Any):
+        self._value = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep ``seconds`` or until the flag is set; whether it is."""
+        end = time.monotonic() + seconds
+        while not self.is_set() and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+        return self.is_set()
+
+
+class Workers:
+    """Worker processes in numbered slots; each incarnation of a slot logs to a file of its own.
+
+    Slot i runs ``target(*args(i, incarnation), log_path)`` with its log at
+    ``folder / f"{names[i]}-{incarnation:04d}.log"``. ``tick`` replaces a worker that died on its own (a
+    bug: its exit code goes to ``crashed``) and, with ``kill_every``, SIGKILLs a random one every
+    ``kill_every`` seconds on average and replaces it (counted in ``kills``).
+    """
+
+    def __init__(self, ctx: Any, folder: Path, names: Sequence[str], target: Callable[..., None],
+                 args: Callable[[int, int], tuple[Any, ...]], kill_every: float | None = None, seed: int = 0):
+        self.ctx, self.folder, self.names, self.target, self.args = ctx, folder, list(names), target, args
+        self.procs: dict[int, Any] = {}
+        self.incarnations = Counter[int]()
+        self.crashed: list[int] = []
+        self.kills = 0
+        self._rng = random.Random(seed)
+        self._kill_every = kill_every
+        self._next_kill = float("inf")
+
+    def start(self) -> None:
+        for slot in range(len(self.names)):
+            self._spawn(slot)
+        if self._kill_every:
+            self._next_kill = time.monotonic() + self._rng.expovariate(1 / self._kill_every)
+
+    def _spawn(self, slot: int) -> None:
+        incarnation = self.incarnations[slot]
+        self.incarnations[slot] += 1
+        log = self.folder / f"{self.names[slot]}-{incarnation:04d}.log"
+        proc = self.ctx.Process(target=self.target, args=(*self.args(slot, incarnation), str(log)), daemon=True)
+        proc.start()
+        self.procs[slot] = proc
+
+    def tick(self) -> None:
+        for slot, p in self.procs.items():
+            if p.exitcode is not None:  # died without our help: a bug, reported by the caller
+                self.crashed.append(p.exitcode)
+                self._spawn(slot)
+        if self._kill_every and time.monotonic() >= self._next_kill:
+            slot = self._rng.randrange(len(self.names))
+            os.kill(self.procs[slot].pid, signal.SIGKILL)
+            self.procs[slot].join()
+            self.kills += 1
+            self._spawn(slot)
+            self._next_kill = time.monotonic() + self._rng.expovariate(1 / self._kill_every)
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for each worker to end; kill those still running."""
+        for p in self.procs.values():
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+
+
+def _client(url: str, name: str, params: dict[str, Any], stop: Flag, done: Flag, log_path: str) -> None:
     torch.set_num_threads(1)
     cfg = SoakConfig(**params)
     dock = TransferDock.attach(dock_target(url), name)
-    log = _Log(Path(log_path))
+    log = RecordLog(Path(log_path))
     lease = cfg.lease_seconds if cfg.leases else None
     while not done.is_set():
         t0 = time.perf_counter()
@@ -129,7 +222,7 @@ def _client(url: str, name: str, params: dict[str, Any], log_path: str, stop: An
 
 
 def _churn(
-    dock: TransferDock, cfg: SoakConfig, log: _Log, rng: random.Random, gen: int, until: float
+    dock: TransferDock, cfg: SoakConfig, log: RecordLog, rng: random.Random, gen: int, until: float
 ) -> tuple[int, int, int]:
     """Clear and refill until ``until``; returns (next generation, whole clears, partial clears)."""
     whole = partial = 0
@@ -153,13 +246,21 @@ def _churn(
     return gen, whole, partial
 
 
-def _read_logs(folder: Path, pattern: str) -> list[tuple[int, int, int, float, float]]:
-    records = []
+def read_logs(folder: Path, pattern: str) -> list[Record]:
+    """Every record of the logs in ``folder`` matching ``pattern``, each log's in the order written."""
+    records: list[Record] = []
     for path in sorted(folder.glob(pattern)):
         raw = path.read_bytes()
         usable = len(raw) - len(raw) % _RECORD.size  # a torn tail cannot happen, but costs nothing to allow
         records += [_RECORD.unpack_from(raw, i) for i in range(0, usable, _RECORD.size)]
     return records
+
+
+def remove_folder(folder: Path) -> None:
+    """Remove a run's log folder (flat: the logs only)."""
+    for path in folder.iterdir():
+        path.unlink()
+    folder.rmdir()
 
 
 def run_soak(url: str, name: str, cfg: SoakConfig) -> dict[str, Any]:
@@ -174,30 +275,22 @@ def run_soak(url: str, name: str, cfg: SoakConfig) -> dict[str, Any]:
                         consumers=[CONSUMER])
     folder = Path(tempfile.mkdtemp(prefix="broker-soak-"))
     ctx = context()
-    stop, done = ctx.Event(), ctx.Event()
-    procs: dict[int, Any] = {}
-    incarnations = Counter[int]()
+    stop, done = Flag(ctx), Flag(ctx)
     rng = random.Random(cfg.seed)
-
-    def spawn(slot: int) -> None:
-        log = folder / f"client{slot:03d}-{incarnations[slot]:04d}.log"
-        incarnations[slot] += 1
-        procs[slot] = ctx.Process(target=_client, args=(url, name, asdict(cfg), str(log), stop, done), daemon=True)
-        procs[slot].start()
-
+    params = asdict(cfg)
+    workers = Workers(ctx, folder, [f"client{slot:03d}" for slot in range(cfg.clients)], _client,
+                      lambda slot, incarnation: (url, name, params, stop, done),
+                      kill_every=cfg.kill_every if cfg.kill else None, seed=cfg.seed)
     try:
         dock.clear()
-        fill = _Log(folder / "driver.log")  # the fill, and in churn mode every put of the driver
+        fill = RecordLog(folder / "driver.log")  # the fill, and in churn mode every put of the driver
         for g in range(cfg.groups):
             fill(PUT_BEGIN, g, 0)
             dock.put_experience({COLUMN: content(cfg, g, 0)}, indexes=list(range(g * cfg.n, (g + 1) * cfg.n)))
             fill(PUT_DONE, g, 0)
-        for slot in range(cfg.clients):
-            spawn(slot)
+        workers.start()
         start = time.monotonic()
         end = start + cfg.seconds
-        next_kill = start + rng.expovariate(1 / cfg.kill_every) if cfg.kill else float("inf")
-        kills, crashed = 0, []
         churn = {"generations": 0, "whole_clears": 0, "partial_clears": 0}
         gen = 1
         while (now := time.monotonic()) < end:
@@ -208,42 +301,26 @@ def run_soak(url: str, name: str, cfg: SoakConfig) -> dict[str, Any]:
                 churn["generations"] = gen - 1
             else:
                 time.sleep(min(0.05, max(end - now, 0)))
-            for slot, p in procs.items():
-                if p.exitcode is not None:  # died without our help: a bug, reported below
-                    crashed.append(p.exitcode)
-                    spawn(slot)
-            if time.monotonic() >= next_kill:
-                slot = rng.randrange(cfg.clients)
-                os.kill(procs[slot].pid, signal.SIGKILL)
-                procs[slot].join()
-                kills += 1
-                spawn(slot)
-                next_kill = time.monotonic() + rng.expovariate(1 / cfg.kill_every)
+            workers.tick()
         load_end = time.monotonic()
         stop.set()
         drained, drain_seconds = _drain(dock, deadline=time.monotonic() + 2 * cfg.lease_seconds + 30)
         done.set()
-        for p in procs.values():
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        workers.join(30)
+        fill.close()
         final = dock.status()
     finally:
         stop.set()
         done.set()
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
+        workers.kill_all()
         delete_dock(dock)
-    result = _account(_read_logs(folder, "client*.log"), _read_logs(folder, "driver.log"), cfg, start, load_end, final)
-    result.update(config=asdict(cfg), kills=kills, crashed=crashed, drained=drained, drain_seconds=drain_seconds,
-                  load_seconds=load_end - start)
+    result = _account(read_logs(folder, "client*.log"), read_logs(folder, "driver.log"), cfg, start, load_end, final)
+    result.update(config=asdict(cfg), kills=workers.kills, crashed=workers.crashed, drained=drained,
+                  drain_seconds=drain_seconds, load_seconds=load_end - start)
     if cfg.churn:
         result["churn"] = churn
-    result["ok"] = result["ok"] and drained and not crashed
-    for path in folder.iterdir():
-        path.unlink()
-    folder.rmdir()
+    result["ok"] = result["ok"] and drained and not workers.crashed
+    remove_folder(folder)
     return result
 
 
