@@ -78,8 +78,8 @@ class HandedRows(list[int]):
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # list's would drop the slots
         return type(self), self._state()
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({list(self)!r}, epoch={self.epoch})"
+    # Printed, it is the list it is (MindSpeed-style code logs its indexes); LeasedRows shows its lease.
+    __repr__ = list.__repr__
 
 
 class LeasedRows(HandedRows):

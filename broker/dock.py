@@ -343,6 +343,7 @@ class TransferDock(GenerationCalls):
     def put_experience(
         self, data_dict: Mapping[str, Any], indexes: Sequence[int], *, is_prompt: bool = False,
         rollout_completed: Any = None, version: int | None = None, delivery: HandedRows | None = None,
+        ack: bool = True,
     ) -> None:
         """Write rows ``indexes`` of some columns and mark them ready, atomically, and once however often
         the call is resent after a lost reply.
@@ -364,8 +365,14 @@ class TransferDock(GenerationCalls):
         ``delivery``): it lands only while no clear or drop has taken the rows since, and, under a lease,
         while the lease is still this delivery's (not run out and given back to another worker, not
         acked). Otherwise it raises FencedError and writes nothing, so a slow worker's late result never
-        lands on rows that hold other prompts now or that another worker redoes. Put before you ack. A
-        put naming no delivery (a plain list of rows: the producer of new prompts) is not fenced.
+        lands on rows that hold other prompts now or that another worker redoes. A put naming no
+        delivery (a plain list of rows: the producer of new prompts) is not fenced.
+
+        A put naming a leased delivery also acks the rows it writes, in the same step (``ack=False``: it
+        does not): written, a stage's result is final, as Kafka commits a consumer's offsets in the
+        transaction of what it produced. A separate ack could come too late: a lease that ran out before
+        it goes back to the consumer, and a redo would replace a result the next stage has already read.
+        A stage writing its result in several puts passes ``ack=False`` to all but the last.
         """
         with metrics.observe(self.name, "put") as call:
             rollout = self._schema.rollout
@@ -419,7 +426,8 @@ class TransferDock(GenerationCalls):
                 finish = Finish(None if flags is None else tuple(flags[i] for i in in_run_order), version)
             durable = self._wait_replicas("put")
             hold_ms = int(self._call_timeout * 1000)  # a sharded put holds its lease for as long as it may take
-            self._run(lambda: self._store.put(encoded, runs, lengths, finish, fence, durable, hold_ms))
+            check_flag("ack", ack)
+            self._run(lambda: self._store.put(encoded, runs, lengths, finish, fence, durable, hold_ms, ack))
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
 

@@ -34,7 +34,7 @@ Deliberate differences from MindSpeed-RL (where its behaviour is a defect, ours 
 * ``lease=S`` (a keyword of ``GRPOTransferDock`` and ``TransferQueueClient``) hands rows out at least
   once: rows not done within S seconds are offered again, so a worker that dies loses nothing (a crashed
   MindSpeed actor loses the batch). MindSpeed's workers never ack, so this object acks for them, as
-  Kafka's auto-commit does: a put of a delivery's rows acks them, and a consumer's next
+  Kafka's auto-commit does: a put of a delivery's rows acks them (in the same step), and a consumer's next
   ``get_experience`` or ``all_consumed`` through this object acks what it was handed before (a consumer
   that writes nothing, the trainer, is done with a batch when it asks for the next). That holds when each
   worker process has its own object, as recommended; through one shared Ray actor, one worker's next get
@@ -289,14 +289,11 @@ class _Docked:
                 raise _bad(f"put experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
         if partial and is_prompt:
             rows, delivery = self._free_rows(dock, rows), None  # new prompts, wherever there is room
-        try:
+        try:  # a put naming a leased delivery acks its rows with it: the stage's result is written
             dock.put_experience(data, rows, is_prompt=is_prompt, rollout_completed=flags, delivery=delivery)
         except FencedError as exc:
             # MindSpeed's workers have no handler for this: the late result is dropped, the worker goes on.
             log.warning("put of rows %s dropped: %s", rows[:8], exc)
-            return
-        if isinstance(delivery, LeasedRows):
-            dock.ack(delivery.consumer, rows, token=delivery.token)  # the stage's result is written
 
     #: Seconds rows are leased for when handed out; None: for good, as MindSpeed (see the module docstring).
     lease: float | None

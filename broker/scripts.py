@@ -378,19 +378,20 @@ class DockScripts:
 
     def put(
         self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]],
-        finish: Finish | None, request_id: str,
+        finish: Finish | None, request_id: str, acks: Fence | None = None,
     ) -> None:
         """Queue the marking of rows ``runs`` of ``columns`` as written, after their HSETs on ``pipe``, with
         what a rollout put records beside them (``finish``), then lua/unbar.lua: the last steps of a put
-        on one slot.
+        on one slot. With ``acks`` (a leased delivery the gate checked), the put ends that lease of its rows.
 
         ``lengths`` holds, per length column written, its rows' values in the order of ``runs``.
         """
         k = self._keys
         keys = [k.meta, k.gate, *(kind(c) for c in columns for kind in (k.ready, k.group_ready))]
-        keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
+        keys += [k.lengths(c) for c in lengths] + ([k.leases(acks.consumer), k.tokens(acks.consumer)] if acks else [])
+        keys += self._finish_keys() if finish else []
         args = [self._expected, self._n, k.events, self.publish, len(lengths),
-                *(finish.args() if finish else _NO_FINISH), len(runs), *runs,
+                *(finish.args() if finish else _NO_FINISH), "1" if acks else "0", len(runs), *runs,
                 *(v for values in lengths.values() for v in values)]
         self._queue_once(pipe, "put", keys, args + (finish.flag_args() if finish else []), request_id)
         self._queue_text(pipe, "unbar", self._barred(columns))
@@ -412,17 +413,21 @@ class DockScripts:
     def mark(
         self, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]], epoch: int,
         generations: bytes, finish: Finish | None = None, fence: Fence | None = None, request_id: str | None = None,
+        ack: bool = False,
     ) -> Marked:
         """Mark rows ``runs`` of ``columns`` ready after their bytes went to the data shards under
         ``epoch`` and ``generations``, with what ``finish`` records (lua/mark.lua): unless a clear moved
-        them meanwhile, or the lease of the delivery ``fence`` names is no longer its own (FencedError)."""
+        them meanwhile, or the lease of the delivery ``fence`` names is no longer its own (FencedError).
+        With ``ack``, the put ends that lease of its rows."""
         k = self._keys
         token = fence.token if fence else ""
-        keys = [k.meta, k.epoch, k.generations, k.tokens(fence.consumer) if fence and token else k.meta]
+        leased = fence is not None and bool(token)
+        keys = [k.meta, k.epoch, k.generations, k.tokens(fence.consumer) if fence and leased else k.meta,
+                k.leases(fence.consumer) if fence and leased else k.meta]
         keys += [key for c in columns for key in (k.ready(c), k.group_ready(c))]
         keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
         args = [self._expected, self._n, k.events, self.publish, len(lengths), epoch, generations, token,
-                *(finish.args() if finish else _NO_FINISH), len(runs), *runs,
+                "1" if ack and leased else "0", *(finish.args() if finish else _NO_FINISH), len(runs), *runs,
                 *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else [])]
         reply = self._once("mark", keys, args, request_id)
         if int(reply[0]) >= 0:

@@ -98,12 +98,13 @@ class DataStore(Protocol):
 
     def put(
         self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
-        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS,
+        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS, ack: bool = False,
     ) -> None:
         """Write the rows' bytes and mark them ready in their columns, with what ``finish`` records; all
         or nothing, and once however often it is resent. With ``fence``, only while that delivery still
-        holds the rows (else FencedError, nothing written). With ``durable``, wait for replicas of the
-        bytes before marking them, and of the marks before returning."""
+        holds the rows (else FencedError, nothing written), and with ``ack`` too, ending its lease of
+        them in the same step. With ``durable``, wait for replicas of the bytes before marking them, and
+        of the marks before returning."""
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         """The bytes of the handout's ``rows`` (in that order) per column, or None if a clear took any of
@@ -127,7 +128,7 @@ class SlotStore:
 
     def put(
         self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
-        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS,
+        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS, ack: bool = False,
     ) -> None:
         request_id = new_request_id()  # the same in the client's resends of this MULTI
         columns = list(encoded)
@@ -136,7 +137,8 @@ class SlotStore:
             self._scripts.gate(pipe, columns, runs, fence, request_id)
             for col, mapping in encoded.items():
                 pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
-            self._scripts.put(pipe, columns, runs, lengths, finish, request_id)
+            acks = fence if ack and fence is not None and fence.token else None
+            self._scripts.put(pipe, columns, runs, lengths, finish, request_id, acks)
 
         replies = run_pipeline(self._client, self._scripts.load_all, transaction, transaction=True)
         # gate, bar, the HSETs, put, unbar. put.lua's reply is the verdict: an error (refused, fenced) or the
@@ -211,7 +213,7 @@ class ShardedStore:
 
     def put(
         self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
-        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS,
+        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS, ack: bool = False,
     ) -> None:
         rows = rows_of(runs)  # ascending, the order of the generations the fence returns
         columns = list(encoded)
@@ -234,7 +236,7 @@ class ShardedStore:
                 durable(sorted({DockKeys.shard_replicated(self._shard(r)) for r in rows}))
             # FencedError here: the lease was taken over. The fields are the rows' current ones, maybe
             # holding the taker's bytes by now, so they stay (see the module docstring).
-            marked = self._scripts.mark(columns, runs, lengths, epoch, generations, finish, fence, request_id)
+            marked = self._scripts.mark(columns, runs, lengths, epoch, generations, finish, fence, request_id, ack)
             if not marked.stale and not marked.epoch_moved:
                 if durable is not None:
                     durable([self._keys.replicated])

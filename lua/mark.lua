@@ -16,11 +16,12 @@ KEYS[1]       td:{NAME}:meta
 KEYS[2]       td:{NAME}:epoch
 KEYS[3]       td:{NAME}:gen
 KEYS[4]       td:{NAME}:tokens:CONSUMER    of the delivery's lease (td:{NAME}:meta without one)
-KEYS[2i+3]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
-KEYS[2i+4]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
+KEYS[5]       td:{NAME}:leases:CONSUMER    (td:{NAME}:meta without a lease)
+KEYS[2i+4]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
+KEYS[2i+5]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
 then, for each of the L length columns written:
               td:{NAME}:len:COLUMN         u32 per row (see include/bits.lua set_u32)
-then, if ARGV[9] is not "-":  the keys of include/finish.lua
+then, if ARGV[10] is not "-":  the keys of include/finish.lua
 last          td:{NAME}:reply:REQUEST_ID   the put's request id (include/once.lua)
 ARGV[1]       the schema the client expects (see include/schema.lua)
 ARGV[2]       n_samples_per_prompt
@@ -30,10 +31,11 @@ ARGV[5]       L, the number of length columns written
 ARGV[6]       the epoch the bytes were written under
 ARGV[7]       the rows' generations they were written under, 4 bytes per row in run order
 ARGV[8]       the token of the delivery's lease the put names, or ""
-ARGV[9]       what the put records beside its bytes, as put.lua's ARGV[6]
-ARGV[10]      the version of the rows, or ""
-ARGV[11]      R, the number of values that follow for the runs
-ARGV[12..11+R] rows written, as runs: start, length, ... (ascending, disjoint)
+ARGV[9]       "1": the put also acks its rows (as put.lua's ARGV[8]), "0": it does not
+ARGV[10]      what the put records beside its bytes, as put.lua's ARGV[6]
+ARGV[11]      the version of the rows, or ""
+ARGV[12]      R, the number of values that follow for the runs
+ARGV[13..12+R] rows written, as runs: start, length, ... (ascending, disjoint)
 then, per length column, one value per row written, in the order of the runs; then the flags
 last          how long to keep the reply, in ms (include/once.lua)
 
@@ -46,6 +48,7 @@ moved (every row is stale) or some rows' generations did (those rows), having ma
 -- @include delivery
 -- @include mark_ready
 -- @include finish
+-- @include leases
 -- @include once
 
 local reply_key, reply_ttl = once_args()
@@ -53,13 +56,14 @@ local kept = kept_reply(reply_key)
 if kept then return kept end
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
-local nlen, finishing, nruns = tonumber(ARGV[5]), ARGV[9], tonumber(ARGV[11])
+local nlen, finishing, nruns = tonumber(ARGV[5]), ARGV[10], tonumber(ARGV[12])
 local starts, lengths = {}, {}
-for i = 12, 11 + nruns, 2 do
+for i = 13, 12 + nruns, 2 do
   starts[#starts + 1] = tonumber(ARGV[i]); lengths[#lengths + 1] = tonumber(ARGV[i + 1])
 end
 local first_len = #KEYS - nlen - (finishing ~= '-' and FINISH_KEYS or 0) + 1
-local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'hash') or wrong_type(5, first_len + nlen - 1, 'string')
+local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'hash') or (ARGV[8] ~= '' and wrong_type(5, 5, 'zset'))
+  or wrong_type(6, first_len + nlen - 1, 'string')
 if finishing ~= '-' then bad = bad or finish_wrong_type(first_len + nlen) end
 if bad then return redis.error_reply(bad) end
 
@@ -82,11 +86,12 @@ if ARGV[8] ~= '' then
 end
 
 local ready_keys, gready_keys, len_keys = {}, {}, {}
-for k = 5, first_len - 1, 2 do
+for k = 6, first_len - 1, 2 do
   ready_keys[#ready_keys + 1] = KEYS[k]; gready_keys[#gready_keys + 1] = KEYS[k + 1]
 end
 for j = 1, nlen do len_keys[j] = KEYS[first_len + j - 1] end
 local n = tonumber(ARGV[2])
-local written = mark_ready(ready_keys, gready_keys, len_keys, 12 + nruns, starts, lengths, n, ARGV[4], ARGV[3])
-local newly = finish_put(first_len + nlen, starts, lengths, n, finishing, ARGV[10], 12 + nruns + nlen * written, written)
+local written = mark_ready(ready_keys, gready_keys, len_keys, 13 + nruns, starts, lengths, n, ARGV[4], ARGV[3])
+if ARGV[9] == '1' then drop_leases(KEYS[5], KEYS[4], rows_of_runs(starts, lengths)) end
+local newly = finish_put(first_len + nlen, starts, lengths, n, finishing, ARGV[11], 13 + nruns + nlen * written, written)
 return keep_reply(reply_key, reply_ttl, {written, newly})

@@ -15,6 +15,7 @@ KEYS[2i+1]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
 KEYS[2i+2]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
 then, for each of the L length columns written (after the k columns' pairs):
               td:{NAME}:len:COLUMN         u32 per row: the rows' values (see include/bits.lua set_u32)
+then, if ARGV[8] is "1":  td:{NAME}:leases:CONSUMER, td:{NAME}:tokens:CONSUMER of the delivery's lease
 then, if ARGV[6] is not "-":  the keys of include/finish.lua
 last          td:{NAME}:reply:REQUEST_ID   the put's request id (include/once.lua)
 ARGV[1]       the schema the client expects (see include/schema.lua)
@@ -25,8 +26,11 @@ ARGV[5]       L, the number of length columns written
 ARGV[6]       what the put records beside its bytes (include/finish.lua): "-" nothing, "1" completion
               flags (one per row, after the length values), "0" none but the version
 ARGV[7]       the version of the rows, or "" (with ARGV[6] not "-")
-ARGV[8]       R, the number of values that follow for the runs
-ARGV[9..8+R]  rows written, as runs: start, length, start, length, ... (ascending, disjoint)
+ARGV[8]       "1": the put also acks its rows, ending the lease of the delivery it names (gate.lua checked it
+              is still that delivery's): the result written, the rows are done and never redone, as
+              Kafka commits a consumer's offsets in the transaction of what it produced. "0": it does not
+ARGV[9]       R, the number of values that follow for the runs
+ARGV[10..9+R] rows written, as runs: start, length, start, length, ... (ascending, disjoint)
 then, per length column, one value per row written, in the order of the runs; then the flags
 last          how long to keep the reply, in ms (include/once.lua)
 
@@ -38,13 +42,15 @@ Publishes and returns {rows written, rows newly finished}.
 -- @include bits
 -- @include mark_ready
 -- @include finish
+-- @include leases
 -- @include once
 
 local reply_key, reply_ttl = once_args()
-local nlen, finishing, nruns = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[8])
-local first_len = #KEYS - nlen - (finishing ~= '-' and FINISH_KEYS or 0) + 1
+local nlen, finishing, acking, nruns = tonumber(ARGV[5]), ARGV[6], ARGV[8] == '1', tonumber(ARGV[9])
+local first_finish = #KEYS - (finishing ~= '-' and FINISH_KEYS or 0) + 1
+local first_len = first_finish - (acking and 2 or 0) - nlen
 local starts, lengths = {}, {}
-for i = 9, 8 + nruns, 2 do
+for i = 10, 9 + nruns, 2 do
   starts[#starts + 1] = tonumber(ARGV[i]); lengths[#lengths + 1] = tonumber(ARGV[i + 1])
 end
 
@@ -55,7 +61,9 @@ if verdict ~= 'go' then
 end
 -- gate.lua checked the schema and the data hashes in this MULTI; what it did not check, here.
 local bad = wrong_type(2, first_len + nlen - 1, 'string')
-if finishing ~= '-' then bad = bad or finish_wrong_type(first_len + nlen) end
+if acking then bad = bad or wrong_type(first_finish - 2, first_finish - 2, 'zset')
+  or wrong_type(first_finish - 1, first_finish - 1, 'hash') end
+if finishing ~= '-' then bad = bad or finish_wrong_type(first_finish) end
 if bad then return redis.error_reply(bad) end
 
 local ready_keys, gready_keys, len_keys = {}, {}, {}
@@ -64,6 +72,7 @@ for k = 3, first_len - 1, 2 do
 end
 for j = 1, nlen do len_keys[j] = KEYS[first_len + j - 1] end
 local n = tonumber(ARGV[2])
-local written = mark_ready(ready_keys, gready_keys, len_keys, 9 + nruns, starts, lengths, n, ARGV[4], ARGV[3])
-local newly = finish_put(first_len + nlen, starts, lengths, n, finishing, ARGV[7], 9 + nruns + nlen * written, written)
+local written = mark_ready(ready_keys, gready_keys, len_keys, 10 + nruns, starts, lengths, n, ARGV[4], ARGV[3])
+if acking then drop_leases(KEYS[first_finish - 2], KEYS[first_finish - 1], rows_of_runs(starts, lengths)) end
+local newly = finish_put(first_finish, starts, lengths, n, finishing, ARGV[7], 10 + nruns + nlen * written, written)
 return keep_reply(reply_key, reply_ttl, {written, newly})

@@ -61,7 +61,7 @@ def test_a_put_whose_lease_ran_out_and_went_to_another_worker_is_refused(make_do
     other.put_experience({"responses": answers([111, 111], worker=2)}, redo)
     got = dock.read_rows(["responses"], [0, 1])["responses"]
     assert [t.tolist() for t in got] == [[111, 2], [111, 2]]
-    assert other.ack("rollout", redo) == 2
+    assert dock.status()["consumers"]["rollout"]["leased"] == 0  # the put acked its rows
 
 
 @pytest.mark.parametrize("lease", [None, 30.0])
@@ -87,15 +87,48 @@ def test_a_lease_past_its_deadline_that_nobody_took_is_still_its_holders(make_do
     _, rows = dock.get_experience("rollout", ["prompts"], 2, lease=0.05)
     time.sleep(0.1)
     dock.put_experience({"responses": answers([5, 5], worker=1)}, rows)
-    assert dock.ack("rollout", rows) == 2
+    assert dock.ack("rollout", rows) == 0  # the put acked them already
     assert pairs(dock, [0, 1]) == [(5, 5), (5, 5)]
+
+
+def test_a_leased_put_acks_its_rows_and_a_redo_never_replaces_a_judged_result(make_dock, store):
+    """What the pipeline soak found once writes were fenced: a put that lands on a lease past its deadline
+    (nobody took it back yet) was acked only after it; another rollout worker sampling in between got the
+    rows back, redid them and replaced the response the filter had already judged, so the trainer got a
+    reward computed for a response no longer there. A worker killed between its put and its ack opened
+    the same window for a whole lease. The put now acks its rows in the same step."""
+    dock = make_dock(prompts_num=1, n=2, columns=("prompts", "responses", "rewards"),
+                     consumers=("rollout", "filter", "train"), shards=store)
+    prompts(dock, [111, 111], [0, 1])
+    _, slow = dock.get_experience("rollout", ["prompts"], 2, lease=0.1)
+    time.sleep(0.2)  # past the lease; nobody took the rows back
+    dock.put_experience({"responses": answers([111, 111], worker=1)}, slow)  # lands, and acks
+    batch, judged = dock.get_experience("filter", ["prompts", "responses"], 2, lease=30)
+    dock.put_experience({"rewards": [t[1:2] for t in batch["responses"]]}, judged)
+    assert dock.get_experience("rollout", ["prompts"], 2, lease=30) == (None, None)  # nothing to redo
+    batch, _ = dock.get_experience("train", ["responses", "rewards"], 2)
+    assert [(r.tolist(), w.item()) for r, w in zip(batch["responses"], batch["rewards"])] == [([111, 1], 1)] * 2
+    assert dock.status()["consumers"]["rollout"] == {"consumed": 2, "leased": 0, "redelivered": 0, "dead": 0}
+
+
+def test_ack_false_keeps_the_lease_for_a_result_written_in_several_puts(make_dock, store):
+    dock = make_dock(prompts_num=1, n=2, columns=("prompts", "responses", "rewards"),
+                     consumers=("rollout", "train"), shards=store)
+    prompts(dock, [1, 1], [0, 1])
+    _, rows = dock.get_experience("rollout", ["prompts"], 2, lease=30)
+    dock.put_experience({"responses": answers([1, 1], worker=1)}, rows, ack=False)
+    assert dock.status()["consumers"]["rollout"]["leased"] == 2
+    dock.put_experience({"rewards": [torch.tensor([1.0])] * 2}, rows)  # the last one acks
+    assert dock.status()["consumers"]["rollout"]["leased"] == 0
+    with pytest.raises(FencedError):
+        dock.put_experience({"rewards": [torch.tensor([2.0])] * 2}, rows)
 
 
 def test_put_before_ack_a_put_after_it_is_refused(make_dock, store):
     dock = stage_dock(make_dock, store)
     prompts(dock, [5, 5], [0, 1])
     _, rows = dock.get_experience("rollout", ["prompts"], 2, lease=30)
-    dock.ack("rollout", rows)
+    assert dock.ack("rollout", rows) == 2
     with pytest.raises(FencedError, match="no longer leased"):
         dock.put_experience({"responses": answers([5, 5], worker=1)}, rows)
 

@@ -8,8 +8,8 @@ noise falls on each alike:
 
 * ``unfenced``: the rows as a plain list (what a producer does: no check);
 * ``fenced``: the delivery of a get without a lease (the generations are checked);
-* ``leased``: the delivery of a get with a lease (generations and every row's lease token are checked;
-  the ack that follows is timed apart).
+* ``leased``: the delivery of a get with a lease (generations and every row's lease token are checked,
+  and the put acks its rows in the same step).
 
 Only the puts are timed; the best pass of each counts. Every variant writes the same bytes.
 """
@@ -38,33 +38,29 @@ def fencing_cost(url: str, name: str, workload: Workload, repeat: int, warmup: i
     outputs = [workload.stage(CONSUMER).fn(workload.prompt_rows(rows), rows) for rows in chunks]
     nbytes = sum(t.numel() * t.element_size() for out in outputs for col in out.values() for t in col)
     best: dict[str, float] = {}
-    acks: dict[str, float] = {}
     try:
         for attempt in range(warmup + repeat):
             for variant in VARIANTS:
-                put_seconds, ack_seconds = _pass(dock, workload, chunks, outputs, variant)
+                put_seconds = _pass(dock, workload, chunks, outputs, variant)
                 if attempt >= warmup:
                     best[variant] = min(best.get(variant, put_seconds), put_seconds)
-                    acks[variant] = min(acks.get(variant, ack_seconds), ack_seconds)
     finally:
         delete_dock(dock)
     return {
         "rows": workload.capacity, "rows_per_put": k, "bytes": nbytes, "repeat": repeat,
         "variants": {v: {"put_seconds": best[v], "gb_per_s": nbytes / best[v] / 1e9} for v in VARIANTS},
-        "ack_seconds": acks["leased"],
         "fenced_over_unfenced": best["fenced"] / best["unfenced"],
         "leased_over_unfenced": best["leased"] / best["unfenced"],
     }
 
 
-def _pass(dock: TransferDock, workload: Workload, chunks: list[list[int]], outputs: list[Rows],
-          variant: str) -> tuple[float, float]:
+def _pass(dock: TransferDock, workload: Workload, chunks: list[list[int]], outputs: list[Rows], variant: str) -> float:
     """One batch: load the prompts, then for each chunk get its rows and put the rollout's output there."""
     dock.clear()
     for rows in chunks:
         dock.put_experience(workload.prompt_rows(rows), rows)
     lease = LEASE_SECONDS if variant == "leased" else None
-    put_seconds = ack_seconds = 0.0
+    put_seconds = 0.0
     for rows, out in zip(chunks, outputs):
         _, handed = dock.get_experience(CONSUMER, ["prompts"], len(rows), lease=lease)
         if handed != rows:  # fifo hands out the lowest groups: the output computed for them
@@ -73,8 +69,4 @@ def _pass(dock: TransferDock, workload: Workload, chunks: list[list[int]], outpu
         start = time.perf_counter()
         dock.put_experience(out, named)
         put_seconds += time.perf_counter() - start
-        if lease is not None:
-            start = time.perf_counter()
-            dock.ack(CONSUMER, handed)
-            ack_seconds += time.perf_counter() - start
-    return put_seconds, ack_seconds
+    return put_seconds

@@ -15,16 +15,17 @@ The dock has columns ``prompts``, ``responses``, ``rewards`` and consumers ``rol
   with a plain list of rows (a producer's put, not fenced);
 * rollout workers: take a group with a lease; each row's response names the prompt and row it answers,
   the worker and the attempt; with probability ``slow`` they sleep ``slow_factor`` x the lease first;
-  the put names the delivery (fenced); then they ack;
+  the put names the delivery (fenced), which acks the rows in the same step;
 * filter workers: take prompts and responses with a lease (sleeping past it at random too); reward =
   ``reward_of(prompt, response)``; a prompt whose id is a multiple of ``drop_every`` is dropped with
-  ``drop_groups(..., delivery=rows)``, any other gets its rewards put, fenced; then they ack;
+  ``drop_groups(..., delivery=rows)``, any other gets its rewards put, fenced (and acked);
 * trainer: takes whole groups of all three columns with a lease, checks every row's pairing, acks, and
   only then counts the group trained and clears it for the driver to refill.
 
 With ``kill``, a random rollout or filter worker is SIGKILLed every ``kill_every`` seconds on average and
-replaced. With ``unfenced`` (the control run) workers write with plain lists, ``list(rows)``, and drop
-without ``delivery``, as before the fence: the mispairs this run counts are what the fence prevents.
+replaced. With ``unfenced`` (the control run) workers write with plain lists, ``list(rows)``, drop
+without ``delivery`` and ack after the put, as before the fence: the mispairs this run counts are what the
+fence prevents.
 
 When the time is up the driver stops and the pipeline drains; then the logs (one per process, fixed-size
 records that survive SIGKILL, see soak.py) and the dock must show: every prompt put trained exactly once,
@@ -33,10 +34,10 @@ rejects trained; the dock's ``discarded`` count equal to the prompts dropped; no
 names the checks that did not hold.
 
 Mispairs of a reward with a response that a redo wrote again are also counted apart
-(``reward_after_a_rewrite``): a put that lands on a lease that ran out, but that nobody had taken back yet,
-does not renew that lease, so the rows can go to another worker before the ack; its put then replaces the
-response the filter already judged (both writes are legitimate for the fence). See
-tests/test_bench_pipeline_soak.py for the deterministic sequence.
+(``reward_after_a_rewrite``). This soak found them under the fence while the put and its ack were two
+calls: a put landing on a lease past its deadline (nobody had taken it back yet) left the rows leased, so
+another worker could be handed them before the ack and replace the response the filter had judged. A put
+naming a leased delivery now acks its rows in the same step (tests/test_write_fence.py).
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ def _worker(role: str, worker: int, url: str, name: str, params: dict[str, Any],
             log(refused | slow, prompt, group)
             continue  # the rows are someone else's now: nothing to ack
         log(wrote | slow, prompt, group, time.perf_counter() - t0)
-        if wrote == F_DROPPED:
-            continue  # a drop forgets the rows, leases included
+        if wrote == F_DROPPED or not cfg.unfenced:
+            continue  # a drop forgets the rows, leases included; a fenced put acked its rows
         if dock.ack(role, rows) < len(rows):
             # Downstream was quicker (trained and cleared, or dropped), or the lease ran out and the rows
             # went to another worker, who writes them again (``rewritten`` counts those).
