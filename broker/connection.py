@@ -280,8 +280,13 @@ class _Bounded(AbstractConnection):
             return base.read_response(disable_decoding, timeout=timeout, **kwargs)
         if timeout is SENTINEL or timeout is None or timeout > bound:
             timeout = bound  # the parser sets it on the socket for each read, then restores the own one
-        with self._cut_at_deadline():
+        try:  # what _cut_at_deadline does, inline: a pipeline reads a reply per command, on the hot path
             return base.read_response(disable_decoding, timeout=timeout, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if _expired():
+                base.disconnect()
+                raise _passed(f"{exc}") from exc
+            raise
 
 
 class _BoundedConnection(_Bounded, redis.Connection):

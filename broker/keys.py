@@ -25,9 +25,9 @@ key                                type    contents
 ``td:{NAME}:reply:REQUEST``        string  the reply of a call that changed the dock, kept for a minute
                                            so that a resend after a lost reply gets it instead of
                                            applying the call twice (lua/include/once.lua)
-``td:{NAME}:gate``                 string  a put's verdict between gate.lua and put.lua; exists only
+``td:{NAME}:gate``                 string  "go" from put.lua to bar.lua when a put may land; exists only
                                            inside the put's MULTI/EXEC
-``td:{NAME}:aside:COLUMN``         hash    a data hash set aside by gate.lua while a refused put's HSETs
+``td:{NAME}:aside:COLUMN``         hash    a data hash set aside by bar.lua while a refused put's HSETs
                                            fail; exists only inside the put's MULTI/EXEC
 ``td:{NAME}:scratch``              string  work space of the sampling script; deleted before it returns
 ``td:{NAME}:scratch2``             string  more of it (tiers of oldest-first sampling)

@@ -40,9 +40,8 @@ from .schema import Schema
 #: Script name -> file in lua/. Listed explicitly so a missing file fails at import, not mid-run.
 SCRIPT_FILES = {
     "create": "create.lua",
-    "gate": "gate.lua",
-    "bar": "bar.lua",
     "put": "put.lua",
+    "bar": "bar.lua",
     "unbar": "unbar.lua",
     "claim": "claim.lua",
     "sample": "sample.lua",
@@ -364,36 +363,34 @@ class DockScripts:
             return None
         return dict(zip(reply[1::2], reply[2::2]))
 
-    def gate(
-        self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], fence: Fence | None, request_id: str
-    ) -> None:
-        """Queue the first two steps of a put on one slot (lua/gate.lua, lua/bar.lua), before the HSETs of its
-        bytes: the check, and the bar that makes the HSETs fail unless the check let them through."""
-        k = self._keys
-        keys = [k.meta, k.gate, k.epoch, k.generations, k.tokens(fence.consumer) if fence and fence.token else k.meta]
-        fenced = ["1", fence.epoch, fence.generations, fence.token] if fence else ["0", 0, b"", ""]
-        self._queue_once(pipe, "gate", [*keys, *(k.data(c) for c in columns)], [self._expected, *fenced, *runs],
-                         request_id)
-        self._queue_text(pipe, "bar", self._barred(columns))
-
     def put(
         self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]],
-        finish: Finish | None, request_id: str, acks: Fence | None = None,
+        finish: Finish | None, request_id: str, fence: Fence | None = None, ack: bool = False,
     ) -> None:
-        """Queue the marking of rows ``runs`` of ``columns`` as written, after their HSETs on ``pipe``, with
-        what a rollout put records beside them (``finish``), then lua/unbar.lua: the last steps of a put
-        on one slot. With ``acks`` (a leased delivery the gate checked), the put ends that lease of its rows.
+        """Queue the first steps of a put on one slot, before the HSETs of its bytes: lua/put.lua (check,
+        and mark rows ``runs`` of ``columns`` written, with what a rollout put records beside them,
+        ``finish``), then lua/bar.lua, which makes the HSETs fail unless put.lua let them through. With
+        ``fence``, the put lands only while that delivery is current; with ``ack`` too, it ends the
+        delivery's lease of its rows. ``unbar`` follows the HSETs.
 
         ``lengths`` holds, per length column written, its rows' values in the order of ``runs``.
         """
         k = self._keys
-        keys = [k.meta, k.gate, *(kind(c) for c in columns for kind in (k.ready, k.group_ready))]
-        keys += [k.lengths(c) for c in lengths] + ([k.leases(acks.consumer), k.tokens(acks.consumer)] if acks else [])
-        keys += self._finish_keys() if finish else []
+        leased = fence is not None and bool(fence.token)
+        consumer = fence.consumer if fence is not None and leased else ""
+        keys = [k.meta, k.gate, k.epoch, k.generations, k.tokens(consumer) if leased else k.meta,
+                k.leases(consumer) if leased else k.meta]
+        keys += [kind(c) for c in columns for kind in (k.data, k.ready, k.group_ready)]
+        keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
+        fenced = ["1", fence.epoch, fence.generations, fence.token] if fence else ["0", 0, b"", ""]
         args = [self._expected, self._n, k.events, self.publish, len(lengths),
-                *(finish.args() if finish else _NO_FINISH), "1" if acks else "0", len(runs), *runs,
-                *(v for values in lengths.values() for v in values)]
-        self._queue_once(pipe, "put", keys, args + (finish.flag_args() if finish else []), request_id)
+                *(finish.args() if finish else _NO_FINISH), *fenced, "1" if ack and leased else "0", len(runs),
+                *runs, *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else [])]
+        self._queue_once(pipe, "put", keys, args, request_id)
+        self._queue_text(pipe, "bar", self._barred(columns))
+
+    def unbar(self, pipe: Pipeline, columns: Sequence[str]) -> None:
+        """Queue the last step of a put on one slot, after its HSETs (lua/unbar.lua)."""
         self._queue_text(pipe, "unbar", self._barred(columns))
 
     def _barred(self, columns: Sequence[str]) -> list[str]:

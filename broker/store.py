@@ -6,9 +6,10 @@ apart from it by one of two stores with one small interface:
 
 ``SlotStore``
     the bytes in the dock's slot (``td:{NAME}:data:COLUMN``, field = row), as on one Redis server: a
-    put is one MULTI holding the gate (lua/gate.lua, lua/bar.lua), the HSETs and the marking script, so
-    nothing is ever ready without its bytes, a put that must not land (a resend of one that did, a
-    delivery no longer current) writes nothing, and a clear deletes bytes inside its own script.
+    put is one MULTI holding the checking and marking script (lua/put.lua), a bar on the HSETs unless
+    it let them through (lua/bar.lua), the HSETs, and the bar's undoing, so nothing is ever ready without
+    its bytes, a put that must not land (a resend of one that did, a delivery no longer current) writes
+    nothing, and a clear deletes bytes inside its own script.
 
 ``ShardedStore``
     the bytes spread over data shards ``{NAME~S}`` chosen to land on distinct cluster primaries
@@ -134,22 +135,21 @@ class SlotStore:
         columns = list(encoded)
 
         def transaction(pipe: Pipeline) -> None:
-            self._scripts.gate(pipe, columns, runs, fence, request_id)
+            self._scripts.put(pipe, columns, runs, lengths, finish, request_id, fence, ack)  # and bar.lua
             for col, mapping in encoded.items():
                 pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
-            acks = fence if ack and fence is not None and fence.token else None
-            self._scripts.put(pipe, columns, runs, lengths, finish, request_id, acks)
+            self._scripts.unbar(pipe, columns)
 
         replies = run_pipeline(self._client, self._scripts.load_all, transaction, transaction=True)
-        # gate, bar, the HSETs, put, unbar. put.lua's reply is the verdict: an error (refused, fenced) or the
-        # put's counts. Only a put the gate let through can have failed HSETs of its own; a barred one's
-        # fail by design (see lua/bar.lua). unbar.lua's error would be the server's own.
-        gate, verdict, unbar = replies[0], replies[-2], replies[-1]
+        # put, bar, the HSETs, unbar. put.lua's reply is the verdict: an error (refused, fenced) or the
+        # put's counts, kept ones for a resend; only then did the HSETs run, and can have failed of their
+        # own (a barred put's fail by design, see lua/bar.lua). unbar.lua's error would be the server's.
+        verdict, barred, unbar = replies[0], replies[1], replies[-1]
         for reply in (unbar, verdict):
             if isinstance(reply, Exception):
                 raise reply
-        if gate == 1:
-            for reply in replies[2:-2]:
+        if barred == 1:
+            for reply in replies[2:-1]:
                 if isinstance(reply, Exception):
                     raise reply
         if durable is not None:

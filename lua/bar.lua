@@ -1,14 +1,14 @@
---[[ bar: the second step of a put on one slot: bar its HSETs unless gate.lua let them through.
+--[[ bar: the second step of a put on one slot: bar its HSETs unless put.lua let them through.
 
 Sent as text (EVAL), never by its hash, so it runs even when the server lost the other scripts
-(a restart, a failover, SCRIPT FLUSH): if gate.lua answered NOSCRIPT it left no "go", and the bytes of a
+(a restart, a failover, SCRIPT FLUSH): if put.lua answered NOSCRIPT it left no "go", and the bytes of a
 put nobody checked must not land. Redis has no conditional transaction (every command of a MULTI
 runs), so a barred put's HSETs are made to fail instead: each data hash the put writes is set aside
 (RENAME, O(1) whatever its size) and a string left in its place, on which HSET fails with WRONGTYPE,
 writing nothing. unbar.lua, the put's last step, puts everything back. Keep it small: its text is sent
 with every put.
 
-KEYS[1]       td:{NAME}:gate               gate.lua's verdict ("go" lets the bytes through)
+KEYS[1]       td:{NAME}:gate               "go" from put.lua lets the bytes through
 KEYS[2i]      td:{NAME}:data:COLUMN_i      data hash of the i-th column written
 KEYS[2i+1]    td:{NAME}:aside:COLUMN_i     where it is set aside
 

@@ -1,21 +1,31 @@
---[[ put: mark rows as written in some columns, record what a rollout put says of them, and wake
-waiting readers: the last step of a put on one slot.
+--[[ put: a put on one slot: check that it may land, mark its rows written in some columns, record what
+a rollout put says of them, and wake waiting readers.
 
-The client sends this right after gate.lua, bar.lua and the HSETs of the rows' bytes, inside the same
-MULTI/EXEC (unbar.lua follows), so no reader can see a row ready whose bytes are not there, and a failed
-transaction marks nothing. Unless gate.lua's verdict (td:{NAME}:gate) is "go", the HSETs wrote nothing
-(bar.lua saw to it) and this marks nothing either: it answers with the verdict, the kept reply of the
-put this one repeats, or the error. A put changes no generation (see include/generations.lua):
-rewriting a row that a reader was handed replaces its bytes, it does not take the row away from that
-reader.
+A put on one slot is one MULTI/EXEC: this script, bar.lua, the HSETs of the rows' bytes, then unbar.lua.
+This one decides first and marks at once (nothing outside the MULTI sees the marks before the bytes),
+and leaves "go" in td:{NAME}:gate when the put lands; bar.lua makes the HSETs fail unless it reads "go"
+(also when this script could not run: NOSCRIPT after a restart or failover emptied the script cache), and
+unbar.lua undoes that. So no reader sees a row ready without its bytes, and a put that must not land
+writes nothing. It does not land, whole, when:
+- the dock is gone or changed (NODOCK, SCHEMA), or a key it writes holds something else (CORRUPT);
+- it is a resend of a put that already landed (its reply is kept, include/once.lua): rewriting the
+  bytes could overwrite what another worker wrote since (a rollout's put gives unfinished rows back at
+  once); it answers with the kept reply;
+- it names a delivery that is no longer current (include/delivery.lua): FENCED.
+A put changes no generation (see include/generations.lua): rewriting a row that a reader was handed
+replaces its bytes, it does not take the row away from that reader.
 
 KEYS[1]       td:{NAME}:meta
-KEYS[2]       td:{NAME}:gate               gate.lua's verdict
-KEYS[2i+1]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
-KEYS[2i+2]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
-then, for each of the L length columns written (after the k columns' pairs):
+KEYS[2]       td:{NAME}:gate               "go" for bar.lua when the put lands
+KEYS[3]       td:{NAME}:epoch
+KEYS[4]       td:{NAME}:gen
+KEYS[5]       td:{NAME}:tokens:CONSUMER    of the delivery's lease (td:{NAME}:meta without one)
+KEYS[6]       td:{NAME}:leases:CONSUMER    (td:{NAME}:meta without a lease)
+KEYS[3i+4]    td:{NAME}:data:COLUMN_i      data hash of the i-th column written (its type is checked)
+KEYS[3i+5]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
+KEYS[3i+6]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
+then, for each of the L length columns written (after the k columns' triples):
               td:{NAME}:len:COLUMN         u32 per row: the rows' values (see include/bits.lua set_u32)
-then, if ARGV[8] is "1":  td:{NAME}:leases:CONSUMER, td:{NAME}:tokens:CONSUMER of the delivery's lease
 then, if ARGV[6] is not "-":  the keys of include/finish.lua
 last          td:{NAME}:reply:REQUEST_ID   the put's request id (include/once.lua)
 ARGV[1]       the schema the client expects (see include/schema.lua)
@@ -26,11 +36,15 @@ ARGV[5]       L, the number of length columns written
 ARGV[6]       what the put records beside its bytes (include/finish.lua): "-" nothing, "1" completion
               flags (one per row, after the length values), "0" none but the version
 ARGV[7]       the version of the rows, or "" (with ARGV[6] not "-")
-ARGV[8]       "1": the put also acks its rows, ending the lease of the delivery it names (gate.lua checked it
-              is still that delivery's): the result written, the rows are done and never redone, as
-              Kafka commits a consumer's offsets in the transaction of what it produced. "0": it does not
-ARGV[9]       R, the number of values that follow for the runs
-ARGV[10..9+R] rows written, as runs: start, length, start, length, ... (ascending, disjoint)
+ARGV[8]       "1" if the put names a delivery (then ARGV[9..11] matter), else "0"
+ARGV[9]       the delivery's epoch
+ARGV[10]      the delivery's generations of the rows written, 4 bytes per row in run order
+ARGV[11]      the token of the delivery's lease, or "" without one
+ARGV[12]      "1": the put also acks its rows, ending the delivery's lease of them: the result written,
+              the rows are done and never redone, as Kafka commits a consumer's offsets in the
+              transaction of what it produced. "0": it does not
+ARGV[13]      R, the number of values that follow for the runs
+ARGV[14..13+R] rows written, as runs: start, length, start, length, ... (ascending, disjoint)
 then, per length column, one value per row written, in the order of the runs; then the flags
 last          how long to keep the reply, in ms (include/once.lua)
 
@@ -40,39 +54,48 @@ sampling script can weigh rows by them without reading or decoding any row.
 Publishes and returns {rows written, rows newly finished}.
 ]]
 -- @include bits
+-- @include schema
+-- @include delivery
 -- @include mark_ready
 -- @include finish
 -- @include leases
 -- @include once
 
 local reply_key, reply_ttl = once_args()
-local nlen, finishing, acking, nruns = tonumber(ARGV[5]), ARGV[6], ARGV[8] == '1', tonumber(ARGV[9])
+local nlen, finishing, nruns = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[13])
+local leased, acking = ARGV[11] ~= '', ARGV[12] == '1'
 local first_finish = #KEYS - (finishing ~= '-' and FINISH_KEYS or 0) + 1
-local first_len = first_finish - (acking and 2 or 0) - nlen
+local first_len = first_finish - nlen
 local starts, lengths = {}, {}
-for i = 10, 9 + nruns, 2 do
+for i = 14, 13 + nruns, 2 do
   starts[#starts + 1] = tonumber(ARGV[i]); lengths[#lengths + 1] = tonumber(ARGV[i + 1])
 end
 
-local verdict = redis.call('GET', KEYS[2])
-if verdict ~= 'go' then
-  if verdict == '=replay' then return kept_reply(reply_key) end
-  return redis.error_reply(verdict or 'NOGATE the put\'s first step (gate.lua) did not run; nothing was written')
+local verdict = schema_error(KEYS[1], ARGV[1])
+if not verdict then
+  verdict = wrong_type(2, 4, 'string') or (leased and (wrong_type(5, 5, 'hash') or wrong_type(6, 6, 'zset')))
+  for k = 7, first_len - 1, 3 do
+    verdict = verdict or wrong_type(k, k, 'hash') or wrong_type(k + 1, k + 2, 'string')
+  end
+  verdict = verdict or wrong_type(first_len, first_finish - 1, 'string')
+  if finishing ~= '-' then verdict = verdict or finish_wrong_type(first_finish) end
 end
--- gate.lua checked the schema and the data hashes in this MULTI; what it did not check, here.
-local bad = wrong_type(2, first_len + nlen - 1, 'string')
-if acking then bad = bad or wrong_type(first_finish - 2, first_finish - 2, 'zset')
-  or wrong_type(first_finish - 1, first_finish - 1, 'hash') end
-if finishing ~= '-' then bad = bad or finish_wrong_type(first_finish) end
-if bad then return redis.error_reply(bad) end
+if verdict then return redis.error_reply(verdict) end
+local kept = kept_reply(reply_key)
+if kept then return kept end
+if ARGV[8] == '1' then
+  local fenced = fenced_off(KEYS[3], KEYS[4], KEYS[5], tonumber(ARGV[9]), ARGV[10], ARGV[11], starts, lengths)
+  if fenced then return redis.error_reply(fenced) end
+end
+redis.call('SET', KEYS[2], 'go')
 
 local ready_keys, gready_keys, len_keys = {}, {}, {}
-for k = 3, first_len - 1, 2 do
-  ready_keys[#ready_keys + 1] = KEYS[k]; gready_keys[#gready_keys + 1] = KEYS[k + 1]
+for k = 7, first_len - 1, 3 do
+  ready_keys[#ready_keys + 1] = KEYS[k + 1]; gready_keys[#gready_keys + 1] = KEYS[k + 2]
 end
 for j = 1, nlen do len_keys[j] = KEYS[first_len + j - 1] end
 local n = tonumber(ARGV[2])
-local written = mark_ready(ready_keys, gready_keys, len_keys, 10 + nruns, starts, lengths, n, ARGV[4], ARGV[3])
-if acking then drop_leases(KEYS[first_finish - 2], KEYS[first_finish - 1], rows_of_runs(starts, lengths)) end
-local newly = finish_put(first_finish, starts, lengths, n, finishing, ARGV[7], 10 + nruns + nlen * written, written)
+local written = mark_ready(ready_keys, gready_keys, len_keys, 14 + nruns, starts, lengths, n, ARGV[4], ARGV[3])
+if acking and leased then drop_leases(KEYS[6], KEYS[5], rows_of_runs(starts, lengths)) end
+local newly = finish_put(first_finish, starts, lengths, n, finishing, ARGV[7], 14 + nruns + nlen * written, written)
 return keep_reply(reply_key, reply_ttl, {written, newly})

@@ -1,4 +1,4 @@
---[[ unbar: the last step of a put on one slot: undo what bar.lua did, and forget gate.lua's verdict.
+--[[ unbar: the last step of a put on one slot: undo what bar.lua did, and forget put.lua's "go".
 
 Sent as text (EVAL) for the reason bar.lua is: it must run whatever scripts the server lost, or a
 barred put would leave its data hashes aside. Keep it small: its text is sent with every put.

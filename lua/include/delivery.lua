@@ -1,4 +1,4 @@
---[[ delivery: the write fence, pasted in by `-- @include delivery` (gate.lua, claim.lua, mark.lua,
+--[[ delivery: the write fence, pasted in by `-- @include delivery` (put.lua, claim.lua, mark.lua,
 discard.lua).
 
 Rows handed out by sample.lua or take.lua go to the client with the dock's epoch and their generations
