@@ -115,6 +115,17 @@ def like(rows: list[int], new_rows: list[int]) -> list[int]:
     return new_rows
 
 
+def check_delivery(delivery: Any, consumer: str | None = None) -> HandedRows:
+    """``delivery`` if it is the rows of a hand-out (and, leased, a lease of ``consumer`` if given)."""
+    if not isinstance(delivery, HandedRows):
+        raise InvalidExperienceError(
+            f"delivery must be the rows get_experience returned (HandedRows), got {type(delivery).__name__}"
+        )
+    if consumer is not None and isinstance(delivery, LeasedRows) and delivery.consumer != consumer:
+        raise InvalidExperienceError(f"these rows were leased to consumer {delivery.consumer!r}, not to {consumer!r}")
+    return delivery
+
+
 def fence_of(delivery: HandedRows, rows: list[int]) -> Fence:
     """What a write of ``rows`` (ascending) naming ``delivery`` checks (see lua/include/delivery.lua)."""
     if isinstance(delivery, LeasedRows):

@@ -28,7 +28,7 @@ from .connection import (
     value_limit,
     waiting_call,
 )
-from .delivery import HandedRows, LeasedRows, fence_of, like
+from .delivery import HandedRows, LeasedRows, check_delivery, fence_of, like
 from .errors import (
     BrokerError,
     DecodeError,
@@ -377,13 +377,12 @@ class TransferDock(GenerationCalls):
         with metrics.observe(self.name, "put") as call:
             rollout = self._schema.rollout
             check_flag("is_prompt", is_prompt)
+            check_flag("ack", ack)
             version = None if version is None else check_version(version)
             if delivery is None and isinstance(indexes, HandedRows):
                 delivery = indexes
-            if delivery is not None and not isinstance(delivery, HandedRows):
-                raise InvalidExperienceError(
-                    f"delivery must be the rows get_experience returned (HandedRows), got {type(delivery).__name__}"
-                )
+            if delivery is not None:
+                delivery = check_delivery(delivery)
             given = indexes
             if rollout_completed is not None:
                 if not rollout.partial:
@@ -426,7 +425,6 @@ class TransferDock(GenerationCalls):
                 finish = Finish(None if flags is None else tuple(flags[i] for i in in_run_order), version)
             durable = self._wait_replicas("put")
             hold_ms = int(self._call_timeout * 1000)  # a sharded put holds its lease for as long as it may take
-            check_flag("ack", ack)
             self._run(lambda: self._store.put(encoded, runs, lengths, finish, fence, durable, hold_ms, ack))
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())

@@ -14,7 +14,7 @@ import redis
 import torch
 
 from .connection import Client
-from .delivery import HandedRows, LeasedRows, fence_of
+from .delivery import HandedRows, check_delivery, fence_of
 from .errors import InvalidExperienceError
 from .keys import DockKeys
 from .rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
@@ -216,16 +216,9 @@ class GenerationCalls:
         picked = self._check.groups(groups)
         fence = None
         if delivery is not None:
-            if not isinstance(delivery, HandedRows):
-                raise InvalidExperienceError(
-                    f"delivery must be the rows get_experience returned (HandedRows), got {type(delivery).__name__}"
-                )
-            if isinstance(delivery, LeasedRows) and delivery.consumer != consumer:
-                raise InvalidExperienceError(
-                    f"these rows were leased to consumer {delivery.consumer!r}, not to {consumer!r}"
-                )
             n = self.n_samples_per_prompt
-            fence = fence_of(delivery, [g * n + j for g in sorted(set(picked)) for j in range(n)])
+            rows = [g * n + j for g in sorted(set(picked)) for j in range(n)]
+            fence = fence_of(check_delivery(delivery, consumer), rows)
         return self._run(lambda: self._store.forget(
             self._scripts.discard(picked, regenerate=False, field=consumer, max_staleness=None, fence=fence)
         ))
