@@ -38,5 +38,5 @@ local mine = {}
 for i = 1, #rows do
   if holders[i] == ARGV[2] then mine[#mine + 1] = rows[i] end
 end
-drop_leases(KEYS[2], KEYS[3], mine)
+end_leases(KEYS[2], KEYS[3], mine)
 return keep_reply(reply_key, reply_ttl, #mine)

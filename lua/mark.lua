@@ -92,6 +92,6 @@ end
 for j = 1, nlen do len_keys[j] = KEYS[first_len + j - 1] end
 local n = tonumber(ARGV[2])
 local written = mark_ready(ready_keys, gready_keys, len_keys, 13 + nruns, starts, lengths, n, ARGV[4], ARGV[3])
-if ARGV[9] == '1' then drop_leases(KEYS[5], KEYS[4], rows_of_runs(starts, lengths)) end
+if ARGV[9] == '1' then end_leases(KEYS[5], KEYS[4], rows_of_runs(starts, lengths)) end  -- fenced: ours
 local newly = finish_put(first_len + nlen, starts, lengths, n, finishing, ARGV[11], 13 + nruns + nlen * written, written)
 return keep_reply(reply_key, reply_ttl, {written, newly})

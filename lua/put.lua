@@ -96,6 +96,6 @@ end
 for j = 1, nlen do len_keys[j] = KEYS[first_len + j - 1] end
 local n = tonumber(ARGV[2])
 local written = mark_ready(ready_keys, gready_keys, len_keys, 14 + nruns, starts, lengths, n, ARGV[4], ARGV[3])
-if acking and leased then drop_leases(KEYS[6], KEYS[5], rows_of_runs(starts, lengths)) end
+if acking and leased then end_leases(KEYS[6], KEYS[5], rows_of_runs(starts, lengths)) end  -- fenced: ours
 local newly = finish_put(first_finish, starts, lengths, n, finishing, ARGV[7], 14 + nruns + nlen * written, written)
 return keep_reply(reply_key, reply_ttl, {written, newly})

@@ -8,8 +8,11 @@ noise falls on each alike:
 
 * ``unfenced``: the rows as a plain list (what a producer does: no check);
 * ``fenced``: the delivery of a get without a lease (the generations are checked);
-* ``leased``: the delivery of a get with a lease (generations and every row's lease token are checked,
-  and the put acks its rows in the same step).
+* ``leased``: the delivery of a get with a lease (generations and every row's lease token are checked),
+  put with ``ack=False`` (and acked after, untimed): the fence alone, what the target compares with
+  ``unfenced``;
+* ``leased+ack``: the same put as a stage makes it by default, acking its rows in the same step (the
+  work a separate ``ack`` call did before).
 
 Only the puts are timed; the best pass of each counts. Every variant writes the same bytes.
 """
@@ -24,7 +27,7 @@ from .broker_dock import delete_dock
 from .docks import dock_target
 from .workload import COLUMNS, Rows, Workload
 
-VARIANTS = ("unfenced", "fenced", "leased")
+VARIANTS = ("unfenced", "fenced", "leased", "leased+ack")
 CONSUMER = "actor_rollout"
 LEASE_SECONDS = 300.0
 
@@ -51,6 +54,7 @@ def fencing_cost(url: str, name: str, workload: Workload, repeat: int, warmup: i
         "variants": {v: {"put_seconds": best[v], "gb_per_s": nbytes / best[v] / 1e9} for v in VARIANTS},
         "fenced_over_unfenced": best["fenced"] / best["unfenced"],
         "leased_over_unfenced": best["leased"] / best["unfenced"],
+        "leased_ack_over_unfenced": best["leased+ack"] / best["unfenced"],
     }
 
 
@@ -59,7 +63,7 @@ def _pass(dock: TransferDock, workload: Workload, chunks: list[list[int]], outpu
     dock.clear()
     for rows in chunks:
         dock.put_experience(workload.prompt_rows(rows), rows)
-    lease = LEASE_SECONDS if variant == "leased" else None
+    lease = LEASE_SECONDS if variant.startswith("leased") else None
     put_seconds = 0.0
     for rows, out in zip(chunks, outputs):
         _, handed = dock.get_experience(CONSUMER, ["prompts"], len(rows), lease=lease)
@@ -67,6 +71,8 @@ def _pass(dock: TransferDock, workload: Workload, chunks: list[list[int]], outpu
             raise RuntimeError(f"fencing bench: expected rows {rows[:4]}..., was handed {list(handed or [])[:4]}...")
         named = list(handed) if variant == "unfenced" else handed
         start = time.perf_counter()
-        dock.put_experience(out, named)
+        dock.put_experience(out, named, ack=variant != "leased")
         put_seconds += time.perf_counter() - start
+        if variant == "leased":
+            dock.ack(CONSUMER, handed)  # untimed: the next put meets the leases the other variants leave
     return put_seconds

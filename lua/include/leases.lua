@@ -39,6 +39,17 @@ local function drop_leases(leases, tokens, rows)
   call_in_chunks('HDEL', tokens, rows)
 end
 
+-- drop_leases of `rows` known to be leased (their holders were just read). When they are every lease of
+-- the consumer, as when one worker's delivery is all that is out, both keys go at once: a listpack (a
+-- zset or hash of up to 128 entries) removes member by member, each one a search from its start.
+local function end_leases(leases, tokens, rows)
+  if redis.call('HLEN', tokens) == #rows then
+    redis.call('DEL', leases, tokens)
+  else
+    drop_leases(leases, tokens, rows)
+  end
+end
+
 -- Lists `rows` in `leases` with deadline `deadline` (ms) under `token`, replacing any lease they had.
 local function lease_rows(leases, tokens, rows, deadline, token)
   for first = 1, #rows, UNPACK_CHUNK do
