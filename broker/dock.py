@@ -565,7 +565,8 @@ class TransferDock(GenerationCalls):
             order = balanced_order(cost, ranks)
         else:
             return batch, rows
-        return {c: [values[i] for i in order] for c, values in batch.items()}, like(rows, [rows[i] for i in order])
+        plain = list(rows)  # indexing a HandedRows goes through Python (its slices keep the delivery)
+        return {c: [values[i] for i in order] for c, values in batch.items()}, like(rows, [plain[i] for i in order])
 
     def _row_costs(self, rows: list[int], columns: list[str]) -> list[int]:
         """Sum of the length columns of each row, from the length arrays the puts keep."""

@@ -746,7 +746,8 @@ class TransferQueueClient(_Docked):
             return None, None
         # The queue returns rows by index; under partial rollout oldest first, as the dock picked them.
         order = list(range(len(rows))) if dock.rollout.partial else sorted(range(len(rows)), key=rows.__getitem__)
-        out, rows = {c: [v[i] for i in order] for c, v in batch.items()}, like(rows, [rows[i] for i in order])
+        plain = list(rows)  # indexing a HandedRows goes through Python (its slices keep the delivery)
+        out, rows = {c: [v[i] for i in order] for c, v in batch.items()}, like(rows, [plain[i] for i in order])
         if require_dp_padding and experience_count and 0 < len(rows) < experience_count:  # MindSpeed's rule
             out, rows = dp_padded(out, rows, dp_size)
         return (_mindspeed_batch(out) if pad else out), rows
