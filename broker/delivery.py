@@ -11,12 +11,11 @@ its late result over somebody else's.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, SupportsIndex, overload
 
 from .errors import InvalidExperienceError
-from .scripts import Fence, runs_of
+from .scripts import Fence, Handout, rows_of, runs_of
 
 
 class HandedRows(list[int]):
@@ -29,7 +28,7 @@ class HandedRows(list[int]):
     as ``delivery=`` then.
     """
 
-    __slots__ = ("epoch", "_runs", "_generations", "_by_row")
+    __slots__ = ("epoch", "_runs", "_generations")
 
     def __init__(self, rows: Iterable[int], epoch: int, runs: Sequence[int], generations: bytes):
         super().__init__(rows)
@@ -38,7 +37,6 @@ class HandedRows(list[int]):
         #: order: as sample.lua / take.lua returned them. Read through ``generations_of``.
         self._runs = tuple(runs)
         self._generations = bytes(generations)
-        self._by_row: dict[int, int] | None = None
 
     def generations_of(self, rows: Sequence[int]) -> bytes:
         """The generations of ``rows`` (ascending, as a write's runs list them), 4 bytes per row.
@@ -48,18 +46,15 @@ class HandedRows(list[int]):
         runs = self._runs
         if len(rows) * 2 >= len(runs) and list(runs_of(rows)) == list(runs):  # the whole delivery, as usual
             return self._generations
-        if self._by_row is None:
-            handed = [r for start, length in zip(runs[::2], runs[1::2]) for r in range(start, start + length)]
-            self._by_row = dict(zip(handed, struct.unpack(f">{len(handed)}I", self._generations)))
-        by_row = self._by_row
-        foreign = [r for r in rows if r not in by_row]
+        handed = set(rows_of(runs))
+        foreign = [r for r in rows if r not in handed]
         if foreign:
             shown = ", ".join(map(str, foreign[:8])) + (", ..." if len(foreign) > 8 else "")
             raise InvalidExperienceError(
                 f"rows {shown} were not handed out in the delivery this write names; name the delivery they "
                 "came in, or pass a plain list of rows for an unfenced write"
             )
-        return b"".join(struct.pack(">I", by_row[r]) for r in rows)
+        return Handout(runs, self.epoch, self._generations).only(rows).generations
 
     @overload
     def __getitem__(self, index: SupportsIndex) -> int: ...

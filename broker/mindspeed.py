@@ -300,6 +300,10 @@ class _Docked:
     #: Leased deliveries handed out through this object and not acked yet, per (dock, consumer).
     _leased: dict[tuple[str, str], list[LeasedRows]]
 
+    def _init_leases(self, lease: float | None) -> None:
+        check_lease(lease)  # refused now, not at the first get
+        self.lease, self._leased = lease, {}
+
     def _done(self, dock: TransferDock, consumer: str) -> None:
         """Ack what ``consumer`` was handed through this object before: it asks for more, so it is done
         with that (Kafka's auto-commit; see the module docstring)."""
@@ -438,9 +442,7 @@ class GRPOTransferDock(_Docked):
         self.empty_wait = _Docked.empty_wait
         self.timeout_interval = 5.0 if timeout_interval is None else float(timeout_interval)
         self._url, self._name = url, name
-        check_lease(lease)  # refused now, not at the first get
-        self.lease: float | None = lease
-        self._leased = {}
+        self._init_leases(lease)
         self.enable_partial_rollout = max_age > 1
         self.dock = _open(url, name, prompts_num, n_samples_per_prompt, self.experience_columns,
                           self.experience_consumers, _rollout(max_age, GBS_train))
@@ -592,9 +594,7 @@ class TransferQueueClient(_Docked):
     def __init__(self, url: str | Client | None = None, *, prefix: str = "tq.", lease: float | None = None) -> None:
         self._url: str | Client = url or default_url()
         self._prefix = prefix
-        check_lease(lease)  # refused now, not at the first get
-        self.lease: float | None = lease
-        self._leased = {}
+        self._init_leases(lease)
         self._docks: dict[str, TransferDock] = {}
         self._timeouts: dict[str, float] = {}
         self._timings: dict[str, float] = {"put": 0.0, "get": 0.0, "dispatch": 0.0}

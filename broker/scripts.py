@@ -377,9 +377,7 @@ class DockScripts:
         """
         k = self._keys
         leased = fence is not None and bool(fence.token)
-        consumer = fence.consumer if fence is not None and leased else ""
-        keys = [k.meta, k.gate, k.epoch, k.generations, k.tokens(consumer) if leased else k.meta,
-                k.leases(consumer) if leased else k.meta]
+        keys = [k.meta, k.gate, k.epoch, k.generations, *self._lease_keys(fence)]
         keys += [kind(c) for c in columns for kind in (k.data, k.ready, k.group_ready)]
         keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
         fenced = ["1", fence.epoch, fence.generations, fence.token] if fence else ["0", 0, b"", ""]
@@ -401,6 +399,14 @@ class DockScripts:
     def _queue_text(self, pipe: Pipeline, name: str, keys: list[str]) -> None:
         pipe.execute_command("EVAL", self._texts[name], len(keys), *keys)
 
+    def _lease_keys(self, fence: Fence | None) -> list[str]:
+        """td:{NAME}:tokens:CONSUMER and td:{NAME}:leases:CONSUMER of the lease ``fence`` names; the meta key
+        twice without one (the scripts then leave them alone)."""
+        k = self._keys
+        if fence is None or not fence.token:
+            return [k.meta, k.meta]
+        return [k.tokens(fence.consumer), k.leases(fence.consumer)]
+
     def _finish_keys(self) -> list[str]:
         """The keys of lua/include/finish.lua, in its order."""
         k = self._keys
@@ -418,13 +424,11 @@ class DockScripts:
         With ``ack``, the put ends that lease of its rows."""
         k = self._keys
         token = fence.token if fence else ""
-        leased = fence is not None and bool(token)
-        keys = [k.meta, k.epoch, k.generations, k.tokens(fence.consumer) if fence and leased else k.meta,
-                k.leases(fence.consumer) if fence and leased else k.meta]
+        keys = [k.meta, k.epoch, k.generations, *self._lease_keys(fence)]
         keys += [key for c in columns for key in (k.ready(c), k.group_ready(c))]
         keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
         args = [self._expected, self._n, k.events, self.publish, len(lengths), epoch, generations, token,
-                "1" if ack and leased else "0", *(finish.args() if finish else _NO_FINISH), len(runs), *runs,
+                "1" if ack and token else "0", *(finish.args() if finish else _NO_FINISH), len(runs), *runs,
                 *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else [])]
         reply = self._once("mark", keys, args, request_id)
         if int(reply[0]) >= 0:
@@ -435,9 +439,7 @@ class DockScripts:
         """Check, before a sharded put sends its bytes, that the delivery ``fence`` names still holds the
         rows, and hold its lease for ``hold_ms`` (lua/claim.lua); FencedError if it does not."""
         k = self._keys
-        leased = bool(fence.token)
-        keys = [k.meta, k.epoch, k.generations, k.tokens(fence.consumer) if leased else k.meta,
-                k.leases(fence.consumer) if leased else k.meta]
+        keys = [k.meta, k.epoch, k.generations, *self._lease_keys(fence)]
         self._call("claim", keys, [self._expected, fence.epoch, fence.generations, fence.token, hold_ms, *runs])
 
     def sample(

@@ -144,11 +144,11 @@ class SlotStore:
         # put, bar, the HSETs, unbar. put.lua's reply is the verdict: an error (refused, fenced) or the
         # put's counts, kept ones for a resend; only then did the HSETs run, and can have failed of their
         # own (a barred put's fail by design, see lua/bar.lua). unbar.lua's error would be the server's.
-        verdict, barred, unbar = replies[0], replies[1], replies[-1]
+        verdict, lands, unbar = replies[0], replies[1], replies[-1]  # lands: bar.lua's 1, the bytes went in
         for reply in (unbar, verdict):
             if isinstance(reply, Exception):
                 raise reply
-        if barred == 1:
+        if lands == 1:
             for reply in replies[2:-1]:
                 if isinstance(reply, Exception):
                     raise reply
