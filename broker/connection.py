@@ -456,9 +456,20 @@ def default_url() -> str:
     return os.environ.get("REDIS_URL") or DEFAULT_URL
 
 
-#: URL -> [client, number of users]: every dock opened from one URL in a process shares one client
-#: and its pool, so a process holds a few connections per server however many docks it opens.
-_shared: dict[str, list[Any]] = {}
+class _Shared:
+    """One URL's client, shared by its users in this process, and the opening of it."""
+
+    def __init__(self) -> None:
+        self.client: Client | None = None  # None while it is being opened, and if opening failed
+        self.users = 0
+        self.opened = threading.Event()  # set once the opening ended, either way
+
+
+#: URL -> its shared client: every dock opened from one URL in a process shares one client and its
+#: pool, so a process holds a few connections per server however many docks it opens. The lock guards
+#: only this table, never a round trip: opening a URL (one INFO, retries included: up to a call's
+#: bound) happens outside it, so a server that does not answer holds up only the users of its own URL.
+_shared: dict[str, _Shared] = {}
 _shared_lock = threading.Lock()
 
 
@@ -471,12 +482,7 @@ def connect(target: str | Client) -> tuple[Client, str | None]:
     the caller's, used as it is and never closed here.
     """
     if isinstance(target, str):
-        with _shared_lock:
-            entry = _shared.get(target)
-            if entry is None:
-                entry = _shared[target] = [_open_url(target), 0]
-            entry[1] += 1
-            return entry[0], target
+        return _shared_client(target), target
     if not isinstance(target, (redis.Redis, RedisCluster)):
         raise BrokerError(
             f"expected a Redis URL, a redis.Redis or a redis.cluster.RedisCluster client, got {type(target).__name__}"
@@ -486,17 +492,62 @@ def connect(target: str | Client) -> tuple[Client, str | None]:
     return target, url_of(target)
 
 
+def _shared_client(url: str) -> Client:
+    """The shared client of ``url``, opened by the first thread that asks; one more user of it.
+
+    Threads asking while it is being opened wait for that opening (up to their call's bound), so a URL
+    is opened once. The interleavings, each under the table's lock:
+
+    - *the last user hands it back while another asks*: the hand-back removes the entry before closing
+      the client, so the asker either counted itself in first (and the client stays open) or finds no
+      entry and opens a new client.
+    - *the opening fails*: the opener removes its entry; a waiter finds the entry gone and opens anew
+      itself, within its own bound (a server may come back between the two).
+    - *a waiter's bound passes*: it never counted itself in, so it leaves nothing to hand back.
+    """
+    while True:
+        with _shared_lock:
+            entry = _shared.get(url)
+            opener = entry is None
+            if entry is None:
+                entry = _shared[url] = _Shared()
+            elif entry.client is not None:
+                entry.users += 1
+                return entry.client
+        if opener:
+            return _open_shared(url, entry)
+        left = time_left()
+        if not entry.opened.wait(None if left is None else max(0.0, left)):
+            raise _timeout_error(redact(url), _passed("waiting for another thread of this process to open it"))
+
+
+def _open_shared(url: str, entry: _Shared) -> Client:
+    """Open ``url`` for ``entry`` (which this thread put in the table) and count this thread its first user."""
+    try:
+        client = _open_url(url)
+    except BaseException:
+        with _shared_lock:
+            if _shared.get(url) is entry:
+                del _shared[url]
+        entry.opened.set()
+        raise
+    with _shared_lock:
+        entry.client, entry.users = client, 1
+    entry.opened.set()
+    return client
+
+
 def disconnect(url: str) -> None:
     """Hand back a client ``connect(url)`` gave; the last user's hand-back closes its connections."""
     with _shared_lock:
         entry = _shared.get(url)
-        if entry is None:
+        if entry is None or entry.client is None:  # none, or being opened: not this caller's to hand back
             return
-        entry[1] -= 1
-        if entry[1] > 0:
+        entry.users -= 1
+        if entry.users > 0:
             return
         del _shared[url]
-    entry[0].close()
+    entry.client.close()  # outside the lock: closing may wait on sockets
 
 
 def _open_url(url: str) -> Client:

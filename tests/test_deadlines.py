@@ -207,6 +207,59 @@ def test_rows_handed_out_are_returned_even_past_the_calls_timeout(caplog):
         assert any("acknowledged within" in r.getMessage() for r in caplog.records)
 
 
+# -- a paused server among healthy ones
+
+
+def _small(url: str, name: str, **kwargs: Any) -> TransferDock:
+    return TransferDock(url, name, prompts_num=1, n_samples_per_prompt=2, columns=["prompts"], consumers=["train"],
+                        **kwargs)
+
+
+def test_a_dock_opening_on_a_paused_server_holds_up_no_other_server(server):
+    """One thread opens a dock on a paused server (until its bound of 4 s); meanwhile the main thread
+    opens, uses and closes docks on a healthy server, a URL new to the process and one already open.
+    Opening used to hold one lock of the whole process, retries included: everything else waited."""
+    with RedisServer() as healthy:
+        kept = _small(healthy.url, "kept")
+        with paused(server):
+            stuck: list[BaseException] = []
+            opening = threading.Thread(target=lambda: stuck.append(
+                pytest.raises(BrokerTimeoutError, _small, server.url, "stuck", call_timeout=4).value))
+            opening.start()
+            time.sleep(0.3)  # the thread is opening: its INFO is sent and gets no answer
+            started = time.monotonic()
+            with _small(f"{healthy.url}?health_check_interval=30", "fresh") as fresh:  # a URL new to the process
+                fresh.put_experience(rows_of(2), [0, 1])
+                assert fresh.get_experience("train", ["prompts"], 2)[1] == [0, 1]
+            TransferDock.attach(healthy.url, "kept").close()
+            kept.close()
+            took = time.monotonic() - started
+            still_opening = opening.is_alive()
+            opening.join()
+    print(f"\nwhile a dock opened on a paused server, three docks opened, were used and closed in {took:.2f} s")
+    assert still_opening and took < SLACK, took
+    assert len(stuck) == 1 and f"Redis at {server.url}" in str(stuck[0])
+
+
+def test_threads_opening_one_url_at_once_open_it_once(server):
+    """Threads asking for the same URL while it is being opened (the server paused for 0.5 s) wait for
+    that opening and share its client."""
+    _small(server.url, "once").close()
+    docks: list[TransferDock] = []
+    with paused(server, resume_after=0.5):
+        attach = lambda: docks.append(TransferDock.attach(server.url, "once", call_timeout=5))  # noqa: E731
+        threads = [threading.Thread(target=attach) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(docks) == 4 and len({id(d.client) for d in docks}) == 1
+    for dock in docks:
+        dock.close()
+    with TransferDock.attach(server.url, "once") as again:  # the last close closed the client: a new one
+        assert again.client is not docks[0].client and again.status()["capacity"] == 2
+
+
 # -- a Redis Cluster with replicas
 
 
