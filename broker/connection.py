@@ -6,6 +6,8 @@ import contextlib
 import math
 import numbers
 import os
+import socket
+import ssl
 import threading
 import time
 import weakref
@@ -171,6 +173,13 @@ class _DeadlinePassed(redis.RedisError):
         self.detail = detail
 
 
+class _Hopeless(redis.RedisError):
+    """A connection failure that trying again cannot mend: a certificate refused, a certificate file
+    missing, TLS spoken to a port that does not speak it. Like ``_DeadlinePassed`` neither a redis-py
+    ConnectionError nor a TimeoutError, so no retry loop repeats it; ``redis_errors`` reports it as a
+    BrokerConnectionError at once."""
+
+
 def _passed(detail: str) -> _DeadlinePassed:
     deadlines = _bounds.deadlines
     return _DeadlinePassed(deadlines[-1][1] if deadlines else "its deadline", detail)
@@ -293,8 +302,60 @@ class _BoundedConnection(_Bounded, redis.Connection):
     """A TCP connection bounded by the call's deadline (see ``_Bounded``)."""
 
 
+#: OpenSSL's reasons for a handshake answered by something that does not speak TLS.
+_NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE", "HTTP_REQUEST",
+                      "UNKNOWN_PROTOCOL"})
+
+
 class _BoundedSSLConnection(_Bounded, redis.SSLConnection):
-    """A TLS connection bounded by the call's deadline (see ``_Bounded``)."""
+    """A TLS connection bounded by the call's deadline (see ``_Bounded``), whose handshake is bounded by the
+    connect timeout and whose hopeless failures (see ``_Hopeless``) are not retried.
+
+    redis-py shakes hands under the socket timeout (60 s), and a plain Redis port answers a TLS hello
+    with nothing (it waits for the rest of a command): each of the retries waited a minute. A refused
+    certificate, or a certificate file that is not there, fails the same way every time.
+    """
+
+    def _wrap_socket_with_ssl(self, sock: socket.socket) -> Any:
+        conn: Any = self
+        self._check_files()
+        took = conn.socket_connect_timeout  # under a deadline, no longer than the time left (see _connect)
+        sock.settimeout(took)
+        try:
+            wrapped = super()._wrap_socket_with_ssl(sock)  # type: ignore[no-untyped-call]
+        except ssl.SSLCertVerificationError as exc:
+            raise _Hopeless(
+                f"{self._where()} presented a certificate this client does not trust: {exc.verify_message}. "
+                "Check ssl_ca_certs (the CA that signed the server's certificate) and the host name in the URL"
+            ) from exc
+        except TimeoutError as exc:  # the builtin: socket.timeout
+            if _expired():
+                raise _passed(f"TLS handshake with {self._where()}") from exc
+            raise _Hopeless(
+                f"{self._where()} did not complete a TLS handshake within {took} s (the connect timeout): is this "
+                "port TLS? A server speaking plain Redis on it waits for the rest of a command; rediss:// needs the "
+                "server's tls-port"
+            ) from exc
+        except ssl.SSLError as exc:
+            if exc.library in ("PEM", "X509"):
+                raise _Hopeless(f"the certificate files for {self._where()} could not be loaded: {exc}") from exc
+            if exc.reason in _NOT_TLS:
+                raise _Hopeless(f"{self._where()} did not answer in TLS ({exc.reason}): is this port TLS?") from exc
+            raise
+        wrapped.settimeout(conn.socket_timeout)
+        return wrapped
+
+    def _check_files(self) -> None:
+        """Name a certificate file or folder that is not there (ssl only says "No such file or directory")."""
+        conn: Any = self
+        for setting, path in (("ssl_ca_certs", conn.ca_certs), ("ssl_ca_path", conn.ca_path),
+                              ("ssl_certfile", conn.certfile), ("ssl_keyfile", conn.keyfile)):
+            if isinstance(path, (str, os.PathLike)) and not os.path.exists(path):
+                raise _Hopeless(f"{setting} {os.fspath(path)!r} for {self._where()}: no such file or folder")
+
+    def _where(self) -> str:
+        conn: Any = self
+        return f"{conn.host}:{conn.port}"
 
 
 class _BoundedUnixConnection(_Bounded, redis.UnixDomainSocketConnection):
@@ -782,6 +843,8 @@ def redis_errors(where: str) -> Iterator[None]:
         if cut is not None:
             raise _timeout_error(where, cut) from exc
         raise ClusterError(f"Redis Cluster at {where} refused the call: {_short(exc)}") from exc
+    except _Hopeless as exc:
+        raise BrokerConnectionError(f"Redis at {where}: {exc}") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         cut = _cut_by_deadline(exc)  # a retry loop that stopped at the deadline
         if cut is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import functools
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,62 @@ def test_tls(tmp_path):
         # Plain text to the TLS port: an error, not a hang (a client without retries, to be quick).
         with pytest.raises(BrokerConnectionError):
             make(redis.Redis(port=server.port, socket_timeout=1, socket_connect_timeout=1), "a")
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory) -> dict[str, str]:
+    """A CA and a server certificate signed by it, and ``"other_ca"``: a CA that did not sign it."""
+    files = _certificates(tmp_path_factory.mktemp("tls"))
+    files["other_ca"] = _certificates(tmp_path_factory.mktemp("other-tls"))["ca"]
+    return files
+
+
+def _connections(admin: redis.Redis) -> int:
+    return int(admin.info("stats")["total_connections_received"])
+
+
+def _handshakes_failed(server: RedisServer, at_least: int) -> int:
+    """How many TLS handshakes ``server`` logged as failed, once it logged ``at_least`` (or after 2 s)."""
+    deadline = time.monotonic() + 2
+    while True:
+        count = (server.folder / "redis.log").read_text().count("Error accepting a client connection")
+        if count >= at_least or time.monotonic() > deadline:
+            time.sleep(0.2)  # any further attempt would be logged by now
+            return (server.folder / "redis.log").read_text().count("Error accepting a client connection")
+        time.sleep(0.05)
+
+
+def test_tls_to_a_plain_port_is_reported_once_within_the_connect_timeout():
+    """A plain Redis answers a TLS hello with nothing (it waits for the rest of a command): the handshake
+    ends at the connect timeout (1 s here), is not tried again, and the error asks whether the port is
+    TLS. It used to wait out the socket timeout on each of 9 tries (here: the call's bound of 5 s)."""
+    with RedisServer() as plain:
+        admin = plain.client()
+        admin.config_resetstat()
+        started = time.monotonic()
+        with pytest.raises(BrokerConnectionError, match="is this port TLS") as info:
+            make(f"rediss://127.0.0.1:{plain.port}/0?socket_connect_timeout=1", "a", call_timeout=5)
+        took = time.monotonic() - started
+        print(f"\nrediss:// to a plain port raised after {took:.2f} s: {info.value}")
+        assert not isinstance(info.value, TimeoutError)  # not the call's bound: the handshake's
+        assert took < 1 + 2 and _connections(admin) == 1
+
+
+def test_a_refused_certificate_or_a_missing_file_is_reported_at_once(certificates):
+    """Neither gets better by trying again: one attempt each, and the error says what is wrong."""
+    missing = str(Path(certificates["ca"]).parent / "no-such-ca.crt")
+    with RedisServer(tls=certificates) as server:
+        base = f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs="
+        cases = [(base + certificates["other_ca"], "does not trust: self-signed certificate"),
+                 (base + missing, f"ssl_ca_certs '{missing}' .*no such file")]
+        for url, expected in cases:
+            started = time.monotonic()
+            with pytest.raises(BrokerConnectionError, match=expected):
+                make(url, "a")
+            took = time.monotonic() - started
+            assert took < 2, (url, took)  # 9 tries took 6-7 s
+        assert _handshakes_failed(server, len(cases)) == len(cases)  # one attempt each
+        exercise(make(server.url, "a"))  # the right CA works
 
 
 def test_no_pickle_on_any_path_that_reads_redis():
