@@ -6,6 +6,7 @@ import contextlib
 import math
 import numbers
 import os
+import re
 import socket
 import ssl
 import threading
@@ -830,14 +831,16 @@ def redis_errors(where: str) -> Iterator[None]:
         ) from exc
     except redis.exceptions.ClusterDownError as exc:
         raise ClusterError(
-            f"Redis Cluster at {where} is down ({exc}): a primary failed and no replica took over in time"
+            f"Redis Cluster at {where} is down ({_short(exc)}): a primary failed and no replica took over in time"
         ) from exc
     except redis.exceptions.TryAgainError as exc:
-        raise ClusterError(f"Redis Cluster at {where} is moving the slot of this call's keys: {exc}") from exc
+        raise ClusterError(f"Redis Cluster at {where} is moving the slot of this call's keys: {_short(exc)}") from exc
     except redis.exceptions.ClusterCrossSlotError as exc:
-        raise ClusterError(f"Redis Cluster at {where} refused keys of several slots in one command: {exc}") from exc
+        raise ClusterError(
+            f"Redis Cluster at {where} refused keys of several slots in one command: {_short(exc)}"
+        ) from exc
     except redis.exceptions.ClusterError as exc:
-        raise ClusterError(f"Redis Cluster at {where}: {exc}") from exc
+        raise ClusterError(f"Redis Cluster at {where}: {_short(exc)}") from exc
     except redis.exceptions.RedisClusterException as exc:  # not a RedisError: cross-slot MULTI, uncovered slot
         cut = _cut_by_deadline(exc)  # a slot map reload that found no node answering in time
         if cut is not None:
@@ -849,7 +852,7 @@ def redis_errors(where: str) -> Iterator[None]:
         cut = _cut_by_deadline(exc)  # a retry loop that stopped at the deadline
         if cut is not None:
             raise _timeout_error(where, cut) from exc
-        raise BrokerConnectionError(f"Redis at {where}: {exc}") from exc
+        raise BrokerConnectionError(f"Redis at {where}: {_short(exc)}") from exc
     except redis.exceptions.OutOfMemoryError as exc:
         raise StoreFullError(
             f"Redis at {where} is out of memory (maxmemory reached); nothing of this call was applied: "
@@ -863,9 +866,9 @@ def redis_errors(where: str) -> Iterator[None]:
         error = script_error(exc)
         if error is not None:
             raise type(error)(f"Redis at {where}: {error}") from None
-        raise RedisCommandError(f"Redis at {where} refused a command: {exc}") from exc
+        raise RedisCommandError(f"Redis at {where} refused a command: {_short(exc)}") from exc
     except redis.RedisError as exc:
-        raise RedisCommandError(f"Redis at {where} refused a command: {exc}") from exc
+        raise RedisCommandError(f"Redis at {where} refused a command: {_short(exc)}") from exc
 
 
 def _timeout_error(where: str, cut: _DeadlinePassed) -> BrokerTimeoutError:
@@ -890,6 +893,41 @@ def script_error(exc: redis.ResponseError) -> BrokerError | None:
 
 
 def _short(exc: Exception, limit: int = 300) -> str:
-    """An error's text cut to ``limit``: redis-py quotes whole pipelines, tensors included."""
-    text = str(exc)
+    """An error's text with the values of commands it quotes elided (see ``elide_values``), cut to ``limit``."""
+    text = elide_values(str(exc))
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+#: How redis-py quotes the command of a pipeline whose reply was an error (its first 100 characters).
+_PIPELINE_COMMAND = re.compile(r"(Command # \d+ \()(.*)(\) of pipeline caused error: )", re.DOTALL)
+#: How Redis quotes the arguments of a command it does not know (renamed, say): the first ones, 128 bytes.
+_ECHOED_ARGS = re.compile(r"(with args beginning with: )(.*)", re.DOTALL)
+#: Commands whose first arguments up to the first key are not values: the script (or function), numkeys.
+_SCRIPT_CALLS = frozenset({"EVAL", "EVALSHA", "EVAL_RO", "EVALSHA_RO", "FCALL", "FCALL_RO"})
+#: What a byte that is no text looks like once redis-py decoded it (a control character, or U+FFFD).
+_NOT_TEXT = re.compile(r"\S*[\x00-\x08\x0b-\x1f\x7f\ufffd]\S*")
+_ELIDED = "<values elided>"
+
+
+def elide_values(text: str) -> str:
+    """``text`` without the values of the commands it quotes (a row's encoded tensor, raw bytes).
+
+    redis-py quotes a pipeline's failed command, and Redis the first arguments of a command it does not
+    know: with a put's HSET, that is the start of a tensor's bytes. The command's name and its key stay
+    (for a script call, up to its first key); the rest becomes ``<values elided>``. Bytes that are no
+    text anywhere else are elided too.
+    """
+    text = _PIPELINE_COMMAND.sub(lambda m: m.group(1) + _command_and_key(m.group(2)) + m.group(3), text)
+    text = _ECHOED_ARGS.sub(lambda m: m.group(1) + _first_word(m.group(2)), text)
+    return _NOT_TEXT.sub("<bytes elided>", text)
+
+
+def _command_and_key(command: str) -> str:
+    words = command.split(" ")
+    kept = 4 if words[0].upper() in _SCRIPT_CALLS else 2
+    return command if len(words) <= kept else " ".join(words[:kept] + [_ELIDED])
+
+
+def _first_word(args: str) -> str:
+    first, _, rest = args.partition(" ")
+    return f"{first} {_ELIDED}" if rest.strip() else args

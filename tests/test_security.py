@@ -106,6 +106,40 @@ def test_tls(tmp_path):
             make(redis.Redis(port=server.port, socket_timeout=1, socket_connect_timeout=1), "a")
 
 
+def test_an_error_quoting_a_command_shows_no_tensor_bytes():
+    """A user denied HSET gets an error naming the command and its key: redis-py quotes the failed command
+    of a pipeline, whose values were the start of the tensor's encoded bytes."""
+    with RedisServer() as server:
+        make(server.url, "a").close()
+        server.client().execute_command("ACL", "SETUSER", "w", "on", ">pw", "~*", "&*", "+@all", "-hset")
+        with make(f"redis://w:pw@127.0.0.1:{server.port}/0", "a") as dock:
+            with pytest.raises(RedisCommandError, match="denied") as info:
+                dock.put_experience({"prompts": torch.arange(8).reshape(4, 2)}, indexes=[0, 1, 2, 3])
+    message = str(info.value)
+    print(f"\n{message}")
+    assert "(HSET td:{a}:data:prompts <values elided>) of pipeline" in message and "'hset' command" in message
+    assert message.isprintable()
+
+
+def test_values_quoted_by_redis_are_elided():
+    """What Redis echoes of an unknown (renamed) command, and bytes that are no text anywhere."""
+    from broker.connection import elide_values
+
+    echoed = ("Command # 3 (HSET td:{a}:data:p 0 TD\x01\x00\x02...) of pipeline caused error: unknown command "
+              "'HSET', with args beginning with: 'td:{a}:data:p' '0' 'TD\x01\x00\x02\ufffd' ")
+    assert elide_values(echoed) == (
+        "Command # 3 (HSET td:{a}:data:p <values elided>) of pipeline caused error: unknown command 'HSET', "
+        "with args beginning with: 'td:{a}:data:p' <values elided>"
+    )
+    assert elide_values("Command # 1 (EVALSHA 2731ea 10 td:{a}:meta td:{a}:gate 7) of pipeline caused error: x") == (
+        "Command # 1 (EVALSHA 2731ea 10 td:{a}:meta <values elided>) of pipeline caused error: x"
+    )
+    assert elide_values("row 2 reads TD\x01\x00abc, then ok") == "row 2 reads <bytes elided> then ok"
+    assert elide_values("Error while reading from 127.0.0.1:6379 : (104, 'reset')") == (
+        "Error while reading from 127.0.0.1:6379 : (104, 'reset')"
+    )
+
+
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory) -> dict[str, str]:
     """A CA and a server certificate signed by it, and ``"other_ca"``: a CA that did not sign it."""
