@@ -25,6 +25,7 @@ from .connection import (
     extend_call,
     redact,
     redis_errors,
+    uncarried,
     value_limit,
     waiting_call,
 )
@@ -281,6 +282,13 @@ class TransferDock(GenerationCalls):
             raise BrokerError(
                 f"dock {self.name!r} was opened from a client with no URL ({type(self._client).__name__}); "
                 "open it from a URL to pickle it"
+            )
+        missing = [] if self._owns_client else uncarried(self._client)
+        if missing:
+            raise BrokerError(
+                f"dock {self.name!r} was opened from a client whose {', '.join(missing)} a URL cannot carry: "
+                "unpickled, it would connect without them; open it from a URL (rediss://...?ssl_ca_certs=FILE) "
+                "to pickle it"
             )
         return _reattach, (self._url, self.name, self._policy, self._seed, self._durability, self._call_timeout)
 

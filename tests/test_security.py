@@ -12,7 +12,7 @@ import pytest
 import redis
 import torch
 
-from broker import BrokerConnectionError, RedisCommandError, TransferDock
+from broker import BrokerConnectionError, BrokerError, RedisCommandError, TransferDock
 from broker.local_redis import RedisServer
 from tests.helpers import cli_output, small_dock
 
@@ -194,6 +194,23 @@ def test_a_refused_certificate_or_a_missing_file_is_reported_at_once(certificate
             assert took < 2, (url, took)  # 9 tries took 6-7 s
         assert _handshakes_failed(server, len(cases)) == len(cases)  # one attempt each
         exercise(make(server.url, "a"))  # the right CA works
+
+
+def test_a_tls_dock_opened_from_a_client_pickles_with_its_tls_settings(certificates):
+    """Unpickled (in a Ray worker, say) the dock reopens its server from a URL: the URL carries the
+    client's CA file, or pickling refuses what no URL can carry (a CA held in memory)."""
+    import pickle
+
+    with RedisServer(tls=certificates) as server:
+        client = redis.Redis(host="127.0.0.1", port=server.port, ssl=True, ssl_ca_certs=certificates["ca"])
+        dock = make(client, "a")
+        dock.put_experience({"prompts": torch.arange(8).reshape(4, 2)}, indexes=[0, 1, 2, 3])
+        with pickle.loads(pickle.dumps(dock)) as copy:
+            assert copy.get_experience("train", ["prompts"], 2)[1] == [0, 1]
+        in_memory = redis.Redis(host="127.0.0.1", port=server.port, ssl=True,
+                                ssl_ca_data=Path(certificates["ca"]).read_text())
+        with pytest.raises(BrokerError, match="ssl_ca_data a URL cannot carry"):
+            pickle.dumps(make(in_memory, "a"))
 
 
 def test_no_pickle_on_any_path_that_reads_redis():
