@@ -13,7 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote
 
 import redis
@@ -30,6 +30,7 @@ from .errors import (
     ClusterError,
     DecodeError,
     DockNotFoundError,
+    ExperienceTooLargeError,
     FencedError,
     RedisCommandError,
     SchemaError,
@@ -75,6 +76,7 @@ class _CallBounds(threading.local):
     def __init__(self) -> None:
         self.deadlines: list[tuple[float, str]] = []  # (time.monotonic() deadline, the bound, for messages)
         self.allowance = 0.0
+        self.unchecked: str | None = None  # the largest value of a put whose size could not be checked
 
 
 _bounds = _CallBounds()
@@ -181,6 +183,12 @@ class _Hopeless(redis.RedisError):
     BrokerConnectionError at once."""
 
 
+class _TooLarge(redis.RedisError):
+    """The server closed the connection while a command too large to check was sent (see ``sizes_unchecked``),
+    and answered on a new connection: it refused the size. Like ``_Hopeless``, no retry loop repeats it;
+    ``redis_errors`` reports it as an ExperienceTooLargeError."""
+
+
 def _passed(detail: str) -> _DeadlinePassed:
     deadlines = _bounds.deadlines
     return _DeadlinePassed(deadlines[-1][1] if deadlines else "its deadline", detail)
@@ -265,38 +273,81 @@ class _Bounded(AbstractConnection):
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         base: Any = super()
-        if self._op_timeout() is None:
+        conn: Any = self
+        size = _unchecked_size(command)
+        self._sent_unchecked = 0  # until the command itself is sent: the PING of a health check may come first
+        if size:
+            # A PING first, whenever it last answered: the server closing this connection while the command
+            # is sent must mean it refused the command, not that it had dropped an idle connection.
+            conn.next_health_check = -math.inf
+        elif self._op_timeout() is None:
             base.send_packed_command(command, check_health)
             return
-        conn: Any = self
-        with self._cut_at_deadline():
+        with self._cut_at_deadline():  # without a deadline, it passes every error on
             # redis-py's own steps before the send (each bounded by its own operations), then the send.
             if not conn._sock:
                 self.connect_check_health(check_health=False)
             if check_health:
                 conn.check_health()
             sock, timeout = conn._sock, self._op_timeout()
-            sock.settimeout(timeout)
+            if timeout is not None:
+                sock.settimeout(timeout)
+            self._sent_unchecked = size
             try:
                 base.send_packed_command(command, check_health=False)
+            except redis.ConnectionError as exc:
+                if size:
+                    self._refused(exc)
+                raise
             finally:
-                if conn._sock is sock:
+                if timeout is not None and conn._sock is sock:
                     sock.settimeout(self._socket_timeout)
 
     def read_response(self, disable_decoding: bool = False, *, timeout: Any = SENTINEL, **kwargs: Any) -> Any:
         base: Any = super()
         bound = self._op_timeout()
-        if bound is None:
-            return base.read_response(disable_decoding, timeout=timeout, **kwargs)
-        if timeout is SENTINEL or timeout is None or timeout > bound:
+        if bound is not None and (timeout is SENTINEL or timeout is None or timeout > bound):
             timeout = bound  # the parser sets it on the socket for each read, then restores the own one
         try:  # what _cut_at_deadline does, inline: a pipeline reads a reply per command, on the hot path
             return base.read_response(disable_decoding, timeout=timeout, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if _expired():
+            if bound is not None and _expired():
                 base.disconnect()
                 raise _passed(f"{exc}") from exc
+            if self._sent_unchecked and isinstance(exc, redis.ConnectionError):
+                self._refused(exc)  # the server may close only once the command is in: its replies come first
             raise
+
+    #: Bytes of the last command sent, if it was one whose size could not be checked (see ``sizes_unchecked``).
+    _sent_unchecked = 0
+
+    def _refused(self, exc: redis.ConnectionError) -> None:
+        """After the connection failed while a command of unchecked size was sent, or its replies read: raise
+        ``_TooLarge`` if the server answers a PING on a new connection; else return (the caller raises ``exc``).
+
+        A server over a limit on one value (``proto-max-bulk-len``, ``client-query-buffer-limit``) closes the
+        connection and goes on serving: sent again, the command would be refused again, each time only after
+        all its bytes travelled. A server that is restarting, or unreachable, does not answer: the usual
+        retries then go on (the command is safe to repeat). Only the socket is tried, once: no retries here.
+        """
+        size, self._sent_unchecked = self._sent_unchecked, 0
+        conn: Any = self
+        conn.disconnect()
+        try:
+            conn.connect_check_health(check_health=False, retry_socket_connect=False)
+            conn.send_command("PING", check_health=False)
+            conn.read_response()
+        except (redis.RedisError, OSError):  # not answering (or out of time): the failure was the connection's
+            return
+        finally:
+            conn.disconnect()
+        raise _TooLarge(
+            f"closed the connection while a command of {size:,} bytes was sent, and answered on a new one: it "
+            f"refused the size of {_bounds.unchecked}. A server closes the connection over a value longer than its "
+            "proto-max-bulk-len, or a client's query buffer over its client-query-buffer-limit; the broker could not "
+            "read them to check before sending (CONFIG GET is not granted to this user, or renamed). Nothing was "
+            "marked ready, and the command was not sent again. Split the row, or raise the limit on the server"
+        ) from exc
 
 
 class _BoundedConnection(_Bounded, redis.Connection):
@@ -688,10 +739,10 @@ class _PacedPipeline(_PacedRetries, ClusterPipeline):
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
         # The pipeline keeps any error of a node's reads as that command's reply; a deadline that
-        # passed ends the call instead of passing for a reply.
+        # passed, or a size the server refused, ends the call instead of passing for a reply.
         replies: list[Any] = super().execute(raise_on_error)
         for reply in replies:
-            if isinstance(reply, _DeadlinePassed):
+            if isinstance(reply, (_DeadlinePassed, _TooLarge)):
                 raise reply
         return replies
 
@@ -741,29 +792,70 @@ def _open_node(url: str) -> redis.Redis:
 #: (ACL users confined to a dock are not granted CONFIG: it would show them the server's settings).
 DEFAULT_VALUE_LIMITS = {"proto-max-bulk-len": 512 * 1024 * 1024, "client-query-buffer-limit": 1024 * 1024 * 1024}
 
-_value_limits: weakref.WeakKeyDictionary[Client, tuple[int, str]] = weakref.WeakKeyDictionary()
+#: The least either limit may be set to (Redis refuses lower ones): a value this long fits on any server.
+MIN_VALUE_LIMIT = 1024 * 1024 - 2
 
 
-def value_limit(client: Client) -> tuple[int, str]:
-    """The largest value (bytes) the server takes in one command argument, and the setting that says so.
+class ValueLimit(NamedTuple):
+    """The largest value (bytes) a server takes in one command argument, and the setting that says so."""
+
+    bytes: int
+    setting: str
+    read: bool  #: whether the server's settings were read; else Redis's defaults stand in for them
+
+
+_value_limits: weakref.WeakKeyDictionary[Client, ValueLimit] = weakref.WeakKeyDictionary()
+
+
+def value_limit(client: Client) -> ValueLimit:
+    """The largest value the server takes in one command argument, and the setting that says so.
 
     Redis refuses a bulk longer than ``proto-max-bulk-len`` and closes a connection whose query buffer
     passes ``client-query-buffer-limit``; a big argument is read into the buffer whole, with its
     CRLF, so it must stay 2 bytes under that. Either way the request fails only after it was sent,
-    and the client's retries send it again: so puts check sizes first. Read once per client.
+    and the client's retries send it again: so puts check sizes first. Read once per client. Where
+    CONFIG GET is refused, Redis's defaults stand in (``read`` False), and a put's values longer than
+    ``MIN_VALUE_LIMIT`` are sent under ``sizes_unchecked``.
     """
     known = _value_limits.get(client)
     if known is None:
         limits = dict(DEFAULT_VALUE_LIMITS)
+        read = True
         for name in limits:
             try:
-                limits[name] = int(client.config_get(name).get(name) or limits[name])
-            except (redis.ResponseError, ValueError, TypeError):  # refused, unknown command, odd reply
-                pass
+                reply: Any = client.config_get(name)
+                limits[name] = int(reply[name])
+            except (redis.ResponseError, ValueError, TypeError, KeyError):  # refused, unknown command, odd reply
+                read = False
         limits["client-query-buffer-limit"] -= 2
         setting = min(limits, key=lambda name: limits[name])
-        known = _value_limits[client] = (limits[setting], setting)
+        known = _value_limits[client] = ValueLimit(limits[setting], setting, read)
     return known
+
+
+@contextlib.contextmanager
+def sizes_unchecked(largest: str | None) -> Iterator[None]:
+    """Send the block's commands knowing that a value of theirs may be over a limit of the server that could
+    not be read (``largest`` describes the largest value; None: nothing unchecked, nothing changes).
+
+    A command longer than ``MIN_VALUE_LIMIT`` whose connection the server closes while it is sent, or its
+    replies read, is then not sent again if the server answers a new connection: the call raises
+    ExperienceTooLargeError (see ``_Bounded._refused``). Clients passed in by the user are not watched.
+    """
+    saved = _bounds.unchecked
+    _bounds.unchecked = largest
+    try:
+        yield
+    finally:
+        _bounds.unchecked = saved
+
+
+def _unchecked_size(command: Any) -> int:
+    """The length of a packed command sent under ``sizes_unchecked`` if over ``MIN_VALUE_LIMIT``, else 0."""
+    if _bounds.unchecked is None:
+        return 0
+    size = len(command) if isinstance(command, (str, bytes)) else sum(len(chunk) for chunk in command)
+    return size if size > MIN_VALUE_LIMIT else 0
 
 
 def url_of(client: Client) -> str | None:
@@ -888,6 +980,8 @@ def redis_errors(where: str) -> Iterator[None]:
         raise ClusterError(f"Redis Cluster at {where} refused the call: {_short(exc)}") from exc
     except _Hopeless as exc:
         raise BrokerConnectionError(f"Redis at {where}: {exc}") from exc
+    except _TooLarge as exc:
+        raise ExperienceTooLargeError(f"Redis at {where} {exc}") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         cut = _cut_by_deadline(exc)  # a retry loop that stopped at the deadline
         if cut is not None:

@@ -25,6 +25,7 @@ from .connection import (
     extend_call,
     redact,
     redis_errors,
+    sizes_unchecked,
     uncarried,
     value_limit,
     waiting_call,
@@ -76,6 +77,7 @@ from .validation import (
     lease_token,
     length_values,
     metric_values,
+    unchecked_value,
 )
 
 #: A batch: per column, one row per index: a tensor, or the plain value that was put (see ``codec``).
@@ -425,7 +427,8 @@ class TransferDock(GenerationCalls):
                     lengths[c] = [values[i] for i in in_run_order]
             # The server would refuse an oversized value only by closing the connection mid-send, and the
             # client's retries would send it again and again.
-            check_sizes(encoded, *self._run(lambda: value_limit(self._client)))
+            limit = self._run(lambda: value_limit(self._client))
+            check_sizes(encoded, limit.bytes, limit.setting)
             runs = runs_of(rows)
             fence = None if delivery is None else fence_of(delivery, rows_of(runs))
             finish = None
@@ -433,7 +436,8 @@ class TransferDock(GenerationCalls):
                 finish = Finish(None if flags is None else tuple(flags[i] for i in in_run_order), version)
             durable = self._wait_replicas("put")
             hold_ms = int(self._call_timeout * 1000)  # a sharded put holds its lease for as long as it may take
-            self._run(lambda: self._store.put(encoded, runs, lengths, finish, fence, durable, hold_ms, ack))
+            with sizes_unchecked(unchecked_value(encoded, limit)):  # a size refused unseen is not sent again
+                self._run(lambda: self._store.put(encoded, runs, lengths, finish, fence, durable, hold_ms, ack))
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import codec
+from .connection import MIN_VALUE_LIMIT, ValueLimit
 from .delivery import LeasedRows
 from .errors import (
     ExperienceTooLargeError,
@@ -258,6 +259,16 @@ def check_sizes(encoded: Mapping[str, Mapping[str, bytes]], limit: int, setting:
                     f"the Redis server takes in one value ({setting}); nothing was written. Split the row, "
                     f"or raise {setting} on the server"
                 )
+
+
+def unchecked_value(encoded: Mapping[str, Mapping[str, bytes]], limit: ValueLimit) -> str | None:
+    """The largest value of a put if the server might refuse its size unseen (its limits could not be read,
+    and it is longer than any server must take), described for an error message; else None."""
+    if limit.read:
+        return None
+    values = ((len(v), c, f) for c, by_field in encoded.items() for f, v in by_field.items())
+    size, col, field = max(values, default=(0, "", ""))
+    return f"column {col!r}, row {field}: {size:,} bytes encoded" if size > MIN_VALUE_LIMIT else None
 
 
 class DockChecks:

@@ -64,3 +64,37 @@ def test_a_user_without_config_rights_falls_back_to_redis_defaults():
         with pytest.raises(redis.exceptions.NoPermissionError):
             redis.Redis.from_url(url).config_get("proto-max-bulk-len")
         assert dock.get_experience("c", ["a"], 1)[1] == [0]
+
+
+@pytest.mark.parametrize("shards", [None, 2], ids=["one-slot", "sharded"])
+def test_a_row_over_a_limit_this_user_cannot_read_is_sent_once_and_refused(shards):
+    """A worker confined by ACL (no CONFIG) cannot read the server's limits, so its put is sent: the server
+    (client-query-buffer-limit 1 MB) closes the connection mid-send and still answers a new one. The put
+    raises ExperienceTooLargeError after that one send, and nothing is ready: the MULTI was never executed
+    (one slot), or claim.lua ran and the bytes were refused before mark.lua (sharded). It used to be sent
+    9 times and raise BrokerConnectionError ("Connection reset by peer") after 6-7 s."""
+    with RedisServer(*LIMITS["client-query-buffer-limit"]) as server:
+        admin = server.client()
+        TransferDock(server.url, "big", prompts_num=2, n_samples_per_prompt=2, columns=["p", "a"], consumers=["c"],
+                     shards=shards).close()
+        admin.execute_command("ACL", "SETUSER", "w", "on", ">pw", "~*", "&*", "+@all", "-config")
+        dock = TransferDock.attach(f"redis://w:pw@127.0.0.1:{server.port}/0", "big")
+        dock.put_experience({"p": [torch.ones(1)] * 4}, [0, 1, 2, 3])
+        _, rows = dock.get_experience("c", ["p"], 2, lease=30)  # a stage's put of its results: fenced
+        results = {"a": [torch.ones(2), torch.ones(500_000)]}  # 2,000,032 bytes encoded
+        admin.config_resetstat()
+        with pytest.raises(ExperienceTooLargeError) as info:
+            dock.put_experience(results, rows)
+        message = str(info.value)
+        print(f"\n{message}")
+        assert "row 1: 2,000,032 bytes" in message and "client-query-buffer-limit" in message
+        assert "CONFIG GET" in message and "not sent again" in message
+        # Sent once: a resend needs a new connection (the server closed the first), and there was one only,
+        # the one that found the server up.
+        assert admin.info("stats")["total_connections_received"] == 1
+        assert dock.status()["columns"]["a"]["ready"] == 0 and dock.read_rows(["a"], rows)["a"] == [None, None]
+        # The server's limit raised, the same put lands (its delivery is still current).
+        admin.config_set("client-query-buffer-limit", "8mb")
+        dock.put_experience(results, rows)
+        assert dock.status()["columns"]["a"]["ready"] == 2
+        assert dock.read_rows(["a"], [1])["a"][0].numel() == 500_000
