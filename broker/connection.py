@@ -215,8 +215,9 @@ class _Bounded(AbstractConnection):
     Under ``call_deadline`` a connect (TLS handshake included), a send, a read (the health-check PING's
     too) waits at most the time left, and one that finds none left, or times out at the deadline,
     closes the connection and raises ``_DeadlinePassed``. Under ``slow_reply`` the socket timeout grows
-    by the allowance. Otherwise each method is redis-py's own. (redis-py's methods are untyped: they are
-    called through ``Any``.)
+    by the allowance. Under ``sizes_unchecked`` a large command whose size the server refuses is not sent
+    again (see ``_refused``). Otherwise each method is redis-py's own. (redis-py's methods are untyped:
+    they are called through ``Any``.)
     """
 
     def _op_timeout(self) -> float | None:
@@ -271,6 +272,9 @@ class _Bounded(AbstractConnection):
         with self._cut_at_deadline():
             base.connect_check_health(check_health, retry_socket_connect)
 
+    #: Bytes of the last command sent, if it was one whose size could not be checked (see ``sizes_unchecked``).
+    _sent_unchecked = 0
+
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         base: Any = super()
         conn: Any = self
@@ -318,9 +322,6 @@ class _Bounded(AbstractConnection):
                 self._refused(exc)  # the server may close only once the command is in: its replies come first
             raise
 
-    #: Bytes of the last command sent, if it was one whose size could not be checked (see ``sizes_unchecked``).
-    _sent_unchecked = 0
-
     def _refused(self, exc: redis.ConnectionError) -> None:
         """After the connection failed while a command of unchecked size was sent, or its replies read: raise
         ``_TooLarge`` if the server answers a PING on a new connection; else return (the caller raises ``exc``).
@@ -337,6 +338,8 @@ class _Bounded(AbstractConnection):
             conn.connect_check_health(check_health=False, retry_socket_connect=False)
             conn.send_command("PING", check_health=False)
             conn.read_response()
+        except redis.ResponseError:
+            pass  # an answer all the same (a PING denied, say)
         except (redis.RedisError, OSError):  # not answering (or out of time): the failure was the connection's
             return
         finally:
@@ -385,8 +388,8 @@ class _BoundedSSLConnection(_Bounded, redis.SSLConnection):
                 raise _passed(f"TLS handshake with {self._where()}") from exc
             raise _Hopeless(
                 f"{self._where()} did not complete a TLS handshake within {took} s (the connect timeout): is this "
-                "port TLS? A server speaking plain Redis on it waits for the rest of a command; rediss:// needs the "
-                "server's tls-port"
+                "port TLS? A server speaking plain Redis on it waits for the rest of a command (as a stalled one "
+                "would); rediss:// needs the server's tls-port"
             ) from exc
         except ssl.SSLError as exc:
             if exc.library in ("PEM", "X509"):
