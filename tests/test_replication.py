@@ -176,6 +176,17 @@ def test_what_a_shortfall_leaves_behind_is_what_the_call_did(pair):
         assert dock.status()["columns"]["prompts"]["ready"] == 2
 
 
+def test_a_dock_deleted_with_wait_replicas_leaves_no_key(pair):
+    """The wait of ``delete`` writes its counter and deletes it again: nothing of the dock stays but the
+    replies sampling calls keep for resends, which expire by themselves."""
+    primary, _ = pair
+    with open_dock(primary.url) as dock:
+        finished(dock)
+        dock.delete()
+    with primary.client() as admin:
+        assert [k for k in admin.keys("td:*") if b":reply:" not in k] == []
+
+
 HANDOUTS: dict[str, tuple[Callable[[TransferDock], Any], Callable[[TransferDock], Any], Any]] = {
     "get_experience": (finished, lambda d: sorted(d.get_experience("train", ["prompts"], 2)[1]), [0, 1]),
     "prefetch_request_index": (lambda d: None, lambda d: d.prefetch_request_index(2), [0, 1]),
