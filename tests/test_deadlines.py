@@ -191,8 +191,12 @@ def test_rows_handed_out_are_returned_even_past_the_calls_timeout(caplog):
             RedisServer("--replicaof", "127.0.0.1", str(primary.port)) as replica:
         admin = primary.client()
         deadline = time.monotonic() + 30
-        while admin.info("replication").get("slave0", {}).get("state") != "online":
+        # In sync: online with an offset acknowledged (the broker counts no replica before; see replication.py).
+        admin.set("sync", 1)
+        admin.delete("sync")  # a write for the replica to acknowledge
+        while int(admin.info("replication").get("slave0", {}).get("offset", 0)) <= 0:
             assert time.monotonic() < deadline, "the replica did not get in sync"
+            admin.execute_command("WAIT", 1, 100)
             time.sleep(0.05)
         admin.close()
         with TransferDock(primary.url, "deadlines-handout", prompts_num=1, n_samples_per_prompt=2,
@@ -283,10 +287,22 @@ def test_wait_for_replicas_is_not_cut_by_the_short_cluster_attempts(cluster):
     """WAIT blocks server-side up to wait_timeout, longer than a cluster attempt's socket timeout (1 s):
     a replica that does not acknowledge makes the put raise ReplicationError after wait_timeout, not a
     connection error after the attempt's timeout."""
-    with TransferDock(cluster.url, "deadlines-wait", prompts_num=1, n_samples_per_prompt=2, columns=["prompts"],
-                      consumers=["train"], shards=0, wait_replicas=1, wait_timeout=1.5) as dock:
+    def open_dock() -> TransferDock:
+        return TransferDock(cluster.url, "deadlines-wait", prompts_num=1, n_samples_per_prompt=2, columns=["prompts"],
+                            consumers=["train"], shards=0, wait_replicas=1, wait_timeout=1.5)
+
+    with open_dock() as first:
+        first.put_experience(rows_of(2), [0, 1])
+        primary = cluster.primary_of_slot(RedisCluster.keyslot(first.client, first.keys.meta))
+    # A replica counts once it acknowledged an offset (see broker/replication.py); a new dock object reads
+    # the count afresh.
+    with primary.client() as admin:
+        deadline = time.monotonic() + 10
+        while int(admin.info("replication").get("slave0", {}).get("offset", 0)) <= 0:
+            assert time.monotonic() < deadline, "the replica acknowledged nothing"
+            time.sleep(0.05)
+    with open_dock() as dock:
         dock.put_experience(rows_of(2), [0, 1])  # every replica attached and in sync
-        primary = cluster.primary_of_slot(RedisCluster.keyslot(dock.client, dock.keys.meta))
         replica = next(node for node in cluster.nodes if node is not primary and _replicates(node, primary))
         with paused(replica):  # continued within the node timeout: nothing is failed over
             started = time.monotonic()
