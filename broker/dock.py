@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import threading
@@ -41,12 +42,13 @@ from .errors import (
 from .generation import AGE_COLUMN, AGES_KEY, GenerationCalls
 from .keys import DockKeys
 from .put_listener import PutListener
-from .replication import Replication
+from .replication import REPEAT_SAFE, Replication
 from .rollout import Rollout
 from .schema import Schema, fingerprint
 from .scripts import (
     DockScripts,
     Finish,
+    Forgot,
     Handout,
     Selection,
     new_request_id,
@@ -153,12 +155,17 @@ class TransferDock(GenerationCalls):
         slot, as does a dock with partial rollout or a staleness bound). Only a dock being made uses it:
         an existing dock keeps the shards it was made with.
 
-        ``wait_replicas=k`` makes every put and every call that hands rows out wait (``WAIT``, up to
-        ``wait_timeout`` seconds per node) until k replicas of each node it wrote to have its writes, so a
-        primary failing right after the call does not take them along. A put whose replicas did not all
-        acknowledge raises ReplicationError (it was applied; repeating it is safe); a hand-out logs it and
-        returns its rows. A node with fewer replicas in sync than k is waited on for those it has, and
-        logged as degraded. See replication.py and the README.
+        ``wait_replicas=k`` makes every call that writes (puts, hand-outs, clears, drops, acks,
+        ``set_version``, metrics, ``grow``, ``delete``, the dock's creation: all of them) wait (``WAIT``, up
+        to ``wait_timeout`` seconds per node, within ``call_timeout``) until k replicas of each node it
+        wrote to have its writes, so a primary failing right after the call does not take them along. A
+        call that hands something out (``get_experience``, ``prefetch_request_index``, ``reserve_groups``)
+        logs a shortfall, or any failure of the wait, and returns what it handed out: raising would lose
+        it. Every other call raises ReplicationError after it was applied: ``result`` holds what the call
+        returns, and the message says whether repeating it is safe (it is not for ``clear(consumer=...)``,
+        ``age_groups``, ``update_metrics(cumulate=True)``, ``drop_groups`` and a put that acked its lease).
+        A node with fewer replicas in sync than k is waited on for those it has, and logged as degraded.
+        See replication.py and the README.
 
         ``call_timeout`` (seconds, default 30) bounds each call, retries included, unless it has a
         ``timeout`` of its own (``get_experience``); a call out of time raises BrokerTimeoutError. It
@@ -184,6 +191,8 @@ class TransferDock(GenerationCalls):
             #: Whether this call made the dock (False: it existed, with this schema).
             self.created = stored is None
             if stored is None:
+                # Repeating the constructor after a shortfall attaches to the dock made here.
+                self._replicated("creating the dock", None, [self._keys.replicated])
                 self._set_schema(wanted, fingerprint(fields))
                 return
             existing = Schema.from_meta(stored, where=self._keys.meta)
@@ -423,9 +432,18 @@ class TransferDock(GenerationCalls):
             finish = None
             if flags is not None or version is not None:
                 finish = Finish(None if flags is None else tuple(flags[i] for i in in_run_order), version)
-            durable = self._wait_replicas("put")
+            durable = None
+            if self._replication.replicas:  # a sharded put's bytes reach the shards' replicas before its marks
+                durable = lambda keys: self._replicated(  # noqa: E731
+                    "put", None, keys, applied=False,
+                    outcome="its bytes were written to the data shards' primaries, but no row was marked ready",
+                )
+            repeat = REPEAT_SAFE
+            if fence is not None and fence.token and ack:
+                repeat = "do not repeat it: it acked its lease, so a repeat is refused (FencedError)"
             hold_ms = int(self._call_timeout * 1000)  # a sharded put holds its lease for as long as it may take
-            self._run(lambda: self._store.put(encoded, runs, lengths, finish, fence, durable, hold_ms, ack))
+            self._write("put", lambda: self._store.put(encoded, runs, lengths, finish, fence, durable, hold_ms, ack),
+                        repeat=repeat, returns=False)
             if call.live:
                 call.rows, call.nbytes = len(rows), sum(len(v) for m in encoded.values() for v in m.values())
 
@@ -601,7 +619,7 @@ class TransferDock(GenerationCalls):
                     fresh = got if got.fresh is None else got.only(got.fresh)
                     self._give_back_unreadable(consumer, fresh, token, new_request_id(), False, bad)
                 if batch is not None:
-                    self._replicate("get_experience")
+                    self._replicated("get_experience", None, [self._keys.replicated], hands_out=True)
                     return batch, self._handed_out(rows, got, token, consumer)
                 # A clear took some rows between the take and the read. Nothing to give back: a take
                 # may re-take rows already handed out, and the next try marks the same rows again.
@@ -663,28 +681,68 @@ class TransferDock(GenerationCalls):
                     if select.tiers:
                         ages = self._schema.rollout.age_buckets - 1  # the age tiers come first
                         batch, rows = self._oldest_first(batch, rows, handout.tiers, ages)
-                    self._replicate("get_experience")
+                    self._replicated("get_experience", None, [self._keys.replicated], hands_out=True)
                     return batch, self._handed_out(rows, handout, token, consumer)
                 # A clear took some of the rows between sampling and reading: give back the rest
                 # (they were never delivered) and sample again.
-                self._scripts.release(consumer, handout, token, request_id, groups=groups)
+                give_back = functools.partial(self._scripts.release, consumer, handout, token, request_id,
+                                              groups=groups)
+                self._write("get_experience (giving back rows a clear took)", give_back, hands_out=True)
             return None
 
         return sample
 
-    def _wait_replicas(self, what: str) -> Callable[[Sequence[str]], None] | None:
-        """With ``wait_replicas``, what a put calls to wait until replicas of the nodes of some keys (the
-        dock's ``replicated`` counters) have its writes; a shortfall raises (see replication.py)."""
-        if not self._replication.replicas:
-            return None
-        return lambda keys: self._replication.wait(keys, f"dock {self.name!r}: {what}", must=True)
+    # -- waiting for replicas (wait_replicas) ----------------------------------------------------
 
-    def _replicate(self, what: str) -> None:
-        """With ``wait_replicas``, wait until replicas of the control slot have a hand-out's marks. A
-        shortfall is logged, not raised: the rows are handed out already, and a call that raised would
-        lose the ones it handed out without a lease (see replication.py)."""
-        if self._replication.replicas:
-            self._replication.wait([self._keys.replicated], f"dock {self.name!r}: {what}", must=False)
+    def _write(
+        self, what: str, call: Callable[[], T], *, hands_out: bool = False, repeat: str = REPEAT_SAFE,
+        shards: Sequence[str] = (), returns: bool = True, drop: bool = False,
+    ) -> T:
+        """Run ``call``, which writes (as ``_run``), then wait for replicas of the control slot (and of the
+        data shards whose ``replicated`` counters ``shards`` names): see ``_replicated``. Both within one
+        call_timeout. Every call that writes goes through here, ``_forget`` or ``_replicated``.
+        ``returns``: the public call returns what ``call`` does (else None, and so does a ReplicationError's
+        ``result``); ``drop``: delete the counters again (``delete``)."""
+        with call_deadline(self._call_timeout):
+            result = self._run(call)
+            self._replicated(what, result if returns else None, [self._keys.replicated, *shards],
+                             hands_out=hands_out, repeat=repeat, drop=drop)
+        return result
+
+    def _forget(
+        self, what: str, script: Callable[[], Forgot], *, whole: bool = False, hands_out: bool = False,
+        repeat: str = REPEAT_SAFE, returns: bool = True,
+    ) -> int:
+        """A call that forgets rows: ``script`` (clear.lua, discard.lua), the deletion of the bytes it ended
+        from the data shards, then the wait for the replicas of the control slot and of those shards
+        (``_write``'s arguments); the script's value."""
+        def forget() -> tuple[int, list[str]]:
+            forgot = script()
+            return self._store.forget(forgot, whole=whole), self._store.forgot_on(forgot, whole=whole)
+
+        with call_deadline(self._call_timeout):
+            value, shards = self._run(forget)
+            self._replicated(what, value if returns else None, [self._keys.replicated, *shards],
+                             hands_out=hands_out, repeat=repeat)
+        return value
+
+    def _replicated(
+        self, what: str, result: Any, keys: Sequence[str], *, hands_out: bool = False, repeat: str = REPEAT_SAFE,
+        outcome: str = "it was applied on the primaries", applied: bool = True, drop: bool = False,
+    ) -> None:
+        """The one place where, with ``wait_replicas``, a call that wrote waits until the replicas of the
+        nodes holding ``keys`` (the dock's ``replicated`` counters) have its writes (see replication.py).
+
+        A shortfall raises ReplicationError carrying ``result`` and ``applied``, saying ``outcome`` and
+        ``repeat``. A call that ``hands_out`` rows (groups, cursor positions) logs it instead, whatever
+        went wrong: they are marked handed out on the primary, and raising would lose those handed out
+        without a lease. Bounded by the call's deadline if it has one, else by call_timeout.
+        """
+        if not self._replication.replicas:
+            return
+        with call_deadline(self._call_timeout):
+            self._replication.wait(keys, f"dock {self.name!r}: {what}", hands_out=hands_out, result=result,
+                                   outcome=outcome, repeat=repeat, applied=applied, drop=drop)
 
     @staticmethod
     def _handed_out(rows: list[int], handout: Handout, token: str, consumer: str) -> HandedRows:
@@ -742,8 +800,11 @@ class TransferDock(GenerationCalls):
         a lease the same batch came back for ever. Now every row is given back, and a row that keeps
         failing becomes a dead letter after ``dead_letter_after`` deliveries (lua/release.lua), so the
         good rows are delivered by the calls that follow."""
-        released = self._run(lambda: self._scripts.release(
-            consumer, handout, token, request_id, groups=groups, unreadable=bad.rows))
+        released = self._write(
+            "get_experience (giving back rows that could not be read)",
+            lambda: self._scripts.release(consumer, handout, token, request_id, groups=groups, unreadable=bad.rows),
+            hands_out=True,  # the error below reports what became of them; a shortfall is logged
+        )
         detail = "; ".join(f"row {row}: {why}" for row, why in list(bad.rows.items())[:4])
         counts = ", ".join(f"row {row} {n}" for row, n in zip(bad.rows, released.failures))
         fate = (f"rows {abbrev(list(released.dead))} are dead letters now (see dock.dead_letters())" if released.dead
@@ -774,13 +835,17 @@ class TransferDock(GenerationCalls):
         consumer is done once that many groups are finished, any other once it holds that many groups.
         """
         self._check.consumer(consumer)
-        consumed, leased = self._run(lambda: self._scripts.reclaim(consumer))
-        rollout = self._schema.rollout
-        if not rollout.partial:
-            return consumed == self.capacity and leased == 0
-        if consumer == rollout.consumer:
-            return self._finished_groups() >= rollout.gbs_train
-        return consumed == rollout.gbs_train * self.n_samples_per_prompt and leased == 0
+
+        def done() -> bool:  # the expired leases given back (a write) and the answer, waited on together
+            consumed, leased = self._scripts.reclaim(consumer)
+            rollout = self._schema.rollout
+            if not rollout.partial:
+                return consumed == self.capacity and leased == 0
+            if consumer == rollout.consumer:
+                return self._finished_groups() >= rollout.gbs_train
+            return consumed == rollout.gbs_train * self.n_samples_per_prompt and leased == 0
+
+        return self._write("all_consumed (giving back expired leases)", done)
 
     # -- what the workers of a batch share beside rows -----------------------------------------
 
@@ -796,7 +861,7 @@ class TransferDock(GenerationCalls):
         for consumer, columns in columns_of.items():
             self._check.consumer(consumer)
             stored[consumer] = json.dumps(self._check.columns_to_read(columns))
-        self._run(lambda: self._scripts.columns_of(stored))
+        self._write("register_consumer_columns", lambda: self._scripts.columns_of(stored), returns=False)
 
     def consumer_columns(self, consumer: str | None = None) -> list[str]:
         """The columns registered for ``consumer``; with None, every column of the dock."""
@@ -825,7 +890,8 @@ class TransferDock(GenerationCalls):
         appends are never lost between workers. A whole ``clear()`` resets them.
         """
         values = metric_values(key, value, cumulate)
-        self._run(lambda: self._scripts.metrics(values, cumulate))
+        repeat = "do not repeat it: a repeat appends the values again" if cumulate else REPEAT_SAFE
+        self._write("update_metrics", lambda: self._scripts.metrics(values, cumulate), repeat=repeat, returns=False)
 
     def get_metrics(self) -> dict[str, Any]:
         """Every shared metric: name -> number or list of numbers."""
@@ -848,7 +914,8 @@ class TransferDock(GenerationCalls):
         differ in ``get_cur_index()``: past the last row when the batch is spent."""
         if not is_int(experience_num) or experience_num < 1:
             raise InvalidExperienceError(f"experience_num must be a positive int, got {experience_num!r}")
-        return self._run(lambda: self._scripts.prefetch(int(experience_num)))
+        return self._write("prefetch_request_index", lambda: self._scripts.prefetch(int(experience_num)),
+                           hands_out=True)
 
     def get_cur_index(self) -> int:
         """The next row ``prefetch_request_index`` would hand out (past the end once spent)."""
@@ -859,7 +926,7 @@ class TransferDock(GenerationCalls):
         of them had been handed to it. Their data and the other consumers' marks stay."""
         self._check.consumer(consumer)
         rows = [] if indexes is None else self._check.rows(indexes)
-        return self._run(lambda: self._scripts.reset(consumer, rows))
+        return self._write("reset_consumer", lambda: self._scripts.reset(consumer, rows))
 
     def read_rows(self, columns: Sequence[str], indexes: Sequence[int]) -> Batch:
         """The rows' values as stored now, ``None`` where a row is not written; marks nothing.
@@ -890,7 +957,7 @@ class TransferDock(GenerationCalls):
             self._check.consumer(consumer)
             token = lease_token(indexes, consumer, token)
             rows = self._check.rows(drop_padding({}, indexes)[1])  # padding rows were never leased
-            call.rows = self._run(lambda: self._scripts.ack(consumer, token, rows))
+            call.rows = self._write("ack", lambda: self._scripts.ack(consumer, token, rows))
             return call.rows
 
     def status(self) -> dict[str, Any]:
@@ -957,10 +1024,14 @@ class TransferDock(GenerationCalls):
                     raise InvalidExperienceError("clear takes indexes or consumer, not both")
                 self._check.consumer(consumer)
                 check_flag("age", age)
-                self._run(lambda: self._store.forget(self._scripts.clear(iteration_of=consumer, age=age)))
+                self._forget(
+                    f"clear(consumer={consumer!r})", lambda: self._scripts.clear(iteration_of=consumer, age=age),
+                    returns=False, repeat="do not repeat it: a repeat would age the groups kept again and start "
+                    "the cursor and the metrics again",
+                )
                 return
             rows = [] if indexes is None else self._check.rows(indexes)
-            self._run(lambda: self._store.forget(self._scripts.clear(rows), whole=not rows))
+            self._forget("clear", lambda: self._scripts.clear(rows), whole=not rows, returns=False)
             call.rows = len(rows) if rows else self.capacity
 
     def delete(self) -> None:
@@ -971,7 +1042,10 @@ class TransferDock(GenerationCalls):
         """
         keys = self._keys.every_key(self.columns, self.consumers, self._schema.rollout.age_buckets)
         keys += self._run(self._store.data_keys)
-        self._run(lambda: self._client.delete(*dict.fromkeys(keys)))
+        # The wait's counters are deleted again after it (drop): a deleted dock leaves no key.
+        shards = [DockKeys.shard_replicated(tag) for tag in self._schema.shards]
+        self._write("delete", lambda: self._client.delete(*dict.fromkeys(keys)), shards=shards, returns=False,
+                    drop=True)
 
     def _run(self, call: Callable[[], T]) -> T:
         if self._closed:
@@ -1042,15 +1116,19 @@ class TransferDock(GenerationCalls):
         Other processes' dock objects adopt the grown schema at their next call. Removing names, or
         changing the size, would lose rows and is not offered: make a new dock for that.
         """
+        wrote = False
         for _ in range(_FENCE_RETRIES):
             self.refresh()
             grown = self._schema.grown(columns, consumers)
             if grown == self._schema:
+                if wrote:
+                    self._replicated("grow", grown, [self._keys.replicated])
                 return grown
             try:
                 # not _run: a changed schema here means retry, not adopt
                 with call_deadline(self._call_timeout), redis_errors(self._where):
                     self._scripts.grow(grown)
+                wrote = True
             except SchemaError:
                 pass  # another process grew it between our read and our write
             # Either way the next refresh reads what is stored now, and returns once it holds our names.

@@ -17,9 +17,10 @@ from .connection import Client
 from .delivery import HandedRows, check_delivery, fence_of
 from .errors import InvalidExperienceError
 from .keys import DockKeys
+from .replication import REPEAT_SAFE
 from .rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
 from .schema import Schema
-from .scripts import DockScripts, Selection
+from .scripts import DockScripts, Forgot, Selection
 from .store import DataStore
 from .validation import DockChecks, bitmap_count, check_flag, check_version, encode_column, is_int
 
@@ -47,6 +48,18 @@ class GenerationCalls:
     _store: DataStore
 
     def _run(self, call: Callable[[], T]) -> T:
+        raise NotImplementedError
+
+    def _write(
+        self, what: str, call: Callable[[], T], *, hands_out: bool = False, repeat: str = REPEAT_SAFE,
+        shards: Sequence[str] = (), returns: bool = True, drop: bool = False,
+    ) -> T:
+        raise NotImplementedError
+
+    def _forget(
+        self, what: str, script: Callable[[], Forgot], *, whole: bool = False, hands_out: bool = False,
+        repeat: str = REPEAT_SAFE, returns: bool = True,
+    ) -> int:
         raise NotImplementedError
 
     def _reads(self, build: Callable[[redis.client.Pipeline], None], *, transaction: bool = False) -> list[Any]:
@@ -132,14 +145,15 @@ class GenerationCalls:
         """Make every group holding a response, or its placeholder, one iteration older (the queue's
         ``increment_ages``; ``clear(consumer=...)`` ages only groups that were generated)."""
         self._partial("age_groups")
-        self._run(lambda: self._store.forget(self._scripts.clear(iteration_of="")))
+        self._forget("age_groups", lambda: self._scripts.clear(iteration_of=""), returns=False,
+                     repeat="do not repeat it: a repeat would age the groups again")
 
     def unready(self, columns: Sequence[str], indexes: Sequence[int]) -> int:
         """Mark rows of columns not ready, keeping their bytes (the TransferQueue's
         ``clear_data_status``); returns how many cells were ready."""
         names = self._check.columns_to_read(columns)
         rows = self._check.rows(indexes)
-        return self._run(lambda: self._scripts.unready(names, rows))
+        return self._write("unready", lambda: self._scripts.unready(names, rows))
 
     def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:
         """The stop signal of a partial-rollout iteration (MindSpeed's): at least ``gbs_train`` groups
@@ -180,7 +194,7 @@ class GenerationCalls:
     def set_version(self, version: int) -> None:
         """Set the current policy version (the trainer, after each update); versions only grow."""
         v = check_version(version)
-        self._run(lambda: self._scripts.version(v))
+        self._write("set_version", lambda: self._scripts.version(v), returns=False)
 
     def version(self) -> int:
         """The current policy version (0 until ``set_version``)."""
@@ -195,7 +209,8 @@ class GenerationCalls:
         if not is_int(count) or count < 1:
             raise InvalidExperienceError(f"count must be a positive int, got {count!r:.40}")
         self._check.columns([column])
-        return self._run(lambda: self._scripts.reserve(int(count), column))
+        # Groups claimed are handed out: raising would leave them claimed by nobody until forgotten.
+        return self._write("reserve_groups", lambda: self._scripts.reserve(int(count), column), hands_out=True)
 
     def drop_groups(self, consumer: str, groups: Sequence[int], *, delivery: HandedRows | None = None) -> int:
         """Discard whole groups ``consumer`` rejects (DAPO's dynamic sampling: all n rewards equal):
@@ -219,9 +234,10 @@ class GenerationCalls:
             n = self.n_samples_per_prompt
             rows = [g * n + j for g in sorted(set(picked)) for j in range(n)]
             fence = fence_of(check_delivery(delivery, consumer), rows)
-        return self._run(lambda: self._store.forget(
-            self._scripts.discard(picked, regenerate=False, field=consumer, max_staleness=None, fence=fence)
-        ))
+        repeat = ("do not repeat it: a repeat would be refused (FencedError)" if fence is not None
+                  else "do not repeat it: a repeat would count the groups as discarded again")
+        return self._forget("drop_groups", lambda: self._scripts.discard(
+            picked, regenerate=False, field=consumer, max_staleness=None, fence=fence), repeat=repeat)
 
     def _discard_stale(self, groups: list[int], max_staleness: int | None) -> None:
         """Apply the staleness policy to groups a sampling call found stale and left out."""
@@ -231,7 +247,8 @@ class GenerationCalls:
         if regenerate and rollout.partial:  # what the rollout reads as the response so far
             one = self._placeholders(1)
             placeholders = {c: encode_column(c, rows, 1)[0] for c, rows in one.items()}
-        self._run(lambda: self._store.forget(self._scripts.discard(
+        # Part of a hand-out (sampling found the groups): a shortfall is logged, as the hand-out's own is.
+        self._forget("get_experience (discarding stale groups)", lambda: self._scripts.discard(
             groups, regenerate=regenerate, field="regenerated" if regenerate else "stale",
             max_staleness=max_staleness, placeholders=placeholders,
-        )))
+        ), hands_out=True, returns=False)

@@ -39,6 +39,10 @@ Deliberate differences from MindSpeed-RL (where its behaviour is a defect, ours 
   that writes nothing, the trainer, is done with a batch when it asks for the next). That holds when each
   worker process has its own object, as recommended; through one shared Ray actor, one worker's next get
   would ack another's rows early (they are then at most once, as without a lease).
+* ``wait_replicas=k`` and ``wait_timeout=S`` (keywords of ``GRPOTransferDock`` and ``TransferQueueClient``)
+  are the native dock's durability (see ``TransferDock``): every call that writes waits until k replicas
+  have it, and one that hands nothing out raises ``ReplicationError`` (a ``ClusterError``) on a shortfall.
+  MindSpeed has no replicas to wait for.
 * Puts of rows past the dock's end raise (``RowIndexError``, a ``IndexError``); negative indexes
   (the ``-2`` DP padding) are skipped, as MindSpeed does. MindSpeed's queue drops rows past the end
   with a warning; its dock also lets a ``-2`` wrap to row ``max_len - 2`` in one path.
@@ -93,7 +97,7 @@ from .errors import (
 from .experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
 from .rollout import Rollout
 from .status import dock_names
-from .validation import PAD_INDEX, check_lease, drop_padding, is_int
+from .validation import PAD_INDEX, check_durability, check_lease, drop_padding, is_int
 
 __all__ = [
     "DEFAULT_COLUMNS",
@@ -304,6 +308,16 @@ class _Docked:
         check_lease(lease)  # refused now, not at the first get
         self.lease, self._leased = lease, {}
 
+    #: ``wait_replicas`` and ``wait_timeout`` of every dock this object opens (see the module docstring).
+    _durability: tuple[int, float] = (0, 1.0)
+
+    def _init_durability(self, wait_replicas: int, wait_timeout: float) -> None:
+        self._durability = check_durability(wait_replicas, wait_timeout)  # refused now, not at the first dock
+
+    def _durable(self) -> dict[str, Any]:
+        """The keywords that open a dock with this object's durability."""
+        return {"wait_replicas": self._durability[0], "wait_timeout": self._durability[1]}
+
     def _done(self, dock: TransferDock, consumer: str) -> None:
         """Ack what ``consumer`` was handed through this object before: it asks for more, so it is done
         with that (Kafka's auto-commit; see the module docstring)."""
@@ -383,17 +397,18 @@ def _rollout(max_age: int, gbs_train: int) -> Rollout | None:
 
 
 def _open(url: str | Client | None, name: str, prompts_num: int, n: int, columns: Sequence[str],
-          consumers: Sequence[str], rollout: Rollout | None = None) -> TransferDock:
-    """Create the dock, or attach to it and grow it to hold ``columns`` and ``consumers``."""
+          consumers: Sequence[str], rollout: Rollout | None = None, durable: Mapping[str, Any] = {}) -> TransferDock:
+    """Create the dock, or attach to it and grow it to hold ``columns`` and ``consumers``; ``durable``: its
+    ``wait_replicas`` and ``wait_timeout``."""
     target = url or default_url()
     lengths = [c for c in LENGTHS if c in columns]
     try:
         return TransferDock(target, name, prompts_num, n, columns, consumers, policy="random",
-                            length_columns=lengths, rollout=rollout)
+                            length_columns=lengths, rollout=rollout, **durable)
     except SchemaError as exc:
         if "exists with a different schema" not in str(exc):
             raise  # our own arguments are wrong (GBS_train=0 with partial rollout, ...)
-        dock = TransferDock.attach(target, name, policy="random")
+        dock = TransferDock.attach(target, name, policy="random", **durable)
     if (dock.prompts_num, dock.n_samples_per_prompt) != (prompts_num, n):
         dock.close()
         raise SchemaError(
@@ -430,6 +445,8 @@ class GRPOTransferDock(_Docked):
         url: str | Client | None = None,
         name: str = DEFAULT_DOCK,
         lease: float | None = None,
+        wait_replicas: int = 0,
+        wait_timeout: float = 1.0,
     ) -> None:
         if not is_int(max_age) or max_age < 1:
             raise _bad(f"max_age must be a positive int, got {max_age!r}")
@@ -443,9 +460,10 @@ class GRPOTransferDock(_Docked):
         self.timeout_interval = 5.0 if timeout_interval is None else float(timeout_interval)
         self._url, self._name = url, name
         self._init_leases(lease)
+        self._init_durability(wait_replicas, wait_timeout)
         self.enable_partial_rollout = max_age > 1
         self.dock = _open(url, name, prompts_num, n_samples_per_prompt, self.experience_columns,
-                          self.experience_consumers, _rollout(max_age, GBS_train))
+                          self.experience_consumers, _rollout(max_age, GBS_train), self._durable())
         self.metrics = metrics
         if metrics is not None and getattr(metrics, "metric", None):
             self._update_metrics(self.dock, "", dict(metrics.metric), False)
@@ -453,7 +471,7 @@ class GRPOTransferDock(_Docked):
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # pickles as its arguments: attaches again
         return _grpo_dock, (self.prompts_num, self.n_samples_per_prompt, self.experience_columns,
                             self.experience_consumers, self.timeout, self.timeout_interval, self._url, self._name,
-                            self.max_age, self.GBS_train, self.lease)
+                            self.max_age, self.GBS_train, self.lease, self._durability)
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -581,33 +599,36 @@ class GRPOTransferDock(_Docked):
 
 def _grpo_dock(prompts_num: int, n: int, columns: list[str], consumers: list[str], timeout: float,
                interval: float, url: str | Client | None, name: str, max_age: int = 1,
-               gbs_train: int = 0, lease: float | None = None) -> GRPOTransferDock:
+               gbs_train: int = 0, lease: float | None = None,
+               durability: tuple[int, float] = (0, 1.0)) -> GRPOTransferDock:
     defaults = set(DEFAULT_COLUMNS), set(DEFAULT_CONSUMERS)
     return GRPOTransferDock(prompts_num, n, None, max_age, gbs_train, [c for c in columns if c not in defaults[0]],
                             [c for c in consumers if c not in defaults[1]], timeout, interval, url=url, name=name,
-                            lease=lease)
+                            lease=lease, wait_replicas=durability[0], wait_timeout=durability[1])
 
 
 class TransferQueueClient(_Docked):
     """MindSpeed-RL's TransferQueue client: topics, each a dock named ``tq.TOPIC`` on one Redis server."""
 
-    def __init__(self, url: str | Client | None = None, *, prefix: str = "tq.", lease: float | None = None) -> None:
+    def __init__(self, url: str | Client | None = None, *, prefix: str = "tq.", lease: float | None = None,
+                 wait_replicas: int = 0, wait_timeout: float = 1.0) -> None:
         self._url: str | Client = url or default_url()
         self._prefix = prefix
         self._init_leases(lease)
+        self._init_durability(wait_replicas, wait_timeout)
         self._docks: dict[str, TransferDock] = {}
         self._timeouts: dict[str, float] = {}
         self._timings: dict[str, float] = {"put": 0.0, "get": 0.0, "dispatch": 0.0}
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _tq_client, (self._url, self._prefix, self.lease)
+        return _tq_client, (self._url, self._prefix, self.lease, self._durability)
 
     def _dock(self, topic: str | None) -> TransferDock:
         topic = topic or DEFAULT_TOPIC
         dock = self._docks.get(topic)
         if dock is None:
             try:
-                dock = TransferDock.attach(self._url, self._prefix + topic, policy="random")
+                dock = TransferDock.attach(self._url, self._prefix + topic, policy="random", **self._durable())
             except DockNotFoundError:
                 raise _bad(f"Unknown topic '{topic}'") from None
             self._docks[topic] = dock
@@ -638,11 +659,13 @@ class TransferQueueClient(_Docked):
                               response_columns=tuple(c for c in RESPONSE_COLUMNS if c in experience_columns))
         dock = TransferDock(self._url, self._prefix + topic, prompts_num, n_samples_per_prompt,
                             experience_columns, experience_consumers, policy="random", length_columns=lengths,
-                            rollout=rollout)
+                            rollout=rollout, **self._durable())
         if not dock.created:
             dock.close()
             raise _bad(f"Topic '{topic}' already exists")
-        dock.client.hset(dock.keys.meta, "tq_timeout", str(float(timeout)))  # not part of the schema
+        # Not part of the schema; written through the dock's one way of writing, which waits for replicas.
+        dock._write("add_topic", lambda: dock.client.hset(dock.keys.meta, "tq_timeout", str(float(timeout))),
+                    returns=False)
         self._docks[topic] = dock
         if metrics is not None and getattr(metrics, "metric", None):
             self._update_metrics(dock, "", dict(metrics.metric), False)
@@ -684,7 +707,7 @@ class TransferQueueClient(_Docked):
     def reset_all(self) -> None:
         """Delete every topic of this client's prefix on the server."""
         for key in self._dock_names():
-            TransferDock.attach(self._url, key).delete()
+            TransferDock.attach(self._url, key, **self._durable()).delete()
         self._docks.clear()
         self._timeouts.clear()
         self._timings = {"put": 0.0, "get": 0.0, "put_prompt": 0.0, "dispatch": 0.0}
@@ -858,8 +881,10 @@ class TransferQueueClient(_Docked):
         self._timings = dict.fromkeys(self._timings, 0.0)
 
 
-def _tq_client(url: str | Client, prefix: str, lease: float | None = None) -> TransferQueueClient:
-    return TransferQueueClient(url, prefix=prefix, lease=lease)
+def _tq_client(url: str | Client, prefix: str, lease: float | None = None,
+               durability: tuple[int, float] = (0, 1.0)) -> TransferQueueClient:
+    return TransferQueueClient(url, prefix=prefix, lease=lease, wait_replicas=durability[0],
+                               wait_timeout=durability[1])
 
 
 def get_transfer_queue_client(name: str | None = None, *, url: str | None = None) -> TransferQueueClient:

@@ -13,13 +13,37 @@ to a key of the dock on that node (``td:{TAG}:replicated``, a counter) followed 
 replication stream of a primary is ordered, so once the replicas have the tiny write they have every
 write the node applied before it, the call's own included.
 
+Which calls wait: every call that writes, through one place in the dock (``TransferDock._replicated``),
+after its writes were applied: on the control slot's node, and on the data shards' nodes where the call
+wrote or deleted bytes (a put, a clear or drop on a sharded dock, ``delete``). A sharded put also waits
+for the shards' replicas before it marks its rows ready (see store.py). Two outcomes of a shortfall:
+
+- A call that hands something out (``get_experience``, ``prefetch_request_index``, ``reserve_groups``)
+  logs it and returns what it handed out: raising would lose rows (or groups, or cursor positions)
+  handed out without a lease, since they are marked handed out on the primary already. The same holds
+  for any error of the wait itself (a connection lost, a timeout): the hand-out logs it and returns.
+- Every other call raises ReplicationError after it was applied (its ``result`` attribute holds what the
+  call returns, ``applied`` says whether the call's effect is in place); the message says whether repeating
+  the call is safe: a repeat made at once does the same and nothing more for a put without a lease, clear()
+  and clear(rows), set_version, ack, reset_consumer, unready, register_consumer_columns, update_metrics
+  without ``cumulate``, grow, all_consumed, delete and the dock's creation. It is not for
+  clear(consumer=...) and age_groups (a repeat ages the groups again), update_metrics(cumulate=True) (it
+  appends again), drop_groups (a repeat counts the groups as discarded again, or with a delivery is
+  refused as fenced), and a put that acked its lease (a repeat is refused as fenced).
+
 A node with fewer replicas attached than asked — a replica promoted after its primary died has none
 until the old primary comes back as its replica — cannot meet ``k``: waiting for it would stall every
 worker for good, which is worse than the risk it guards against. Such a node is waited on for the
 replicas it has (none: not at all), and the dock logs once that it runs degraded there, and once more
-when it is whole again. A node whose replicas are attached but did not acknowledge in time raises
-ReplicationError (for a put, which is safe to repeat; a call that handed rows out logs it instead and
-returns its rows: throwing them away would lose rows handed out without a lease).
+when it is whole again. A replica counts as attached once the primary reports it ``online`` *and* it has
+acknowledged an offset: a replica that rejoins is reported online while it still loads the primary's
+snapshot, and could not acknowledge a WAIT until it is done.
+
+The WAIT's reply is read once, on the connection its tiny write went through, and may take the WAIT's
+timeout plus a margin whatever the socket timeout: a WAIT is never sent again by a retry loop (a resend
+would wait again, and a timeout turned into a connection error would hide that the call was applied).
+Each WAIT is cut to the time left of the call's bound (``call_timeout``); a wait cut short, or failing
+in any way after the call's writes were applied, is a shortfall like a late acknowledgement.
 """
 
 from __future__ import annotations
@@ -28,12 +52,13 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
 
 from . import fanout
-from .connection import Client, slow_reply
+from .connection import Client, slow_reply, time_left
 from .errors import ClusterError
 
 log = logging.getLogger("broker")
@@ -41,10 +66,24 @@ log = logging.getLogger("broker")
 #: How long a node's count of attached replicas is trusted before it is read again.
 _REPLICAS_TTL_SECONDS = 2.0
 
+#: How much later than its timeout the reply of a WAIT may come (the round trip, a busy server) before
+#: the node is taken as not answering: the server answers a WAIT only at its timeout when replicas lag.
+REPLY_MARGIN_SECONDS = 1.0
+
+#: What a ReplicationError says of a call that a repeat made at once does again with no other effect.
+REPEAT_SAFE = "repeating it is safe"
+
 
 class ReplicationError(ClusterError):
-    """Fewer replicas than asked acknowledged a put in time, although that many are attached. The put
-    was applied on the primaries; repeating it is safe (puts are idempotent)."""
+    """Fewer replicas than asked acknowledged a call's writes in time, although that many are attached, or
+    the wait for them failed. The call's writes were made on the primaries first: ``applied`` says whether
+    its effect is in place (False only for a sharded put whose bytes, but no marks, were written),
+    ``result`` holds what the call returns, and the message says whether repeating the call is safe."""
+
+    def __init__(self, message: str, result: Any = None, applied: bool = True):
+        super().__init__(message)
+        self.result = result
+        self.applied = applied
 
 
 class Replication:
@@ -58,40 +97,91 @@ class Replication:
         self._degraded: set[str] = set()
         self._lock = threading.Lock()
 
-    def wait(self, keys: Sequence[str], what: str, *, must: bool) -> None:
+    def wait(
+        self, keys: Sequence[str], what: str, *, hands_out: bool = False, result: Any = None,
+        outcome: str = "it was applied on the primaries", repeat: str = REPEAT_SAFE, applied: bool = True,
+        drop: bool = False,
+    ) -> None:
         """Block until the replicas of every node holding one of ``keys`` (counters of the dock, one per
-        node at most) have all writes made there so far. With ``must``, a shortfall on a whole node
-        raises ReplicationError naming ``what``; without, it is logged."""
+        node at most) have all writes made there so far.
+
+        A shortfall on a whole node, or a failure of the wait, raises ReplicationError naming ``what``
+        and saying ``outcome`` and ``repeat`` (with ``result`` and ``applied``); with ``hands_out`` it is
+        logged instead, whatever the error. ``drop``: delete the counters again (``delete`` leaves no key).
+        """
         if self.replicas <= 0:
             return
-        short = []
+        short: list[str] = []
+        cause: BaseException | None = None
         try:
-            for name, node_client, key in self._per_node(keys):
+            nodes = self._per_node(keys)
+        except Exception as exc:  # the slot map names no node: the cluster is failing over
+            nodes, cause = [], exc
+            short.append(f"{list(keys)}: {_brief(exc)}")
+        for name, node_client, key in nodes:
+            try:
                 want = min(self.replicas, self._attached_replicas(name, node_client))
                 if want == 0:
                     continue
-                pipe = node_client.pipeline(transaction=False)
-                pipe.incr(key)
-                pipe.execute_command("WAIT", want, self._timeout_ms)
-                # The server answers WAIT only after up to its timeout: a reply allowed that much beyond a
-                # cluster client's short socket timeout (the call's deadline still holds).
-                with slow_reply(self._timeout_ms / 1000):
-                    acked = int(pipe.execute()[-1])
-                if acked < want:
+                acked = self._wait_node(node_client, key, want, drop)
+            except Exception as exc:
+                # The call's writes were applied before: whatever broke the wait (a connection lost, the
+                # node failed over, the call's bound reached), all it leaves unknown is the replicas.
+                self._forget_node(name, exc)
+                short.append(f"{name} ({key}): the wait failed: {_brief(exc)}")
+                cause = exc
+                continue
+            if acked < want:
+                with self._lock:
                     self._attached.pop(name, None)  # a replica may have gone: read the count again next time
-                    short.append(f"{name} ({key}): {acked} of {want}")
-        except (redis.ConnectionError, redis.TimeoutError):
-            # The node the slot map named is gone (a failover): refresh the map, so that the caller's
-            # retry of this call, which the broker error it gets invites, goes to the promoted node.
-            if isinstance(self._client, RedisCluster):
-                self._client.nodes_manager.initialize()
+                short.append(f"{name} ({key}): {acked} of {want}")
+        if not short:
+            return
+        message = (f"{what}: fewer replicas than attached acknowledged within {self._timeout_ms} ms: "
+                   f"{', '.join(short)}")
+        if hands_out:
+            log.warning("%s; the call was applied and returned what it handed out (raising would lose it)", message)
+            return
+        raise ReplicationError(f"{message}; {outcome}; {repeat}", result, applied) from cause
+
+    def _wait_node(self, node_client: redis.Redis, key: str, want: int, drop: bool) -> int:
+        """INCR ``key`` (then DEL it, with ``drop``) and WAIT for ``want`` replicas, on one connection of
+        the node; how many acknowledged.
+
+        Not through redis-py's command or pipeline: their retry loops send a command again when its
+        reply times out, and a WAIT sent again waits again. Here the WAIT's reply is read once, allowed
+        the WAIT's timeout plus a margin beyond the socket timeout (the call's bound still holds).
+        """
+        timeout_ms = self._timeout_ms
+        left = time_left()
+        if left is not None:  # a WAIT outlasting the call's bound would be cut: ask the server for less
+            timeout_ms = max(1, min(timeout_ms, int(left * 1000)))
+        commands: list[tuple[Any, ...]] = [("INCR", key), *([("DEL", key)] if drop else []), ("WAIT", want, timeout_ms)]
+        pool = node_client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+            for _ in commands[:-1]:
+                conn.read_response()
+            allowance = timeout_ms / 1000 + REPLY_MARGIN_SECONDS
+            with slow_reply(allowance):  # a bounded connection's socket timeout grows by it
+                return int(conn.read_response(timeout=allowance))
+        except BaseException:
+            conn.disconnect()  # a reply may still be due on it: no later call must read it as its own
             raise
-        if short:
-            message = (f"{what}: fewer replicas than attached acknowledged within {self._timeout_ms} ms: "
-                       f"{', '.join(short)}")
-            if must:
-                raise ReplicationError(message + "; it was applied on the primaries, and repeating it is safe")
-            log.warning("%s; the call was applied and returned its rows", message)
+        finally:
+            pool.release(conn)
+
+    def _forget_node(self, name: str, error: Exception) -> None:
+        """After a wait on node ``name`` failed: read its replicas again next time, and on a cluster reload
+        the slot map (best effort), so that the caller's next call goes to a promoted node."""
+        with self._lock:
+            self._attached.pop(name, None)
+        if isinstance(self._client, RedisCluster) and isinstance(error, redis.RedisError):
+            try:
+                self._client.nodes_manager.initialize()
+            except Exception:  # no node answers now: the next call reloads it again
+                pass
 
     def _attached_replicas(self, name: str, node_client: redis.Redis) -> int:
         """Replicas attached to node ``name`` and in sync now (read at most every few seconds); logs the node
@@ -106,10 +196,7 @@ class Replication:
         except redis.exceptions.NoPermissionError:
             # A user confined by `broker acl` without INFO cannot see its replicas: wait for all it asks.
             return self.replicas
-        # Only replicas in sync can acknowledge: one still loading the primary's snapshot (a killed primary
-        # rejoining as a replica) would make WAIT time out on every call until it is done.
-        count = sum(1 for key, value in info.items()
-                    if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
+        count = sum(1 for key, value in info.items() if key.startswith("slave") and _in_sync(value))
         with self._lock:
             self._attached[name] = (count, now)
             if count < self.replicas and name not in self._degraded:
@@ -131,3 +218,25 @@ class Replication:
         if groups is None:
             raise ClusterError(f"no live primary serves one of {list(keys)} (the cluster is failing over?)")
         return [(name, node.redis_connection, keys[positions[0]]) for name, (node, positions) in groups.items()]
+
+
+def _in_sync(replica: Any) -> bool:
+    """Whether an INFO replication ``slaveN`` entry is a replica that can acknowledge a WAIT now.
+
+    Only one ``online`` can: one still receiving the primary's snapshot (a killed primary rejoining as a
+    replica) would make WAIT time out on every call until it is done. And only one that acknowledged an
+    offset: the primary reports a replica online once the snapshot is sent, while the replica may still
+    be loading it (seconds for a large one), acknowledging nothing; its offset stays 0 until then.
+    """
+    if not isinstance(replica, dict) or replica.get("state") != "online":
+        return False
+    try:
+        return int(replica.get("offset", 0)) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _brief(error: BaseException, limit: int = 200) -> str:
+    """An error as ``Type: text``, cut to ``limit`` characters."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -80,8 +80,9 @@ from .scripts import (
 #: Per column, field -> encoded bytes: what a put writes (field = the row in decimal).
 Encoded = dict[str, dict[str, bytes]]
 
-#: What a put calls, with wait_replicas, to wait until replicas of the nodes holding some keys (the dock's
-#: ``replicated`` counters) have its writes (see replication.py); None: no waiting.
+#: What a sharded put calls, with wait_replicas, to wait until replicas of the nodes holding some keys (the
+#: data shards' ``replicated`` counters) have its bytes, before it marks them (see replication.py); None: no
+#: waiting. The wait for the marks comes after the put, in the dock, as for every call that writes.
 Durable = Callable[[Sequence[str]], None]
 
 #: How many times a sharded put writes again after clears moved its rows between its two steps. Each
@@ -104,8 +105,8 @@ class DataStore(Protocol):
         """Write the rows' bytes and mark them ready in their columns, with what ``finish`` records; all
         or nothing, and once however often it is resent. With ``fence``, only while that delivery still
         holds the rows (else FencedError, nothing written), and with ``ack`` too, ending its lease of
-        them in the same step. With ``durable``, wait for replicas of the bytes before marking them, and
-        of the marks before returning."""
+        them in the same step. With ``durable``, wait for replicas of the bytes before marking them (on
+        data shards: in one slot bytes and marks are one MULTI); the caller waits for the marks'."""
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         """The bytes of the handout's ``rows`` (in that order) per column, or None if a clear took any of
@@ -116,6 +117,10 @@ class DataStore(Protocol):
 
     def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
         """Delete from the data shards what a script forgot (nothing to do in one slot); its value."""
+
+    def forgot_on(self, forgot: Forgot, *, whole: bool = False) -> list[str]:
+        """The ``replicated`` counters of the data shards ``forget`` deletes bytes on (none in one slot):
+        the call that forgot waits for their replicas too."""
 
     def data_keys(self) -> list[str]:
         """Every key holding the dock's row bytes now (for ``delete``)."""
@@ -152,8 +157,6 @@ class SlotStore:
             for reply in replies[2:-1]:
                 if isinstance(reply, Exception):
                     raise reply
-        if durable is not None:
-            durable([self._keys.replicated])
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         # One round trip: the HMGETs, then the fence script in the same pipeline, after them (see
@@ -179,6 +182,9 @@ class SlotStore:
 
     def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
         return forgot.value
+
+    def forgot_on(self, forgot: Forgot, *, whole: bool = False) -> list[str]:
+        return []
 
     def data_keys(self) -> list[str]:
         return [self._keys.data(c) for c in self._columns()]
@@ -238,8 +244,6 @@ class ShardedStore:
             # holding the taker's bytes by now, so they stay (see the module docstring).
             marked = self._scripts.mark(columns, runs, lengths, epoch, generations, finish, fence, request_id, ack)
             if not marked.stale and not marked.epoch_moved:
-                if durable is not None:
-                    durable([self._keys.replicated])
                 return
             # A clear moved some rows between the two steps: their bytes under the old generation are
             # nobody's. The other rows' fields are left: a concurrent put of them may own them now.
@@ -370,6 +374,12 @@ class ShardedStore:
             if isinstance(reply, Exception):
                 raise reply
         return forgot.value
+
+    def forgot_on(self, forgot: Forgot, *, whole: bool = False) -> list[str]:
+        if forgot.epoch is None:
+            return []
+        tags = self._shards if whole else sorted({self._shard(row) for row in forgot.rows})
+        return [DockKeys.shard_replicated(tag) for tag in tags]
 
     def data_keys(self) -> list[str]:
         return [key.decode() if isinstance(key, bytes) else key

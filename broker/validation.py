@@ -84,8 +84,12 @@ def check_durability(replicas: Any, timeout: Any) -> tuple[int, float]:
 
 
 def check_call_timeout(seconds: Any, durability: tuple[int, float]) -> float:
-    """``call_timeout``: seconds in (0, 1 day], above ``wait_timeout`` when waiting for replicas (a put's
-    WAIT runs within it)."""
+    """``call_timeout``: seconds in (0, 1 day], above ``wait_timeout`` when waiting for replicas.
+
+    A call's waits for replicas run within its call_timeout, after its writes: a WAIT is cut to the time
+    the call has left, and a wait cut short is a shortfall (ReplicationError, or a log line for a
+    hand-out), never a timeout error that would hide that the call was applied. A call_timeout at or
+    below wait_timeout would cut a healthy wait for a slow replica short on every call."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 86400:
         raise InvalidExperienceError(f"call_timeout must be seconds in (0, 86400], got {seconds!r:.40}")
     replicas, wait_timeout = durability

@@ -191,8 +191,12 @@ def test_rows_handed_out_are_returned_even_past_the_calls_timeout(caplog):
             RedisServer("--replicaof", "127.0.0.1", str(primary.port)) as replica:
         admin = primary.client()
         deadline = time.monotonic() + 30
-        while admin.info("replication").get("slave0", {}).get("state") != "online":
+        # In sync: online with an offset acknowledged (the broker counts no replica before; see replication.py).
+        admin.set("sync", 1)
+        admin.delete("sync")  # a write for the replica to acknowledge
+        while int(admin.info("replication").get("slave0", {}).get("offset", 0)) <= 0:
             assert time.monotonic() < deadline, "the replica did not get in sync"
+            admin.execute_command("WAIT", 1, 100)
             time.sleep(0.05)
         admin.close()
         with TransferDock(primary.url, "deadlines-handout", prompts_num=1, n_samples_per_prompt=2,

@@ -442,15 +442,18 @@ def test_a_server_without_replicas_goes_on_degraded_and_says_so(url, caplog):
 @pytest.fixture
 def primary_and_replica() -> Iterator[tuple[RedisServer, RedisServer]]:
     """A Redis primary with one replica attached, both stopped in teardown."""
-    primary = RedisServer()
+    primary = RedisServer("--repl-diskless-sync-delay", "0")  # in sync at once, not after Redis's default 5 s
     replica = RedisServer("--replicaof", "127.0.0.1", "0")  # the real port is set below, once known
     try:
         primary.start()
         replica.args = ["--replicaof", "127.0.0.1", str(primary.port)]
         replica.start()
         admin = primary.client()
-        wait_until("the replica is in sync",
-                   lambda: admin.info("replication").get("slave0", {}).get("state") == "online", 30)
+        # In sync: online, and an offset acknowledged (the broker counts no replica before; see replication.py).
+        admin.set("sync", 1)
+        admin.delete("sync")  # a write for the replica to acknowledge
+        wait_until("the replica is in sync", lambda: int(admin.execute_command("WAIT", 1, 100)) == 1
+                   and int(admin.info("replication").get("slave0", {}).get("offset", 0)) > 0, 30)
         admin.close()
         yield primary, replica
     finally:
