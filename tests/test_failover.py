@@ -695,7 +695,7 @@ def train(run: Soak, dock: TransferDock, batch: dict[str, list[Any]], rows: list
     pid = min(pids)
     if len(pids) != 1 or any(len(r) != 1 + PASSES or r[0] != pid for r in responses):
         run.wrong.append(f"group {group}: prompts {sorted(pids)}, responses {responses}")
-    data_version = min(v for r in responses for v in r[1:])
+    data_version = min((v for r in responses for v in r[1:]), default=-1)  # -1: a placeholder, never generated
     dock_version, _, _ = run.call("trainer", "version", dock.version)
     group_version, _, _ = run.call("trainer", "group version", lambda: dock.client.zscore(
         dock.keys.group_versions, str(group)))
