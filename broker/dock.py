@@ -687,6 +687,7 @@ class TransferDock(GenerationCalls):
                 # (they were never delivered) and sample again.
                 give_back = functools.partial(self._scripts.release, consumer, handout, token, request_id,
                                               groups=groups)
+                # Part of a hand-out: a shortfall is logged, as the hand-out's own is (hands_out).
                 self._write("get_experience (giving back rows a clear took)", give_back, hands_out=True)
             return None
 

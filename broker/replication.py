@@ -44,6 +44,11 @@ timeout plus a margin whatever the socket timeout: a WAIT is never sent again by
 would wait again, and a timeout turned into a connection error would hide that the call was applied).
 Each WAIT is cut to the time left of the call's bound (``call_timeout``); a wait cut short, or failing
 in any way after the call's writes were applied, is a shortfall like a late acknowledgement.
+
+One window stays open on a cluster: the wait goes to the node the client's slot map names when it
+starts. If the primary that took a call's writes died and another thread reloaded the map before this
+call's wait, the wait goes to the promoted node and cannot tell that the writes were lost with the old
+one. It takes a primary failing within the moment between a call's writes and its wait.
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ class ReplicationError(ClusterError):
         super().__init__(message)
         self.result = result
         self.applied = applied
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # keeps result and applied across processes (Ray)
+        return type(self), (str(self), self.result, self.applied)
 
 
 class Replication:
@@ -227,13 +235,23 @@ def _in_sync(replica: Any) -> bool:
     replica) would make WAIT time out on every call until it is done. And only one that acknowledged an
     offset: the primary reports a replica online once the snapshot is sent, while the replica may still
     be loading it (seconds for a large one), acknowledging nothing; its offset stays 0 until then.
+
+    The price: the replicas of a new primary (one that had replicated nothing when they synced) show
+    offset 0 until they acknowledge its first write, within a second. A dock that reads their count in
+    that second takes the node as degraded (logged, waited on for the replicas it has in sync) until it
+    reads the count again, a few seconds later.
     """
     if not isinstance(replica, dict) or replica.get("state") != "online":
         return False
+    return _offset(replica.get("offset")) > 0
+
+
+def _offset(value: Any) -> int:
+    """A replication offset from INFO (0 if absent or not a number)."""
     try:
-        return int(replica.get("offset", 0)) > 0
+        return int(value or 0)
     except (TypeError, ValueError):
-        return False
+        return 0
 
 
 def _brief(error: BaseException, limit: int = 200) -> str:

@@ -234,10 +234,22 @@ def test_wait_for_replicas_is_not_cut_by_the_short_cluster_attempts(cluster):
     """WAIT blocks server-side up to wait_timeout, longer than a cluster attempt's socket timeout (1 s):
     a replica that does not acknowledge makes the put raise ReplicationError after wait_timeout, not a
     connection error after the attempt's timeout."""
-    with TransferDock(cluster.url, "deadlines-wait", prompts_num=1, n_samples_per_prompt=2, columns=["prompts"],
-                      consumers=["train"], shards=0, wait_replicas=1, wait_timeout=1.5) as dock:
+    def open_dock() -> TransferDock:
+        return TransferDock(cluster.url, "deadlines-wait", prompts_num=1, n_samples_per_prompt=2, columns=["prompts"],
+                            consumers=["train"], shards=0, wait_replicas=1, wait_timeout=1.5)
+
+    with open_dock() as first:
+        first.put_experience(rows_of(2), [0, 1])
+        primary = cluster.primary_of_slot(RedisCluster.keyslot(first.client, first.keys.meta))
+    # A replica counts once it acknowledged an offset (see broker/replication.py); a new dock object reads
+    # the count afresh.
+    with primary.client() as admin:
+        deadline = time.monotonic() + 10
+        while int(admin.info("replication").get("slave0", {}).get("offset", 0)) <= 0:
+            assert time.monotonic() < deadline, "the replica acknowledged nothing"
+            time.sleep(0.05)
+    with open_dock() as dock:
         dock.put_experience(rows_of(2), [0, 1])  # every replica attached and in sync
-        primary = cluster.primary_of_slot(RedisCluster.keyslot(dock.client, dock.keys.meta))
         replica = next(node for node in cluster.nodes if node is not primary and _replicates(node, primary))
         with paused(replica):  # continued within the node timeout: nothing is failed over
             started = time.monotonic()

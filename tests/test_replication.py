@@ -27,8 +27,10 @@ from typing import Any
 import pytest
 import redis
 import torch
+from redis.cluster import RedisCluster
 
 from broker import ReplicationError, Rollout, TransferDock
+from broker.local_cluster import LocalCluster
 from broker.local_redis import RedisServer
 from broker.mindspeed import GRPOTransferDock, TransferQueueClient
 from tests.helpers import redis_server_binary, required
@@ -209,6 +211,60 @@ def test_the_mindspeed_adapter_waits_too(pair):
         td.dock.close()
         for dock in queue._docks.values():
             dock.close()
+
+
+def replica_of(node: RedisServer) -> int | None:
+    """The port of the primary ``node`` replicates, None for a primary."""
+    with node.client() as admin:
+        info = admin.info("replication")
+    return int(info["master_port"]) if info["role"] == "slave" else None
+
+
+@pytest.mark.slow
+def test_a_clear_on_a_sharded_dock_waits_for_the_shards_it_deleted_bytes_from():
+    """A cluster of 3 primaries with a replica each; the replica of one data shard's primary (not the
+    control slot's) is cut off. A clear of a group on that shard deleted its bytes there: it raises,
+    naming the node. A clear of a group on a shard whose replica is fine goes through."""
+    binary = required(redis_server_binary(), "redis-server", "the replication tests")
+    cluster = LocalCluster(3, replicas=1, binary=binary)
+    try:
+        cluster.start(timeout=60)
+
+        def open_sharded() -> TransferDock:
+            return TransferDock(cluster.url, "repl-sharded", 6, 2, ["prompts"], ["train"], wait_replicas=1,
+                                wait_timeout=WAIT)
+
+        with open_sharded() as first:
+            first.put_experience(prompts(list(range(12))), list(range(12)))
+        for node in cluster.nodes:  # every replica acknowledged an offset: it counts (see replication.py)
+            with node.client() as admin:
+                deadline = time.monotonic() + 10
+                while admin.info("replication")["role"] == "master" and \
+                        int(admin.info("replication").get("slave0", {}).get("offset", 0)) <= 0:
+                    assert time.monotonic() < deadline, f"port {node.port}: the replica acknowledged nothing"
+                    time.sleep(0.05)
+        with open_sharded() as dock:
+            slot = lambda key: RedisCluster.keyslot(dock.client, key)  # noqa: E731
+            control = cluster.primary_of_slot(slot(dock.keys.meta))
+            tags = dock.schema.shards
+            node_of = [cluster.primary_of_slot(slot("{" + tags[g % len(tags)] + "}")) for g in range(6)]
+            cut_group = next(g for g in range(6) if node_of[g] is not control)
+            fine_group = next(g for g in range(6) if node_of[g] is not node_of[cut_group])
+            shard_replica = next(node for node in cluster.nodes if replica_of(node) == node_of[cut_group].port)
+            with cut(shard_replica):
+                with pytest.raises(ReplicationError, match=f":{node_of[cut_group].port} "):
+                    dock.clear([2 * cut_group, 2 * cut_group + 1])
+                dock.clear([2 * fine_group, 2 * fine_group + 1])
+            assert dock.status()["columns"]["prompts"]["ready"] == 8
+    finally:
+        for node in cluster.nodes:
+            if node.proc is not None:
+                with node.client() as admin:
+                    try:
+                        admin.execute_command("CLIENT", "UNPAUSE")
+                    except redis.RedisError:
+                        pass
+        cluster.stop()
 
 
 # -- a call that returned survives a failover
