@@ -282,9 +282,10 @@ class LocalCluster:
 
         self._wait(time.monotonic() + timeout, done, f"a replica of port {killed.port} takes over")
         new = promoted[0]
-        # As Redis does: the killed primary's other replicas now replicate the promoted one.
+        # As Redis does: the killed primary's other replicas now replicate the promoted one, and so does the
+        # killed primary once it is started again (so that the promoted node can be failed over in turn).
         del self._replica_of[new]
-        for replica in candidates:
+        for replica in [*candidates, killed]:
             if replica is not new:
                 self._replica_of[replica] = new
         return new
