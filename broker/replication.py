@@ -83,15 +83,18 @@ class ReplicationError(ClusterError):
     """Fewer replicas than asked acknowledged a call's writes in time, although that many are attached, or
     the wait for them failed. The call's writes were made on the primaries first: ``applied`` says whether
     its effect is in place (False only for a sharded put whose bytes, but no marks, were written),
-    ``result`` holds what the call returns, and the message says whether repeating the call is safe."""
+    ``result`` holds what the call returns, and ``repeat_safe`` (and the message) whether repeating the call
+    at once is safe."""
 
-    def __init__(self, message: str, result: Any = None, applied: bool = True):
+    def __init__(self, message: str, result: Any = None, applied: bool = True, repeat_safe: bool = True):
         super().__init__(message)
         self.result = result
         self.applied = applied
+        #: Whether the call may be repeated at once with no other effect (the message says why not).
+        self.repeat_safe = repeat_safe
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # keeps result and applied across processes (Ray)
-        return type(self), (str(self), self.result, self.applied)
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # keeps its attributes across processes (Ray)
+        return type(self), (str(self), self.result, self.applied, self.repeat_safe)
 
 
 class Replication:
@@ -150,7 +153,7 @@ class Replication:
         if hands_out:
             log.warning("%s; the call was applied and returned what it handed out (raising would lose it)", message)
             return
-        raise ReplicationError(f"{message}; {outcome}; {repeat}", result, applied) from cause
+        raise ReplicationError(f"{message}; {outcome}; {repeat}", result, applied, repeat == REPEAT_SAFE) from cause
 
     def _wait_node(self, node_client: redis.Redis, key: str, want: int, drop: bool) -> int:
         """INCR ``key`` (then DEL it, with ``drop``) and WAIT for ``want`` replicas, on one connection of
@@ -204,13 +207,17 @@ class Replication:
         except redis.exceptions.NoPermissionError:
             # A user confined by `broker acl` without INFO cannot see its replicas: wait for all it asks.
             return self.replicas
-        count = sum(1 for key, value in info.items() if key.startswith("slave") and _in_sync(value))
+        entries = [value for key, value in info.items() if key.startswith("slave")]
+        count = sum(1 for value in entries if _in_sync(value))
+        silent = sum(1 for value in entries if isinstance(value, dict) and value.get("state") == "online") - count
         with self._lock:
             self._attached[name] = (count, now)
             if count < self.replicas and name not in self._degraded:
                 self._degraded.add(name)
-                log.warning("Redis at %s has %d of the %d replicas wait_replicas asks for: writes there are "
-                            "waited on for %d until more attach", name, count, self.replicas, count)
+                log.warning("Redis at %s has %d of the %d replicas wait_replicas asks for%s: writes there are "
+                            "waited on for %d until more attach", name, count, self.replicas,
+                            f" in sync ({silent} more online that acknowledged nothing yet: still loading, or "
+                            "stopped)" if silent else "", count)
             elif count >= self.replicas and name in self._degraded:
                 self._degraded.discard(name)
                 log.warning("Redis at %s has %d replicas again: wait_replicas=%d holds there", name, count,

@@ -71,7 +71,7 @@ from broker import (
 )
 from broker.local_cluster import LocalCluster
 from broker.local_redis import RedisServer
-from broker.replication import _REPLICAS_TTL_SECONDS, REPEAT_SAFE
+from broker.replication import _REPLICAS_TTL_SECONDS
 from tests.helpers import redis_server_binary, required
 
 T = TypeVar("T")
@@ -176,7 +176,7 @@ class Run:
             except passes:
                 raise
             except RETRYABLE + ESCAPED + also as e:
-                if isinstance(e, ReplicationError) and REPEAT_SAFE not in str(e):
+                if isinstance(e, ReplicationError) and not e.repeat_safe:
                     raise
                 kind = type(e).__name__
                 if not isinstance(e, RETRYABLE + also):

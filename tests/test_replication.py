@@ -19,6 +19,7 @@ lost at that moment). Each case checks what a user relies on:
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -154,6 +155,8 @@ def test_a_write_the_replica_did_not_acknowledge_raises_after_it_was_applied(pai
         assert "applied on the primaries" in message and info.value.applied, message
         assert ("repeating it is safe" in message) == (repeat == "safe"), message
         assert ("do not repeat it" in message) == (repeat != "safe"), message
+        assert info.value.repeat_safe == (repeat == "safe")
+        assert pickle.loads(pickle.dumps(info.value)).repeat_safe == info.value.repeat_safe  # as Ray hands it on
         if result == "the grown schema":
             assert info.value.result.consumers == (*CONSUMERS, "extra")
         else:
