@@ -25,6 +25,7 @@ from .errors import (
     BrokerError,
     BrokerTimeoutError,
     ClusterError,
+    DataLostError,
     DecodeError,
     DockNotFoundError,
     FencedError,
@@ -763,11 +764,12 @@ def _timeout_error(where: str, cut: _DeadlinePassed) -> BrokerTimeoutError:
 
 #: Error prefixes of the Lua scripts, and the broker error each stands for.
 _SCRIPT_ERRORS = {"CORRUPT ": DecodeError, "NODOCK ": DockNotFoundError, "SCHEMA ": SchemaError,
-                  "VERSION ": VersionError, "FENCED ": FencedError}
+                  "VERSION ": VersionError, "FENCED ": FencedError, "LOST ": DataLostError}
 
 
 def script_error(exc: redis.ResponseError) -> BrokerError | None:
-    """The broker error a script's error reply stands for (CORRUPT, NODOCK, SCHEMA, VERSION, FENCED), or None."""
+    """The broker error a script's error reply stands for (CORRUPT, NODOCK, SCHEMA, VERSION, FENCED, LOST), or
+    None."""
     text = str(exc)
     for prefix, error in _SCRIPT_ERRORS.items():
         if text.startswith(prefix):

@@ -93,6 +93,12 @@ class StoreFullError(RedisCommandError):
     """Redis reached its ``maxmemory`` and refused a write; the call that got this applied nothing."""
 
 
+class DataLostError(BrokerError):
+    """Redis no longer holds a key of the dock that the broker wrote and never removed (evicted under a
+    ``maxmemory-policy``, deleted by hand, or lost in a failover): what it held cannot be trusted. The
+    message names the key."""
+
+
 class FencedError(BrokerError):
     """A write named rows of a delivery that is no longer current, and wrote nothing.
 
