@@ -503,9 +503,10 @@ def disconnect(url: str) -> None:
 def _open_url(url: str) -> Client:
     """The client of ``url``: a plain one, or a cluster client if the server is a cluster node.
 
-    One INFO round trip tells which (``cluster_enabled``). A user not granted INFO is taken to be on a
-    plain server; were it a cluster node, its first command on another node's slot fails with a
-    broker error naming the cluster (see ``redis_errors``).
+    One INFO round trip tells which (``cluster_enabled``). A user not granted INFO, or a server with INFO
+    renamed, is taken to be a plain server; were it a cluster node, its first command on another node's
+    slot fails with a broker error naming the cluster (see ``redis_errors``). Whether the dock needs INFO
+    is for opening the dock to say (server_checks.py).
     """
     client = _open_node(url)
     try:
@@ -513,6 +514,10 @@ def _open_url(url: str) -> Client:
             try:
                 clustered = bool(client.info("cluster").get("cluster_enabled"))
             except redis.exceptions.NoPermissionError:
+                clustered = False
+            except redis.ResponseError as exc:
+                if "unknown command" not in str(exc).lower():
+                    raise
                 clustered = False
     except BaseException:
         client.close()
