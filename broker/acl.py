@@ -9,7 +9,9 @@ Keys: only ``td:{A}:*`` and the data shards ``td:{A~*}:*`` (no other dock's keys
 allowed in names). Channels: only ``td:{A}:*`` (the dock's put notifications). Commands: only what the
 client and the Lua scripts call. Redis checks the keys that scripts touch against the same patterns, so
 a script cannot reach another dock either. Server-wide commands (FLUSHDB, KEYS, CONFIG, SCAN, ...) are
-not granted. ``reader_rules()`` gives the exporter's: every dock, reading only.
+not granted; INFO is (it shows the server's counters and settings, no key's contents): opening a dock
+reads the server's eviction policy from it, and CONFIG GET would show every setting, passwords included.
+``reader_rules()`` gives the exporter's: every dock, reading only.
 
 On a Redis Cluster every node checks its own users: the user must be created on every node, primaries
 and replicas (a replica promoted by a failover serves the same clients), with ``cluster=True``: the
@@ -27,6 +29,7 @@ CLIENT_COMMANDS = (
     "ping", "select", "multi", "exec", "discard", "evalsha", "eval", "script|load", "script|exists",
     "hset", "hget", "hmget", "hgetall", "hlen", "bitcount", "bitfield", "zcard", "get", "del", "subscribe",
     "unsubscribe", "hdel", "unlink", "incr", "wait",  # the data shards' puts and clears, wait_replicas
+    "info",  # opening a dock reads maxmemory_policy (server_checks.py); wait_replicas, the replicas' state
 )
 
 #: Commands the Lua scripts in lua/ call.

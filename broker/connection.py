@@ -28,6 +28,7 @@ from .errors import (
     BrokerError,
     BrokerTimeoutError,
     ClusterError,
+    DataLostError,
     DecodeError,
     DockNotFoundError,
     ExperienceTooLargeError,
@@ -669,9 +670,10 @@ def disconnect(url: str) -> None:
 def _open_url(url: str) -> Client:
     """The client of ``url``: a plain one, or a cluster client if the server is a cluster node.
 
-    One INFO round trip tells which (``cluster_enabled``). A user not granted INFO is taken to be on a
-    plain server; were it a cluster node, its first command on another node's slot fails with a
-    broker error naming the cluster (see ``redis_errors``).
+    One INFO round trip tells which (``cluster_enabled``). A user not granted INFO, or a server with INFO
+    renamed, is taken to be a plain server; were it a cluster node, its first command on another node's
+    slot fails with a broker error naming the cluster (see ``redis_errors``). Whether the dock needs INFO
+    is for opening the dock to say (server_checks.py).
     """
     client = _open_node(url)
     try:
@@ -679,6 +681,10 @@ def _open_url(url: str) -> Client:
             try:
                 clustered = bool(client.info("cluster").get("cluster_enabled"))
             except redis.exceptions.NoPermissionError:
+                clustered = False
+            except redis.ResponseError as exc:
+                if "unknown command" not in str(exc).lower():
+                    raise
                 clustered = False
     except BaseException:
         client.close()
@@ -1017,11 +1023,12 @@ def _timeout_error(where: str, cut: _DeadlinePassed) -> BrokerTimeoutError:
 
 #: Error prefixes of the Lua scripts, and the broker error each stands for.
 _SCRIPT_ERRORS = {"CORRUPT ": DecodeError, "NODOCK ": DockNotFoundError, "SCHEMA ": SchemaError,
-                  "VERSION ": VersionError, "FENCED ": FencedError}
+                  "VERSION ": VersionError, "FENCED ": FencedError, "LOST ": DataLostError}
 
 
 def script_error(exc: redis.ResponseError) -> BrokerError | None:
-    """The broker error a script's error reply stands for (CORRUPT, NODOCK, SCHEMA, VERSION, FENCED), or None."""
+    """The broker error a script's error reply stands for (CORRUPT, NODOCK, SCHEMA, VERSION, FENCED, LOST), or
+    None."""
     text = str(exc)
     for prefix, error in _SCRIPT_ERRORS.items():
         if text.startswith(prefix):

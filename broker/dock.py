@@ -12,9 +12,8 @@ from contextlib import contextmanager
 from typing import Any, NoReturn, TypeVar, cast
 
 import redis
-from redis.cluster import RedisCluster
 
-from . import codec, metrics
+from . import codec, metrics, server_checks
 from .balance import balanced_order, dp_padded
 from .connection import (
     DEFAULT_CALL_TIMEOUT,
@@ -57,7 +56,6 @@ from .scripts import (
     read_pipeline,
     rows_of,
     runs_of,
-    supports_flags,
 )
 from .status import DockRef, read_statuses
 from .store import DataStore, ShardedStore, SlotStore, choose_shards
@@ -142,6 +140,7 @@ class TransferDock(GenerationCalls):
         wait_timeout: float = 1.0,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         dead_letter_after: int = DEAD_LETTER_AFTER,
+        allow_volatile_eviction: bool = False,
     ):
         """Create dock ``name``, or attach to it if it exists with the same schema.
 
@@ -177,17 +176,25 @@ class TransferDock(GenerationCalls):
         ``dead_letter_after``: how many times a row whose bytes cannot be read (corrupt, or missing) is
         handed to a consumer before it becomes a dead letter for it (see ``get_experience`` and
         ``dead_letters``). Like ``shards``, only a dock being made stores it.
+
+        Opening checks the server (see server_checks.py): a server that may evict the dock's keys
+        (``maxmemory-policy`` other than ``noeviction``), or lacks a command the broker needs (renamed or
+        denied), raises ServerConfigError. ``allow_volatile_eviction=True`` accepts a ``volatile-*``
+        policy, which evicts only the replies kept for resends: a call resent after a lost reply may then
+        be applied twice.
         """
         wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout)
         if shards is not None and (not is_int(shards) or shards < 0):
             raise SchemaError(f"shards must be None or an int >= 0, got {shards!r}")
         if not is_int(dead_letter_after) or dead_letter_after < 1:
             raise SchemaError(f"dead_letter_after must be an int >= 1, got {dead_letter_after!r:.40}")
-        self._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout), call_timeout)
+        self._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout), call_timeout,
+                   allow_volatile_eviction)
         with self._closed_on_error():
             if wanted.rollout == Rollout() or shards:
                 tags = self._run(lambda: choose_shards(self._client, name, shards))
                 wanted = dataclasses.replace(wanted, shards=tags)
+                self._check_data_nodes(tags)  # before the dock is made there
             fields = wanted.to_meta()
             fields["dead_letter_after"] = str(int(dead_letter_after))  # read by lua/release.lua; not schema
             stored = self._run(lambda: self._scripts.create(fields))
@@ -203,19 +210,24 @@ class TransferDock(GenerationCalls):
             if diff:
                 raise SchemaError(f"dock {name!r} exists with a different schema: " + "; ".join(diff))
             self._set_schema(existing, fingerprint(stored))
+            if existing.shards != wanted.shards:
+                self._check_data_nodes(existing.shards)
 
     @classmethod
     def attach(
         cls, url_or_client: str | Client, name: str, *, policy: str = "fifo", seed: int | None = None,
         wait_replicas: int = 0, wait_timeout: float = 1.0, call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        allow_volatile_eviction: bool = False,
     ) -> TransferDock:
         """Open the existing dock ``name`` from the schema stored in Redis (``wait_replicas``,
-        ``call_timeout``: see ``__init__``)."""
+        ``call_timeout``, ``allow_volatile_eviction``: see ``__init__``)."""
         dock = cls.__new__(cls)
         dock.created = False
-        dock._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout), call_timeout)
+        dock._open(url_or_client, name, policy, seed, (wait_replicas, wait_timeout), call_timeout,
+                   allow_volatile_eviction)
         with dock._closed_on_error():
             dock._set_schema(*dock._run(dock._stored))
+            dock._check_data_nodes(dock._schema.shards)
         return dock
 
     @contextmanager
@@ -229,9 +241,10 @@ class TransferDock(GenerationCalls):
 
     def _open(
         self, target: str | Client, name: str, policy: str, seed: int | None, durability: tuple[int, float] = (0, 1.0),
-        call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT, allow_volatile_eviction: bool = False,
     ) -> None:
         self._policy = check_policy(policy)
+        self._allow_volatile = check_flag("allow_volatile_eviction", allow_volatile_eviction)
         self._durability = check_durability(*durability)
         self._call_timeout = check_call_timeout(call_timeout, self._durability)
         self._keys = DockKeys(name)
@@ -242,17 +255,20 @@ class TransferDock(GenerationCalls):
         self._closed = False
         self._server = redact(self._url) if self._url else repr(self._client)
         self._where = f"{self._server} (dock {name!r})"  # names the dock in every Redis error
-        with self._closed_on_error():
-            allow_oom = self._run(lambda: supports_flags(self._client, self._keys.meta))
-        # A Redis 7 cluster announces puts with sharded pub/sub (allow_oom: the server takes Redis 7
-        # script flags), which stays on the dock's shard instead of being broadcast to every node.
-        sharded_events = isinstance(self._client, RedisCluster) and allow_oom
-        self._scripts = DockScripts(self._client, self._keys, allow_oom=allow_oom,
-                                    publish="SPUBLISH" if sharded_events else "PUBLISH")
-        self._listener = PutListener(self._client, self._keys.events, sharded=sharded_events)
+        with self._closed_on_error():  # what the broker needs of the server: one round trip
+            server = self._run(lambda: server_checks.check_server(
+                self._client, self._keys, self._server, wait_replicas=self._durability[0],
+                allow_volatile=self._allow_volatile))
+        self._scripts = DockScripts(self._client, self._keys, allow_oom=server.script_flags, publish=server.publish)
+        self._listener = PutListener(self._client, self._keys.events, sharded=server.publish == "SPUBLISH")
         self._seed = seed
         self._seeds = _Seeds(seed)
         self._replication = Replication(self._client, self._durability[0], round(self._durability[1] * 1000))
+
+    def _check_data_nodes(self, shards: Sequence[str]) -> None:
+        """Refuse nodes holding the data shards ``shards`` that may evict (see server_checks.py)."""
+        self._run(lambda: server_checks.check_data_nodes(
+            self._client, self._keys, shards, self._server, allow_volatile=self._allow_volatile))
 
     def _set_schema(self, schema: Schema, stored_fingerprint: str) -> None:
         self._schema = schema
@@ -301,7 +317,8 @@ class TransferDock(GenerationCalls):
                 "unpickled, it would connect without them; open it from a URL (rediss://...?ssl_ca_certs=FILE) "
                 "to pickle it"
             )
-        return _reattach, (self._url, self.name, self._policy, self._seed, self._durability, self._call_timeout)
+        return _reattach, (self._url, self.name, self._policy, self._seed, self._durability, self._call_timeout,
+                           self._allow_volatile)
 
     def __repr__(self) -> str:
         s = self._schema
@@ -1151,10 +1168,11 @@ class TransferDock(GenerationCalls):
 
 
 def _reattach(url: str, name: str, policy: str, seed: int | None, durability: tuple[int, float] = (0, 1.0),
-              call_timeout: float = DEFAULT_CALL_TIMEOUT) -> TransferDock:
+              call_timeout: float = DEFAULT_CALL_TIMEOUT, allow_volatile_eviction: bool = False) -> TransferDock:
     """Unpickle a dock: reconnect to its server and read its schema there."""
     return TransferDock.attach(url, name, policy=policy, seed=seed, wait_replicas=durability[0],
-                               wait_timeout=durability[1], call_timeout=call_timeout)
+                               wait_timeout=durability[1], call_timeout=call_timeout,
+                               allow_volatile_eviction=allow_volatile_eviction)
 
 
 class _Seeds:

@@ -93,6 +93,18 @@ class StoreFullError(RedisCommandError):
     """Redis reached its ``maxmemory`` and refused a write; the call that got this applied nothing."""
 
 
+class ServerConfigError(RedisCommandError):
+    """The Redis server is set up in a way a dock cannot keep its word on, found when the dock opens: it
+    evicts keys (``maxmemory-policy`` other than ``noeviction``), or a command the broker needs is renamed,
+    disabled or denied to the user. The message names the server, the setting or command, and the fix."""
+
+
+class DataLostError(BrokerError):
+    """Redis no longer holds a key of the dock that the broker wrote and never removed (evicted under a
+    ``maxmemory-policy``, deleted by hand, or lost in a failover): what it held cannot be trusted. The
+    message names the key."""
+
+
 class FencedError(BrokerError):
     """A write named rows of a delivery that is no longer current, and wrote nothing.
 

@@ -15,7 +15,7 @@ import torch
 
 from .connection import Client
 from .delivery import HandedRows, check_delivery, fence_of
-from .errors import InvalidExperienceError
+from .errors import DataLostError, DecodeError, InvalidExperienceError
 from .keys import DockKeys
 from .replication import REPEAT_SAFE
 from .rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
@@ -197,8 +197,26 @@ class GenerationCalls:
         self._write("set_version", lambda: self._scripts.version(v), returns=False)
 
     def version(self) -> int:
-        """The current policy version (0 until ``set_version``)."""
-        return self._read_int(self._keys.version)
+        """The current policy version (0 until ``set_version``). DataLostError if it was set and the server
+        lost it since (see lua/include/current_version.lua): 0 would let stale rows through."""
+        k = self._keys
+
+        def reads(pipe: redis.client.Pipeline) -> None:
+            pipe.get(k.version)
+            pipe.hmget(k.meta, ["versioned"])
+
+        # One MULTI: a set_version between two plain reads would look like a lost key.
+        raw, (versioned,) = self._reads(reads, transaction=True)
+        if raw is None and versioned is not None:
+            raise DataLostError(
+                f"dock {self.name!r}: {k.version} is gone although set_version set it: the server lost it "
+                "(evicted under a maxmemory-policy other than noeviction, deleted by hand, or lost in a failover); "
+                "the dock's other keys may be lost too: delete the dock and make it again"
+            )
+        try:
+            return int(raw or 0)
+        except ValueError:
+            raise DecodeError(f"{k.version}: not an integer") from None
 
     def reserve_groups(self, count: int, column: str) -> list[int] | None:
         """Claim ``count`` free groups for new prompts, lowest first (None, claiming nothing, if fewer

@@ -7,7 +7,8 @@ dock's keys hash to one slot, so a Lua script or MULTI touching several of them 
 key                                type    contents
 =================================  ======  ============================================================
 ``td:{NAME}:meta``                 hash    schema: prompts_num, n_samples_per_prompt, columns, consumers,
-                                           format version
+                                           format version; ``versioned`` once ``set_version`` ran (the
+                                           version key missing then was lost: lua/include/current_version.lua)
 ``td:{NAME}:data:COLUMN``          hash    field = row index in decimal, value = one encoded tensor
 ``td:{NAME}:ready:COLUMN``         bitmap  bit i set when row i of COLUMN is written
 ``td:{NAME}:gready:COLUMN``        bitmap  bit g set when all n rows of group g are written in COLUMN

@@ -150,6 +150,11 @@ class RedisServer:
                     return self
                 except redis.ConnectionError:
                     pass
+                except redis.ResponseError as exc:  # INFO renamed (rename-command): it answers all the same
+                    if "unknown command" not in str(exc).lower():
+                        raise
+                    self.version = "unknown (INFO renamed)"
+                    return self
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                     self.stop()

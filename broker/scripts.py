@@ -145,18 +145,6 @@ def expand_includes(text: str, read: Callable[[str], str]) -> str:
 ALLOW_OOM = "#!lua flags=allow-oom\n"
 
 
-def supports_flags(client: Client, key: str) -> bool:
-    """Whether the server takes Redis 7 script flags (Redis 6.2 and fakeredis do not).
-
-    Asked of the node serving ``key`` (the dock's meta: where its scripts run). Without a key a cluster
-    client sends the script to a random node, and opening a dock failed whenever that one was down."""
-    try:
-        client.eval(ALLOW_OOM + "return 1", 1, key)
-    except redis.ResponseError:
-        return False
-    return True
-
-
 def runs_of(rows: Sequence[int]) -> list[int]:
     """Distinct rows as runs of consecutive rows, flattened: [start, length, start, length, ...]."""
     out: list[int] = []

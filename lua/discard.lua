@@ -41,6 +41,7 @@ prompt bytes would sit under the old generation.
 -- @include schema
 -- @include forget
 -- @include delivery
+-- @include current_version
 -- @include once
 
 local reply_key, reply_ttl = once_args()
@@ -56,8 +57,8 @@ local mode, field = ARGV[7], ARGV[8]
 local admitted_key = KEYS[#KEYS - 1]
 local fresh_from = nil
 if ARGV[9] ~= '' then
-  local current = tonumber(redis.call('GET', KEYS[#KEYS]) or '0')
-  if not current then return redis.error_reply('CORRUPT ' .. KEYS[#KEYS] .. ' holds no integer') end
+  local current, lost = current_version(KEYS[1], KEYS[#KEYS])
+  if not current then return redis.error_reply(lost) end
   fresh_from = current - tonumber(ARGV[9])
 end
 

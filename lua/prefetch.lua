@@ -26,6 +26,7 @@ last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as
 ]]
 -- @include bits
 -- @include schema
+-- @include current_version
 -- @include once
 
 local reply_key, reply_ttl = once_args()
@@ -44,9 +45,9 @@ local stop = math.min(first + count, capacity)
 local batch = tonumber(ARGV[4])
 if batch > 0 then
   local admitted = tonumber(redis.call('GET', KEYS[3]) or '0')
-  local version = tonumber(redis.call('GET', KEYS[4]) or '0')
-  if not admitted or not version then return redis.error_reply('CORRUPT ' .. KEYS[3] .. ' or ' .. KEYS[4]
-    .. ' holds no integer') end
+  if not admitted then return redis.error_reply('CORRUPT ' .. KEYS[3] .. ' holds no integer') end
+  local version, lost = current_version(KEYS[1], KEYS[4])
+  if not version then return redis.error_reply(lost) end
   if math.floor((admitted + stop - first - 1) / batch) > version + tonumber(ARGV[5]) then return {-1} end
   redis.call('INCRBY', KEYS[3], stop - first)
 end

@@ -70,6 +70,7 @@ When stale groups were left out and nothing is handed out, the reply is {-1, "",
 -- @include schema
 -- @include leases
 -- @include generations
+-- @include current_version
 -- @include once
 
 local reply_key, reply_ttl = once_args()
@@ -107,8 +108,8 @@ bad = wrong_type(8, #KEYS, 'string', gversions_at) or (gversions_at and wrong_ty
 if bad then return redis.error_reply(bad) end
 local fresh_from = nil
 if bounded then
-  local current = tonumber(redis.call('GET', version_key) or '0')
-  if not current then return redis.error_reply('CORRUPT ' .. version_key .. ' holds no integer') end
+  local current, lost = current_version(KEYS[1], version_key)
+  if not current then return redis.error_reply(lost) end
   fresh_from = current - tonumber(ARGV[15])
 end
 local too_long = longer_than(nbytes, taken, unpack(KEYS, 10, last_status))

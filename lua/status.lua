@@ -20,12 +20,14 @@ ARGV[2]     the number of bitmaps: 2 x columns + 2 x consumers + 2 + A + (A - 1,
 ARGV[3]     max_staleness, or "" without a staleness bound
 
 Returns, flat: bits set and bytes of each bitmap, in KEYS order; then for each consumer the rows
-leased, the redelivered counter as stored (false if unset) and its dead letters; then the version as stored, the
+leased, the redelivered counter as stored (false if unset) and its dead letters; then the version as stored (a
+LOST error if it was set and is gone, see include/current_version.lua), the
 discarded counts as one "field=count,..." string, the stale groups (older than version -
 max_staleness; 0 without a bound) and the rows holding a response or its placeholder.
 ]]
 -- @include bits
 -- @include schema
+-- @include current_version
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
@@ -65,6 +67,10 @@ local err
 local current
 current, err = read('GET', version, 'counter')
 if err then return redis.error_reply(err) end
+if not current then   -- never set (0), or set and lost: reported, not shown as 0
+  local _, lost = current_version(KEYS[1], version)
+  if lost then return redis.error_reply(lost) end
+end
 out[#out + 1] = current
 local counts
 counts, err = read('HGETALL', discarded, 'hash')

@@ -79,6 +79,20 @@ def test_missing_bytes_give_the_hand_out_back_too(make_dock, client):
     assert dock.status()["consumers"]["actor_train"]["consumed"] == 0
 
 
+def test_an_evicted_data_hash_loses_no_row_and_says_so(make_dock, client):
+    """A whole data hash gone (what an evicting server does to it) marks nothing consumed: every delivery
+    gives its rows back, and after dead_letter_after of them they are dead letters, listed with why."""
+    dock = make_dock(prompts_num=2, n=2, columns=("prompts",), dead_letter_after=2)
+    fill(dock)
+    for key in {data_cell(dock, "prompts", row)[0] for row in range(4)}:
+        client.delete(key)
+    for attempt, given_back in ((1, 4), (2, 0)):
+        with pytest.raises(MissingDataError, match=f"{given_back} rows were given back.*row 0 {attempt}"):
+            dock.get_experience("actor_train", ["prompts"], 4, get_n_samples=False)
+        assert dock.status()["consumers"]["actor_train"]["consumed"] == (0 if attempt == 1 else 4)
+    assert sorted(dock.dead_letters("actor_train")["actor_train"]) == [0, 1, 2, 3]
+
+
 def test_an_explicit_take_of_a_corrupt_row_marks_nothing(make_dock, client):
     dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
     fill(dock)
