@@ -148,6 +148,13 @@ class Run:
     def progress(self) -> None:
         self.last_progress = time.monotonic()
 
+    def retries_by_role(self) -> Counter[str]:
+        """The retries as ``role.call.error`` (workers of one role, ``consumer0`` and ``consumer1``, summed)."""
+        out: Counter[str] = Counter()
+        for (worker, what, error), k in self.retries.items():
+            out[f"{worker.rstrip('0123456789')}.{what}.{error}"] += k
+        return out
+
     def check(self) -> None:
         """Raise _Abort when the run must end: stopped, past its deadline, or stalled."""
         now = time.monotonic()
@@ -228,6 +235,15 @@ def consumer(worker: str, dock: TransferDock, run: Run) -> None:
         delivery.acked, attempts, _ = run.call(worker, "ack", lambda rows=rows: dock.ack(CONSUMER, rows))
         delivery.ack_retried = attempts > 1
         run.progress()
+
+
+def stop_all(run: Run, threads: list[threading.Thread], docks: list[TransferDock]) -> None:
+    """End a run whatever happened: stop the workers, wait for them (bounded), close their docks."""
+    run.stop.set()
+    for t in threads:
+        t.join(15)
+    for d in docks:
+        d.close()
 
 
 def worker_thread(run: Run, target: Callable[..., None], *args: Any) -> threading.Thread:
@@ -373,9 +389,7 @@ def test_a_primary_killed_mid_run_loses_nothing_and_workers_go_on(cluster, plane
 
         status = producer_dock.status()["consumers"][CONSUMER]
         assert status["consumed"] == GROUPS * N and status["leased"] == 0, status
-        retries: Counter[str] = Counter()
-        for (worker, what, error), k in run.retries.items():
-            retries[f"{worker.rstrip('0123456789')}.{what}.{error}"] += k
+        retries = run.retries_by_role()
         print(f"\n[failover {plane}/{recovery}] killed port {killed.port} after {killed_at}/{GROUPS} groups put; "
               f"timings {({k: round(v, 2) for k, v in timings.items()})}; hand-outs {len(run.deliveries)}, "
               f"rows handed out {sum(len(d.rows) for d in run.deliveries)} of {GROUPS * N}; duplicates "
@@ -383,11 +397,7 @@ def test_a_primary_killed_mid_run_loses_nothing_and_workers_go_on(cluster, plane
         escaped = {k: n for k, n in retries.items() if ".escaped " in k}
         assert not escaped, f"redis-py errors escaped the broker's hierarchy: {escaped}"
     finally:
-        run.stop.set()
-        for t in threads:
-            t.join(15)
-        for d in docks:
-            d.close()
+        stop_all(run, threads, docks)
 
 
 @pytest.mark.slow
@@ -874,9 +884,7 @@ def test_a_partial_rollout_run_trains_each_prompt_once_through_failovers(cluster
                  or (t.group_version is not None and t.group_version < t.believed - K)]
         behind = [t for t in trainings if t.dock_version != t.believed]
         status = admin.status() if not alive else {}
-        retries: Counter[str] = Counter()
-        for (worker, what, error), k in run.retries.items():
-            retries[f"{worker.rstrip('0123456789')}.{what}.{error}"] += k
+        retries = run.retries_by_role()
         print(f"[rollout soak] seed {seed}: {len(rounds)} kills {rounds}; {run.iteration} iterations, "
               f"{len(run.put)} prompts put, {len(trainings)} trainings of {len(run.trained)} prompts, "
               f"{sum(map(len, run.dropped.values()))} drops; duplicates {len(twice)}, skipped {len(skipped)}, "
@@ -897,8 +905,4 @@ def test_a_partial_rollout_run_trains_each_prompt_once_through_failovers(cluster
         assert status["discarded"].get(TRAINER, 0) == len(expect_dropped), status["discarded"]
         assert rounds and all(r["lost"] for r in rounds), f"a failover lost nothing: the soak proved nothing {rounds}"
     finally:
-        run.stop.set()
-        for t in threads:
-            t.join(15)
-        for d in docks:
-            d.close()
+        stop_all(run, threads, docks)
