@@ -341,16 +341,18 @@ def test_a_wait_longer_than_the_socket_timeout_is_a_shortfall_not_a_lost_connect
 
 
 def test_a_wait_that_fails_never_loses_a_handout_and_reports_a_write_applied(pair, caplog):
-    """Any error of the wait itself (here a user denied WAIT): the hand-out returns its rows (they are
-    marked handed out already; before, it raised and they were never delivered), a write raises
-    ReplicationError saying it was applied (before, a command error that hid it)."""
+    """Any error of the wait itself (here WAIT denied to the user after the dock opened, which checks it):
+    the hand-out returns its rows (they are marked handed out already; before, it raised and they were
+    never delivered), a write raises ReplicationError saying it was applied (before, a command error that
+    hid it)."""
     primary, _ = pair
     with primary.client() as admin:
-        admin.execute_command("ACL", "SETUSER", "nowait", "on", ">pw", "~*", "&*", "+@all", "-wait")
+        admin.execute_command("ACL", "SETUSER", "nowait", "on", ">pw", "~*", "&*", "+@all")
     url = primary.url.replace("redis://", "redis://nowait:pw@")
     with open_dock(primary.url, wait_replicas=0) as maker:  # made here: attaching writes nothing to wait for
         finished(maker)
-    with open_dock(url) as dock:
+    with open_dock(url) as dock, primary.client() as admin:
+        admin.execute_command("ACL", "SETUSER", "nowait", "-wait")  # holds for its open connections at once
         with caplog.at_level(logging.WARNING, logger="broker"):
             got = dock.get_experience("train", ["prompts"], 2)
         assert got[1] is not None and sorted(got[1]) == [0, 1]
