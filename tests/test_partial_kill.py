@@ -25,6 +25,9 @@ pytestmark = pytest.mark.real
 LENGTH = 3  # tokens of a finished response
 GROUPS_IN_DOCK, N, GBS = 6, 2, 2
 PROMPTS = 8
+#: Kills per run. Unbounded, a loaded machine (a worker spawned in seconds, a pass outlasting its lease)
+#: kept the workers from finishing a prompt within the run's two minutes (seen, before and after issue 23).
+MAX_KILLS = 8
 
 
 def expected(prompt: int) -> list[int]:
@@ -93,7 +96,7 @@ def test_rollout_workers_killed_mid_generation_lose_nothing(url):
             # its flag rather than at random: on a loaded machine a random kill could find the workers still
             # starting up each time, and a run end with no kill mid-generation at all (seen once in CI).
             busy = [i for i, w in enumerate(workers) if dock.client.exists(f"generating:{name}:{w.pid}")]
-            if time.monotonic() >= next_kill and busy:
+            if time.monotonic() >= next_kill and busy and kills < MAX_KILLS:
                 next_kill = time.monotonic() + rng.uniform(0.5, 1.5)
                 victim = rng.choice(busy)
                 os.kill(workers[victim].pid, signal.SIGKILL)
