@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import redis
 from redis.backoff import AbstractBackoff, EqualJitterBackoff
-from redis.cluster import ClusterPipeline, RedisCluster
+from redis.cluster import ClusterPipeline, NodesManager, RedisCluster
 from redis.connection import AbstractConnection
 from redis.retry import Retry
 from redis.utils import SENTINEL
@@ -706,6 +706,10 @@ CLUSTER_ATTEMPTS = 12
 CLUSTER_ATTEMPT_SECONDS = 1.0
 
 
+#: The errors of a connection cut or timed out, as the cluster client's retry loops match them: by exact type.
+_CUT = (redis.ConnectionError, redis.TimeoutError)
+
+
 class _PacedRetries:
     """Mixin of the cluster client and its pipelines: a pause before each retry after a connection failure.
 
@@ -750,8 +754,40 @@ class _PacedPipeline(_PacedRetries, ClusterPipeline):
         return replies
 
 
+class _PacedNodes(NodesManager):
+    """The cluster client's slot map, whose reload is cut like any request when every node's connection is.
+
+    After a command's connection fails, redis-py reloads the slot map (CLUSTER SLOTS) before the command
+    is retried, asking each node once on a connection that does not retry; if every one of those is cut
+    too, it raises a RedisClusterException, which no retry loop repeats: a CLIENT KILL landing on each
+    node during the reload (seen with the nodes' clients killed every few ms on a loaded machine) ended
+    the call although every node was up. Such a reload failure is the connection failure it is, of its
+    exact type (the retry loops match types exactly): the command's retries, paced and bounded by the
+    call's deadline, go on, and the old slot map, left as it was, serves the next attempt. A reload that
+    failed any other way (a node not in cluster mode, a refused password, the deadline) is unchanged.
+    """
+
+    def initialize(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().initialize(*args, **kwargs)
+        except redis.exceptions.RedisClusterException as exc:
+            cut = exc.__cause__  # set only when no node answered: the last node's error
+            # Exactly these types (isinstance, for the type checker): not a refused password (a ConnectionError
+            # too), which will not get better.
+            if isinstance(cut, _CUT) and type(cut) in _CUT:
+                raise type(cut)(f"reloading the slot map failed on every node's connection (the last: {cut})") from exc
+            raise
+
+
 class _PacedCluster(_PacedRetries, RedisCluster):
-    """The broker's cluster client: retries after connection failures are paced (see ``_PacedRetries``)."""
+    """The broker's cluster client: retries after connection failures are paced (see ``_PacedRetries``), and
+    a slot map reload cut on every node is such a failure (see ``_PacedNodes``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Built and first loaded by redis-py as it opens (a failure there is reported as it was); later
+        # reloads, the client's and its pipelines' (which share it), are the paced ones.
+        self.nodes_manager.__class__ = _PacedNodes
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
         pipe: ClusterPipeline = super().pipeline(transaction, shard_hint)  # type: ignore[no-untyped-call]
