@@ -711,19 +711,37 @@ _CUT = (redis.ConnectionError, redis.TimeoutError)
 
 
 class _PacedRetries:
-    """Mixin of the cluster client and its pipelines: a pause before each retry after a connection failure.
+    """Mixin of the cluster client and its pipelines: a pause before each retry after a connection failure,
+    and retries up to the call's deadline.
 
     redis-py's cluster client retries a command whose connection failed (having reloaded the slot map)
     at once, up to its retry count, with no backoff: a connection cut, or a node restarting, used every
     retry up within milliseconds and the call failed where a plain client rides it out. Here the error
     goes back to that retry loop only after the backoff's pause, so the retries span seconds.
+
+    Under a call's deadline, a command whose connection failures used up those ``CLUSTER_ATTEMPTS`` is
+    sent again, paced the same way, until the deadline (then a BrokerTimeoutError): the call's bound is
+    what bounds a call. Seen without it: with every node's clients killed every few ms on a loaded
+    machine, a SCRIPT LOAD (sent to every primary, each on a new connection) failed 13 times within
+    13 s, and the reader gave up far inside its 30 s bound. Every broker call is safe to resend (see
+    ``default_retry``). Without a deadline (a tool's own client), ``CLUSTER_ATTEMPTS`` ends the retries.
     """
 
     _failures = threading.local()  # connection failures of the calling thread's current command
 
     def _internal_execute_command(self, *args: Any, **kwargs: Any) -> Any:
         self._failures.count = 0
-        return super()._internal_execute_command(*args, **kwargs)  # type: ignore[misc]
+        targets = kwargs.get("target_nodes")
+        # Nodes the caller named are not retried by redis-py (a reloaded slot map may drop them); nor here.
+        resend = targets is None or self._is_nodes_flag(targets)  # type: ignore[attr-defined]
+        while True:
+            try:
+                return super()._internal_execute_command(*args, **kwargs)  # type: ignore[misc]
+            except _CUT as exc:
+                # redis-py's retries ran out, each failure paused (below); the deadline, once passed, ends
+                # the call there with a _DeadlinePassed, which is neither type.
+                if not resend or time_left() is None or type(exc) not in _CUT:
+                    raise
 
     def _execute_command(self, target_node: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -734,7 +752,7 @@ class _PacedRetries:
             if type(exc) in RedisCluster.ERRORS_ALLOW_RETRY:  # not a refused password, nor a full pool
                 count = getattr(self._failures, "count", 0) + 1
                 self._failures.count = count
-                if count <= CLUSTER_ATTEMPTS:
+                if count <= CLUSTER_ATTEMPTS or time_left() is not None:  # a retry follows: pause first
                     time.sleep(_BACKOFF.compute(count))  # ends at the deadline
                     if _expired():
                         raise _passed(f"{exc}") from exc

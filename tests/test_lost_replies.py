@@ -10,9 +10,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 import torch
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 
-from broker import Rollout, TransferDock
+from broker import Rollout, TransferDock, connection
 from tests.helpers import empty_cluster, fill, lose_next_reply, lose_next_transaction_reply
 
 pytestmark = pytest.mark.real
@@ -175,6 +176,21 @@ def test_a_slot_map_reload_cut_on_every_node_is_retried(cluster_dock):
     with lose_next_reply("EVALSHA") as cut, lose_next_reply("CLUSTER SLOTS", times=nodes) as reloads_cut:
         batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
     assert (cut, len(reloads_cut)) == ([1], nodes)
+    assert rows == [0, 1, 2, 3]
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 4
+
+
+def test_a_cluster_call_is_resent_until_its_deadline_not_just_its_attempts(cluster_dock, monkeypatch):
+    """A cluster call whose connection failures outlast ``CLUSTER_ATTEMPTS`` is sent again while its
+    deadline allows (under the storm above, a SCRIPT LOAD to every primary failed 13 times within 13 s
+    and the reader gave up far inside its 30 s bound)."""
+    dock = cluster_dock
+    fill(dock)
+    # The pauses between attempts (seconds by the tenth) are not the point: none, to keep the test short.
+    monkeypatch.setattr(connection._BACKOFF, "_backoff", NoBackoff())
+    with lose_next_reply("EVALSHA", times=connection.CLUSTER_ATTEMPTS + 2) as cuts:
+        batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
+    assert len(cuts) == connection.CLUSTER_ATTEMPTS + 2
     assert rows == [0, 1, 2, 3]
     assert dock.status()["consumers"]["actor_train"]["consumed"] == 4
 
