@@ -807,6 +807,31 @@ class _PacedCluster(_PacedRetries, RedisCluster):
         # reloads, the client's and its pipelines' (which share it), are the paced ones.
         self.nodes_manager.__class__ = _PacedNodes
 
+    def script_load(self, script: Any) -> Any:
+        """Load ``script`` on every primary (its SHA1, the same from each), each primary asked until it answers.
+
+        redis-py sends SCRIPT LOAD to every primary as one command, and a connection failure on any one
+        sends it to all of them again, each on a new connection (a handshake of several round trips first).
+        With every node's clients killed every few ms on a loaded machine, no attempt got through all three
+        within the call's 30 s bound. Here a primary that answered is not asked again; a failure is paced
+        and reloads the slot map (see ``_PacedRetries``), and the primaries are read from it again (a
+        failover may have changed them). Retried until the call's deadline, or ``CLUSTER_ATTEMPTS`` times
+        outside any.
+        """
+        self._failures.count = 0
+        loaded: set[str] = set()
+        sha = None
+        while pending := [node for node in self.get_primaries() if node.name not in loaded]:  # type: ignore[no-untyped-call]
+            for node in pending:
+                try:
+                    sha = self._execute_command(node, "SCRIPT LOAD", script)
+                except _CUT as exc:
+                    if type(exc) not in _CUT or (time_left() is None and self._failures.count > CLUSTER_ATTEMPTS):
+                        raise
+                    break  # paced already; the primaries again, from the reloaded slot map
+                loaded.add(node.name)
+        return sha
+
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
         pipe: ClusterPipeline = super().pipeline(transaction, shard_hint)  # type: ignore[no-untyped-call]
         pipe.__class__ = _PacedPipeline  # built by redis-py with its own arguments; only the class changes

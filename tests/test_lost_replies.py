@@ -195,6 +195,45 @@ def test_a_cluster_call_is_resent_until_its_deadline_not_just_its_attempts(clust
     assert dock.status()["consumers"]["actor_train"]["consumed"] == 4
 
 
+@contextlib.contextmanager
+def lose_every_other_reply(command: str) -> Iterator[list[int]]:
+    """Drop the connection instead of returning the reply of every second ``command`` the server ran (the 2nd,
+    the 4th, ...); yields a list that counts the cuts."""
+    original = redis.Redis.parse_response
+    seen: list[int] = []
+    cuts: list[int] = []
+
+    def parse_response(self, connection, command_name, **options):
+        response = original(self, connection, command_name, **options)
+        if command_name == command:
+            seen.append(1)
+            if len(seen) % 2 == 0:
+                cuts.append(1)
+                connection.disconnect()
+                raise redis.ConnectionError(f"test: reply to {command} lost")
+        return response
+
+    redis.Redis.parse_response = parse_response
+    try:
+        yield cuts
+    finally:
+        redis.Redis.parse_response = original
+
+
+def test_a_script_is_loaded_on_every_primary_however_often_one_is_cut(cluster_url):
+    """A script missing on the cluster (flushed, a new primary) is loaded on every primary. redis-py sends
+    SCRIPT LOAD to all of them as one command, and to all again after any one's connection failed: under
+    the storm above, no attempt got through all three within the call's bound. With every second reply
+    lost, each of its attempts failed at the second primary, until the call's deadline."""
+    dock = blip_on_cluster(cluster_url, call_timeout=5)
+    fill(dock)
+    dock.client.script_flush()
+    with lose_every_other_reply("SCRIPT LOAD") as cuts:
+        batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
+    assert cuts
+    assert rows == [0, 1, 2, 3]
+
+
 # -- every call that changes the dock applies once, however often it is resent ---------------------
 # The reply of each call below is cut after Redis ran it; the client resends the same call (the same
 # request id). Before the request ids, each of these applied twice (seen: reserve_groups returned [2, 3]
