@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import redis
 from redis.backoff import AbstractBackoff, EqualJitterBackoff
-from redis.cluster import ClusterPipeline, NodesManager, RedisCluster
+from redis.cluster import ClusterPipeline, NodesManager, PipelineStrategy, RedisCluster
 from redis.connection import AbstractConnection
 from redis.retry import Retry
 from redis.utils import SENTINEL
@@ -760,12 +760,35 @@ class _PacedRetries:
 
 
 class _PacedPipeline(_PacedRetries, ClusterPipeline):
-    """A cluster pipeline whose commands retried one by one (after a connection failure) are paced."""
+    """A cluster pipeline whose commands retried one by one (after a connection failure) are paced, and
+    which is sent again until the call's deadline when redis-py's own retries found no connection.
+
+    redis-py resends a (non-transaction) pipeline whose connection could not be had (a reload of the slot
+    map in between, nothing sent yet) at once, ``CLUSTER_ATTEMPTS`` times within a fraction of a second:
+    connections cut every few ms failed them all. As with commands (see ``_PacedRetries``), a call with
+    a deadline then pauses and sends it again, the same commands, until the deadline. (redis-py resends
+    such a pipeline whole itself, so it must be safe to resend, as every broker pipeline is.) A MULTI/EXEC
+    pipeline keeps redis-py's paced retries (``_ReconnectRetry``): its state is not the queue alone.
+    """
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
+        strategy: Any = self._execution_strategy
+        queued = list(strategy.command_queue) if isinstance(strategy, PipelineStrategy) else None
+        failures = 0
+        while True:
+            try:
+                replies: list[Any] = super().execute(raise_on_error)
+                break
+            except _CUT as exc:
+                if queued is None or type(exc) not in _CUT or time_left() is None:
+                    raise
+                failures += 1
+                time.sleep(_BACKOFF.compute(failures))  # ends at the deadline
+                if _expired():
+                    raise _passed(f"{exc}") from exc
+                strategy.command_queue = list(queued)  # execute emptied it
         # The pipeline keeps any error of a node's reads as that command's reply; a deadline that
         # passed, or a size the server refused, ends the call instead of passing for a reply.
-        replies: list[Any] = super().execute(raise_on_error)
         for reply in replies:
             if isinstance(reply, (_DeadlinePassed, _TooLarge)):
                 raise reply

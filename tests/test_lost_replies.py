@@ -234,6 +234,40 @@ def test_a_script_is_loaded_on_every_primary_however_often_one_is_cut(cluster_ur
     assert rows == [0, 1, 2, 3]
 
 
+@contextlib.contextmanager
+def cut_cluster_connections_as_handed_out(times: int) -> Iterator[list[int]]:
+    """Have the next ``times`` connections a cluster client takes for a command or a pipeline (not for a
+    reload of its slot map) found closed as the pool hands them out; yields a list that counts the cuts."""
+    original = redis.cluster.get_connection
+    cuts: list[int] = []
+
+    def get_connection(redis_node, *args, **options):
+        connection = original(redis_node, *args, **options)
+        if len(cuts) < times:
+            cuts.append(1)
+            connection.disconnect()
+            redis_node.connection_pool.release(connection)
+            raise redis.ConnectionError("test: connection closed as the pool handed it out")
+        return connection
+
+    redis.cluster.get_connection = get_connection
+    try:
+        yield cuts
+    finally:
+        redis.cluster.get_connection = original
+
+
+def test_a_cluster_pipeline_is_resent_until_its_deadline_when_no_connection_could_be_had(cluster_url):
+    """redis-py resends a pipeline whose connection could not be had at once, ``CLUSTER_ATTEMPTS`` times
+    within a fraction of a second: under the storm above, a reader's read of its rows failed them all."""
+    dock = blip_on_cluster(cluster_url, shards=0)  # its rows are read in one pipeline, and nothing else
+    fill(dock)
+    with cut_cluster_connections_as_handed_out(connection.CLUSTER_ATTEMPTS + 3) as cuts:
+        batch = dock.read_rows(["prompts"], [0, 5])
+    assert len(cuts) == connection.CLUSTER_ATTEMPTS + 3
+    assert [t.tolist() for t in batch["prompts"]] == [[0, len("prompts")], [5, len("prompts")]]
+
+
 # -- every call that changes the dock applies once, however often it is resent ---------------------
 # The reply of each call below is cut after Redis ran it; the client resends the same call (the same
 # request id). Before the request ids, each of these applied twice (seen: reserve_groups returned [2, 3]
