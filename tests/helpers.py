@@ -138,19 +138,21 @@ def redis62_binary() -> str | None:
 
 
 @contextlib.contextmanager
-def lose_next_reply(command: str, between: Callable[[], Any] = lambda: None) -> Iterator[list[int]]:
-    """Let the server run the next ``command``, then drop the connection instead of returning its reply.
+def lose_next_reply(command: str, between: Callable[[], Any] = lambda: None, times: int = 1) -> Iterator[list[int]]:
+    """Let the server run the next ``command``, then drop the connection instead of returning its reply
+    (the next ``times`` ones: each resend's too).
 
     This is what a network blip or a proxy restart does to a client, whose retry then sends the command
     again; ``between`` runs after the command ran and before the resend (another worker acting in that
-    window). Works on plain and cluster clients; yields a list that counts the cuts.
+    window). Works on plain and cluster clients (and on a cluster client's reload of its slot map:
+    ``"CLUSTER SLOTS"``, asked of each node in turn); yields a list that counts the cuts.
     """
     original = redis.Redis.parse_response
     cuts: list[int] = []
 
     def parse_response(self, connection, command_name, **options):
         response = original(self, connection, command_name, **options)
-        if command_name == command and not cuts:
+        if command_name == command and len(cuts) < times:
             cuts.append(1)
             connection.disconnect()
             between()

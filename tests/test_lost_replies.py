@@ -10,10 +10,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 import torch
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 
-from broker import Rollout, TransferDock
-from tests.helpers import fill, lose_next_reply, lose_next_transaction_reply
+from broker import Rollout, TransferDock, connection
+from tests.helpers import empty_cluster, fill, lose_next_reply, lose_next_transaction_reply
 
 pytestmark = pytest.mark.real
 
@@ -147,6 +148,124 @@ def test_exactly_once_while_connections_are_killed_at_random(dock_url):
     assert sum(kills) > 0
     flat = sorted(r for rows in got for r in rows)
     assert flat == list(range(256)), "rows lost or handed out twice while connections were cut"
+
+
+# -- a cluster client's connections cut: its slot map reloads, its retries, its scripts, its pipelines --
+
+
+def blip_on_cluster(cluster_url: str, **options) -> TransferDock:
+    """Dock "blip" on the local cluster, emptied first."""
+    with RedisCluster.from_url(cluster_url) as cluster:
+        empty_cluster(cluster)
+    return TransferDock(cluster_url, "blip", prompts_num=4, n_samples_per_prompt=2, columns=["prompts"],
+                        consumers=["actor_train"], **options)
+
+
+@pytest.fixture
+def cluster_dock(cluster_url) -> TransferDock:
+    return blip_on_cluster(cluster_url)
+
+
+def test_a_slot_map_reload_cut_on_every_node_is_retried(cluster_dock):
+    """A lost reply makes the cluster client reload its slot map before it resends, asking each node once.
+    With that reload cut on every node too (what the storm above does now and then on a loaded machine),
+    redis-py raised "Redis Cluster cannot be connected", which nothing retried: the reader gave up."""
+    dock = cluster_dock
+    fill(dock)
+    nodes = len(dock.client.get_nodes())
+    with lose_next_reply("EVALSHA") as cut, lose_next_reply("CLUSTER SLOTS", times=nodes) as reloads_cut:
+        batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
+    assert (cut, len(reloads_cut)) == ([1], nodes)
+    assert rows == [0, 1, 2, 3]
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 4
+
+
+def test_a_cluster_call_is_resent_until_its_deadline_not_just_its_attempts(cluster_dock, monkeypatch):
+    """A cluster call whose connection failures outlast ``CLUSTER_ATTEMPTS`` is sent again while its
+    deadline allows (under the storm above, a SCRIPT LOAD to every primary failed 13 times within 13 s
+    and the reader gave up far inside its 30 s bound)."""
+    dock = cluster_dock
+    fill(dock)
+    # The pauses between attempts (seconds by the tenth) are not the point: none, to keep the test short.
+    monkeypatch.setattr(connection._BACKOFF, "_backoff", NoBackoff())
+    with lose_next_reply("EVALSHA", times=connection.CLUSTER_ATTEMPTS + 2) as cuts:
+        batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
+    assert len(cuts) == connection.CLUSTER_ATTEMPTS + 2
+    assert rows == [0, 1, 2, 3]
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 4
+
+
+@contextlib.contextmanager
+def lose_every_other_reply(command: str) -> Iterator[list[int]]:
+    """Drop the connection instead of returning the reply of every second ``command`` the server ran (the 2nd,
+    the 4th, ...); yields a list that counts the cuts."""
+    original = redis.Redis.parse_response
+    seen: list[int] = []
+    cuts: list[int] = []
+
+    def parse_response(self, connection, command_name, **options):
+        response = original(self, connection, command_name, **options)
+        if command_name == command:
+            seen.append(1)
+            if len(seen) % 2 == 0:
+                cuts.append(1)
+                connection.disconnect()
+                raise redis.ConnectionError(f"test: reply to {command} lost")
+        return response
+
+    redis.Redis.parse_response = parse_response
+    try:
+        yield cuts
+    finally:
+        redis.Redis.parse_response = original
+
+
+def test_a_script_is_loaded_on_every_primary_however_often_one_is_cut(cluster_url):
+    """A script missing on the cluster (flushed, a new primary) is loaded on every primary. redis-py sends
+    SCRIPT LOAD to all of them as one command, and to all again after any one's connection failed: under
+    the storm above, no attempt got through all three within the call's bound. With every second reply
+    lost, each of its attempts failed at the second primary, until the call's deadline."""
+    dock = blip_on_cluster(cluster_url, call_timeout=5)
+    fill(dock)
+    dock.client.script_flush()
+    with lose_every_other_reply("SCRIPT LOAD") as cuts:
+        batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
+    assert cuts
+    assert rows == [0, 1, 2, 3]
+
+
+@contextlib.contextmanager
+def cut_cluster_connections_as_handed_out(times: int) -> Iterator[list[int]]:
+    """Have the next ``times`` connections a cluster client takes for a command or a pipeline (not for a
+    reload of its slot map) found closed as the pool hands them out; yields a list that counts the cuts."""
+    original = redis.cluster.get_connection
+    cuts: list[int] = []
+
+    def get_connection(redis_node, *args, **options):
+        connection = original(redis_node, *args, **options)
+        if len(cuts) < times:
+            cuts.append(1)
+            connection.disconnect()
+            redis_node.connection_pool.release(connection)
+            raise redis.ConnectionError("test: connection closed as the pool handed it out")
+        return connection
+
+    redis.cluster.get_connection = get_connection
+    try:
+        yield cuts
+    finally:
+        redis.cluster.get_connection = original
+
+
+def test_a_cluster_pipeline_is_resent_until_its_deadline_when_no_connection_could_be_had(cluster_url):
+    """redis-py resends a pipeline whose connection could not be had at once, ``CLUSTER_ATTEMPTS`` times
+    within a fraction of a second: under the storm above, a reader's read of its rows failed them all."""
+    dock = blip_on_cluster(cluster_url, shards=0)  # its rows are read in one pipeline, and nothing else
+    fill(dock)
+    with cut_cluster_connections_as_handed_out(connection.CLUSTER_ATTEMPTS + 3) as cuts:
+        batch = dock.read_rows(["prompts"], [0, 5])
+    assert len(cuts) == connection.CLUSTER_ATTEMPTS + 3
+    assert [t.tolist() for t in batch["prompts"]] == [[0, len("prompts")], [5, len("prompts")]]
 
 
 # -- every call that changes the dock applies once, however often it is resent ---------------------
