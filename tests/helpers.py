@@ -138,9 +138,11 @@ def redis62_binary() -> str | None:
 
 
 @contextlib.contextmanager
-def lose_next_reply(command: str, between: Callable[[], Any] = lambda: None, times: int = 1) -> Iterator[list[int]]:
+def lose_next_reply(
+    command: str, between: Callable[[], Any] = lambda: None, times: int = 1, every: int = 1,
+) -> Iterator[list[int]]:
     """Let the server run the next ``command``, then drop the connection instead of returning its reply
-    (the next ``times`` ones: each resend's too).
+    (the next ``times`` ones: each resend's too; with ``every=k``, only every k-th one's, up to ``times``).
 
     This is what a network blip or a proxy restart does to a client, whose retry then sends the command
     again; ``between`` runs after the command ran and before the resend (another worker acting in that
@@ -149,10 +151,13 @@ def lose_next_reply(command: str, between: Callable[[], Any] = lambda: None, tim
     """
     original = redis.Redis.parse_response
     cuts: list[int] = []
+    seen: list[int] = []
 
     def parse_response(self, connection, command_name, **options):
         response = original(self, connection, command_name, **options)
-        if command_name == command and len(cuts) < times:
+        if command_name == command:
+            seen.append(1)
+        if command_name == command and len(cuts) < times and len(seen) % every == 0:
             cuts.append(1)
             connection.disconnect()
             between()

@@ -195,31 +195,6 @@ def test_a_cluster_call_is_resent_until_its_deadline_not_just_its_attempts(clust
     assert dock.status()["consumers"]["actor_train"]["consumed"] == 4
 
 
-@contextlib.contextmanager
-def lose_every_other_reply(command: str) -> Iterator[list[int]]:
-    """Drop the connection instead of returning the reply of every second ``command`` the server ran (the 2nd,
-    the 4th, ...); yields a list that counts the cuts."""
-    original = redis.Redis.parse_response
-    seen: list[int] = []
-    cuts: list[int] = []
-
-    def parse_response(self, connection, command_name, **options):
-        response = original(self, connection, command_name, **options)
-        if command_name == command:
-            seen.append(1)
-            if len(seen) % 2 == 0:
-                cuts.append(1)
-                connection.disconnect()
-                raise redis.ConnectionError(f"test: reply to {command} lost")
-        return response
-
-    redis.Redis.parse_response = parse_response
-    try:
-        yield cuts
-    finally:
-        redis.Redis.parse_response = original
-
-
 def test_a_script_is_loaded_on_every_primary_however_often_one_is_cut(cluster_url):
     """A script missing on the cluster (flushed, a new primary) is loaded on every primary. redis-py sends
     SCRIPT LOAD to all of them as one command, and to all again after any one's connection failed: under
@@ -228,7 +203,7 @@ def test_a_script_is_loaded_on_every_primary_however_often_one_is_cut(cluster_ur
     dock = blip_on_cluster(cluster_url, call_timeout=5)
     fill(dock)
     dock.client.script_flush()
-    with lose_every_other_reply("SCRIPT LOAD") as cuts:
+    with lose_next_reply("SCRIPT LOAD", times=10**6, every=2) as cuts:  # every second one
         batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
     assert cuts
     assert rows == [0, 1, 2, 3]
