@@ -67,6 +67,9 @@ DEFAULT_CALL_TIMEOUT = 30.0
 #: attempt begun in the last half second of the wait may end up to half a second after T.
 LAST_TRY_SECONDS = 0.5
 
+#: The errors of a connection cut or timed out, as the cluster client's retry loops match them: by exact type.
+_CUT = (redis.ConnectionError, redis.TimeoutError)
+
 #: A deadline this close counts as passed: a socket timeout of the time left may end a hair early.
 _DEADLINE_SLACK = 0.001
 
@@ -241,7 +244,7 @@ class _Bounded(AbstractConnection):
     def _cut_at_deadline(self) -> Iterator[None]:
         try:
             yield
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except _CUT as exc:
             if _expired():
                 conn: Any = self
                 conn.disconnect()
@@ -315,7 +318,7 @@ class _Bounded(AbstractConnection):
             timeout = bound  # the parser sets it on the socket for each read, then restores the own one
         try:  # what _cut_at_deadline does, inline: a pipeline reads a reply per command, on the hot path
             return base.read_response(disable_decoding, timeout=timeout, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except _CUT as exc:
             if bound is not None and _expired():
                 base.disconnect()
                 raise _passed(f"{exc}") from exc
@@ -712,10 +715,6 @@ CLUSTER_ATTEMPTS = 12
 CLUSTER_ATTEMPT_SECONDS = 1.0
 
 
-#: The errors of a connection cut or timed out, as the cluster client's retry loops match them: by exact type.
-_CUT = (redis.ConnectionError, redis.TimeoutError)
-
-
 class _PacedRetries:
     """Mixin of the cluster client and its pipelines: a pause before each retry after a connection failure,
     and retries up to the call's deadline.
@@ -752,7 +751,7 @@ class _PacedRetries:
     def _execute_command(self, target_node: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return super()._execute_command(target_node, *args, **kwargs)  # type: ignore[misc]
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except _CUT as exc:
             if _expired():  # the call is over: no retry (the loop above goes by the error's type)
                 raise _passed(f"{exc}") from exc
             if type(exc) in RedisCluster.ERRORS_ALLOW_RETRY:  # not a refused password, nor a full pool
@@ -1093,7 +1092,7 @@ def redis_errors(where: str) -> Iterator[None]:
         raise BrokerConnectionError(f"Redis at {where}: {exc}") from exc
     except _TooLarge as exc:
         raise ExperienceTooLargeError(f"Redis at {where} {exc}") from exc
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except _CUT as exc:
         cut = _cut_by_deadline(exc)  # a retry loop that stopped at the deadline
         if cut is not None:
             raise _timeout_error(where, cut) from exc

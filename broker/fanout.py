@@ -27,7 +27,7 @@ from .connection import Client
 Command = tuple[Any, ...]
 
 #: Replies that mean the slot map is out of date or the cluster is changing: redo through the cluster pipeline.
-_REDIRECTS = (redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+REDIRECTS = (redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
 
 
 class _Unsettled(Exception):
@@ -85,6 +85,6 @@ def _per_node(client: RedisCluster, commands: Sequence[Command]) -> list[Any]:
             if not done:  # replies may be left unread on it: it cannot serve another call
                 conn.disconnect()
             pool.release(conn)
-    if any(isinstance(reply, _REDIRECTS) for reply in replies):
+    if any(isinstance(reply, REDIRECTS) for reply in replies):
         raise _Unsettled("a slot moved or the cluster is changing")
     return replies

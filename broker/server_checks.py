@@ -44,6 +44,7 @@ from redis.cluster import RedisCluster
 
 from .connection import CLUSTER_ATTEMPTS, Client, time_left
 from .errors import ServerConfigError
+from .fanout import REDIRECTS
 from .keys import DockKeys
 from .scripts import ALLOW_OOM
 
@@ -226,8 +227,7 @@ def _on_dock_node(client: Client, key: str, build: Callable[[Pipeline], None]) -
             pipe = client.get_redis_connection(node).pipeline(transaction=False)
             build(pipe)
             replies = pipe.execute(raise_on_error=False)
-            moved = [r for r in replies if isinstance(r, (redis.exceptions.AskError, redis.exceptions.TryAgainError,
-                                                          redis.exceptions.ClusterDownError))]
+            moved = [r for r in replies if isinstance(r, REDIRECTS)]
             if not moved:
                 return replies, node.name
             if attempt == CLUSTER_ATTEMPTS:
