@@ -746,12 +746,8 @@ class TransferDock(GenerationCalls):
         """A call that forgets rows: ``script`` (clear.lua, discard.lua), the deletion of the bytes it ended
         from the data shards, then the wait for the replicas of the control slot and of those shards
         (``_write``'s arguments); the script's value."""
-        def forget() -> tuple[int, list[str]]:
-            forgot = script()
-            return self._store.forget(forgot, whole=whole), self._store.forgot_on(forgot, whole=whole)
-
         with call_deadline(self._call_timeout):
-            value, shards = self._run(forget)
+            value, shards = self._run(lambda: self._store.forget(script(), whole=whole))
             self._replicated(what, value if returns else None, [self._keys.replicated, *shards],
                              hands_out=hands_out, repeat=repeat)
         return value

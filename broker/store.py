@@ -115,12 +115,10 @@ class DataStore(Protocol):
     def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
         """The bytes of ``rows`` per column as stored now, None where there are none; checks nothing."""
 
-    def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
-        """Delete from the data shards what a script forgot (nothing to do in one slot); its value."""
-
-    def forgot_on(self, forgot: Forgot, *, whole: bool = False) -> list[str]:
-        """The ``replicated`` counters of the data shards ``forget`` deletes bytes on (none in one slot):
-        the call that forgot waits for their replicas too."""
+    def forget(self, forgot: Forgot, *, whole: bool = False) -> tuple[int, list[str]]:
+        """Delete from the data shards what a script forgot (nothing to do in one slot): its value, and the
+        ``replicated`` counters of the shards it deleted bytes on (the call that forgot waits for their
+        replicas too)."""
 
     def data_keys(self) -> list[str]:
         """Every key holding the dock's row bytes now (for ``delete``)."""
@@ -180,11 +178,8 @@ class SlotStore:
 
         return read_pipeline(self._client, self._scripts.load_all, reads)
 
-    def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
-        return forgot.value
-
-    def forgot_on(self, forgot: Forgot, *, whole: bool = False) -> list[str]:
-        return []
+    def forget(self, forgot: Forgot, *, whole: bool = False) -> tuple[int, list[str]]:
+        return forgot.value, []
 
     def data_keys(self) -> list[str]:
         return [self._keys.data(c) for c in self._columns()]
@@ -345,9 +340,9 @@ class ShardedStore:
             return DecodeError(f"{key} holds a {kind}, expected a hash; nothing of this call was marked")
         return error
 
-    def forget(self, forgot: Forgot, *, whole: bool = False) -> int:
+    def forget(self, forgot: Forgot, *, whole: bool = False) -> tuple[int, list[str]]:
         if forgot.epoch is None:  # the dock is not sharded after all (cannot happen: the schema says so)
-            return forgot.value
+            return forgot.value, []
         # What this object saw of the rows is over: a guess from it would only cost a refused put.
         if whole:
             self._seen.clear()
@@ -362,8 +357,8 @@ class ShardedStore:
                     for epoch in (forgot.epoch, forgot.epoch - 1):
                         if epoch >= 0:
                             commands.append(("UNLINK", DockKeys.shard_data(tag, col, epoch)))
-        elif forgot.rows:
-            by_shard: dict[str, list[str]] = {}
+        by_shard: dict[str, list[str]] = {}
+        if not whole and forgot.rows:
             for row, gen in zip(forgot.rows, _u32s(forgot.generations)):
                 # The ended generation, and the one before: a put refused once had read it.
                 by_shard.setdefault(self._shard(row), []).extend([f"{row}:{gen}", f"{row}:{(gen - 1) % 2**32}"])
@@ -373,13 +368,8 @@ class ShardedStore:
         for reply in fanout.send(self._client, commands) if commands else ():
             if isinstance(reply, Exception):
                 raise reply
-        return forgot.value
-
-    def forgot_on(self, forgot: Forgot, *, whole: bool = False) -> list[str]:
-        if forgot.epoch is None:
-            return []
-        tags = self._shards if whole else sorted({self._shard(row) for row in forgot.rows})
-        return [DockKeys.shard_replicated(tag) for tag in tags]
+        tags = self._shards if whole else sorted(by_shard)
+        return forgot.value, [DockKeys.shard_replicated(tag) for tag in tags]
 
     def data_keys(self) -> list[str]:
         return [key.decode() if isinstance(key, bytes) else key
