@@ -11,7 +11,7 @@ its late result over somebody else's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, SupportsIndex, overload
 
 from .errors import InvalidExperienceError
@@ -108,6 +108,14 @@ def like(rows: list[int], new_rows: list[int]) -> list[int]:
     if isinstance(rows, HandedRows):
         return HandedRows(new_rows, rows.epoch, rows._runs, rows._generations)
     return new_rows
+
+
+def reordered(
+    batch: Mapping[str, list[Any]], rows: list[int], order: Sequence[int],
+) -> tuple[dict[str, list[Any]], list[int]]:
+    """A batch and its rows in ``order`` (positions in them), the rows in their delivery (see ``like``)."""
+    plain = list(rows)  # indexing a HandedRows goes through Python (its slices keep the delivery)
+    return {c: [values[i] for i in order] for c, values in batch.items()}, like(rows, [plain[i] for i in order])
 
 
 def check_delivery(delivery: Any, consumer: str | None = None) -> HandedRows:

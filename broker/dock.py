@@ -30,7 +30,7 @@ from .connection import (
     value_limit,
     waiting_call,
 )
-from .delivery import HandedRows, LeasedRows, check_delivery, fence_of, like
+from .delivery import HandedRows, LeasedRows, check_delivery, fence_of, reordered
 from .errors import (
     BrokerError,
     DecodeError,
@@ -612,8 +612,7 @@ class TransferDock(GenerationCalls):
             order = balanced_order(cost, ranks)
         else:
             return batch, rows
-        plain = list(rows)  # indexing a HandedRows goes through Python (its slices keep the delivery)
-        return {c: [values[i] for i in order] for c, values in batch.items()}, like(rows, [plain[i] for i in order])
+        return reordered(batch, rows, order)
 
     def _row_costs(self, rows: list[int], columns: list[str]) -> list[int]:
         """Sum of the length columns of each row, from the length arrays the puts keep."""

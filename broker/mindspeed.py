@@ -84,7 +84,7 @@ import torch
 
 from .balance import dp_padded
 from .connection import Client, connect, default_url, disconnect
-from .delivery import HandedRows, LeasedRows, like
+from .delivery import HandedRows, LeasedRows, reordered
 from .dock import TransferDock
 from .errors import (
     DockNotFoundError,
@@ -769,8 +769,7 @@ class TransferQueueClient(_Docked):
             return None, None
         # The queue returns rows by index; under partial rollout oldest first, as the dock picked them.
         order = list(range(len(rows))) if dock.rollout.partial else sorted(range(len(rows)), key=rows.__getitem__)
-        plain = list(rows)  # indexing a HandedRows goes through Python (its slices keep the delivery)
-        out, rows = {c: [v[i] for i in order] for c, v in batch.items()}, like(rows, [plain[i] for i in order])
+        out, rows = reordered(batch, rows, order)
         if require_dp_padding and experience_count and 0 < len(rows) < experience_count:  # MindSpeed's rule
             out, rows = dp_padded(out, rows, dp_size)
         return (_mindspeed_batch(out) if pad else out), rows
