@@ -4,9 +4,11 @@
 consumed status, n-sample-aware sampling) in Redis, so any number of processes can share one dock.
 """
 
-from .delivery import HandedRows, LeasedRows
-from .dock import TransferDock
-from .errors import (
+from broker.api.delivery import HandedRows, LeasedRows
+from broker.api.dock import TransferDock
+from broker.connection.replication import ReplicationError
+from broker.control.rollout import Rollout
+from broker.errors import (
     BrokerConnectionError,
     BrokerError,
     BrokerTimeoutError,
@@ -28,8 +30,6 @@ from .errors import (
     UnknownConsumerError,
     VersionError,
 )
-from .replication import ReplicationError
-from .rollout import Rollout
 
 __all__ = [
     "TransferDock",

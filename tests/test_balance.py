@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from broker import InvalidExperienceError, RowIndexError
-from broker.balance import balanced_order, imbalance, karmarkar_karp
-from broker.validation import PAD_INDEX
+from broker.api.balance import balanced_order, imbalance, karmarkar_karp
+from broker.api.checks import PAD_INDEX
 
 
 def skewed_lengths(count: int, seed: int = 0) -> list[int]:

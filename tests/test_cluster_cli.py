@@ -16,12 +16,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from redis.cluster import RedisCluster
 
-import broker.watch
+import broker.ops.watch
 from broker import ClusterError, RedisCommandError, TransferDock
-from broker.cli import main
 from broker.connection import connect, disconnect
-from broker.exporter import serve
-from broker.keys import DockKeys
+from broker.control.keys import DockKeys
+from broker.ops.cli import main
+from broker.ops.exporter import serve
 from tests.helpers import cli_output, empty_cluster, server_keys, small_dock
 
 pytestmark = pytest.mark.real
@@ -99,7 +99,7 @@ def test_the_live_view_reads_every_primary(cluster, cluster_url, capsys, monkeyp
     def ctrl_c(seconds: float) -> None:  # the view's wait after its first frame: end it as Ctrl-C does
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(broker.watch.time, "sleep", ctrl_c)
+    monkeypatch.setattr(broker.ops.watch.time, "sleep", ctrl_c)
     assert main(["status", "--url", url_not_serving(cluster, names[0]), "--watch", "1", *(["--json"] * as_json)]) == 0
     out = capsys.readouterr().out
     if as_json:

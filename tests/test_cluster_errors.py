@@ -16,7 +16,7 @@ from redis.retry import Retry
 
 from broker import ClusterError, TransferDock
 from broker.connection import redis_errors
-from broker.local_cluster import LocalCluster
+from broker.ops.local_cluster import LocalCluster
 from tests.helpers import redis_server_binary, required
 
 

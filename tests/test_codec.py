@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from broker import DecodeError, InvalidExperienceError
-from broker.codec import DTYPES, decode, decode_rows, encode, encode_rows, encode_stacked
+from broker.data.codec import DTYPES, decode, decode_rows, encode, encode_rows, encode_stacked
 from tests.helpers import bits, random_tensor
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (2, 3, 4)]
@@ -53,7 +53,7 @@ def test_decoded_tensors_are_writable_and_share_nothing_with_the_received_bytes(
     # The user's own frombuffer on bytes: torch's warning reaches them, as an error under -W error.
     ("torch.frombuffer(bytes(16), dtype=torch.uint8)", True),
     # The broker's decoders never raise it, and leave torch's one warning for the user's own call.
-    ("from broker.codec import decode, decode_rows, encode\n"
+    ("from broker.data.codec import decode, decode_rows, encode\n"
      "data = bytes(encode(torch.arange(4)))\n"
      "decode(data); decode_rows([data, data], where='k', fields=['0', '1'])\n"
      "import warnings\n"
@@ -121,7 +121,7 @@ def _fake(tensor: torch.Tensor) -> torch.Tensor:
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # torch's, should anything ask
 def test_unstorable_tensors_raise_invalid_experience_error(kind):
-    from broker.codec import as_tensor
+    from broker.data.codec import as_tensor
 
     as_rows = (lambda v: encode_rows([v]), lambda v: encode_rows([torch.zeros(1), v]))
     as_tensors = (lambda v: encode(as_tensor(v)), lambda v: encode_stacked(as_tensor(v)))
@@ -175,7 +175,7 @@ REFUSALS = {  # what a refusal must name, for each entry point
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 def test_refusals_name_what_is_wrong_and_which_row(kind):
-    from broker.codec import as_tensor
+    from broker.data.codec import as_tensor
 
     message = REFUSALS[kind]
     with pytest.raises(InvalidExperienceError, match=message):
@@ -229,7 +229,7 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", sorted(STORABLE_NUMPY))
 def test_numpy_arrays_torch_cannot_view_are_converted_and_stored(kind):
-    from broker.codec import as_tensor
+    from broker.data.codec import as_tensor
 
     array = STORABLE_NUMPY[kind]()
     expected = torch.from_numpy(np.array(array, dtype=array.dtype.newbyteorder("="), copy=True))

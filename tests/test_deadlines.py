@@ -26,8 +26,8 @@ from redis.cluster import RedisCluster
 
 from broker import BrokerConnectionError, BrokerTimeoutError, ReplicationError, TransferDock
 from broker.connection import call_deadline, extend_call, time_left
-from broker.local_cluster import LocalCluster
-from broker.local_redis import RedisServer
+from broker.ops.local_cluster import LocalCluster
+from broker.ops.local_redis import RedisServer
 from tests.helpers import redis_server_binary, required
 
 pytestmark = pytest.mark.real
@@ -294,7 +294,7 @@ def test_wait_for_replicas_is_not_cut_by_the_short_cluster_attempts(cluster):
     with open_dock() as first:
         first.put_experience(rows_of(2), [0, 1])
         primary = cluster.primary_of_slot(RedisCluster.keyslot(first.client, first.keys.meta))
-    # A replica counts once it acknowledged an offset (see broker/replication.py); a new dock object reads
+    # A replica counts once it acknowledged an offset (see broker/connection/replication.py); a new dock object reads
     # the count afresh.
     with primary.client() as admin:
         deadline = time.monotonic() + 10
@@ -360,7 +360,7 @@ def _time_promotion(replica: RedisServer, started: float, took: dict[str, float]
 
 
 def test_broker_status_gives_up_on_a_paused_server_within_its_timeout(server, capsys):
-    from broker.cli import main
+    from broker.ops.cli import main
 
     with TransferDock(server.url, "tool", prompts_num=1, n_samples_per_prompt=1, columns=["p"], consumers=["c"]):
         pass

@@ -13,7 +13,7 @@ import redis
 import torch
 from redis.cluster import RedisCluster
 
-import broker.dock
+import broker.api.dock
 from broker import (
     BrokerError,
     DecodeError,
@@ -27,8 +27,8 @@ from broker import (
     UnknownColumnError,
     UnknownConsumerError,
 )
-from broker.codec import DTYPES
-from broker.keys import DockKeys
+from broker.control.keys import DockKeys
+from broker.data.codec import DTYPES
 from tests.helpers import (
     bits,
     data_cell,
@@ -326,7 +326,7 @@ def test_explicit_indexes_time_out_naming_what_is_missing_and_mark_nothing(make_
 
 def test_waiting_get_is_woken_by_a_put(make_dock, monkeypatch):
     # With the safety re-check pushed out of reach, only the put's notification can end the wait early.
-    monkeypatch.setattr(broker.dock, "_RECHECK_SECONDS", 60.0)
+    monkeypatch.setattr(broker.api.dock, "_RECHECK_SECONDS", 60.0)
     dock = make_dock(prompts_num=2, n=2)
     writer = threading.Timer(0.3, lambda: fill(dock, columns=["prompts"], rows=[0, 1]))
     writer.start()
@@ -339,7 +339,7 @@ def test_waiting_get_is_woken_by_a_put(make_dock, monkeypatch):
 
 
 def test_waiting_explicit_get_is_woken_by_a_put(make_dock, monkeypatch):
-    monkeypatch.setattr(broker.dock, "_RECHECK_SECONDS", 60.0)
+    monkeypatch.setattr(broker.api.dock, "_RECHECK_SECONDS", 60.0)
     dock = make_dock(prompts_num=2, n=2)
     writer = threading.Timer(0.3, lambda: fill(dock, columns=["prompts"], rows=[2]))
     writer.start()
@@ -507,7 +507,7 @@ def test_dock_from_a_client_without_url_refuses_to_pickle():
 @pytest.mark.real
 def test_vanished_server_raises_connection_error(monkeypatch):
     from broker.connection import default_retry
-    from broker.local_redis import RedisServer
+    from broker.ops.local_redis import RedisServer
 
     sockets = []
     open_socket = redis.Connection._connect
@@ -667,7 +667,7 @@ def test_docks_from_one_url_share_one_client_and_close_hands_it_back(real_url):
 
 @pytest.mark.real
 def test_broker_status_of_many_docks_takes_one_connection_and_one_script_call_per_dock(real_url, capsys):
-    from broker.cli import main
+    from broker.ops.cli import main
 
     client = redis.Redis.from_url(real_url)
     for i in range(300):

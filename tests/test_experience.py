@@ -13,9 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import broker.experience as experience_module
-from broker.errors import InvalidExperienceError
-from broker.experience import (
+import broker.api.batches as experience_module
+from broker.api.batches import (
     ORIGINAL_LENGTH_KEY,
     pack_experience_columns,
     pad_experience,
@@ -25,6 +24,7 @@ from broker.experience import (
     trans_input_to_experience,
     unpack_pad_experience,
 )
+from broker.errors import InvalidExperienceError
 
 t = torch.tensor
 

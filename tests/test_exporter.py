@@ -16,8 +16,8 @@ import redis
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.exporter import serve
-from broker.local_redis import RedisServer, free_port
+from broker.ops.exporter import serve
+from broker.ops.local_redis import RedisServer, free_port
 from tests.helpers import cli_output, small_dock
 
 pytestmark = pytest.mark.real

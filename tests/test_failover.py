@@ -21,7 +21,7 @@ succeed again. Two variants:
   ``nodes.conf``: what a supervisor restarting a crashed Redis does); it rejoins as the promoted node's
   replica, and wait_replicas holds there again once it is in sync.
 - ``degraded``: nothing restarts. The promoted node is waited on for the replicas it has (none) and the
-  dock logs that it runs degraded there (broker/replication.py); the workers finish the run.
+  dock logs that it runs degraded there (broker/connection/replication.py); the workers finish the run.
 
 Everything is bounded: the run ends by itself within ``RUN_SECONDS``, and the cluster (the restarted node
 included) is stopped in teardown whatever happens.
@@ -69,9 +69,9 @@ from broker import (
     Rollout,
     TransferDock,
 )
-from broker.local_cluster import LocalCluster
-from broker.local_redis import RedisServer
-from broker.replication import _REPLICAS_TTL_SECONDS
+from broker.connection.replication import _REPLICAS_TTL_SECONDS
+from broker.ops.local_cluster import LocalCluster
+from broker.ops.local_redis import RedisServer
 from tests.helpers import redis_server_binary, required
 
 T = TypeVar("T")

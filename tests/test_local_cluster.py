@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from redis.cluster import RedisCluster
 
-from broker.local_cluster import LocalCluster
-from broker.local_redis import RedisServer
+from broker.ops.local_cluster import LocalCluster
+from broker.ops.local_redis import RedisServer
 from tests.helpers import redis_server_binary
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed")

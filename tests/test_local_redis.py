@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from broker.local_redis import RedisServer
+from broker.ops.local_redis import RedisServer
 from tests.helpers import redis_server_binary
 
 

@@ -16,8 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from broker import ExperienceTimeoutError, RowIndexError
-from broker.experience import padding_dict_to_tensor_dict, put_prompts_experience, remove_padding_tensor_dict_to_dict
-from broker.mindspeed import (
+from broker.adapters.mindspeed import (
     DEFAULT_COLUMNS,
     DEFAULT_CONSUMERS,
     GRPOTransferDock,
@@ -25,6 +24,7 @@ from broker.mindspeed import (
     TransferQueueClient,
     get_transfer_queue_client,
 )
+from broker.api.batches import padding_dict_to_tensor_dict, put_prompts_experience, remove_padding_tensor_dict_to_dict
 from tests.helpers import server_keys
 
 _names = itertools.count()

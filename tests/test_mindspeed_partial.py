@@ -8,9 +8,9 @@ import pickle
 import pytest
 import torch
 
-from broker.experience import put_prompts_experience
-from broker.mindspeed import GRPOTransferDock, TransferQueueClient
-from broker.watch import format_table
+from broker.adapters.mindspeed import GRPOTransferDock, TransferQueueClient
+from broker.api.batches import put_prompts_experience
+from broker.ops.watch import format_table
 
 _names = itertools.count()
 ROLLOUT = ["prompts", "prompt_length", "responses", "response_length", "age"]

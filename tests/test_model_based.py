@@ -29,7 +29,7 @@ from hypothesis.stateful import (
 from redis.cluster import RedisCluster
 
 from broker import ExperienceTimeoutError, TransferDock
-from broker.keys import DockKeys
+from broker.control.keys import DockKeys
 from tests.helpers import empty_cluster
 
 COLUMN_NAMES = ("prompts", "responses", "rewards")
@@ -181,7 +181,7 @@ class DockModel:
         return len(self.consumed[consumer]) == self.capacity
 
     def bitmaps(self, keys: DockKeys) -> dict[str, list[int]]:
-        """Every status bitmap the dock should hold (see broker/keys.py), as one 0/1 per row or group."""
+        """Every status bitmap the dock should hold (see broker/control/keys.py), as one 0/1 per row or group."""
         rows, groups = range(self.capacity), range(self.prompts_num)
         out = {}
         for c in self.columns:

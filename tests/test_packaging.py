@@ -12,11 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 SMOKE = """
-import sys, fakeredis, torch, broker, broker.scripts
+import sys, fakeredis, torch, broker, broker.control.scripts
 from broker import TransferDock
 site = sys.argv[1]
 assert broker.__file__.startswith(site), broker.__file__
-assert str(broker.scripts.lua_dir()).startswith(site), broker.scripts.lua_dir()
+assert str(broker.control.scripts.lua_dir()).startswith(site), broker.control.scripts.lua_dir()
 dock = TransferDock(fakeredis.FakeRedis(), "w", prompts_num=2, n_samples_per_prompt=2, columns=["a"], consumers=["c"])
 dock.put_experience({"a": torch.arange(4)}, indexes=[0, 1, 2, 3])
 print(dock.get_experience("c", ["a"], 4)[1])
@@ -32,7 +32,7 @@ def test_non_editable_install_finds_the_lua_scripts(tmp_path):
     assert build.returncode == 0, build.stderr[-2000:]
     wheel = next(tmp_path.glob("*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    from broker.scripts import SCRIPT_FILES
+    from broker.control.scripts import SCRIPT_FILES
 
     for file in SCRIPT_FILES.values():
         assert f"broker/lua/{file}" in names

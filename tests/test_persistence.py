@@ -15,7 +15,7 @@ import redis
 import torch
 
 from broker import StoreFullError, TransferDock
-from broker.local_redis import RedisServer
+from broker.ops.local_redis import RedisServer
 
 pytestmark = pytest.mark.real
 

@@ -15,8 +15,8 @@ import torch
 from redis.cluster import RedisCluster
 
 from broker import TransferDock
-from broker.local_redis import RedisServer
-from broker.put_listener import PutListener
+from broker.control.put_listener import PutListener
+from broker.ops.local_redis import RedisServer
 from tests.helpers import empty_cluster
 
 CHANNEL = "td:{w}:events"

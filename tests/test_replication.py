@@ -31,9 +31,9 @@ import torch
 from redis.cluster import RedisCluster
 
 from broker import ReplicationError, Rollout, TransferDock
-from broker.local_cluster import LocalCluster
-from broker.local_redis import RedisServer
-from broker.mindspeed import GRPOTransferDock, TransferQueueClient
+from broker.adapters.mindspeed import GRPOTransferDock, TransferQueueClient
+from broker.ops.local_cluster import LocalCluster
+from broker.ops.local_redis import RedisServer
 from tests.helpers import redis_server_binary, required
 
 WAIT = 0.2  # wait_timeout of the cases: a shortfall is reported within it

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from broker.scripts import SCRIPT_FILES, IncludeError, expand_includes, lua_dir, script_text
+from broker.control.scripts import SCRIPT_FILES, IncludeError, expand_includes, lua_dir, script_text
 
 
 def reader(files: dict[str, str]):

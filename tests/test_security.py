@@ -13,7 +13,7 @@ import redis
 import torch
 
 from broker import BrokerConnectionError, BrokerError, RedisCommandError, TransferDock
-from broker.local_redis import RedisServer
+from broker.ops.local_redis import RedisServer
 from tests.helpers import cli_output, small_dock
 
 pytestmark = pytest.mark.real
@@ -244,7 +244,7 @@ def test_acl_rules_grant_every_command_the_scripts_call():
     """A script change that calls a new command must extend the worker rules, or workers break."""
     import re
 
-    from broker.acl import SCRIPT_COMMANDS
+    from broker.ops.acl import SCRIPT_COMMANDS
 
     called = set()
     for path in (ROOT / "lua").rglob("*.lua"):

@@ -1,4 +1,4 @@
-"""What a dock needs of its server, checked when it opens (broker/server_checks.py), and what a put does when
+"""What a dock needs of its server, checked when it opens (broker/control/server_checks.py), and what a put does when
 the server refuses its announcement.
 
 Before: a server evicting under ``allkeys-lru`` was used silently (the version read 0 after the trainer set
@@ -22,10 +22,10 @@ import torch
 from redis.cluster import RedisCluster
 
 from broker import DataLostError, ServerConfigError, TransferDock
-from broker.acl import worker_rules
-from broker.keys import DockKeys
-from broker.local_redis import RedisServer
-from broker.rollout import Rollout
+from broker.control.keys import DockKeys
+from broker.control.rollout import Rollout
+from broker.ops.acl import worker_rules
+from broker.ops.local_redis import RedisServer
 from tests.helpers import cli_output, empty_cluster, redis62_binary, required, small_dock
 
 make = functools.partial(small_dock, prompts=2, columns=("prompts",), consumers=("train",))

@@ -1,4 +1,4 @@
-"""The sharded data plane (broker/store.py): a put is two steps, write bytes then mark, and every
+"""The sharded data plane (broker/data/store.py): a put is two steps, write bytes then mark, and every
 interleaving with clears and reads must leave no ready row without its bytes and no orphan bytes past
 a whole clear.
 
@@ -20,8 +20,8 @@ import redis
 import torch
 
 from broker import BrokerError, FencedError, StoreFullError, TransferDock
-from broker.keys import shard_pattern
-from broker.store import ShardedStore
+from broker.control.keys import shard_pattern
+from broker.data.store import ShardedStore
 from tests.helpers import small_dock
 
 _names = itertools.count()
@@ -191,7 +191,7 @@ def test_a_clear_of_rows_in_any_order_deletes_exactly_their_bytes(target):
 
 
 def test_a_stale_slot_map_is_followed_and_the_rows_arrive_whole(request):
-    """The data plane sends each node its commands straight from the client's slot map (broker/fanout.py).
+    """The data plane sends each node its commands straight from the client's slot map (broker/connection/fanout.py).
     When the map is out of date (a slot moved), the node answers MOVED and the batch goes again through
     the cluster pipeline, which follows it: puts and reads see nothing of it."""
     url = request.getfixturevalue("cluster_url")
@@ -238,7 +238,7 @@ def test_a_full_shard_fails_the_put_and_marks_nothing(request):
 
 
 def _encoded(value: int) -> bytes:
-    from broker.validation import encode_column
+    from broker.api.checks import encode_column
 
     return encode_column("prompts", [torch.tensor([value])], 1)[0]
 

@@ -12,7 +12,7 @@ import redis
 import torch
 
 from broker import ExperienceTooLargeError, InvalidExperienceError, TransferDock
-from broker.local_redis import RedisServer
+from broker.ops.local_redis import RedisServer
 from tests.helpers import redis62_binary, redis_server_binary
 
 pytestmark = pytest.mark.real

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from broker.local_redis import free_port
+from broker.ops.local_redis import free_port
 from workers.model import (
     ModelConfig,
     TransformerLM,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from broker import DecodeError, InvalidExperienceError
-from broker.codec import KIND_VALUE, KIND_VERSION, MAGIC, VERSION, decode, encode, encode_value
+from broker.data.codec import KIND_VALUE, KIND_VERSION, MAGIC, VERSION, decode, encode, encode_value
 from tests.helpers import held_rows
 
 VALUES = [

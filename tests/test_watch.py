@@ -18,9 +18,9 @@ import redis
 import torch
 
 from broker.connection import redis_errors
-from broker.local_redis import free_port
-from broker.status import Survey
-from broker.watch import counts, rates, watch
+from broker.control.status import Survey
+from broker.ops.local_redis import free_port
+from broker.ops.watch import counts, rates, watch
 from tests.helpers import small_dock
 
 pytestmark = pytest.mark.real
@@ -132,7 +132,7 @@ def test_under_a_terminal_it_redraws_in_place_and_ends_cleanly_on_ctrl_c(url):
 
 
 def test_watch_needs_a_positive_number_of_seconds(url, capsys):
-    from broker.cli import main
+    from broker.ops.cli import main
 
     for bad in ("0", "-1", "soon", "inf"):
         with pytest.raises(SystemExit):

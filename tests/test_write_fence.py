@@ -196,7 +196,7 @@ def test_a_sharded_put_holds_its_lease_while_its_bytes_travel(make_dock):
     prompts(dock, [1, 1], [0, 1])
     _, rows = dock.get_experience("rollout", ["prompts"], 2, lease=0.1)
     runs = [0, 2]
-    from broker.delivery import fence_of
+    from broker.api.delivery import fence_of
 
     dock._scripts.claim(runs, fence_of(rows, [0, 1]), 5_000)  # the put's first step...
     time.sleep(0.2)  # ...its bytes take longer than the lease had left

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from broker.connection import redact
-    from broker.local_redis import redis_for_run
+    from broker.ops.local_redis import redis_for_run
 
     from . import task
     from .cluster import start_ray, wait_for_cpus

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from broker import ExperienceTimeoutError, FencedError, HandedRows, TransferDock
-from broker.experience import pack_experience_columns, unpack_pad_experience
+from broker.api.batches import pack_experience_columns, unpack_pad_experience
 
 from .parallel import ParallelState
 

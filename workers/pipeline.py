@@ -23,7 +23,7 @@ import ray
 import torch
 
 from broker import Rollout, TransferDock
-from broker.experience import put_prompts_experience
+from broker.api.batches import put_prompts_experience
 
 from . import task
 from .cluster import WorkerGroup, cpus_per_rank, wait_all

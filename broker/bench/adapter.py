@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..dock import TransferDock
-from ..mindspeed import GRPOTransferDock
-from .broker_dock import delete_dock
-from .docks import ActorCalls, MindSpeedCalls, dock_target
-from .workload import COLUMNS, Workload
+from broker.adapters.mindspeed import GRPOTransferDock
+from broker.api.dock import TransferDock
+from broker.bench.broker_dock import delete_dock
+from broker.bench.docks import ActorCalls, MindSpeedCalls, dock_target
+from broker.bench.workload import COLUMNS, Workload
 
 
 def adapter_arguments(workload: Workload) -> dict[str, Any]:
@@ -42,7 +42,7 @@ class AdapterRayDock(ActorCalls):
     def __init__(self, url: str, name: str, workload: Workload):
         import ray
 
-        from .ray_dock import ACTOR_OPTIONS, start_ray
+        from broker.bench.ray_dock import ACTOR_OPTIONS, start_ray
 
         self.url, self.name = url, name
         started = start_ray()

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from ..balance import imbalance
-from ..dock import TransferDock
-from .broker_dock import delete_dock
-from .docks import dock_target
-from .workload import Workload
+from broker.api.balance import imbalance
+from broker.api.dock import TransferDock
+from broker.bench.broker_dock import delete_dock
+from broker.bench.docks import dock_target
+from broker.bench.workload import Workload
 
 LENGTHS = ["prompt_length", "response_length"]
 

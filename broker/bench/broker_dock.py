@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import redis
 
-from ..dock import TransferDock
-from ..keys import DockKeys
-from .docks import SampleError, dock_target
-from .workload import COLUMNS, Rows, Workload
+from broker.api.dock import TransferDock
+from broker.bench.docks import SampleError, dock_target
+from broker.bench.workload import COLUMNS, Rows, Workload
+from broker.control.keys import DockKeys
 
 
 class BrokerDock:

@@ -46,13 +46,13 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 
-from ..connection import Client
-from ..keys import DockKeys
-from .broker_dock import BrokerDock
-from .inprocess import InProcessDock
-from .pipeline import RunResult, run_pipeline
-from .servers import admin, primaries, server_version
-from .workload import Rows, Workload
+from broker.bench.broker_dock import BrokerDock
+from broker.bench.inprocess import InProcessDock
+from broker.bench.pipeline import RunResult, run_pipeline
+from broker.bench.servers import admin, primaries, server_version
+from broker.bench.workload import Rows, Workload
+from broker.connection import Client
+from broker.control.keys import DockKeys
 
 #: What the client sends that commandstats charges once: the scripts (their inner commands included). SCRIPT
 #: LOAD, which a client sends to every primary on first use, is setup, not work per batch: left out.
@@ -254,8 +254,8 @@ def _projection(nodes: dict[str, Any], gb: float) -> dict[str, Any]:
 def _servers(primaries_count: int, replicas: int = 0) -> Iterator[tuple[str, str]]:
     """A private redis-server and a private cluster (``replicas`` per primary), their URLs; every server
     stopped after, on an error too."""
-    from ..local_cluster import LocalCluster
-    from ..local_redis import private_redis
+    from broker.ops.local_cluster import LocalCluster
+    from broker.ops.local_redis import private_redis
 
     with private_redis() as single, LocalCluster(primaries_count, replicas=replicas) as cluster:
         _say(f"started a {single.description}, and a {primaries_count}-primary Redis Cluster "

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ..dock import TransferDock
-from .broker_dock import delete_dock
-from .docks import ActorCalls, MindSpeedCalls, dock_target
-from .workload import COLUMNS, Checksums, Rows, Workload
+from broker.api.dock import TransferDock
+from broker.bench.broker_dock import delete_dock
+from broker.bench.docks import ActorCalls, MindSpeedCalls, dock_target
+from broker.bench.workload import COLUMNS, Checksums, Rows, Workload
 
 #: Systems the concurrent mode runs, in order.
 CONCURRENT_SYSTEMS = ("broker", "adapter", "adapter-ray", "ray")
@@ -55,7 +55,7 @@ class _Client:
         if system == "broker":
             self.dock = TransferDock.attach(dock_target(url), name)
         elif system == "adapter":
-            from .adapter import AdapterDock
+            from broker.bench.adapter import AdapterDock
 
             self.calls = AdapterDock(url, name, workload)
         else:
@@ -137,16 +137,16 @@ class _Driver:
             self.dock.clear()
             return
         if system == "adapter":
-            from .adapter import AdapterDock
+            from broker.bench.adapter import AdapterDock
 
             self.calls = AdapterDock(url, name, workload)
             return
         import ray
 
-        from ..mindspeed import GRPOTransferDock
-        from .adapter import adapter_arguments
-        from .mindspeed import MindSpeedGRPOTransferDock
-        from .ray_dock import ACTOR_OPTIONS, start_ray
+        from broker.adapters.mindspeed import GRPOTransferDock
+        from broker.bench.adapter import adapter_arguments
+        from broker.bench.mindspeed import MindSpeedGRPOTransferDock
+        from broker.bench.ray_dock import ACTOR_OPTIONS, start_ray
 
         started = start_ray()
         # Joined on the loopback address: Ray reports the node's detected IP, which may not route here.

@@ -8,8 +8,8 @@ from typing import Any, Protocol
 import numpy as np
 import redis
 
-from ..experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
-from .workload import Rows, Workload
+from broker.api.batches import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
+from broker.bench.workload import Rows, Workload
 
 
 def dock_target(url: str) -> str | redis.Redis:

@@ -19,12 +19,12 @@ import redis
 import torch
 from redis.cluster import RedisCluster
 
-from ..connection import Client
-from ..dock import TransferDock
-from ..exporter import DockCollector
-from ..keys import scan_pattern, shard_pattern
-from .docks import dock_target
-from .servers import admin, command_stats, delete_matching, key_count
+from broker.api.dock import TransferDock
+from broker.bench.docks import dock_target
+from broker.bench.servers import admin, command_stats, delete_matching, key_count
+from broker.connection import Client
+from broker.control.keys import scan_pattern, shard_pattern
+from broker.ops.exporter import DockCollector
 
 
 class _CountingConnection(redis.Connection):

@@ -22,10 +22,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..dock import TransferDock
-from .broker_dock import delete_dock
-from .docks import dock_target
-from .workload import COLUMNS, Rows, Workload
+from broker.api.dock import TransferDock
+from broker.bench.broker_dock import delete_dock
+from broker.bench.docks import dock_target
+from broker.bench.workload import COLUMNS, Rows, Workload
 
 VARIANTS = ("unfenced", "fenced", "leased", "leased+ack")
 CONSUMER = "actor_rollout"

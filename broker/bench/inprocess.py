@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .docks import LocalStatus
-from .workload import COLUMNS, Rows, Workload
+from broker.bench.docks import LocalStatus
+from broker.bench.workload import COLUMNS, Rows, Workload
 
 
 class InProcessDock:

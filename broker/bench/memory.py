@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..connection import Client
-from .docks import BenchDock
-from .pipeline import run_pipeline
-from .servers import admin, used_memory
-from .workload import Workload
+from broker.bench.docks import BenchDock
+from broker.bench.pipeline import run_pipeline
+from broker.bench.servers import admin, used_memory
+from broker.bench.workload import Workload
+from broker.connection import Client
 
 
 def _key_usage(client: Client, patterns: tuple[str, ...]) -> int:

@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
-from ..experience import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict, trans_input_to_experience
+from broker.api.batches import (
+    padding_dict_to_tensor_dict,
+    remove_padding_tensor_dict_to_dict,
+    trans_input_to_experience,
+)
 
 
 class MindSpeedTransferDock:

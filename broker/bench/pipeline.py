@@ -7,8 +7,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .docks import BenchDock
-from .workload import Checksums, Stage, Workload
+from broker.bench.docks import BenchDock
+from broker.bench.workload import Checksums, Stage, Workload
 
 
 @dataclass

@@ -55,13 +55,13 @@ from typing import Any
 
 import torch
 
-from ..delivery import HandedRows
-from ..dock import TransferDock
-from ..errors import FencedError
-from .broker_dock import delete_dock
-from .docks import dock_target
-from .sampling import percentiles
-from .soak import Flag, Record, RecordLog, Workers, read_logs, remove_folder
+from broker.api.delivery import HandedRows
+from broker.api.dock import TransferDock
+from broker.bench.broker_dock import delete_dock
+from broker.bench.docks import dock_target
+from broker.bench.sampling import percentiles
+from broker.bench.soak import Flag, Record, RecordLog, Workers, read_logs, remove_folder
+from broker.errors import FencedError
 
 ROLLOUT, FILTER, TRAIN = "rollout", "filter", "train"
 COLUMNS = ("prompts", "responses", "rewards")
@@ -205,7 +205,7 @@ def _drained(dock: TransferDock) -> bool:
 
 def run_pipeline_soak(url: str, name: str, cfg: PipelineSoakConfig) -> dict[str, Any]:
     """Run the pipeline soak; its figures and accounting, ``ok`` when every check passed."""
-    from .concurrent import context
+    from broker.bench.concurrent import context
 
     if not 0 <= cfg.slow <= 1:
         raise ValueError(f"slow is a probability, got {cfg.slow}")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import os
 
-from .docks import ActorCalls
-from .mindspeed import MindSpeedGRPOTransferDock
-from .workload import COLUMNS, Workload
+from broker.bench.docks import ActorCalls
+from broker.bench.mindspeed import MindSpeedGRPOTransferDock
+from broker.bench.workload import COLUMNS, Workload
 
 #: MindSpeed declares ``@ray.remote(max_concurrency=100, num_cpus=10)``; CPUs are only a scheduling
 #: claim, and 10 would not fit on a 2-core machine, so the actor claims none.

@@ -11,9 +11,9 @@ import warnings
 
 import torch
 
-from ..connection import connect, disconnect
-from .docks import LocalStatus, dock_target
-from .workload import COLUMNS, DTYPES, Rows, Workload
+from broker.bench.docks import LocalStatus, dock_target
+from broker.bench.workload import COLUMNS, DTYPES, Rows, Workload
+from broker.connection import connect, disconnect
 
 
 class RedisFloorDock:

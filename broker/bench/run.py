@@ -12,15 +12,15 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import __version__
-from ..connection import redact
-from ..keys import scan_pattern, shard_pattern
-from .docks import BenchDock
-from .options import CLUSTER_REPEAT, MODES, REPEAT
-from .pipeline import RunResult, run_pipeline
-from .report import json_line, table, targets
-from .servers import admin, is_cluster, primaries, server_version
-from .workload import Checksums, Workload
+from broker import __version__
+from broker.bench.docks import BenchDock
+from broker.bench.options import CLUSTER_REPEAT, MODES, REPEAT
+from broker.bench.pipeline import RunResult, run_pipeline
+from broker.bench.report import json_line, table, targets
+from broker.bench.servers import admin, is_cluster, primaries, server_version
+from broker.bench.workload import Checksums, Workload
+from broker.connection import redact
+from broker.control.keys import scan_pattern, shard_pattern
 
 
 def _say(text: str) -> None:
@@ -33,7 +33,7 @@ def redis_target(url: str | None, unix: bool) -> Iterator[tuple[str, bool]]:
     if url:
         yield url, False
         return
-    from ..local_redis import private_redis
+    from broker.ops.local_redis import private_redis
 
     with private_redis(unix=unix) as target:
         _say(f"started a {target.description} (no persistence; --url to use your own)")
@@ -44,27 +44,27 @@ def openers(url: str, prefix: str, workload: Workload) -> dict[str, Callable[[],
     """How to open each system on a fresh store; imports happen only for the systems used."""
 
     def broker() -> BenchDock:
-        from .broker_dock import BrokerDock
+        from broker.bench.broker_dock import BrokerDock
         return BrokerDock(url, f"{prefix}-broker", workload)
 
     def ray() -> BenchDock:
-        from .ray_dock import RayDock
+        from broker.bench.ray_dock import RayDock
         return RayDock(workload, seed=workload.seed)
 
     def floor() -> BenchDock:
-        from .redis_floor import RedisFloorDock
+        from broker.bench.redis_floor import RedisFloorDock
         return RedisFloorDock(url, f"{prefix}-floor", workload)
 
     def inprocess() -> BenchDock:
-        from .inprocess import InProcessDock
+        from broker.bench.inprocess import InProcessDock
         return InProcessDock(workload)
 
     def adapter() -> BenchDock:
-        from .adapter import AdapterDock
+        from broker.bench.adapter import AdapterDock
         return AdapterDock(url, f"{prefix}-adapter", workload)
 
     def adapter_ray() -> BenchDock:
-        from .adapter import AdapterRayDock
+        from broker.bench.adapter import AdapterRayDock
         return AdapterRayDock(url, f"{prefix}-adapter-ray", workload)
 
     return {"broker": broker, "adapter": adapter, "adapter-ray": adapter_ray, "ray": ray, "redis-floor": floor,
@@ -124,7 +124,7 @@ def pipeline_mode(url: str, prefix: str, workload: Workload, systems: tuple[str,
 
 def reference_checksums(workload: Workload) -> Checksums:
     """What every system must produce: the batch through the in-process floor."""
-    from .inprocess import InProcessDock
+    from broker.bench.inprocess import InProcessDock
 
     return run_pipeline("inprocess", InProcessDock(workload), workload).checksums
 
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     report["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                          "loadavg_start": os.getloadavg()[0]}
     if args.cluster:
-        from .cluster import compare
+        from broker.bench.cluster import compare
 
         report["cluster"] = compare(prefix, workload, primaries_count=args.primaries, repeat=args.repeat,
                                     warmup=args.warmup, wait_replicas=args.wait_replicas)
@@ -195,7 +195,7 @@ def _measure(args: argparse.Namespace, selected: list[str], prefix: str, workloa
             if is_cluster(client):
                 report["redis"]["cluster_primaries"] = len(primaries(client))
         if args.soak and args.pipeline:
-            from .pipeline_soak import PipelineSoakConfig, run_pipeline_soak
+            from broker.bench.pipeline_soak import PipelineSoakConfig, run_pipeline_soak
 
             defaults = PipelineSoakConfig()
             pipe = PipelineSoakConfig(per_stage=args.per_stage, seconds=args.seconds,
@@ -208,7 +208,7 @@ def _measure(args: argparse.Namespace, selected: list[str], prefix: str, workloa
             report["soak"] = run_pipeline_soak(url, f"{prefix}-pipeline-soak", pipe)
             return bool(report["soak"]["ok"])
         if args.soak:
-            from .soak import SoakConfig, run_soak
+            from broker.bench.soak import SoakConfig, run_soak
 
             cfg = SoakConfig(clients=args.clients, seconds=args.seconds, leases=args.leases or args.kill,
                              kill=args.kill, lease_seconds=args.lease_seconds or SoakConfig().lease_seconds,
@@ -226,7 +226,7 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
         report["pipeline"] = pipeline_mode(url, prefix, workload, args.systems, args.repeat, args.warmup)
         ok = report["pipeline"]["checksums_equal"]
     if "concurrent" in selected:
-        from .concurrent import CONCURRENT_SYSTEMS, run_concurrent
+        from broker.bench.concurrent import CONCURRENT_SYSTEMS, run_concurrent
 
         reference = reference_checksums(workload)
         systems = [s for s in CONCURRENT_SYSTEMS if s in args.systems]
@@ -242,19 +242,19 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
             report["concurrent"]["systems"][system] = conc
             ok = ok and conc["checksums_equal"]
     if "sampling" in selected:
-        from .sampling import sampling_latency
+        from broker.bench.sampling import sampling_latency
 
         _say(f"sampling: docks of {', '.join(map(str, args.sampling_sizes))} rows x 16 columns, "
              "without and with ages in play")
         report["sampling"] = sampling_latency(url, f"{prefix}-sampling", sizes=args.sampling_sizes,
                                               calls=args.sampling_calls)
     if "balance" in selected:
-        from .balance import dp_balance
+        from broker.bench.balance import dp_balance
 
         _say("balance: each call's rows cut for 4 DP ranks, balanced and naive")
         report["balance"] = dp_balance(url, f"{prefix}-balance", workload)
     if "memory" in selected:
-        from .memory import measure
+        from broker.bench.memory import measure
 
         _say("memory: the whole batch in the broker, then in the floor")
         opened = openers(url, prefix, workload)
@@ -264,12 +264,12 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
             "redis-floor": (opened["redis-floor"], (f"bench:{{{prefix}-floor}}:*",)),
         })
     if args.fencing:
-        from .fencing import fencing_cost
+        from broker.bench.fencing import fencing_cost
 
         _say(f"fencing: the rollout's puts of {workload.capacity} rows, unfenced, fenced and leased, alternated")
         report["fencing"] = fencing_cost(url, f"{prefix}-fencing", workload, args.repeat, args.warmup)
     if args.exporter:
-        from .exporter import scrape_cost
+        from broker.bench.exporter import scrape_cost
 
         _say(f"exporter: {args.exporter_docks} docks, {args.exporter_scrapes} scrapes")
         report["exporter"] = scrape_cost(url, f"{prefix}-exporter", args.exporter_docks, args.exporter_scrapes)

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from ..connection import Client, connect, disconnect
+from broker.connection import Client, connect, disconnect
 
 
 @contextlib.contextmanager

@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..dock import TransferDock
-from .broker_dock import delete_dock
-from .docks import dock_target
-from .sampling import percentiles
+from broker.api.dock import TransferDock
+from broker.bench.broker_dock import delete_dock
+from broker.bench.docks import dock_target
+from broker.bench.sampling import percentiles
 
 CONSUMER, COLUMN = "soak", "payload"
 # kind, group, generation, latency (s), monotonic time (s)
@@ -265,7 +265,7 @@ def remove_folder(folder: Path) -> None:
 
 def run_soak(url: str, name: str, cfg: SoakConfig) -> dict[str, Any]:
     """Run the soak and return its figures and accounting; ``ok`` says whether every check passed."""
-    from .concurrent import context
+    from broker.bench.concurrent import context
 
     if cfg.kill and not cfg.leases:
         raise ValueError("killing clients needs leases: without them a killed client's rows are lost by design")

@@ -20,13 +20,13 @@ from collections.abc import Callable, Sequence
 
 from redis.cluster import RedisCluster
 
-from .acl import SHARDED_PUBSUB_COMMANDS, reader_rules, worker_rules
-from .connection import DEFAULT_CALL_TIMEOUT, bounded, connect, default_url, disconnect, redact, redis_errors
-from .dock import TransferDock
-from .errors import BrokerError, DockNotFoundError
-from .exporter import DEFAULT_PORT, MEMORY_KEYS_PER_SCRAPE, serve
-from .status import Survey
-from .watch import as_json, format_reading, watch
+from broker.api.dock import TransferDock
+from broker.connection import DEFAULT_CALL_TIMEOUT, bounded, connect, default_url, disconnect, redact, redis_errors
+from broker.control.status import Survey
+from broker.errors import BrokerError, DockNotFoundError
+from broker.ops.acl import SHARDED_PUBSUB_COMMANDS, reader_rules, worker_rules
+from broker.ops.exporter import DEFAULT_PORT, MEMORY_KEYS_PER_SCRAPE, serve
+from broker.ops.watch import as_json, format_reading, watch
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -180,7 +180,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     # Imported here: the benchmark pulls in Ray and multiprocessing machinery that status and clear never need.
-    from .bench.run import run
+    from broker.bench.run import run
 
     return run(args)
 
@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     # bench.options is argparse only, like workers.options; the benchmark itself loads in _bench.
-    from .bench.options import add_bench_arguments
+    from broker.bench.options import add_bench_arguments
 
     bench = commands.add_parser(
         "bench", help="measure the broker against a single-actor Ray dock, the Redis floor and an in-process dict",

@@ -42,11 +42,11 @@ import redis
 from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
-from .connection import CLUSTER_ATTEMPTS, Client, time_left
-from .errors import ServerConfigError
-from .fanout import REDIRECTS
-from .keys import DockKeys
-from .scripts import ALLOW_OOM
+from broker.connection import CLUSTER_ATTEMPTS, Client, time_left
+from broker.connection.fanout import REDIRECTS
+from broker.control.keys import DockKeys
+from broker.control.scripts import ALLOW_OOM
+from broker.errors import ServerConfigError
 
 log = logging.getLogger("broker")
 

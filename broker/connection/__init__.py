@@ -23,7 +23,7 @@ from redis.connection import AbstractConnection
 from redis.retry import Retry
 from redis.utils import SENTINEL
 
-from .errors import (
+from broker.errors import (
     BrokerConnectionError,
     BrokerError,
     BrokerTimeoutError,

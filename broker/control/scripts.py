@@ -33,9 +33,9 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from .connection import Client
-from .keys import DockKeys
-from .schema import Schema
+from broker.connection import Client
+from broker.control.keys import DockKeys
+from broker.control.schema import Schema
 
 #: Script name -> file in lua/. Listed explicitly so a missing file fails at import, not mid-run.
 SCRIPT_FILES = {
@@ -89,7 +89,7 @@ def lua_dir() -> Path:
     packaged = resources.files("broker") / "lua"
     if packaged.is_dir():
         return Path(str(packaged))
-    source = Path(__file__).resolve().parent.parent / "lua"
+    source = Path(__file__).resolve().parents[2] / "lua"
     if source.is_dir():
         return source
     raise FileNotFoundError(f"broker Lua scripts not found in {packaged} nor in {source}")

@@ -62,9 +62,8 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from . import fanout
-from .connection import Client, slow_reply, time_left
-from .errors import ClusterError
+from broker.connection import Client, fanout, slow_reply, time_left
+from broker.errors import ClusterError
 
 log = logging.getLogger("broker")
 

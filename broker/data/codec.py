@@ -55,7 +55,7 @@ import msgpack
 import numpy as np
 import torch
 
-from .errors import DecodeError, InvalidExperienceError
+from broker.errors import DecodeError, InvalidExperienceError
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("the broker's tensor format is little-endian; this host is big-endian")

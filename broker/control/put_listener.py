@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from .connection import Client
+from broker.connection import Client
 
 T = TypeVar("T")
 

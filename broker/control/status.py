@@ -19,11 +19,11 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from .connection import Client, script_error
-from .errors import BrokerError, DecodeError, DockNotFoundError, SchemaError
-from .keys import META_PATTERN, DockKeys, dock_name_from_meta_key
-from .schema import Schema, fingerprint
-from .scripts import StatusScript, run_pipeline
+from broker.connection import Client, script_error
+from broker.control.keys import META_PATTERN, DockKeys, dock_name_from_meta_key
+from broker.control.schema import Schema, fingerprint
+from broker.control.scripts import StatusScript, run_pipeline
+from broker.errors import BrokerError, DecodeError, DockNotFoundError, SchemaError
 
 
 @dataclass(frozen=True)

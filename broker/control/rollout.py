@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import SchemaError
+from broker.errors import SchemaError
 
 #: What ``stale_policy`` may be.
 STALE_POLICIES = ("drop", "regenerate")

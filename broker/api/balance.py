@@ -15,9 +15,9 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-from .delivery import like
-from .errors import InvalidExperienceError
-from .validation import PAD_INDEX
+from broker.api.checks import PAD_INDEX
+from broker.api.delivery import like
+from broker.errors import InvalidExperienceError
 
 
 def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool) -> list[list[int]]:

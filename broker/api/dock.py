@@ -13,53 +13,9 @@ from typing import Any, NoReturn, TypeVar, cast
 
 import redis
 
-from . import codec, metrics, server_checks
-from .balance import balanced_order, dp_padded
-from .connection import (
-    DEFAULT_CALL_TIMEOUT,
-    LAST_TRY_SECONDS,
-    Client,
-    call_deadline,
-    connect,
-    disconnect,
-    extend_call,
-    redact,
-    redis_errors,
-    sizes_unchecked,
-    uncarried,
-    value_limit,
-    waiting_call,
-)
-from .delivery import HandedRows, LeasedRows, check_delivery, fence_of, reordered
-from .errors import (
-    BrokerError,
-    DecodeError,
-    DockNotFoundError,
-    ExperienceTimeoutError,
-    InvalidExperienceError,
-    MissingDataError,
-    SchemaError,
-)
-from .generation import AGE_COLUMN, AGES_KEY, GenerationCalls
-from .keys import DockKeys
-from .put_listener import PutListener
-from .replication import REPEAT_SAFE, Replication
-from .rollout import Rollout
-from .schema import Schema, fingerprint
-from .scripts import (
-    DockScripts,
-    Finish,
-    Forgot,
-    Handout,
-    Selection,
-    new_request_id,
-    read_pipeline,
-    rows_of,
-    runs_of,
-)
-from .status import DockRef, read_statuses
-from .store import DataStore, ShardedStore, SlotStore, choose_shards
-from .validation import (
+from broker.api import metrics
+from broker.api.balance import balanced_order, dp_padded
+from broker.api.checks import (
     DockChecks,
     abbrev,
     check_call_timeout,
@@ -78,6 +34,52 @@ from .validation import (
     length_values,
     metric_values,
     unchecked_value,
+)
+from broker.api.delivery import HandedRows, LeasedRows, check_delivery, fence_of, reordered
+from broker.api.generation import AGE_COLUMN, AGES_KEY, GenerationCalls
+from broker.connection import (
+    DEFAULT_CALL_TIMEOUT,
+    LAST_TRY_SECONDS,
+    Client,
+    call_deadline,
+    connect,
+    disconnect,
+    extend_call,
+    redact,
+    redis_errors,
+    sizes_unchecked,
+    uncarried,
+    value_limit,
+    waiting_call,
+)
+from broker.connection.replication import REPEAT_SAFE, Replication
+from broker.control import server_checks
+from broker.control.keys import DockKeys
+from broker.control.put_listener import PutListener
+from broker.control.rollout import Rollout
+from broker.control.schema import Schema, fingerprint
+from broker.control.scripts import (
+    DockScripts,
+    Finish,
+    Forgot,
+    Handout,
+    Selection,
+    new_request_id,
+    read_pipeline,
+    rows_of,
+    runs_of,
+)
+from broker.control.status import DockRef, read_statuses
+from broker.data import codec
+from broker.data.store import DataStore, ShardedStore, SlotStore, choose_shards
+from broker.errors import (
+    BrokerError,
+    DecodeError,
+    DockNotFoundError,
+    ExperienceTimeoutError,
+    InvalidExperienceError,
+    MissingDataError,
+    SchemaError,
 )
 
 #: A batch: per column, one row per index: a tensor, or the plain value that was put (see ``codec``).

@@ -3,7 +3,7 @@
 Each scrape is one round trip to Redis in the steady state: the status of every dock (one call of
 the status script per dock, as ``broker status``) and this scrape's share of memory samples, in one
 pipeline. The docks' schemas are kept between scrapes; the server is scanned for new docks at most
-every ``rescan_seconds`` (see :class:`~broker.status.Survey`).
+every ``rescan_seconds`` (see :class:`~broker.control.status.Survey`).
 
 Memory is sampled, not summed over every key: ``MEMORY USAGE`` costs the server a walk of the key's
 sampled elements, so each scrape measures at most ``memory_keys`` keys, taking the docks' keys in
@@ -33,10 +33,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import CollectorRegistry
 from redis.client import Pipeline
 
-from .connection import Client, bounded
-from .errors import BrokerError
-from .keys import DockKeys
-from .status import DockRef, Survey
+from broker.connection import Client, bounded
+from broker.control.keys import DockKeys
+from broker.control.status import DockRef, Survey
+from broker.errors import BrokerError
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, SupportsIndex, overload
 
-from .errors import InvalidExperienceError
-from .scripts import Fence, Handout, rows_of, runs_of
+from broker.control.scripts import Fence, Handout, rows_of, runs_of
+from broker.errors import InvalidExperienceError
 
 
 class HandedRows(list[int]):

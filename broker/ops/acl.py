@@ -22,7 +22,7 @@ SSUBSCRIBE by waiting readers), which Redis 6.2 does not know: ``sharded_pubsub=
 
 from __future__ import annotations
 
-from .keys import PREFIX, DockKeys, shard_pattern
+from broker.control.keys import PREFIX, DockKeys, shard_pattern
 
 #: Commands sent by the client (dock methods and redis-py's connection set-up).
 CLIENT_COMMANDS = (

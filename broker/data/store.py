@@ -60,11 +60,9 @@ import redis
 from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
-from . import fanout
-from .connection import Client
-from .errors import BrokerError, DecodeError, FencedError
-from .keys import DockKeys, shard_pattern, shard_tag
-from .scripts import (
+from broker.connection import Client, fanout
+from broker.control.keys import DockKeys, shard_pattern, shard_tag
+from broker.control.scripts import (
     DockScripts,
     Fence,
     Finish,
@@ -76,6 +74,7 @@ from .scripts import (
     run_pipeline,
     runs_of,
 )
+from broker.errors import BrokerError, DecodeError, FencedError
 
 #: Per column, field -> encoded bytes: what a put writes (field = the row in decimal).
 Encoded = dict[str, dict[str, bytes]]

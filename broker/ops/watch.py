@@ -20,8 +20,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .errors import BrokerError
-from .status import Survey
+from broker.control.status import Survey
+from broker.errors import BrokerError
 
 _HOME_AND_CLEAR = "\x1b[H\x1b[J"
 _HIDE_CURSOR, _SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"

@@ -85,7 +85,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from .errors import SchemaError
+from broker.errors import SchemaError
 
 PREFIX = "td"
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DecodeError, SchemaError
-from .keys import check_name
-from .rollout import Rollout
+from broker.control.keys import check_name
+from broker.control.rollout import Rollout
+from broker.errors import DecodeError, SchemaError
 
 #: Version of the key layout and meta format; a dock written by another version is refused.
 FORMAT_VERSION = 1

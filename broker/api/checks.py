@@ -15,17 +15,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import codec
-from .connection import MIN_VALUE_LIMIT, ValueLimit
-from .delivery import LeasedRows
-from .errors import (
+from broker.api.delivery import LeasedRows
+from broker.connection import MIN_VALUE_LIMIT, ValueLimit
+from broker.control.schema import Schema
+from broker.data import codec
+from broker.errors import (
     ExperienceTooLargeError,
     InvalidExperienceError,
     RowIndexError,
     UnknownColumnError,
     UnknownConsumerError,
 )
-from .schema import Schema
 
 #: Which qualifying rows sampling hands out: lowest group first, a seeded random pick, or a batch of
 #: average total length by the dock's length columns (MindSpeed's use_batch_seqlen_balance).

@@ -13,16 +13,16 @@ from typing import Any, TypeVar
 import redis
 import torch
 
-from .connection import Client
-from .delivery import HandedRows, check_delivery, fence_of
-from .errors import DataLostError, DecodeError, InvalidExperienceError
-from .keys import DockKeys
-from .replication import REPEAT_SAFE
-from .rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
-from .schema import Schema
-from .scripts import DockScripts, Forgot, Selection
-from .store import DataStore
-from .validation import DockChecks, bitmap_count, check_flag, check_version, encode_column, is_int
+from broker.api.checks import DockChecks, bitmap_count, check_flag, check_version, encode_column, is_int
+from broker.api.delivery import HandedRows, check_delivery, fence_of
+from broker.connection import Client
+from broker.connection.replication import REPEAT_SAFE
+from broker.control.keys import DockKeys
+from broker.control.rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
+from broker.control.schema import Schema
+from broker.control.scripts import DockScripts, Forgot, Selection
+from broker.data.store import DataStore
+from broker.errors import DataLostError, DecodeError, InvalidExperienceError
 
 T = TypeVar("T")
 #: A batch, as ``TransferDock`` returns it: per column, one row per index.

