@@ -175,9 +175,9 @@ def test_clearing_rows_zeroes_their_lengths(make_dock, client):
     dock = length_dock(make_dock, prompts_num=2, n=1)
     put_lengths(dock, [3, 4], [10, 20])
     dock.clear([1])
-    assert dock._row_costs([0, 1], list(LENGTHS)) == [13, 0]
+    assert dock._handouts._row_costs([0, 1], list(LENGTHS)) == [13, 0]
     dock.clear()
-    assert not client.exists(dock._keys.lengths("prompt_length"))
+    assert not client.exists(dock.keys.lengths("prompt_length"))
 
 
 def test_explicit_rows_are_balanced_as_rows_not_as_groups(make_dock):

@@ -13,7 +13,7 @@ import redis
 import torch
 from redis.cluster import RedisCluster
 
-import broker.api.dock
+import broker.api.handout
 from broker import (
     BrokerError,
     DecodeError,
@@ -326,7 +326,7 @@ def test_explicit_indexes_time_out_naming_what_is_missing_and_mark_nothing(make_
 
 def test_waiting_get_is_woken_by_a_put(make_dock, monkeypatch):
     # With the safety re-check pushed out of reach, only the put's notification can end the wait early.
-    monkeypatch.setattr(broker.api.dock, "_RECHECK_SECONDS", 60.0)
+    monkeypatch.setattr(broker.api.handout, "_RECHECK_SECONDS", 60.0)
     dock = make_dock(prompts_num=2, n=2)
     writer = threading.Timer(0.3, lambda: fill(dock, columns=["prompts"], rows=[0, 1]))
     writer.start()
@@ -339,7 +339,7 @@ def test_waiting_get_is_woken_by_a_put(make_dock, monkeypatch):
 
 
 def test_waiting_explicit_get_is_woken_by_a_put(make_dock, monkeypatch):
-    monkeypatch.setattr(broker.api.dock, "_RECHECK_SECONDS", 60.0)
+    monkeypatch.setattr(broker.api.handout, "_RECHECK_SECONDS", 60.0)
     dock = make_dock(prompts_num=2, n=2)
     writer = threading.Timer(0.3, lambda: fill(dock, columns=["prompts"], rows=[2]))
     writer.start()

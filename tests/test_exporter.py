@@ -177,7 +177,7 @@ def test_named_docks_only_and_a_missing_one(url, exporter):
 def test_memory_is_sampled_a_bounded_share_per_scrape(url, exporter):
     dock = make(url, "grpo")
     dock.put_experience({"prompts": torch.ones(8, 256)}, indexes=list(range(8)))
-    keys = dock._keys.every_key(dock.columns, dock.consumers)
+    keys = dock.keys.every_key(dock.columns, dock.consumers)
     server = exporter(memory_keys=4)
     admin = redis.Redis.from_url(url)
     admin.config_resetstat()

@@ -68,13 +68,13 @@ def test_a_sharded_dock_spreads_groups_over_its_shards(target):
 def test_a_clear_between_write_and_mark_refuses_the_mark(target):
     """The hazard of a two-step put: the clear lands after the bytes and before the marking."""
     dock = _dock(target)
-    store = dock._store
+    store = dock._session.store
     assert isinstance(store, ShardedStore)
     rows, runs = [0, 1, 2], [0, 3]
-    epoch, gens = dock._scripts.fence_now(runs)
+    epoch, gens = dock._session.scripts.fence_now(runs)
     written = store._write({"prompts": {str(r): _encoded(r) for r in rows}}, rows, epoch, gens)
     dock.clear([1])  # between the two steps
-    marked = dock._scripts.mark(["prompts"], runs, {}, epoch, gens)
+    marked = dock._session.scripts.mark(["prompts"], runs, {}, epoch, gens)
     assert marked.stale == (1,) and not marked.epoch_moved
     assert dock.status()["columns"]["prompts"]["ready"] == 0  # nothing marked: not even rows 0 and 2
     store._delete_fields(written, {1})
@@ -87,12 +87,12 @@ def test_a_clear_between_write_and_mark_refuses_the_mark(target):
 
 def test_a_whole_clear_between_write_and_mark_refuses_every_row(target):
     dock = _dock(target)
-    store = dock._store
+    store = dock._session.store
     rows, runs = [0, 1], [0, 2]
-    epoch, gens = dock._scripts.fence_now(runs)
+    epoch, gens = dock._session.scripts.fence_now(runs)
     written = store._write({"prompts": {str(r): _encoded(r) for r in rows}}, rows, epoch, gens)
     dock.clear()
-    marked = dock._scripts.mark(["prompts"], runs, {}, epoch, gens)
+    marked = dock._session.scripts.mark(["prompts"], runs, {}, epoch, gens)
     assert marked.epoch_moved
     store._delete_fields(written, None)
     assert _shard_keys(dock) == []
@@ -101,10 +101,10 @@ def test_a_whole_clear_between_write_and_mark_refuses_every_row(target):
 
 def test_a_put_that_died_between_the_steps_leaves_bytes_the_next_clear_removes(target):
     dock = _dock(target)
-    store = dock._store
+    store = dock._session.store
     dock.put_experience(_rows([10, 11]), [2, 3])
     rows, runs = [0, 1], [0, 2]
-    epoch, gens = dock._scripts.fence_now(runs)
+    epoch, gens = dock._session.scripts.fence_now(runs)
     store._write({"prompts": {str(r): _encoded(r) for r in rows}}, rows, epoch, gens)  # ... and dies
     status = dock.status()["columns"]["prompts"]
     assert status["ready"] == 2  # the dead put marked nothing
@@ -119,9 +119,9 @@ def test_a_put_refused_once_leaves_nothing_past_the_next_row_clear(target):
     """A put that read generation g, lost to a clear, and died: its bytes sit under g; the row clear
     after the next one deletes them (a clear deletes its generation and the one before)."""
     dock = _dock(target)
-    store = dock._store
+    store = dock._session.store
     rows, runs = [0], [0, 1]
-    epoch, gens = dock._scripts.fence_now(runs)
+    epoch, gens = dock._session.scripts.fence_now(runs)
     dock.clear([0])  # the put's generation ends before its bytes land
     store._write({"prompts": {"0": _encoded(0)}}, rows, epoch, gens)  # ... and it dies
     dock.put_experience(_rows([5]), [0])
@@ -134,13 +134,13 @@ def test_a_refused_put_keeps_the_bytes_of_rows_another_put_owns(target):
     """Two puts of row 0 under the same generation write the same field; if one of them is refused
     because another of its rows moved, it must not delete row 0's field, which the other put marked."""
     dock = _dock(target)
-    store = dock._store
+    store = dock._session.store
     a_rows, a_runs = [0, 1], [0, 2]
-    epoch, gens = dock._scripts.fence_now(a_runs)
+    epoch, gens = dock._session.scripts.fence_now(a_runs)
     a_written = store._write({"prompts": {"0": _encoded(100), "1": _encoded(101)}}, a_rows, epoch, gens)
     dock.put_experience(_rows([200]), [0])  # put B of row 0 alone, same generation: marked
     dock.clear([1])
-    marked = dock._scripts.mark(["prompts"], a_runs, {}, epoch, gens)
+    marked = dock._session.scripts.mark(["prompts"], a_runs, {}, epoch, gens)
     assert marked.stale == (1,)
     store._delete_fields(a_written, {i for i, r in enumerate(a_rows) if r in marked.stale})
     batch, _ = dock.get_experience("actor_train", ["prompts"], indexes=[0])

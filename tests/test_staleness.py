@@ -97,7 +97,7 @@ def test_two_samplers_finding_one_stale_group_count_it_once(make_dock):
     assert dock.keys is not None
     # What a second client finding the same group would send, after the first discarded it.
     dock.get_experience("actor_train", ["prompts", "responses"], 2)
-    assert dock._scripts.discard([0], regenerate=False, field="stale", max_staleness=0).value == 0
+    assert dock._session.scripts.discard([0], regenerate=False, field="stale", max_staleness=0).value == 0
     assert dock.status()["discarded"] == {"stale": 1}
 
 

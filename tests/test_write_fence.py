@@ -198,7 +198,7 @@ def test_a_sharded_put_holds_its_lease_while_its_bytes_travel(make_dock):
     runs = [0, 2]
     from broker.api.delivery import fence_of
 
-    dock._scripts.claim(runs, fence_of(rows, [0, 1]), 5_000)  # the put's first step...
+    dock._session.scripts.claim(runs, fence_of(rows, [0, 1]), 5_000)  # the put's first step...
     time.sleep(0.2)  # ...its bytes take longer than the lease had left
     assert dock.get_experience("rollout", ["prompts"], 2, lease=30) == (None, None)
     dock.put_experience({"responses": answers([1, 1], worker=1)}, rows)

@@ -664,7 +664,7 @@ class TransferQueueClient(_Docked):
             dock.close()
             raise _bad(f"Topic '{topic}' already exists")
         # Not part of the schema; written through the dock's one way of writing, which waits for replicas.
-        dock._write("add_topic", lambda: dock.client.hset(dock.keys.meta, "tq_timeout", str(float(timeout))),
+        dock._session.write("add_topic", lambda: dock.client.hset(dock.keys.meta, "tq_timeout", str(float(timeout))),
                     returns=False)
         self._docks[topic] = dock
         if metrics is not None and getattr(metrics, "metric", None):

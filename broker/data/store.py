@@ -53,7 +53,8 @@ then mark ready (lua/mark.lua). The interleavings that matter, and why each is s
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import redis
@@ -61,6 +62,7 @@ from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
 from broker.connection import Client, fanout
+from broker.connection.replication import Replication
 from broker.control.keys import DockKeys, shard_pattern, shard_tag
 from broker.control.scripts import (
     DockScripts,
@@ -79,11 +81,6 @@ from broker.errors import BrokerError, DecodeError, FencedError
 #: Per column, field -> encoded bytes: what a put writes (field = the row in decimal).
 Encoded = dict[str, dict[str, bytes]]
 
-#: What a sharded put calls, with wait_replicas, to wait until replicas of the nodes holding some keys (the
-#: data shards' ``replicated`` counters) have its bytes, before it marks them (see replication.py); None: no
-#: waiting. The wait for the marks comes after the put, in the dock, as for every call that writes.
-Durable = Callable[[Sequence[str]], None]
-
 #: How many times a sharded put writes again after clears moved its rows between its two steps. Each
 #: retry means a clear of these rows landed within one round trip; running out takes a clearer in a
 #: tight loop, and the put then fails with a BrokerError saying so.
@@ -94,18 +91,36 @@ PUT_RETRIES = 16
 HOLD_MS = 60_000
 
 
+@dataclass(frozen=True)
+class PutRequest:
+    """One put, as the dock hands it down: checked, encoded and sorted already (see ``api/puts.py``)."""
+
+    #: Per column, field (the row in decimal) -> encoded bytes.
+    encoded: Encoded
+    #: The rows, as runs (see ``runs_of``).
+    runs: Sequence[int]
+    #: Per length column, one length per row in ascending row order.
+    lengths: dict[str, list[int]]
+    #: Completion flags and version to record with the marks, if any.
+    finish: Finish | None = None
+    #: The delivery the put is fenced by (a stage's result for rows it was handed), if any.
+    fence: Fence | None = None
+    #: With a leased ``fence``: end the lease of the rows in the same step.
+    ack: bool = False
+    #: How long a sharded put holds the lease of a leased ``fence`` while its bytes travel (claim.lua).
+    hold_ms: int = HOLD_MS
+
+
 class DataStore(Protocol):
     """Where a dock's row bytes live (see the module docstring)."""
 
-    def put(
-        self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
-        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS, ack: bool = False,
-    ) -> None:
+    def put(self, put: PutRequest) -> None:
         """Write the rows' bytes and mark them ready in their columns, with what ``finish`` records; all
         or nothing, and once however often it is resent. With ``fence``, only while that delivery still
         holds the rows (else FencedError, nothing written), and with ``ack`` too, ending its lease of
-        them in the same step. With ``durable``, wait for replicas of the bytes before marking them (on
-        data shards: in one slot bytes and marks are one MULTI); the caller waits for the marks'."""
+        them in the same step. On data shards with ``wait_replicas``, the bytes reach the shards'
+        replicas before they are marked (in one slot bytes and marks are one MULTI); the caller waits
+        for the marks' replicas, as for every call that writes."""
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         """The bytes of the handout's ``rows`` (in that order) per column, or None if a clear took any of
@@ -126,13 +141,11 @@ class DataStore(Protocol):
 class SlotStore:
     """The bytes in the dock's own slot; a put is one MULTI (see the module docstring)."""
 
-    def __init__(self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Callable[[], Sequence[str]]):
-        self._client, self._keys, self._scripts, self._columns = client, keys, scripts, columns
+    def __init__(self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Sequence[str]):
+        self._client, self._keys, self._scripts, self._columns = client, keys, scripts, tuple(columns)
 
-    def put(
-        self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
-        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS, ack: bool = False,
-    ) -> None:
+    def put(self, put: PutRequest) -> None:
+        encoded, runs, lengths, finish, fence, ack = put.encoded, put.runs, put.lengths, put.finish, put.fence, put.ack
         request_id = new_request_id()  # the same in the client's resends of this MULTI
         columns = list(encoded)
 
@@ -181,17 +194,18 @@ class SlotStore:
         return forgot.value, []
 
     def data_keys(self) -> list[str]:
-        return [self._keys.data(c) for c in self._columns()]
+        return [self._keys.data(c) for c in self._columns]
 
 
 class ShardedStore:
     """The bytes over data shards on several nodes; a put is two steps (see the module docstring)."""
 
     def __init__(
-        self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Callable[[], Sequence[str]],
-        shards: Sequence[str], n_samples_per_prompt: int,
+        self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Sequence[str],
+        shards: Sequence[str], n_samples_per_prompt: int, replication: Replication,
     ):
-        self._client, self._keys, self._scripts, self._columns = client, keys, scripts, columns
+        self._client, self._keys, self._scripts, self._columns = client, keys, scripts, tuple(columns)
+        self._replication = replication
         self._shards = tuple(shards)
         self._n = n_samples_per_prompt
         #: Row -> (epoch, generation) of rows this object read last, each kept until the next put of the row.
@@ -211,16 +225,14 @@ class ShardedStore:
             out.setdefault(self._shard(row), []).append((i, f"{row}:{gen}"))
         return out
 
-    def put(
-        self, encoded: Encoded, runs: Sequence[int], lengths: dict[str, list[int]], finish: Finish | None,
-        fence: Fence | None = None, durable: Durable | None = None, hold_ms: int = HOLD_MS, ack: bool = False,
-    ) -> None:
+    def put(self, put: PutRequest) -> None:
+        encoded, runs, lengths, finish, fence, ack = put.encoded, put.runs, put.lengths, put.finish, put.fence, put.ack
         rows = rows_of(runs)  # ascending, the order of the generations the fence returns
         columns = list(encoded)
         request_id = new_request_id()  # one for the whole put: mark.lua keeps only a reply that marked
         if fence is not None:
             if fence.token:
-                self._scripts.claim(runs, fence, hold_ms)
+                self._scripts.claim(runs, fence, put.hold_ms)
             for row in rows:
                 self._seen.pop(row, None)
             guess: tuple[int, bytes] | None = (fence.epoch, fence.generations)
@@ -230,10 +242,13 @@ class ShardedStore:
             epoch, generations = guess or self._scripts.fence_now(runs)
             guess = None
             written = self._write(encoded, rows, epoch, generations)
-            if durable is not None:
+            if self._replication.replicas:
                 # The bytes reach the shards' replicas before any reader may be handed them: a shard
                 # failing over afterwards cannot leave rows ready whose bytes it lost.
-                durable(sorted({DockKeys.shard_replicated(self._shard(r)) for r in rows}))
+                self._replication.wait(
+                    sorted({DockKeys.shard_replicated(self._shard(r)) for r in rows}), f"dock {self._keys.name!r}: put",
+                    applied=False, outcome="its bytes were written to the data shards' primaries, but no row was "
+                    "marked ready")
             # FencedError here: the lease was taken over. The fields are the rows' current ones, maybe
             # holding the taker's bytes by now, so they stay (see the module docstring).
             marked = self._scripts.mark(columns, runs, lengths, epoch, generations, finish, fence, request_id, ack)
@@ -348,7 +363,7 @@ class ShardedStore:
         for row in forgot.rows:
             self._seen.pop(row, None)
         commands: list[fanout.Command] = []
-        columns = self._columns()
+        columns = self._columns
         if whole:
             # The ended epoch's hashes, and the one before's: orphans of a put that read it and died.
             for tag in self._shards:

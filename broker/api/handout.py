@@ -1,0 +1,347 @@
+"""Handing rows out: sampling whole groups or rows (lua/sample.lua), taking explicit rows (lua/take.lua),
+waiting for puts, leases and their acks, the batch cursor, and what each consumer reads.
+
+A hand-out marks rows in the control plane first and reads their bytes after (``reads.py``); a clear
+landing in between makes the call hand rows out afresh, never return the next batch's bytes. Rows handed
+out come back as their delivery (``delivery.py``), which fences the stage's put of its results.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
+
+import redis
+
+from broker.api import metrics
+from broker.api.balance import balanced_order, dp_padded
+from broker.api.checks import (
+    abbrev,
+    check_flag,
+    check_lease,
+    check_policy,
+    check_timeout,
+    drop_padding,
+    is_int,
+    lease_token,
+)
+from broker.api.delivery import HandedRows, LeasedRows, reordered
+from broker.api.generation import AGE_COLUMN, AGES_KEY, Generation
+from broker.api.reads import Batch, RowReader, Unreadable
+from broker.api.session import RACE_RETRIES, DockSession
+from broker.connection import LAST_TRY_SECONDS, extend_call, waiting_call
+from broker.control.scripts import Handout, Selection, new_request_id, rows_of, runs_of
+from broker.errors import DecodeError, ExperienceTimeoutError, InvalidExperienceError
+
+T = TypeVar("T")
+
+#: Sampling with no partial rollout and no staleness bound.
+_PLAIN = Selection()
+
+#: Longest a waiting reader sleeps between checks even without a notification. Pub/sub delivers at
+#: most once (a reconnect can drop a message), so this bounds the cost of a lost one; it is not polling.
+_RECHECK_SECONDS = 1.0
+
+#: How many times one call hands rows out again after a clear took some of them away before their
+#: bytes were read (see ``RowReader.read``). Each retry means a clear landed in a window of one round
+#: trip, so running out of them takes a clearer in a tight loop; the call then finds nothing this time.
+_FENCE_RETRIES = RACE_RETRIES
+
+
+class Handouts:
+    """Handing rows out and taking them back: a part of ``TransferDock``, on the dock's session."""
+
+    def __init__(self, session: DockSession, generation: Generation, reader: RowReader):
+        self._s, self._generation, self._reader = session, generation, reader
+
+    def get(
+        self,
+        consumer: str,
+        experience_columns: Sequence[str] | None = None,
+        experience_count: int | None = None,
+        indexes: Sequence[int] | None = None,
+        get_n_samples: bool = True,
+        timeout: float | None = None,
+        policy: str | None = None,
+        lease: float | None = None,
+        *,
+        dp_size: int = 1,
+        balance: bool | Sequence[str] = False,
+        dp_padding: bool = False,
+        max_staleness: int | None = None,
+    ) -> tuple[Batch, list[int]] | tuple[None, None]:
+        """Hand rows to ``consumer`` (see ``TransferDock.get_experience``)."""
+        # The wait and every attempt end by ``timeout`` (see waiting_call and _wait); reading rows once
+        # handed out, by call_timeout (see _read).
+        with metrics.observe(self._s.name, "get") as call, waiting_call(timeout, self._s.call_timeout):
+            self._s.check.consumer(consumer)
+            if experience_columns is None:
+                experience_columns = self.consumer_columns(consumer)
+            rollout = self._s.schema.rollout
+            generating = rollout.partial and consumer == rollout.consumer
+            want_age = (
+                generating and isinstance(experience_columns, (list, tuple))
+                and AGE_COLUMN in experience_columns and AGE_COLUMN not in self._s.schema.columns
+            )
+            if want_age:
+                experience_columns = [c for c in experience_columns if c != AGE_COLUMN]
+            columns = self._s.check.columns_to_read(experience_columns)
+            check_timeout(timeout)
+            lease_ms = check_lease(lease)
+            groups = check_flag("get_n_samples", get_n_samples)
+            ranks = self._s.check.dp_size(dp_size)
+            weigh_by = self._s.check.balance(balance)
+            check_flag("dp_padding", dp_padding)
+            staleness = self._generation.staleness(consumer, max_staleness)
+            got: tuple[Batch, list[int]] | None
+            if generating and groups:
+                raise InvalidExperienceError(
+                    "get_n_samples not supported for rollout when actor_rollout enables partial_rollout: "
+                    f"consumer {consumer!r} of dock {self._s.name!r} takes unfinished rows one by one"
+                )
+            if indexes is not None:
+                if generating:
+                    raise InvalidExperienceError(
+                        f"dock {self._s.name!r}: the rollout consumer of a partial-rollout dock samples its rows "
+                        "(oldest first); explicit indexes are not supported for it"
+                    )
+                rows = self._s.check.rows(indexes)
+                self._s.check.take_count(experience_count, rows)
+                got = self._take_rows(consumer, columns, rows, lease_ms, timeout, call)
+            else:
+                count = self._s.check.sample_count(experience_count, groups)
+                policy = check_policy(policy or self._s.policy)
+                weights = (weigh_by or list(self._s.schema.length_columns)) if policy == "seqlen" else []
+                select = self._generation.selection(consumer, groups, staleness)
+                sampler = self._sampler(consumer, columns, count, groups, policy, lease_ms, call, weights, select)
+                got = self._wait(sampler, timeout)
+            if got is None:
+                call.empty = True
+                return None, None
+            batch, rows = got
+            if want_age:
+                batch[AGE_COLUMN] = batch.pop(AGES_KEY)
+            batch.pop(AGES_KEY, None)
+            if ranks > 1 and weigh_by and len(rows) >= ranks:
+                # Explicit rows come in the caller's order, not as whole groups: balance them as rows.
+                batch, rows = self._balanced(batch, rows, ranks, weigh_by, groups and indexes is None)
+            if ranks > 1 and dp_padding and len(rows) % ranks:
+                batch, rows = dp_padded(batch, rows, ranks)
+            call.rows = len(rows)
+            return batch, rows
+
+    def _balanced(
+        self, batch: Batch, rows: list[int], ranks: int, weigh_by: list[str], groups: bool
+    ) -> tuple[Batch, list[int]]:
+        """``batch`` reordered so that ``ranks`` equal chunks of it carry nearly equal load.
+
+        A row's cost is the sum of its length columns, read from their u32 arrays with one BITFIELD
+        per column in one round trip (the batch was handed out already: its order needs no atomicity).
+        A batch that does not split into ``ranks`` equal chunks is left as it is.
+        """
+        cost = self._row_costs(rows, weigh_by)
+        n = self._s.schema.n_samples_per_prompt
+        if groups and len(rows) % n == 0 and (len(rows) // n) % ranks == 0:
+            # Rows of one group are consecutive in the batch: order whole groups.
+            group_cost = [sum(cost[g * n : (g + 1) * n]) for g in range(len(rows) // n)]
+            order = [g * n + j for g in balanced_order(group_cost, ranks) for j in range(n)]
+        elif len(rows) % ranks == 0:
+            order = balanced_order(cost, ranks)
+        else:
+            return batch, rows
+        return reordered(batch, rows, order)
+
+    def _row_costs(self, rows: list[int], columns: list[str]) -> list[int]:
+        """Sum of the length columns of each row, from the length arrays the puts keep."""
+        def reads(pipe: redis.client.Pipeline) -> None:
+            for c in columns:
+                args = [x for r in rows for x in ("GET", "u32", f"#{r}")]
+                pipe.execute_command("BITFIELD", self._s.keys.lengths(c), *args)
+
+        replies = self._s.reads(reads)
+        return [sum(int(reply[i]) for reply in replies) for i in range(len(rows))]
+
+    def _take_rows(
+        self, consumer: str, columns: list[str], rows: list[int], lease_ms: int, timeout: float | None,
+        call: metrics.Call,
+    ) -> tuple[Batch, list[int]]:
+        runs = runs_of(rows)
+        missing: dict[str, list[int]] = {}
+
+        def take() -> tuple[Batch, list[int]] | None:
+            missing.clear()
+            for _ in range(_FENCE_RETRIES):
+                token = "r" + new_request_id() if lease_ms else ""
+                got = self._s.scripts.take(consumer, columns, runs, lease_ms=lease_ms, token=token)
+                if not isinstance(got, Handout):
+                    for col, cells in got.items():  # the script goes by runs; report in the caller's order
+                        unwritten = set(cells)
+                        missing[col] = [r for r in rows if r in unwritten]
+                    return None
+                try:
+                    batch = self._reader.read(columns, rows, got, call)
+                except Unreadable as bad:  # give back only what this take handed out
+                    fresh = got if got.fresh is None else got.only(got.fresh)
+                    self._reader.give_back_unreadable(consumer, fresh, token, new_request_id(), False, bad)
+                if batch is not None:
+                    self._s.replicated("get_experience", None, [self._s.keys.replicated], hands_out=True)
+                    return batch, self._handed_out(rows, got, token, consumer)
+                # A clear took some rows between the take and the read. Nothing to give back: a take
+                # may re-take rows already handed out, and the next try marks the same rows again.
+            return None
+
+        got = self._wait(take, timeout)
+        if got is not None:
+            return got
+        if missing:
+            detail = "; ".join(f"{col}: rows {abbrev(r)}" for col, r in missing.items())
+        else:
+            detail = f"rows {abbrev(rows)} were cleared each of the {_FENCE_RETRIES} times they were read"
+        raise ExperienceTimeoutError(
+            f"dock {self._s.name!r}, consumer {consumer!r}: rows not written within timeout={timeout}: {detail}",
+            missing,
+        )
+
+    def _sampler(
+        self, consumer: str, columns: list[str], count: int, groups: bool, policy: str, lease_ms: int,
+        call: metrics.Call, weigh_by: Sequence[str] = (), select: Selection = _PLAIN,
+    ) -> Callable[[], tuple[Batch, list[int]] | None]:
+        """One sampling attempt of ``count`` units (groups when ``groups``, else rows), checked already."""
+        rollout = self._s.schema.rollout
+        # The rollout consumer's response columns are not ready while rows are out for generation, and
+        # a row it is handed back (lease expired, or put unfinished) still holds its partial response:
+        # only the other columns decide which rows qualify; the read takes the responses as they are.
+        status_columns = [c for c in columns if c not in select.unready] if select.unready else columns
+        if not status_columns:
+            raise InvalidExperienceError(
+                f"dock {self._s.name!r}: the rollout consumer must read a column beside the response columns "
+                f"{list(rollout.response_columns)} (the prompt), which decides the rows it may take"
+            )
+
+        def sample() -> tuple[Batch, list[int]] | None:
+            for _ in range(_FENCE_RETRIES):
+                # A fresh id per attempt; the client's own retries of this one call resend the same id,
+                # so a reply lost on a dropped connection is answered again, not sampled twice.
+                request_id = new_request_id()
+                token = ("g" if groups else "r") + request_id if lease_ms else ""
+                seed = self._s.seeds.peek() if policy != "fifo" else 0  # "seqlen" may fall back to random
+                sampled = self._s.scripts.sample(
+                    consumer, status_columns, groups=groups, count=count, policy=policy, seed=seed,
+                    lease_ms=lease_ms, request_id=request_id, token=token,
+                    weigh_by=weigh_by, select=select,
+                )
+                if sampled.stale:
+                    self._generation.discard_stale(list(sampled.stale), select.max_staleness)
+                handout = sampled.handout
+                if handout is None:
+                    return None
+                if policy != "fifo":
+                    self._s.seeds.advance(seed)
+                rows = rows_of(handout.runs)
+                try:
+                    batch = self._reader.read(columns, rows, handout, call)
+                except Unreadable as bad:
+                    self._reader.give_back_unreadable(consumer, handout, token, request_id, groups, bad)
+                if batch is not None:
+                    if select.tiers:
+                        ages = self._s.schema.rollout.age_buckets - 1  # the age tiers come first
+                        batch, rows = self._generation.oldest_first(batch, rows, handout.tiers, ages)
+                    self._s.replicated("get_experience", None, [self._s.keys.replicated], hands_out=True)
+                    return batch, self._handed_out(rows, handout, token, consumer)
+                # A clear took some of the rows between sampling and reading: give back the rest
+                # (they were never delivered) and sample again.
+                give_back = functools.partial(self._s.scripts.release, consumer, handout, token, request_id,
+                                              groups=groups)
+                # Part of a hand-out: a shortfall is logged, as the hand-out's own is (hands_out).
+                self._s.write("get_experience (giving back rows a clear took)", give_back, hands_out=True)
+            return None
+
+        return sample
+
+    @staticmethod
+    def _handed_out(rows: list[int], handout: Handout, token: str, consumer: str) -> HandedRows:
+        """``rows`` as the delivery they are: with the lease's ``token`` if they were leased."""
+        if token:
+            return LeasedRows(rows, token, consumer, handout.epoch, handout.runs, handout.generations)
+        return HandedRows(rows, handout.epoch, handout.runs, handout.generations)
+
+    def _wait(self, attempt: Callable[[], T | None], timeout: float | None) -> T | None:
+        """Run ``attempt`` until it returns a value or ``timeout`` seconds pass, woken by puts. Each attempt,
+        the last one made at ``timeout`` too, has at least LAST_TRY_SECONDS to answer."""
+        def attempt_in_time() -> T | None:
+            extend_call(LAST_TRY_SECONDS)
+            return self._s.run(attempt)
+
+        return self._s.listener.wait(attempt_in_time, timeout, _RECHECK_SECONDS)
+
+    def all_consumed(self, consumer: str) -> bool:
+        """Whether ``consumer`` was handed every row and acked every lease, after giving back expired ones."""
+        self._s.check.consumer(consumer)
+
+        def done() -> bool:  # the expired leases given back (a write) and the answer, waited on together
+            consumed, leased = self._s.scripts.reclaim(consumer)
+            rollout = self._s.schema.rollout
+            if not rollout.partial:
+                return consumed == self._s.schema.capacity and leased == 0
+            if consumer == rollout.consumer:
+                return self._generation.finished_groups() >= rollout.gbs_train
+            return consumed == rollout.gbs_train * self._s.schema.n_samples_per_prompt and leased == 0
+
+        return self._s.write("all_consumed (giving back expired leases)", done)
+
+    def prefetch_request_index(self, experience_num: int) -> list[int] | None:
+        """Take the next ``experience_num`` rows of the batch (see ``TransferDock``)."""
+        if not is_int(experience_num) or experience_num < 1:
+            raise InvalidExperienceError(f"experience_num must be a positive int, got {experience_num!r}")
+        return self._s.write("prefetch_request_index", lambda: self._s.scripts.prefetch(int(experience_num)),
+                           hands_out=True)
+
+    def get_cur_index(self) -> int:
+        """The next row ``prefetch_request_index`` would hand out."""
+        return self._s.read_int(self._s.keys.cursor)
+
+    def reset_consumer(self, consumer: str, indexes: Sequence[int] | None = None) -> int:
+        """Offer rows to ``consumer`` again; how many had been handed to it."""
+        self._s.check.consumer(consumer)
+        rows = [] if indexes is None else self._s.check.rows(indexes)
+        return self._s.write("reset_consumer", lambda: self._s.scripts.reset(consumer, rows))
+
+    def ack(self, consumer: str, indexes: Sequence[int], token: str | None = None) -> int:
+        """Release leased rows of ``consumer``; how many this released."""
+        with metrics.observe(self._s.name, "ack") as call:
+            self._s.check.consumer(consumer)
+            token = lease_token(indexes, consumer, token)
+            rows = self._s.check.rows(drop_padding({}, indexes)[1])  # padding rows were never leased
+            call.rows = self._s.write("ack", lambda: self._s.scripts.ack(consumer, token, rows))
+            return call.rows
+
+    def register_consumer_columns(self, columns_of: Mapping[str, Sequence[str]]) -> None:
+        """Record the columns each consumer reads by default."""
+        if not isinstance(columns_of, Mapping) or not columns_of:
+            raise InvalidExperienceError("columns_of must be a non-empty dict of consumer -> list of columns")
+        stored = {}
+        for consumer, columns in columns_of.items():
+            self._s.check.consumer(consumer)
+            stored[consumer] = json.dumps(self._s.check.columns_to_read(columns))
+        self._s.write("register_consumer_columns", lambda: self._s.scripts.columns_of(stored), returns=False)
+
+    def consumer_columns(self, consumer: str | None = None) -> list[str]:
+        """The columns registered for ``consumer``; with None, every column."""
+        if consumer is None:
+            return list(self._s.schema.columns)
+        self._s.check.consumer(consumer)
+        raw = self._s.run(lambda: self._s.client.hget(self._s.keys.consumer_columns, consumer))
+        if raw is None:
+            raise InvalidExperienceError(
+                f"dock {self._s.name!r}: no experience_columns given and none registered for consumer {consumer!r} "
+                "(register_consumer_columns)"
+            )
+        try:
+            columns = json.loads(raw)
+        except ValueError:
+            raise DecodeError(f"{self._s.keys.consumer_columns} field {consumer}: not a JSON list") from None
+        if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
+            raise DecodeError(f"{self._s.keys.consumer_columns} field {consumer}: not a list of column names")
+        return columns

@@ -1,0 +1,127 @@
+"""The put path, top to bottom: check the call, drop padding, add partial rollout's placeholders and flags,
+encode every value, check sizes, and hand the store one ``PutRequest`` (``data/store.py``), which writes
+the bytes and marks the rows ready through the scripts (``lua/put.lua``, or ``lua/mark.lua`` on data
+shards). Nothing is sent before everything is encoded: a bad tensor never leaves half a put.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from broker.api import metrics
+from broker.api.checks import (
+    check_flag,
+    check_sizes,
+    check_version,
+    completion_flags,
+    drop_padding,
+    encode_column,
+    length_values,
+    unchecked_value,
+)
+from broker.api.delivery import HandedRows, check_delivery, fence_of
+from broker.api.generation import Generation
+from broker.api.session import DockSession
+from broker.connection import sizes_unchecked, value_limit
+from broker.connection.replication import REPEAT_SAFE
+from broker.control.scripts import Finish, rows_of, runs_of
+from broker.data.store import Encoded, PutRequest
+from broker.errors import InvalidExperienceError
+
+#: Key of the completion flags inside a put while padding rows are dropped with the data (no column
+#: name holds a NUL).
+_FLAGS = "\0rollout_completed"
+
+
+class Puts:
+    """Writing rows: a part of ``TransferDock``, on the dock's session."""
+
+    def __init__(self, session: DockSession, generation: Generation):
+        self._s, self._generation = session, generation
+
+    def put(
+        self, data_dict: Mapping[str, Any], indexes: Sequence[int], *, is_prompt: bool = False,
+        rollout_completed: Any = None, version: int | None = None, delivery: HandedRows | None = None,
+        ack: bool = True,
+    ) -> None:
+        """Check, encode and write rows (see ``TransferDock.put_experience``)."""
+        with metrics.observe(self._s.name, "put") as call:
+            check_flag("is_prompt", is_prompt)
+            check_flag("ack", ack)
+            version = None if version is None else check_version(version)
+            if delivery is None and isinstance(indexes, HandedRows):
+                delivery = indexes
+            if delivery is not None:
+                delivery = check_delivery(delivery)
+            shaped = self._shaped(data_dict, indexes, is_prompt, rollout_completed)
+            if shaped is None:
+                return  # nothing but padding
+            data, rows, flags = shaped
+            self._s.check.data(data)
+            request = self._request(data, rows, flags, version, delivery, ack)
+            repeat = REPEAT_SAFE
+            if request.fence is not None and request.fence.token and ack:
+                repeat = "do not repeat it: it acked its lease, so a repeat is refused (FencedError)"
+            # The server would refuse an oversized value only by closing the connection mid-send, and the
+            # client's retries would send it again and again.
+            limit = self._s.run(lambda: value_limit(self._s.client))
+            check_sizes(request.encoded, limit.bytes, limit.setting)
+            with sizes_unchecked(unchecked_value(request.encoded, limit)):  # a size refused unseen is not resent
+                self._s.write("put", lambda: self._s.store.put(request), repeat=repeat, returns=False)
+            if call.live:
+                call.rows, call.nbytes = len(rows), sum(len(v) for m in request.encoded.values() for v in m.values())
+
+    def _shaped(
+        self, data_dict: Mapping[str, Any], indexes: Sequence[int], is_prompt: bool, rollout_completed: Any,
+    ) -> tuple[Mapping[str, Any], list[int], list[bool] | None] | None:
+        """The columns to write, the rows (checked, padding dropped) and the completion flags; None if
+        the put held padding rows only. Partial rollout adds placeholders to a prompt's put."""
+        rollout = self._s.schema.rollout
+        given = indexes
+        if rollout_completed is not None:
+            if not rollout.partial:
+                raise InvalidExperienceError(
+                    f"dock {self._s.name!r} has no partial rollout (max_age > 1): rollout_completed means nothing here"
+                )
+            data_dict = {**data_dict, _FLAGS: rollout_completed}  # padding rows drop their flags too
+        data_dict, indexes = drop_padding(data_dict, indexes)
+        if not indexes and indexes is not given:
+            return None
+        rows = self._s.check.rows(indexes)
+        data: Mapping[str, Any] = data_dict
+        flags = None
+        if rollout_completed is not None:
+            data = {c: v for c, v in data_dict.items() if c != _FLAGS}
+            flags = completion_flags(data_dict[_FLAGS], len(rows))
+        if rollout.partial and is_prompt:
+            data = {**self._generation.placeholders(len(rows), skip=data), **data}
+        elif rollout.partial and flags is None and any(c in data for c in rollout.response_columns):
+            raise InvalidExperienceError(
+                f"dock {self._s.name!r} has partial rollout on: a put of response columns "
+                f"{[c for c in rollout.response_columns if c in data]} must give rollout_completed"
+            )
+        return data, rows, flags
+
+    def _request(
+        self, data: Mapping[str, Any], rows: list[int], flags: list[bool] | None, version: int | None,
+        delivery: HandedRows | None, ack: bool,
+    ) -> PutRequest:
+        """Everything encoded, and the rows' lengths and flags in ascending row order (the scripts' order)."""
+        fields = [str(r) for r in rows]
+        encoded: Encoded = {c: dict(zip(fields, encode_column(c, value, len(rows)))) for c, value in data.items()}
+        in_run_order = sorted(range(len(rows)), key=rows.__getitem__)
+        lengths = {}
+        for c in self._s.schema.length_columns:
+            if c in data:
+                values = length_values(c, data[c], len(rows))
+                lengths[c] = [values[i] for i in in_run_order]
+        runs = runs_of(rows)
+        finish = None
+        if flags is not None or version is not None:
+            finish = Finish(None if flags is None else tuple(flags[i] for i in in_run_order), version)
+        return PutRequest(
+            encoded, runs, lengths, finish,
+            fence=None if delivery is None else fence_of(delivery, rows_of(runs)), ack=ack,
+            hold_ms=int(self._s.call_timeout * 1000),  # a sharded put holds its lease for as long as it may take
+        )

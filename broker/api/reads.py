@@ -1,0 +1,114 @@
+"""Reading the bytes of rows handed out, and what happens when they cannot be read.
+
+``RowReader.read`` fetches the rows' bytes from the store and decodes them, or says a clear took some of
+them since the hand-out (the read fence: ``data/store.py`` and lua/include/generations.lua); rows whose
+bytes are corrupt or missing are given back and counted, and become dead letters after
+``dead_letter_after`` deliveries (lua/release.lua).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NoReturn, cast
+
+from broker.api import metrics
+from broker.api.checks import abbrev
+from broker.api.session import DockSession
+from broker.connection import extend_call
+from broker.control.scripts import Handout
+from broker.data import codec
+from broker.errors import DecodeError, MissingDataError
+
+#: A batch: per column, one row per index: a tensor, or the plain value that was put (see ``codec``).
+Batch = dict[str, list[Any]]
+
+
+class Unreadable(Exception):
+    """Rows of a hand-out whose bytes could not be read (row -> why), raised by ``RowReader.read``."""
+
+    def __init__(self, rows: dict[int, str], corrupt: bool):
+        super().__init__(rows)
+        self.rows, self.corrupt = rows, corrupt
+
+
+class RowReader:
+    """Rows' bytes in, decoded: a part of ``TransferDock``, on the dock's session."""
+
+    def __init__(self, session: DockSession):
+        self._s = session
+
+    def read(self, columns: list[str], rows: list[int], handout: Handout, call: metrics.Call) -> Batch | None:
+        """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out
+        (the read fence: see ``store.py`` and lua/include/generations.lua). Rows whose bytes cannot be
+        read raise Unreadable, naming each of them; the caller gives the hand-out back."""
+        fields = [str(r) for r in rows]
+        # The rows are handed out: cut short now, those without a lease would be lost. The rest of the call
+        # (this read, the wait for replicas, balancing) gets call_timeout, even past a get's own timeout.
+        extend_call(self._s.call_timeout, bound=f"call_timeout={self._s.call_timeout:g} s (rows were handed out)")
+        values_by_column = self._s.run(lambda: self._s.store.read(columns, rows, handout))
+        if values_by_column is None:
+            return None
+        batch: Batch = {}
+        unreadable: dict[int, str] = {}
+        corrupt = False
+        for col, values in zip(columns, values_by_column):
+            key = self._s.keys.data(col) if not self._s.schema.shards else f"column {col!r} of dock {self._s.name!r}"
+            if all(v is not None for v in values):
+                try:
+                    batch[col] = codec.decode_rows(cast("list[bytes]", values), where=key, fields=fields)
+                    continue
+                except DecodeError:
+                    pass  # find every row that fails, below: the good ones must not be lost with it
+            for row, field, value in zip(rows, fields, values):
+                if value is None:
+                    # No clear touched it (the fence held): its bytes were removed behind the broker's back,
+                    # evicted, or lost with a cluster primary that failed before its replica had them.
+                    unreadable.setdefault(row, f"{key}: marked ready but holds no bytes")
+                    continue
+                try:
+                    codec.decode_rows([value], where=key, fields=[field])
+                except DecodeError as exc:
+                    unreadable.setdefault(row, str(exc))
+                    corrupt = True
+        if unreadable:
+            raise Unreadable(unreadable, corrupt)
+        if call.live:
+            call.nbytes += sum(len(v) for values in values_by_column for v in values if v is not None)
+        return batch
+
+    def give_back_unreadable(
+        self, consumer: str, handout: Handout, token: str, request_id: str, groups: bool, bad: Unreadable,
+    ) -> NoReturn:
+        """Give back a hand-out some of whose rows could not be read, count their failed deliveries, and
+        raise: DecodeError (or MissingDataError when bytes were only missing) saying what became of them.
+
+        Raising after marking them consumed lost the good rows (never delivered, all_consumed True); with
+        a lease the same batch came back for ever. Now every row is given back, and a row that keeps
+        failing becomes a dead letter after ``dead_letter_after`` deliveries (lua/release.lua), so the
+        good rows are delivered by the calls that follow."""
+        released = self._s.write(
+            "get_experience (giving back rows that could not be read)",
+            lambda: self._s.scripts.release(consumer, handout, token, request_id, groups=groups, unreadable=bad.rows),
+            hands_out=True,  # the error below reports what became of them; a shortfall is logged
+        )
+        detail = "; ".join(f"row {row}: {why}" for row, why in list(bad.rows.items())[:4])
+        counts = ", ".join(f"row {row} {n}" for row, n in zip(bad.rows, released.failures))
+        fate = (f"rows {abbrev(list(released.dead))} are dead letters now (see dock.dead_letters())" if released.dead
+                else "they are handed out again until they fail dead_letter_after times")
+        message = (f"dock {self._s.name!r}, consumer {consumer!r}: {len(bad.rows)} of the rows handed out could not be "
+                   f"read ({detail}); {released.given_back} rows were given back; failed deliveries so far: {counts}; "
+                   f"{fate}")
+        raise (DecodeError if bad.corrupt else MissingDataError)(message)
+
+    def read_now(self, columns: Sequence[str], indexes: Sequence[int]) -> Batch:
+        """The rows' values as stored now, None where a row is not written; marks nothing."""
+        names = self._s.check.columns_to_read(columns)
+        rows = self._s.check.rows(indexes)
+        fields = [str(r) for r in rows]
+        out: Batch = {}
+        for col, values in zip(names, self._s.run(lambda: self._s.store.read_now(names, rows))):
+            present = [(f, v) for f, v in zip(fields, values) if v is not None]
+            decoded = iter(codec.decode_rows([v for _, v in present], where=self._s.keys.data(col),
+                                             fields=[f for f, _ in present]))
+            out[col] = [None if v is None else next(decoded) for v in values]
+        return out
