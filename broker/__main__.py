@@ -2,6 +2,6 @@
 
 import sys
 
-from broker.ops.cli import main
+from broker.cli import main
 
 sys.exit(main())

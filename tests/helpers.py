@@ -55,7 +55,7 @@ def bits(t: torch.Tensor) -> bytes:
 
 def cli_output(argv: list[str]) -> str:
     """What ``broker ARGV`` prints, checking that it succeeds."""
-    from broker.ops.cli import main
+    from broker.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

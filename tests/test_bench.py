@@ -16,7 +16,7 @@ from broker.bench.pipeline import run_pipeline
 from broker.bench.redis_floor import RedisFloorDock
 from broker.bench.sampling import ages_latency
 from broker.bench.workload import Rows, Workload
-from broker.ops.cli import main
+from broker.cli import main
 
 pytestmark = pytest.mark.real
 

@@ -10,7 +10,7 @@ from redis.cluster import RedisCluster
 
 from broker import local_redis
 from broker.bench import cluster as bench_cluster
-from broker.ops.cli import main
+from broker.cli import main
 from tests.helpers import redis_server_binary, required
 
 pytestmark = pytest.mark.real

@@ -18,7 +18,7 @@ from broker.bench.pipeline_soak import (
     account,
     run_pipeline_soak,
 )
-from broker.ops.cli import main
+from broker.cli import main
 
 pytestmark = pytest.mark.real
 

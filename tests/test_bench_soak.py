@@ -7,7 +7,7 @@ import json
 import pytest
 
 from broker.bench.soak import GOT, PUT_BEGIN, PUT_DONE, SoakConfig, _account, run_soak
-from broker.ops.cli import main
+from broker.cli import main
 
 pytestmark = pytest.mark.real
 

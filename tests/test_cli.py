@@ -12,7 +12,7 @@ import redis
 import torch
 
 from broker import TransferDock
-from broker.ops.cli import main
+from broker.cli import main
 from tests.helpers import small_dock
 
 pytestmark = pytest.mark.real

@@ -18,9 +18,9 @@ from redis.cluster import RedisCluster
 
 import broker.ops.watch
 from broker import ClusterError, RedisCommandError, TransferDock
+from broker.cli import main
 from broker.connection import connect, disconnect
 from broker.control.keys import DockKeys
-from broker.ops.cli import main
 from broker.ops.exporter import serve
 from tests.helpers import cli_output, empty_cluster, server_keys, small_dock
 

@@ -360,7 +360,7 @@ def _time_promotion(replica: RedisServer, started: float, took: dict[str, float]
 
 
 def test_broker_status_gives_up_on_a_paused_server_within_its_timeout(server, capsys):
-    from broker.ops.cli import main
+    from broker.cli import main
 
     with TransferDock(server.url, "tool", prompts_num=1, n_samples_per_prompt=1, columns=["p"], consumers=["c"]):
         pass

@@ -58,7 +58,7 @@ def test_demo_module_runs_each_algorithm_and_writes_metrics_and_png(tmp_path, al
 def test_broker_cli_knows_demo_without_loading_ray():
     """``broker`` parses ``demo`` options, yet building its parser imports no Ray, matplotlib or model code."""
     code = (
-        "import sys; from broker.ops.cli import build_parser; "
+        "import sys; from broker.cli import build_parser; "
         "a = build_parser().parse_args(['demo', '--iterations', '3', '--tp', '1', '--layout', 'actor_rollout=2x2']); "
         "assert (a.iterations, a.tp, a.layout) == (3, 1, ['actor_rollout=2x2']), a; "
         "heavy = [m for m in ('ray', 'matplotlib', 'workers.model', 'workers.demo') if m in sys.modules]; "
@@ -69,7 +69,7 @@ def test_broker_cli_knows_demo_without_loading_ray():
 
 
 def test_demo_rejects_bad_options_before_starting_anything(capsys):
-    from broker.ops.cli import main
+    from broker.cli import main
 
     assert main(["demo", "--tp", "3"]) == 2
     assert "TP 3 must divide" in capsys.readouterr().err

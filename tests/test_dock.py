@@ -667,7 +667,7 @@ def test_docks_from_one_url_share_one_client_and_close_hands_it_back(real_url):
 
 @pytest.mark.real
 def test_broker_status_of_many_docks_takes_one_connection_and_one_script_call_per_dock(real_url, capsys):
-    from broker.ops.cli import main
+    from broker.cli import main
 
     client = redis.Redis.from_url(real_url)
     for i in range(300):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.ops.cli import build_parser
+from broker.cli import build_parser
 
 yaml = pytest.importorskip("yaml")
 

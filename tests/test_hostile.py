@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker import BrokerError, DecodeError, DockNotFoundError, SchemaError, TransferDock
+from broker.cli import main as cli_main
 from broker.control.keys import DockKeys
 from broker.data.codec import decode, encode
-from broker.ops.cli import main as cli_main
 from tests.helpers import data_cell, server_keys
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

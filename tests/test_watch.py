@@ -132,7 +132,7 @@ def test_under_a_terminal_it_redraws_in_place_and_ends_cleanly_on_ctrl_c(url):
 
 
 def test_watch_needs_a_positive_number_of_seconds(url, capsys):
-    from broker.ops.cli import main
+    from broker.cli import main
 
     for bad in ("0", "-1", "soon", "inf"):
         with pytest.raises(SystemExit):

@@ -1,0 +1,118 @@
+"""The planes of docs/design.md, held against the code: each folder of broker/ imports only the planes
+below it, so a change to the data path never has to look up into the dock, the adapters or the tools.
+
+The rules are the table in docs/design.md ("Which plane may import which"); a new import that breaks one
+fails here, naming the file and the import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+BROKER = Path(__file__).resolve().parent.parent / "broker"
+
+#: Plane -> the planes its modules may import (besides their own). "face" is broker/__init__.py and the
+#: old import paths kept for users' code; "cli" is the ``broker`` command.
+ALLOWED = {
+    "errors": set(),
+    "connection": {"errors"},
+    "control": {"connection", "errors"},
+    "data": {"control", "connection", "errors"},
+    "api": {"data", "control", "connection", "errors"},
+    "adapters": {"face", "api", "control", "connection", "errors"},
+    "ops": {"api", "data", "control", "connection", "errors"},
+    "bench": {"face", "adapters", "ops", "api", "data", "control", "connection", "errors"},
+    "face": {"adapters", "ops", "api", "control", "connection", "errors"},
+    "cli": {"face", "bench", "adapters", "ops", "api", "data", "control", "connection", "errors"},
+}
+FOLDERS = {"connection", "control", "data", "api", "adapters", "ops", "bench"}
+
+
+def plane_of(module: str) -> str:
+    """The plane of a dotted module name inside broker (``broker.api.dock`` -> ``api``)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "face"
+    if parts[1] in FOLDERS:
+        return parts[1]
+    if parts[1] in ("errors", "cli"):
+        return parts[1]
+    if parts[1] == "__main__":  # ``python -m broker``: the command
+        return "cli"
+    return "face"  # the old import paths
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(BROKER.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def broker_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of a broker module in ``path``, relative ones resolved."""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    return imports_in(path.read_text(), package)
+
+
+def imports_in(source: str, package: list[str]) -> list[tuple[int, str]]:
+    """(line, module) of every import of a broker module in ``source``, a module of ``package``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "broker"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "broker":
+                continue
+            # ``from broker.api import dock`` imports broker.api.dock: judge the module, not the package.
+            subs = [f"{target}.{a.name}" for a in node.names if is_module(f"{target}.{a.name}")]
+            found += [(node.lineno, s) for s in subs] or [(node.lineno, target)]
+    return found
+
+
+def is_module(dotted: str) -> bool:
+    path = BROKER.parent / dotted.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+SOURCES = sorted(p for p in BROKER.rglob("*.py"))
+
+
+def test_every_module_has_a_plane():
+    assert SOURCES
+    for path in SOURCES:
+        assert plane_of(module_name(path)) in ALLOWED, path
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(BROKER.parent)))
+def test_imports_go_down_the_planes(path):
+    mine = plane_of(module_name(path))
+    wrong = [
+        f"{path.relative_to(BROKER.parent)}:{line} imports {target} ({plane_of(target)}), "
+        f"but {mine} may import only {sorted(ALLOWED[mine])}"
+        for line, target in broker_imports(path)
+        if plane_of(target) != mine and plane_of(target) not in ALLOWED[mine]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_rules_catch_an_upward_import():
+    """The check can fail: a control-plane module importing the dock, even inside a function or through
+    its package, is reported."""
+    source = "def f():\n    from broker.api.dock import TransferDock\n\nfrom broker.api import handout\n"
+    found = imports_in(source, ["broker", "control"])
+    assert found == [(4, "broker.api.handout"), (2, "broker.api.dock")] or sorted(found) == [
+        (2, "broker.api.dock"), (4, "broker.api.handout")]
+    assert {plane_of(t) for _, t in found} == {"api"}
+    assert "api" not in ALLOWED["control"]
