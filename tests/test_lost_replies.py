@@ -14,6 +14,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 
 from broker import Rollout, TransferDock, connection
+from broker.connection import retries
 from tests.helpers import empty_cluster, fill, lose_next_reply, lose_next_transaction_reply
 
 pytestmark = pytest.mark.real
@@ -187,7 +188,7 @@ def test_a_cluster_call_is_resent_until_its_deadline_not_just_its_attempts(clust
     dock = cluster_dock
     fill(dock)
     # The pauses between attempts (seconds by the tenth) are not the point: none, to keep the test short.
-    monkeypatch.setattr(connection._BACKOFF, "_backoff", NoBackoff())
+    monkeypatch.setattr(retries._BACKOFF, "_backoff", NoBackoff())
     with lose_next_reply("EVALSHA", times=connection.CLUSTER_ATTEMPTS + 2) as cuts:
         batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
     assert len(cuts) == connection.CLUSTER_ATTEMPTS + 2

@@ -21,7 +21,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from broker.connection import Client
+from broker.connection.client import Client
 
 #: One command: its name, its key, then its other arguments.
 Command = tuple[Any, ...]

@@ -62,7 +62,9 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from broker.connection import Client, fanout, slow_reply, time_left
+from broker.connection import fanout
+from broker.connection.client import Client
+from broker.connection.deadlines import slow_reply, time_left
 from broker.errors import ClusterError
 
 log = logging.getLogger("broker")
