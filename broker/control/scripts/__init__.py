@@ -1,0 +1,76 @@
+"""The control plane's scripts: the Lua files of ``lua/``, one per atomic operation, and one typed wrapper per
+script. Everything they touch lives in the dock's own slot ``{NAME}`` (status bitmaps, leases, replies); the
+row bytes are the data plane's (``broker.data.store``), which a script reaches only when the dock keeps them
+in its own slot too.
+
+Each wrapper is the single place that knows its script's contract: it builds the KEYS and ARGV in the order
+the script's header gives, and turns the reply into Python values. The dock calls only these, through one
+``DockScripts`` made of one class per family:
+
+==============  ======================================================  ===================
+module          lua/ files                                              class
+==============  ======================================================  ===================
+``handout``     sample, take, prefetch, reserve                         ``HandOutScripts``
+``leases``      fence, ack, release, reclaim, reset                     ``LeaseScripts``
+``puts``        put, bar, unbar, claim, mark                            ``PutScripts``
+``forget``      clear, discard (include/forget.lua)                     ``ForgetScripts``
+``rollout``     version, unready                                        ``RolloutScripts``
+``admin``       create, grow, metrics, columns_of                       ``AdminScripts``
+``status``      status (for many docks at once, outside any dock)       ``StatusScript``
+==============  ======================================================  ===================
+
+Beside them: ``loader`` (which file each script is, where ``lua/`` is, includes, request ids), ``base`` (the
+loaded scripts and how a wrapper runs one), ``pipelines`` (running queued scripts when the server lost
+them) and ``results`` (the values the wrappers return, and row runs).
+"""
+
+from broker.control.scripts.dock_scripts import DockScripts
+from broker.control.scripts.loader import (
+    ALLOW_OOM,
+    REPLY_TTL_MS,
+    SCRIPT_FILES,
+    IncludeError,
+    expand_includes,
+    lua_dir,
+    new_request_id,
+    script_text,
+)
+from broker.control.scripts.pipelines import read_pipeline, run_pipeline
+from broker.control.scripts.results import (
+    Fence,
+    Finish,
+    Forgot,
+    Handout,
+    Marked,
+    Released,
+    Sampled,
+    Selection,
+    rows_of,
+    runs_of,
+)
+from broker.control.scripts.status import StatusScript
+
+__all__ = [
+    "ALLOW_OOM",
+    "REPLY_TTL_MS",
+    "SCRIPT_FILES",
+    "DockScripts",
+    "Fence",
+    "Finish",
+    "Forgot",
+    "Handout",
+    "IncludeError",
+    "Marked",
+    "Released",
+    "Sampled",
+    "Selection",
+    "StatusScript",
+    "expand_includes",
+    "lua_dir",
+    "new_request_id",
+    "read_pipeline",
+    "rows_of",
+    "run_pipeline",
+    "runs_of",
+    "script_text",
+]

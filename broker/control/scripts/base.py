@@ -1,0 +1,96 @@
+"""What every family of wrappers stands on: the scripts of one dock loaded on one client, the schema they
+check, and the ways to run a script (now, keeping its reply for resends, or queued in a pipeline).
+
+Each family (``handout.py``, ``leases.py``, ...) is a subclass of ``ScriptsBase`` holding the wrappers of
+its scripts, and ``DockScripts`` is all of them at once. A wrapper is the single place that knows its
+script's contract: it builds the KEYS and ARGV in the order the script's header gives, and turns the reply
+into Python values (``results.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from redis.client import Pipeline
+
+from broker.connection import Client
+from broker.control.keys import DockKeys
+from broker.control.schema import Schema
+from broker.control.scripts.loader import (
+    ALLOW_OOM,
+    AS_TEXT,
+    REPLY_TTL_MS,
+    SCRIPT_FILES,
+    SHARED,
+    new_request_id,
+    script_text,
+)
+from broker.control.scripts.status import StatusScript
+
+
+class ScriptsBase:
+    """The scripts of one dock on one client, and how to run them; the families add the wrappers.
+
+    ``schema`` must be set (``bind``) before any script but ``create`` runs: every script checks that
+    the dock still holds the schema this client knows.
+    """
+
+    def __init__(self, client: Client, keys: DockKeys, *, allow_oom: bool, publish: str = "PUBLISH"):
+        prefix = ALLOW_OOM if allow_oom else ""
+        self._keys = keys
+        #: How puts announce themselves: PUBLISH, or on a Redis 7 cluster SPUBLISH, which stays on the
+        #: shard of the dock's slot instead of being broadcast to every node (see put_listener.py).
+        self.publish = publish
+        self._scripts = {
+            name: client.register_script(prefix + script_text(name))
+            for name in SCRIPT_FILES if name not in SHARED + AS_TEXT
+        }
+        # Without the header: it travels with every put.
+        self._texts = {name: prefix + re.sub(r"^--\[\[.*?\]\]\n", "", script_text(name), flags=re.DOTALL)
+                       for name in AS_TEXT}
+        self._schema: Schema | None = None
+        self._expected = ""
+
+    def bind(self, schema: Schema, fingerprint: str) -> None:
+        """Use ``schema``; ``fingerprint`` (``schema.fingerprint`` of the stored meta) is what scripts check."""
+        self._schema, self._expected = schema, fingerprint
+
+    def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return self._scripts[name](keys, args)
+
+    def _once(self, name: str, keys: list[str], args: list[Any], request_id: str | None = None) -> Any:
+        """Run a script that keeps its reply for resends of the call (lua/include/once.lua): the reply key
+        goes last in KEYS and the time to keep it last in ARGV."""
+        return self._call(name, [*keys, self._keys.reply(request_id or new_request_id())], [*args, REPLY_TTL_MS])
+
+    def _queue_once(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any], request_id: str) -> None:
+        self._queue(pipe, name, [*keys, self._keys.reply(request_id)], [*args, REPLY_TTL_MS])
+
+    def _queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
+        # EVALSHA sent as is rather than through Script(client=pipe), which costs a SCRIPT EXISTS round
+        # trip per call; run_pipeline loads the script and repeats the pipeline on NOSCRIPT.
+        pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
+
+    def _queue_text(self, pipe: Pipeline, name: str, keys: list[str]) -> None:
+        pipe.execute_command("EVAL", self._texts[name], len(keys), *keys)
+
+    def load_all(self, client: Client) -> None:
+        """Load every script (after a NOSCRIPT inside a MULTI, where redis-py does not do it)."""
+        for script in self._scripts.values():
+            client.script_load(script.script)
+        StatusScript.load(client)
+
+    def _consumer_keys(self, consumer: str) -> list[str]:
+        k = self._keys
+        return [k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.tokens(consumer)]
+
+    @property
+    def _bound(self) -> Schema:
+        if self._schema is None:  # a programming error of the dock, not of its user
+            raise RuntimeError("DockScripts.bind was not called before a script that needs the schema")
+        return self._schema
+
+    @property
+    def _n(self) -> int:
+        return self._bound.n_samples_per_prompt

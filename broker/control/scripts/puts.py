@@ -1,0 +1,99 @@
+"""The puts family: the steps of a put that mark rows written (its bytes go through ``broker.data.store``).
+
+- on one slot, one MULTI: lua/put.lua (check, mark) and lua/bar.lua, the HSETs, then lua/unbar.lua
+  (``put``, ``unbar``);
+- on a sharded dock: lua/claim.lua when the put names a delivery (``claim``), the bytes to the data shards,
+  then lua/mark.lua (``mark``).
+
+``claim`` is here rather than with the leases: it is the first step of a sharded put, and it reads the
+lease of the delivery a put names the way put.lua and mark.lua do (``_lease_keys``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from redis.client import Pipeline
+
+from broker.control.scripts.base import ScriptsBase
+from broker.control.scripts.results import NO_FINISH, Fence, Finish, Marked, numbers_of
+
+
+class PutScripts(ScriptsBase):
+    """Wrappers of the scripts of a put: put, bar, unbar, claim, mark."""
+
+    def put(
+        self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]],
+        finish: Finish | None, request_id: str, fence: Fence | None = None, ack: bool = False,
+    ) -> None:
+        """Queue the first steps of a put on one slot, before the HSETs of its bytes: lua/put.lua (check,
+        and mark rows ``runs`` of ``columns`` written, with what a rollout put records beside them,
+        ``finish``), then lua/bar.lua, which makes the HSETs fail unless put.lua let them through. With
+        ``fence``, the put lands only while that delivery is current; with ``ack`` too, it ends the
+        delivery's lease of its rows. ``unbar`` follows the HSETs.
+
+        ``lengths`` holds, per length column written, its rows' values in the order of ``runs``.
+        """
+        k = self._keys
+        leased = fence is not None and bool(fence.token)
+        keys = [k.meta, k.gate, k.epoch, k.generations, *self._lease_keys(fence)]
+        keys += [kind(c) for c in columns for kind in (k.data, k.ready, k.group_ready)]
+        keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
+        fenced = ["1", fence.epoch, fence.generations, fence.token] if fence else ["0", 0, b"", ""]
+        args = [self._expected, self._n, k.events, self.publish, len(lengths),
+                *(finish.args() if finish else NO_FINISH), *fenced, "1" if ack and leased else "0", len(runs),
+                *runs, *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else [])]
+        self._queue_once(pipe, "put", keys, args, request_id)
+        self._queue_text(pipe, "bar", self._barred(columns))
+
+    def unbar(self, pipe: Pipeline, columns: Sequence[str]) -> None:
+        """Queue the last step of a put on one slot, after its HSETs (lua/unbar.lua)."""
+        self._queue_text(pipe, "unbar", self._barred(columns))
+
+    def _barred(self, columns: Sequence[str]) -> list[str]:
+        """The KEYS of lua/bar.lua and lua/unbar.lua."""
+        k = self._keys
+        return [k.gate, *(key for c in columns for key in (k.data(c), k.aside(c)))]
+
+    def _lease_keys(self, fence: Fence | None) -> list[str]:
+        """td:{NAME}:tokens:CONSUMER and td:{NAME}:leases:CONSUMER of the lease ``fence`` names; the meta key
+        twice without one (the scripts then leave them alone)."""
+        k = self._keys
+        if fence is None or not fence.token:
+            return [k.meta, k.meta]
+        return [k.tokens(fence.consumer), k.leases(fence.consumer)]
+
+    def _finish_keys(self) -> list[str]:
+        """The keys of lua/include/finish.lua, in its order."""
+        k = self._keys
+        return [k.finished, k.group_finished, k.rows_finished, k.group_rolled, k.age(0), k.group_age(0),
+                k.group_versions, *self._consumer_keys(self._bound.rollout.consumer)]
+
+    def mark(
+        self, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]], epoch: int,
+        generations: bytes, finish: Finish | None = None, fence: Fence | None = None, request_id: str | None = None,
+        ack: bool = False,
+    ) -> Marked:
+        """Mark rows ``runs`` of ``columns`` ready after their bytes went to the data shards under
+        ``epoch`` and ``generations``, with what ``finish`` records (lua/mark.lua): unless a clear moved
+        them meanwhile, or the lease of the delivery ``fence`` names is no longer its own (FencedError).
+        With ``ack``, the put ends that lease of its rows."""
+        k = self._keys
+        token = fence.token if fence else ""
+        keys = [k.meta, k.epoch, k.generations, *self._lease_keys(fence)]
+        keys += [key for c in columns for key in (k.ready(c), k.group_ready(c))]
+        keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
+        args = [self._expected, self._n, k.events, self.publish, len(lengths), epoch, generations, token,
+                "1" if ack and token else "0", *(finish.args() if finish else NO_FINISH), len(runs), *runs,
+                *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else [])]
+        reply = self._once("mark", keys, args, request_id)
+        if int(reply[0]) >= 0:
+            return Marked(int(reply[0]))
+        return Marked(0, numbers_of(reply[2]), epoch_moved=int(reply[1]) != epoch)
+
+    def claim(self, runs: Sequence[int], fence: Fence, hold_ms: int) -> None:
+        """Check, before a sharded put sends its bytes, that the delivery ``fence`` names still holds the
+        rows, and hold its lease for ``hold_ms`` (lua/claim.lua); FencedError if it does not."""
+        k = self._keys
+        keys = [k.meta, k.epoch, k.generations, *self._lease_keys(fence)]
+        self._call("claim", keys, [self._expected, fence.epoch, fence.generations, fence.token, hold_ms, *runs])

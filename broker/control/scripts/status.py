@@ -1,0 +1,64 @@
+"""The status family: lua/status.lua, the one script run for many docks at once, outside any dock object."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from redis.client import Pipeline
+
+from broker.connection import Client
+from broker.control.keys import DockKeys
+from broker.control.schema import Schema
+from broker.control.scripts.loader import script_text
+
+
+class StatusScript:
+    """lua/status.lua: one dock's counts. Not a ``DockScripts`` method: callers queue it for many docks
+    in one pipeline (``broker.control.status``), and it writes nothing, so it needs no Redis 7 flag."""
+
+    text = script_text("status")
+    sha = hashlib.sha1(text.encode()).hexdigest()
+
+    @staticmethod
+    def bitmaps(keys: DockKeys, schema: Schema) -> list[tuple[str, int]]:
+        """Every bitmap the script counts, in its order, with the number of bits it may have."""
+        rows, groups = schema.capacity, schema.prompts_num
+        out = []
+        for col in schema.columns:
+            out += [(keys.ready(col), rows), (keys.group_ready(col), groups)]
+        for consumer in schema.consumers:
+            out += [(keys.consumed(consumer), rows), (keys.group_taken(consumer), groups)]
+        out += [(keys.finished, rows), (keys.group_finished, groups)]
+        out += [(keys.group_age(a), groups) for a in range(schema.rollout.age_buckets)]
+        out += [(keys.group_wait(w), groups) for w in range(1, schema.rollout.age_buckets)]
+        return out
+
+    @classmethod
+    def queue(cls, pipe: Pipeline, keys: DockKeys, schema: Schema, fingerprint: str) -> None:
+        """Queue the read of the dock's counts; ``fingerprint`` is the schema the caller expects."""
+        rollout = schema.rollout
+        bitmaps = [key for key, _ in cls.bitmaps(keys, schema)]
+        rest = [kind(c) for c in schema.consumers for kind in (keys.leases, keys.redelivered, keys.dead)]
+        responses = keys.data(rollout.response_columns[0]) if rollout.response_columns else keys.meta
+        rest += [keys.version, keys.discarded, keys.group_versions, responses]
+        staleness = "" if rollout.max_staleness is None else rollout.max_staleness
+        pipe.execute_command("EVALSHA", cls.sha, 1 + len(bitmaps) + len(rest), keys.meta, *bitmaps, *rest,
+                             fingerprint, len(bitmaps), staleness)
+
+    @classmethod
+    def parse(
+        cls, reply: list[Any], keys: DockKeys, schema: Schema
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, Any, int]], tuple[Any, str, int, int]]:
+        """(bits set, bytes) per bitmap, in ``bitmaps``' order; (leased rows, raw counter, dead letters) per
+        consumer; (raw version, "field=count,..." discarded, stale groups, rows holding a response)."""
+        bitmaps = 2 * len(cls.bitmaps(keys, schema))
+        head, per_consumer, tail = reply[:bitmaps], reply[bitmaps:-4], reply[-4:]
+        pairs = list(zip(head[0::2], head[1::2]))
+        triples = list(zip(per_consumer[0::3], per_consumer[1::3], per_consumer[2::3]))
+        text = tail[1].decode() if isinstance(tail[1], bytes) else str(tail[1])
+        return pairs, triples, (tail[0], text, int(tail[2]), int(tail[3]))
+
+    @classmethod
+    def load(cls, client: Client) -> None:
+        client.script_load(cls.text)
