@@ -4,7 +4,7 @@ still holds its rows, and keep its lease from running out while the bytes travel
 A sharded put writes its bytes to the data shards (other nodes) before mark.lua marks them ready, so
 the fence (include/delivery.lua) is checked twice: here, before any byte is sent, and again by
 mark.lua. Between the two, a clear moves the rows' generations, and the bytes go under fields no
-reader asks for (see broker/store.py); but a lease that ran out and went to another worker would not:
+reader asks for (see broker/data/store.py); but a lease that ran out and went to another worker would not:
 both workers write the same fields. So this also holds the lease: its deadline moves to at least now
 plus the put's own time bound, and the rows cannot be given back to anyone else while the put may
 still be writing. (Only an explicit take of the rows, or reset_consumer, takes a lease over regardless;

@@ -44,7 +44,7 @@ ROLLOUT = Rollout(consumer="gen", response_columns=("responses",), max_age=2, gb
 
 def sync(primary: RedisServer, replica: RedisServer) -> None:
     """Make ``replica`` a replica of ``primary`` (again, after a promotion) and wait until it is in sync:
-    online, and an offset acknowledged (the broker counts no replica before: see replication.py)."""
+    online, and an offset acknowledged (the broker counts no replica before: see broker/connection/replication.py)."""
     admin, other = primary.client(), replica.client()
     try:
         if other.info("replication")["role"] != "slave":
@@ -250,7 +250,7 @@ def test_a_clear_on_a_sharded_dock_waits_for_the_shards_it_deleted_bytes_from():
 
         with open_sharded() as first:
             first.put_experience(prompts(list(range(12))), list(range(12)))
-        for node in cluster.nodes:  # every replica acknowledged an offset: it counts (see replication.py)
+        for node in cluster.nodes:  # every replica acknowledged an offset: it counts (connection/replication.py)
             with node.client() as admin:
                 deadline = time.monotonic() + 10
                 while admin.info("replication")["role"] == "master" and \

@@ -39,7 +39,7 @@ class RowReader:
 
     def read(self, columns: list[str], rows: list[int], handout: Handout, call: metrics.Call) -> Batch | None:
         """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out
-        (the read fence: see ``store.py`` and lua/include/generations.lua). Rows whose bytes cannot be
+        (the read fence: see ``data/store.py`` and lua/include/generations.lua). Rows whose bytes cannot be
         read raise Unreadable, naming each of them; the caller gives the hand-out back."""
         fields = [str(r) for r in rows]
         # The rows are handed out: cut short now, those without a lease would be lost. The rest of the call

@@ -56,7 +56,7 @@ class DockSession:
         durability: tuple[int, float] = (0, 1.0), call_timeout: float = DEFAULT_CALL_TIMEOUT,
         allow_volatile_eviction: bool = False,
     ):
-        """Connect to the dock's server and check it (see server_checks.py); the schema comes later, from
+        """Connect to the dock's server and check it (see control/server_checks.py); the schema comes later, from
         ``create`` or ``attach``. Closes what it opened if it fails."""
         self.policy = check_policy(policy)
         self.allow_volatile = check_flag("allow_volatile_eviction", allow_volatile_eviction)
@@ -121,7 +121,7 @@ class DockSession:
         self.check_data_nodes(self.schema.shards)
 
     def check_data_nodes(self, shards: Sequence[str]) -> None:
-        """Refuse nodes holding the data shards ``shards`` that may evict (see server_checks.py)."""
+        """Refuse nodes holding the data shards ``shards`` that may evict (see control/server_checks.py)."""
         self.run(lambda: server_checks.check_data_nodes(
             self.client, self.keys, shards, self.server, allow_volatile=self.allow_volatile))
 
@@ -222,7 +222,7 @@ class DockSession:
         drop: bool = False,
     ) -> None:
         """The one place where, with ``wait_replicas``, a call that wrote waits until the replicas of the
-        nodes holding ``keys`` (the dock's ``replicated`` counters) have its writes (see replication.py;
+        nodes holding ``keys`` (the dock's ``replicated`` counters) have its writes (see connection/replication.py;
         a sharded put's bytes, before their marks, are waited for by the store).
 
         A shortfall raises ReplicationError carrying ``result``, saying ``repeat``. A call that

@@ -128,7 +128,7 @@ def _open_url(url: str) -> Client:
     One INFO round trip tells which (``cluster_enabled``). A user not granted INFO, or a server with INFO
     renamed, is taken to be a plain server; were it a cluster node, its first command on another node's
     slot fails with a broker error naming the cluster (see ``redis_errors``). Whether the dock needs INFO
-    is for opening the dock to say (server_checks.py).
+    is for opening the dock to say (control/server_checks.py).
     """
     client = _open_node(url)
     try:

@@ -69,8 +69,8 @@ key                                type    contents
                                            that dropped them, or ``stale`` / ``regenerated``
 ``td:{NAME}:admitted``             string  rows ``prefetch_request_index`` admitted under a staleness bound
 ``td:{NAME}:replicated``           string  counter: written before each WAIT of ``wait_replicas`` (see
-                                           replication.py); ``td:{NAME~S}:replicated`` on each shard
-``td:{NAME~S}:data:COLUMN:EPOCH``  hash    a sharded dock's row bytes (see store.py): data shard S (its
+                                           connection/replication.py); ``td:{NAME~S}:replicated`` on each shard
+``td:{NAME~S}:data:COLUMN:EPOCH``  hash    a sharded dock's row bytes (see data/store.py): data shard S (its
                                            own hash tag, so its own slot), rows written in epoch EPOCH;
                                            field = ``ROW:GENERATION``, value = one encoded tensor
 =================================  ======  ============================================================
@@ -183,7 +183,7 @@ class DockKeys:
 
     @staticmethod
     def shard_replicated(tag: str) -> str:
-        """The counter written before a WAIT on the node of data shard ``tag`` (see replication.py)."""
+        """The counter written before a WAIT on the node of data shard ``tag`` (see connection/replication.py)."""
         return f"{PREFIX}:{{{tag}}}:replicated"
 
     @staticmethod

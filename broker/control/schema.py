@@ -67,7 +67,7 @@ class Schema:
         self.rollout.check(self.columns, self.consumers)
         if self.shards and self.rollout != Rollout():
             # Partial rollout and regeneration write placeholders from inside scripts, which reach only
-            # the dock's own slot: such docks keep their bytes there (see store.py).
+            # the dock's own slot: such docks keep their bytes there (see data/store.py).
             raise SchemaError("a sharded dock takes no partial rollout or staleness settings (rollout=Rollout())")
 
     @classmethod

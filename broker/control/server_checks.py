@@ -105,7 +105,7 @@ def check_server(
     missing = [(name, reply) for name, reply in (
         ("EVAL", flags), ("SCRIPT LOAD", loaded), ("EVALSHA", evalsha), ("TIME", time_), ("MULTI", multi),
         ("EXEC", None if isinstance(multi, Exception) else exec_), ("WAIT", wait),
-        ("INFO", info if wait_replicas and _unknown(info) else None),  # denied: replication.py waits for all
+        ("INFO", info if wait_replicas and _unknown(info) else None),  # denied: connection/replication.py waits for all
     ) if isinstance(reply, Exception) and _absent(reply)]
     if missing:
         raise ServerConfigError(f"Redis at {where}: " + "; ".join(_why(name, reply) for name, reply in missing))

@@ -1,6 +1,6 @@
 """The data plane: where a dock's row bytes live, and how a put writes them and a read fetches them.
 
-The control plane is the Lua scripts (``scripts.py``, ``lua/``): status bitmaps, leases, sampling, all
+The control plane is the Lua scripts (``control/scripts/``, ``lua/``): status bitmaps, leases, sampling, all
 in the dock's own slot ``{NAME}`` so that each operation is one atomic script. The bytes are kept
 apart from it by one of two stores with one small interface:
 

@@ -29,7 +29,7 @@ CLIENT_COMMANDS = (
     "ping", "select", "multi", "exec", "discard", "evalsha", "eval", "script|load", "script|exists",
     "hset", "hget", "hmget", "hgetall", "hlen", "bitcount", "bitfield", "zcard", "get", "del", "subscribe",
     "unsubscribe", "hdel", "unlink", "incr", "wait",  # the data shards' puts and clears, wait_replicas
-    "info",  # opening a dock reads maxmemory_policy (server_checks.py); wait_replicas, the replicas' state
+    "info",  # opening a dock reads maxmemory_policy (control/server_checks.py); wait_replicas, the replicas' state
 )
 
 #: Commands the Lua scripts in lua/ call.

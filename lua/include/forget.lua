@@ -18,7 +18,7 @@ then              the generation status: td:{NAME}:finished, gfinished, rfinishe
                   td:{NAME}:gbatch
 ARGV[2..6]        k, m, n_samples_per_prompt, L, A
 
-On a sharded dock (its meta has a non-empty "shards" field, see broker/store.py) the bytes live on other
+On a sharded dock (its meta has a non-empty "shards" field, see broker/data/store.py) the bytes live on other
 slots, which no script may touch: the data keys above are then the dock's unused one-slot data hashes
 (always empty), and forget_rows records each forgotten row with the generation its bytes were written
 under; `forgotten_reply` hands them to the client, which deletes those bytes from the data shards.

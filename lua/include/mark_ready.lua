@@ -8,13 +8,13 @@ slot), mark.lua after the bytes were written to the data shards of a sharded doc
 -- Marks the rows of the runs ready in the columns whose row and group bitmaps are ready_keys[i] and
 -- gready_keys[i], stores the values of the length columns (len_keys[j]: u32 array; values of the j-th
 -- start at ARGV[values_at + (j - 1) * rows]), then announces the put on `channel` with `publish`
--- (PUBLISH, or SPUBLISH on a Redis 7 cluster: see scripts.py). Returns the number of rows written.
+-- (PUBLISH, or SPUBLISH on a Redis 7 cluster: see broker/control/scripts/). Returns the number of rows written.
 --
 -- The announcement goes last and through redis.pcall: a refused PUBLISH (an ACL user without the
 -- channel, the default for a new Redis 7 user; the command renamed) aborted the script with its marks
 -- in place, so every put raised and every put landed. It is only a wake-up (waiting readers also look
--- again on a timer, see broker/put_listener.py), so a refusal is ignored here; the dock says so once
--- when it opens (broker/server_checks.py).
+-- again on a timer, see broker/control/put_listener.py), so a refusal is ignored here; the dock says so once
+-- when it opens (broker/control/server_checks.py).
 local function mark_ready(ready_keys, gready_keys, len_keys, values_at, starts, lengths, n, publish, channel)
   local written = 0
   for i = 1, #lengths do written = written + lengths[i] end
