@@ -191,7 +191,7 @@ def test_rows_handed_out_are_returned_even_past_the_calls_timeout(caplog):
             RedisServer("--replicaof", "127.0.0.1", str(primary.port)) as replica:
         admin = primary.client()
         deadline = time.monotonic() + 30
-        # In sync: online with an offset acknowledged (the broker counts no replica before; see connection/replication.py).
+        # In sync: online with an offset acknowledged (none counts before: connection/replication.py).
         admin.set("sync", 1)
         admin.delete("sync")  # a write for the replica to acknowledge
         while int(admin.info("replication").get("slave0", {}).get("offset", 0)) <= 0:
