@@ -13,16 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from broker.ops.local_redis import free_port
-from workers.model import (
+from workers.model.tensor_parallel import all_gather_state_dict, gather_state_dict, shard_state_dict
+from workers.model.transformer import (
     ModelConfig,
     TransformerLM,
-    all_gather_state_dict,
     build_model,
-    gather_state_dict,
     generate,
     init_state_dict,
     response_values,
-    shard_state_dict,
     token_log_probs,
 )
 from workers.ppo_math import clipped_value_loss

@@ -6,11 +6,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from . import task
 from .algorithms import get_algorithm
 from .batch_sizes import RankBatchSizes, normalize_ppo_batch_sizes
-from .model import ModelConfig
-from .parallel import Layout
+from .model import task
+from .model.parallel_state import Layout
+from .model.transformer import ModelConfig
 from .train_local import TrainConfig, model_config
 
 if TYPE_CHECKING:

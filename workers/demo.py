@@ -53,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from broker.connection import redact
     from broker.ops.local_redis import redis_for_run
 
-    from . import task
     from .cluster import start_ray, wait_for_cpus
+    from .model import task
     from .pipeline import Pipeline, create_dock
     from .report import MetricsLog, first_last, plot
 

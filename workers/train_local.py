@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import task
 from .algo import group_advantages, grpo_loss, response_mask
-from .model import ModelConfig, TransformerLM, build_model, generate, response_log_probs
+from .model import task
+from .model.transformer import ModelConfig, TransformerLM, build_model, generate, response_log_probs
 
 
 @dataclass

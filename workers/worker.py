@@ -20,10 +20,10 @@ from torch import Tensor
 
 from broker import FencedError, TransferDock
 
-from . import task
 from .config import RunConfig
 from .dispatch import Dispatcher, guaranteed_ranges
-from .parallel import ParallelState
+from .model import task
+from .model.parallel_state import ParallelState
 from .roles import DROP, Role, Trainer, checksum, make_role
 
 log = logging.getLogger(__name__)

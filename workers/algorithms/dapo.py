@@ -16,10 +16,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from .. import task
 from ..algo import group_advantages
 from ..algorithm import Algorithm
 from ..dynamic_sampling import groups_to_keep, overlong_penalty
+from ..model import task
 from ..roles import (
     DROP,
     ActorLogProb,

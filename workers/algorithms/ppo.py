@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..algorithm import Algorithm
-from ..model import response_values
+from ..model.transformer import response_values
 from ..ppo_math import clipped_value_loss, gae_advantages_and_returns, kl_penalized_rewards, masked_mean
 from ..roles import (
     ActorLogProb,

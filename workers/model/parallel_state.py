@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .model import shard_dim
+from .tensor_parallel import shard_dim
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,12 @@
-"""A small causal transformer language model with Megatron-style tensor parallelism (TP).
+"""A small causal transformer language model, tensor-parallel the Megatron way (``tensor_parallel.py``).
 
-Layout under TP (``tp_size`` ranks of one ``tp_group``):
-
-* q/k/v projections and the first MLP layer are column-parallel: each rank holds a slice of the
-  output features, i.e. ``n_heads // tp_size`` whole attention heads and ``d_ff // tp_size`` hidden
-  units. Their input goes through :func:`copy_to_tp_region` (identity forward, all-reduce backward).
-* The attention output projection and the second MLP layer are row-parallel: each rank holds the
-  matching slice of input features and the partial outputs are summed by
-  :func:`reduce_from_tp_region` (all-reduce forward, identity backward); their bias is replicated and
-  added once, after the sum.
-* Token and position embeddings, the layer norms and the LM head are **replicated**: every rank
-  holds the full tensor, sees the same input and computes the same gradient, so no extra collective
-  is needed to keep them in sync.
+Token and position embeddings, the layer norms and the LM head are **replicated**: every rank
+holds the full tensor, sees the same input and computes the same gradient, so no extra collective
+is needed to keep them in sync; attention and the MLP are split over the TP ranks.
 
 With ``tp_group=None`` the model is a plain single-process model and torch.distributed is never
 touched. Weights are created full-size from a seed (:func:`init_state_dict`) and each rank keeps its
-slice (:func:`shard_state_dict`); :func:`gather_state_dict` / :func:`all_gather_state_dict` undo it.
+slice (``tensor_parallel.shard_state_dict``).
 """
 
 from __future__ import annotations
@@ -29,10 +20,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: Module names whose weight and bias are split along dim 0 (output features).
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "fc1")
-#: Module names whose weight is split along dim 1 (input features); their bias stays replicated.
-ROW_PARALLEL = ("o_proj", "fc2")
+from .tensor_parallel import (
+    ROW_PARALLEL,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    all_gather_state_dict,
+    module_of,
+    shard_state_dict,
+    split_evenly,
+    tp_rank_of,
+    tp_size_of,
+)
 
 
 @dataclass(frozen=True)
@@ -51,103 +49,13 @@ class ModelConfig:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
 
 
-# --------------------------------------------------------------------------------------------------
-# Collectives with the right autograd
-
-
-def _tp_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _tp_rank(group: dist.ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; all-reduce backward, since every rank's slice contributed to d(input)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """All-reduce forward (sum of partial outputs); identity backward, the sum's gradient is shared."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
-        x = x.contiguous().clone()  # never reduce in place into a tensor autograd may still need
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return grad, None
-
-
-def copy_to_tp_region(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """Enter a column-parallel block (no-op without a group)."""
-    return x if group is None else _CopyToTP.apply(x, group)
-
-
-def reduce_from_tp_region(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """Leave a row-parallel block (no-op without a group)."""
-    return x if group is None else _ReduceFromTP.apply(x, group)
-
-
-# --------------------------------------------------------------------------------------------------
-# Layers
-
-
-def _split(n: int, tp_size: int, what: str) -> int:
-    if n % tp_size:
-        raise ValueError(f"{what} {n} is not divisible by the tensor-parallel size {tp_size}")
-    return n // tp_size
-
-
-class ColumnParallelLinear(nn.Module):
-    """``y = x W^T + b`` with W's rows (output features) split over the TP ranks; output stays split."""
-
-    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.group = group
-        local_out = _split(out_features, _tp_size(group), "out_features")
-        self.weight = nn.Parameter(torch.empty(local_out, in_features))
-        self.bias = nn.Parameter(torch.empty(local_out))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    """``y = x W^T + b`` with W's columns (input features) split; takes split input, returns full output."""
-
-    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.group = group
-        local_in = _split(in_features, _tp_size(group), "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, local_in))
-        self.bias = nn.Parameter(torch.empty(out_features))
-
-    def forward(self, x: Tensor) -> Tensor:
-        # The bias is added after the sum, otherwise it would be counted tp_size times.
-        return reduce_from_tp_region(F.linear(x, self.weight), self.group) + self.bias
-
-
 class Attention(nn.Module):
     """Causal multi-head self-attention; each TP rank owns ``n_heads // tp_size`` whole heads."""
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_heads
-        self.local_heads = _split(cfg.n_heads, _tp_size(group), "n_heads")
+        self.local_heads = split_evenly(cfg.n_heads, tp_size_of(group), "n_heads")
         # Separate q/k/v (not one fused matrix) so a contiguous slice of each is a set of whole heads.
         self.q_proj = ColumnParallelLinear(cfg.d_model, cfg.d_model, group)
         self.k_proj = ColumnParallelLinear(cfg.d_model, cfg.d_model, group)
@@ -213,8 +121,8 @@ class TransformerLM(nn.Module):
         self.cfg = cfg
         self.head = head
         self.tp_group = tp_group
-        self.tp_size = _tp_size(tp_group)
-        self.tp_rank = _tp_rank(tp_group)
+        self.tp_size = tp_size_of(tp_group)
+        self.tp_rank = tp_rank_of(tp_group)
         self.tok_emb = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         self.pos_emb = nn.Parameter(torch.empty(cfg.max_seq_len, cfg.d_model))
         self.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.n_layers))
@@ -248,7 +156,7 @@ class TransformerLM(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------
-# Weights: deterministic init, sharding and gathering
+# Weights: deterministic init
 
 
 def init_state_dict(cfg: ModelConfig, seed: int, head: str = "lm") -> dict[str, Tensor]:
@@ -263,12 +171,12 @@ def init_state_dict(cfg: ModelConfig, seed: int, head: str = "lm") -> dict[str, 
     # module's own parameters before its submodules'), and a critic must not shift the trunk's draws.
     for name, p in TransformerLM(cfg).state_dict().items():
         leaf = name.rsplit(".", 1)[-1]
-        if _module_of(name).startswith("ln"):  # ln1, ln2, ln_f
+        if module_of(name).startswith("ln"):  # ln1, ln2, ln_f
             out[name] = torch.ones_like(p) if leaf == "weight" else torch.zeros_like(p)
         elif leaf == "bias":
             out[name] = torch.zeros_like(p)
         else:
-            std = 0.02 / math.sqrt(2 * cfg.n_layers) if _module_of(name) in ROW_PARALLEL else 0.02
+            std = 0.02 / math.sqrt(2 * cfg.n_layers) if module_of(name) in ROW_PARALLEL else 0.02
             out[name] = torch.randn(p.shape, generator=gen) * std
     if head == "value":
         del out["lm_head"]
@@ -286,66 +194,6 @@ def build_model(
     model = TransformerLM(cfg, tp_group, head)
     model.load_full_state_dict(init_state_dict(cfg, seed, head))
     return model
-
-
-def _module_of(key: str) -> str:
-    parts = key.split(".")
-    return parts[-2] if len(parts) >= 2 else ""
-
-
-def shard_dim(key: str) -> int | None:
-    """The dimension along which the tensor ``key`` is split under TP, or None if replicated."""
-    module, leaf = _module_of(key), key.rsplit(".", 1)[-1]
-    if module in COLUMN_PARALLEL:
-        return 0
-    if module in ROW_PARALLEL and leaf == "weight":
-        return 1
-    return None
-
-
-def shard_state_dict(full: Mapping[str, Tensor], tp_rank: int, tp_size: int) -> dict[str, Tensor]:
-    """Rank ``tp_rank``'s slice of a full (TP=1) state dict; replicated tensors are shared, not copied."""
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} is out of range for tp_size {tp_size}")
-    out: dict[str, Tensor] = {}
-    for key, value in full.items():
-        dim = shard_dim(key)
-        if dim is None or tp_size == 1:
-            out[key] = value
-            continue
-        if value.shape[dim] % tp_size:
-            raise ValueError(f"{key} of shape {tuple(value.shape)} cannot be split {tp_size} ways on dim {dim}")
-        out[key] = value.chunk(tp_size, dim=dim)[tp_rank].contiguous()
-    return out
-
-
-def gather_state_dict(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Inverse of :func:`shard_state_dict`: ``shards[r]`` is rank r's state dict."""
-    if not shards:
-        raise ValueError("no shards to gather")
-    out: dict[str, Tensor] = {}
-    for key, first in shards[0].items():
-        dim = shard_dim(key)
-        out[key] = first if dim is None or len(shards) == 1 else torch.cat([s[key] for s in shards], dim=dim)
-    return out
-
-
-def all_gather_state_dict(local: Mapping[str, Tensor], tp_group: dist.ProcessGroup | None) -> dict[str, Tensor]:
-    """Collective form of :func:`gather_state_dict` over ``tp_group``; also works for gradients keyed
-    like the parameters. Without a group it returns ``local`` as a dict."""
-    if tp_group is None:
-        return dict(local)
-    size = dist.get_world_size(tp_group)
-    out: dict[str, Tensor] = {}
-    for key, value in local.items():
-        dim = shard_dim(key)
-        if dim is None:
-            out[key] = value
-            continue
-        parts = [torch.empty_like(value) for _ in range(size)]
-        dist.all_gather(parts, value.contiguous(), group=tp_group)
-        out[key] = torch.cat(parts, dim=dim)
-    return out
 
 
 # --------------------------------------------------------------------------------------------------
