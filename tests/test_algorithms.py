@@ -8,16 +8,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from workers.algorithm import Algorithm
 from workers.algorithms import ALGORITHMS, get_algorithm
+from workers.algorithms.base import Algorithm
 from workers.algorithms.dapo import FilteringAdvantage, OverlongShapedReward
 from workers.algorithms.grpo import GRPO
 from workers.algorithms.ppo import GAE, CriticValue, KLPenalizedReward
+from workers.algorithms.roles import DROP, Trainer
 from workers.config import Layout, RunConfig, with_layouts
 from workers.model import task
 from workers.model.parallel_state import ParallelState
 from workers.options import ALGORITHM_NAMES, build_demo_parser
-from workers.roles import DROP, Trainer
 
 PROMPT_COLUMNS = {"prompts", "prompt_length"}
 

@@ -1,4 +1,4 @@
-"""verl's per-DP-rank normalisation of the PPO mini- and micro-batch sizes (workers.batch_sizes)."""
+"""verl's per-DP-rank normalisation of the PPO mini- and micro-batch sizes (workers.algorithms.batch_sizes)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from workers.batch_sizes import RankBatchSizes, normalize_ppo_batch_sizes
+from workers.algorithms.batch_sizes import RankBatchSizes, normalize_ppo_batch_sizes
 
 
 @pytest.mark.parametrize(

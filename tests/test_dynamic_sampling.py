@@ -1,11 +1,11 @@
-"""DAPO's dynamic-sampling filter and overlong penalty (workers.dynamic_sampling)."""
+"""DAPO's dynamic-sampling filter and overlong penalty (workers.algorithms.dapo_math)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from workers.dynamic_sampling import groups_to_keep, overlong_penalty
+from workers.algorithms.dapo_math import groups_to_keep, overlong_penalty
 
 
 def test_groups_to_keep_drops_groups_with_equal_rewards() -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers.algo import group_advantages, grpo_loss, response_mask
+from workers.algorithms.grpo_math import group_advantages, grpo_loss, response_mask
 from workers.model import task
 
 # A tiny case, worked by hand (clip_eps 0.2, kl_coef 0.1):

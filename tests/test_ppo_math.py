@@ -1,4 +1,4 @@
-"""DeepSpeed-Chat's PPO formulas (workers.ppo_math) on small hand-computed examples."""
+"""DeepSpeed-Chat's PPO formulas (workers.algorithms.ppo_math) on small hand-computed examples."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers.ppo_math import (
+from workers.algorithms.ppo_math import (
     clipped_policy_loss,
     clipped_value_loss,
     gae_advantages_and_returns,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from broker.ops.local_redis import free_port
+from workers.algorithms.ppo_math import clipped_value_loss
 from workers.model.tensor_parallel import all_gather_state_dict, gather_state_dict, shard_state_dict
 from workers.model.transformer import (
     ModelConfig,
@@ -23,7 +24,6 @@ from workers.model.transformer import (
     response_values,
     token_log_probs,
 )
-from workers.ppo_math import clipped_value_loss
 
 CFG = ModelConfig(vocab_size=17, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=16)
 SEED = 3

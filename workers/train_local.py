@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .algo import group_advantages, grpo_loss, response_mask
+from .algorithms.grpo_math import group_advantages, grpo_loss, response_mask
 from .model import task
 from .model.transformer import ModelConfig, TransformerLM, build_model, generate, response_log_probs
 

@@ -20,11 +20,11 @@ from torch import Tensor
 
 from broker import FencedError, TransferDock
 
+from .algorithms.roles import DROP, Role, Trainer, checksum, make_role
 from .config import RunConfig
 from .dispatch import Dispatcher, guaranteed_ranges
 from .model import task
 from .model.parallel_state import ParallelState
-from .roles import DROP, Role, Trainer, checksum, make_role
 
 log = logging.getLogger(__name__)
 

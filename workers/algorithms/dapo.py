@@ -16,11 +16,11 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..algo import group_advantages
-from ..algorithm import Algorithm
-from ..dynamic_sampling import groups_to_keep, overlong_penalty
 from ..model import task
-from ..roles import (
+from .base import Algorithm
+from .dapo_math import groups_to_keep, overlong_penalty
+from .grpo_math import group_advantages
+from .roles import (
     DROP,
     ActorLogProb,
     Output,

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..algo import group_advantages, grpo_loss
-from ..algorithm import Algorithm
-from ..roles import (
+from .base import Algorithm
+from .grpo_math import group_advantages, grpo_loss
+from .roles import (
     ActorLogProb,
     Output,
     RefLogProb,

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..algorithm import Algorithm
 from ..model.transformer import response_values
-from ..ppo_math import clipped_value_loss, gae_advantages_and_returns, kl_penalized_rewards, masked_mean
-from ..roles import (
+from .base import Algorithm
+from .ppo_math import clipped_value_loss, gae_advantages_and_returns, kl_penalized_rewards, masked_mean
+from .roles import (
     ActorLogProb,
     ModelRole,
     Output,

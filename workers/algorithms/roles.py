@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .model import task
-from .model.parallel_state import ParallelState, average_gradients, clip_grad_norm_tp
-from .model.transformer import TransformerLM, build_model, generate, response_log_probs
+from ..model import task
+from ..model.parallel_state import ParallelState, average_gradients, clip_grad_norm_tp
+from ..model.transformer import TransformerLM, build_model, generate, response_log_probs
 from .ppo_math import clipped_policy_loss, policy_metrics
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from ..config import RunConfig
 
 Output = dict[str, list[Tensor]]
 
