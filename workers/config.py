@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .algorithms import get_algorithm
+from .algorithms.base import Algorithm
 from .algorithms.batch_sizes import RankBatchSizes, normalize_ppo_batch_sizes
 from .model import task
 from .model.parallel_state import Layout
 from .model.transformer import ModelConfig
 from .train_local import TrainConfig, model_config
-
-if TYPE_CHECKING:
-    from .algorithms.base import Algorithm
 
 __all__ = ["Layout", "RunConfig", "demo_model_config", "with_layouts"]
 

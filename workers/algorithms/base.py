@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from ..model.transformer import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class Algorithm:
     inputs: Mapping[str, tuple[str, ...]]
     #: Columns each role writes back (a trainer writes nothing).
     outputs: Mapping[str, tuple[str, ...]]
-    #: The class computing each role (a ``roles.Role`` subclass); kept as ``Any`` so this module needs no torch.
+    #: The class computing each role (a ``roles.Role`` subclass); ``Any``, as roles.py imports this module.
     role_classes: Mapping[str, Any]
     #: Role -> the trainer whose weights it loads at the start of every iteration (the rollout and the
     #: log-prob stage follow the actor, a critic's value stage its trainer; the reference follows nobody).
@@ -84,3 +86,84 @@ class Algorithm:
     def trainers(self) -> tuple[str, ...]:
         """Roles whose weights others follow, in pipeline order."""
         return tuple(r for r in self.roles if r in set(self.follows.values()))
+
+
+class RunSettings(Protocol):
+    """What the roles read of the run they are part of; ``workers.config.RunConfig`` is one.
+
+    Spelled out here rather than imported because the config is built from the algorithms (their roles,
+    columns and defaults): the algorithms must not depend on it in turn. Read-only, as the config is frozen.
+    """
+
+    def inputs(self, role: str) -> tuple[str, ...]:
+        """The columns ``role`` reads in this run."""
+
+    def model(self) -> ModelConfig:
+        """The shape of every network in the run."""
+
+    # The run.
+    @property
+    def algorithm(self) -> Algorithm: ...
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def prompts(self) -> int: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def tracked(self) -> bool: ...
+
+    @property
+    def token_budget(self) -> int: ...
+
+    @property
+    def temperature(self) -> float: ...
+
+    # Any trainer.
+    @property
+    def lr(self) -> float: ...
+
+    @property
+    def epochs(self) -> int: ...
+
+    @property
+    def micro_batch_rows(self) -> int | None: ...
+
+    @property
+    def clip_eps(self) -> float: ...
+
+    @property
+    def clip_high(self) -> float: ...
+
+    @property
+    def kl_coef(self) -> float: ...
+
+    # PPO.
+    @property
+    def critic_lr(self) -> float: ...
+
+    @property
+    def gamma(self) -> float: ...
+
+    @property
+    def lam(self) -> float: ...
+
+    @property
+    def cliprange_value(self) -> float: ...
+
+    @property
+    def clip_reward_value(self) -> float: ...
+
+    # DAPO.
+    @property
+    def overlong_buffer(self) -> int: ...
+
+    @property
+    def overlong_factor(self) -> float: ...
+
+    @property
+    def max_gen_batches(self) -> int: ...

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -21,10 +20,8 @@ from torch import Tensor
 from ..model import task
 from ..model.parallel_state import ParallelState, average_gradients, clip_grad_norm_tp
 from ..model.transformer import TransformerLM, build_model, generate, response_log_probs
+from .base import RunSettings
 from .ppo_math import clipped_policy_loss, policy_metrics
-
-if TYPE_CHECKING:
-    from ..config import RunConfig
 
 Output = dict[str, list[Tensor]]
 
@@ -71,7 +68,7 @@ class Role:
     #: The network this role holds (``"lm"`` a policy, ``"value"`` a critic), or None.
     head: str | None = None
 
-    def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
+    def __init__(self, cfg: RunSettings, state: ParallelState) -> None:
         self.cfg = cfg
         self.state = state
         self.inputs = cfg.inputs(self.name)
@@ -104,7 +101,7 @@ class ModelRole(Role):
 
     head: str | None = "lm"
 
-    def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
+    def __init__(self, cfg: RunSettings, state: ParallelState) -> None:
         super().__init__(cfg, state)
         self.model: TransformerLM = build_model(cfg.model(), seed=cfg.seed, tp_group=state.tp_group,
                                                 head=self.head or "lm")
@@ -235,7 +232,7 @@ class Trainer(ModelRole):
 
     name = "actor_train"
 
-    def __init__(self, cfg: RunConfig, state: ParallelState) -> None:
+    def __init__(self, cfg: RunSettings, state: ParallelState) -> None:
         super().__init__(cfg, state)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate(), weight_decay=0.0)
         self._held: list[dict[str, Tensor]] = []
@@ -358,7 +355,7 @@ def _concat_padded(batches: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return out
 
 
-def make_role(name: str, cfg: RunConfig, state: ParallelState) -> Role:
+def make_role(name: str, cfg: RunSettings, state: ParallelState) -> Role:
     """Role ``name`` of the run's algorithm."""
     role: Role = cfg.algorithm.role_classes[name](cfg, state)
     return role
