@@ -113,7 +113,7 @@ def make_dock(client):
 def local_ray():
     """A local Ray of 2 CPUs for one module's tests of the demo's worker groups."""
     ray = pytest.importorskip("ray")
-    from workers.cluster import start_ray
+    from workers.runtime.cluster import start_ray
 
     start_ray(None, 2)
     yield

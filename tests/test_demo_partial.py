@@ -18,7 +18,7 @@ pytest.importorskip("ray")
 
 from workers.algorithms.grpo import ROLES  # noqa: E402
 from workers.config import RunConfig, with_layouts  # noqa: E402
-from workers.pipeline import Pipeline, create_dock  # noqa: E402
+from workers.runtime.pipeline import Pipeline, create_dock  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

@@ -24,7 +24,7 @@ import ray  # noqa: E402
 from broker.control.keys import DockKeys  # noqa: E402
 from workers.algorithms.grpo import GRPO  # noqa: E402
 from workers.config import Layout, RunConfig, with_layouts  # noqa: E402
-from workers.pipeline import Pipeline, create_dock  # noqa: E402
+from workers.runtime.pipeline import Pipeline, create_dock  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

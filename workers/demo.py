@@ -53,10 +53,10 @@ def run(args: argparse.Namespace) -> int:
     from broker.connection import redact
     from broker.ops.local_redis import redis_for_run
 
-    from .cluster import start_ray, wait_for_cpus
     from .model import task
-    from .pipeline import Pipeline, create_dock
-    from .report import MetricsLog, first_last, plot
+    from .runtime.cluster import start_ray, wait_for_cpus
+    from .runtime.pipeline import Pipeline, create_dock
+    from .runtime.report import MetricsLog, first_last, plot
 
     out = Path(args.out or f"{cfg.algo}-demo")
     picture = out / f"{cfg.algo}.png"

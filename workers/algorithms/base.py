@@ -3,8 +3,8 @@ roles hold a network and whose weights they follow, and the class that computes 
 
 An algorithm is one small module in ``workers/algorithms/`` that builds an :class:`Algorithm` from the
 shared pieces (``roles.py``: the rollout, log-probs, rule reward and the streamed trainer; ``workers/model/``;
-the worker loop and the pipeline). The pipeline, the workers and the report read everything from it,
-so a new algorithm is a new file, not a fork of the demo.
+the worker loop and the pipeline in ``workers/runtime/``). The pipeline, the workers and the report read
+everything from it, so a new algorithm is a new file, not a fork of the demo.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def first_last(values: Sequence[float], k: int = 3) -> tuple[float, float]:
 
 def _roles(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     """The run's roles in pipeline order (records written before ``algo`` was recorded are GRPO's)."""
-    from .algorithms import get_algorithm
+    from ..algorithms import get_algorithm
 
     return get_algorithm(records[0].get("algo", "grpo")).roles
 

@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from broker import TransferDock
 
-from .config import RunConfig
+from ..config import RunConfig
 from .worker import RoleWorker
 
 RemoteWorker = ray.remote(RoleWorker)

@@ -20,7 +20,7 @@ from torch import Tensor
 from broker import ExperienceTimeoutError, FencedError, HandedRows, TransferDock
 from broker.api.batches import pack_experience_columns, unpack_pad_experience
 
-from .model.parallel_state import ParallelState
+from ..model.parallel_state import ParallelState
 
 #: Dtypes a column may have on the wire; the header carries the position in this list.
 WIRE_DTYPES = (torch.int64, torch.int32, torch.float32, torch.float64, torch.int16, torch.int8, torch.uint8,

@@ -20,11 +20,11 @@ from torch import Tensor
 
 from broker import FencedError, TransferDock
 
-from .algorithms.roles import DROP, Role, Trainer, checksum, make_role
-from .config import RunConfig
+from ..algorithms.roles import DROP, Role, Trainer, checksum, make_role
+from ..config import RunConfig
+from ..model import task
+from ..model.parallel_state import ParallelState
 from .dispatch import Dispatcher, guaranteed_ranges
-from .model import task
-from .model.parallel_state import ParallelState
 
 log = logging.getLogger(__name__)
 

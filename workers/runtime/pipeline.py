@@ -25,9 +25,9 @@ import torch
 from broker import Rollout, TransferDock
 from broker.api.batches import put_prompts_experience
 
+from ..config import RunConfig
+from ..model import task
 from .cluster import WorkerGroup, cpus_per_rank, wait_all
-from .config import RunConfig
-from .model import task
 
 
 def dock_rollout(cfg: RunConfig) -> Rollout | None:
