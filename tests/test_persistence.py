@@ -1,6 +1,6 @@
 """Redis killed with SIGKILL mid-run and restarted: acknowledged puts and consumed marks survive.
 
-The configuration under test is the one the README recommends: ``appendonly yes`` with
+The configuration under test is the one docs/reliability.md recommends: ``appendonly yes`` with
 ``appendfsync always`` (every write reaches the disk before Redis replies).
 """
 

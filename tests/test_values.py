@@ -136,6 +136,6 @@ def test_a_zero_dimensional_object_array_is_refused(make_dock):
 
 
 def test_a_msgpack_timestamp_is_refused_on_put():
-    """The README says extension types are refused: a Timestamp was accepted and handed back."""
+    """docs/operations.md says extension types are refused: a Timestamp was accepted and handed back."""
     with pytest.raises(InvalidExperienceError, match="extension type -1, a Timestamp"):
         encode_value({"at": msgpack.Timestamp(1, 2)})

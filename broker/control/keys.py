@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from broker.errors import SchemaError
 
@@ -320,3 +321,107 @@ class DockKeys:
         """Keys that belong to one batch beside the rows (reset by a whole clear): cursor, metrics and the
         count of discarded groups."""
         return [self.cursor, self.metrics, self.discarded]
+
+
+# The key layout as a table: built by calling the builders above with placeholder names, so a renamed key
+# changes the table, and tests/test_docs.py checks that docs/operations.md shows exactly this.
+
+
+class KeyRow(NamedTuple):
+    """One row of the key layout: a key pattern, its Redis type, and what it holds."""
+
+    key: str
+    type: str
+    holds: str
+
+
+class _Placeholder(int):
+    """An integer part of a key (an age, an epoch, a shard) that prints as its name in a pattern."""
+
+    label: str
+
+    def __new__(cls, label: str) -> _Placeholder:
+        placeholder = super().__new__(cls, 0)
+        placeholder.label = label
+        return placeholder
+
+    def __format__(self, spec: str) -> str:
+        return self.label
+
+
+def key_layout() -> list[KeyRow]:
+    """Every key of dock NAME (COLUMN, CONSUMER, K, W, S, EPOCH, REQUEST standing for their parts)."""
+    k = DockKeys("NAME")
+    column, consumer = "COLUMN", "CONSUMER"
+    age, waited = _Placeholder("K"), _Placeholder("W")
+    shard = shard_tag("NAME", _Placeholder("S"))
+    return [
+        KeyRow(k.meta, "hash", "the schema: `format_version`, `prompts_num`, `n_samples_per_prompt`, `columns`, "
+               "`consumers` and `length_columns` (JSON lists), `rollout` (JSON of the `Rollout` settings, `{}` for "
+               "none), `shards`; not part of the schema: `dead_letter_after`, and `versioned` once `set_version` ran "
+               "(a version key missing then was lost)"),
+        KeyRow(k.data(column), "hash", "field = row index in decimal, value = one encoded row"),
+        KeyRow(k.ready(column), "bitmap", "bit i set when row i of COLUMN is written"),
+        KeyRow(k.group_ready(column), "bitmap", "bit g set when all n rows of group g are written in COLUMN (kept by "
+               "`put`)"),
+        KeyRow(k.lengths(column), "string", "one big-endian u32 per row of a length column: what `seqlen` "
+               "sampling and `balance` weigh"),
+        KeyRow(k.consumed(consumer), "bitmap", "bit i set when row i was handed to CONSUMER"),
+        KeyRow(k.group_taken(consumer), "bitmap", "bit g set when any row of group g was handed to CONSUMER"),
+        KeyRow(k.leases(consumer), "sorted set", "rows handed out under a lease and not yet acked; score = "
+               "deadline (ms of server time)"),
+        KeyRow(k.tokens(consumer), "hash", "field = leased row, value = token of the call holding its lease "
+               "(what an ack must name)"),
+        KeyRow(k.redelivered(consumer), "string", "counter of rows given back after their lease expired"),
+        KeyRow(k.failures(consumer), "hash", "field = row, value = deliveries to CONSUMER whose bytes could not "
+               "be read (corrupt, or missing)"),
+        KeyRow(k.dead(consumer), "hash", "dead letters: field = row, value = why it is no longer handed to "
+               "CONSUMER (its bytes failed `dead_letter_after` reads)"),
+        KeyRow(k.reply("REQUEST"), "string", "the reply of a call that changed the dock, kept 60 s so that a "
+               "resend gets it instead of applying twice"),
+        KeyRow(k.gate, "string", "a put's verdict (`put` to `bar`); exists only inside the put's MULTI/EXEC"),
+        KeyRow(k.aside(column), "hash", "a data hash `bar` sets aside while a refused put's HSETs fail; exists "
+               "only inside the put's MULTI/EXEC"),
+        KeyRow(k.scratch, "string", "work space of the `sample` script, deleted before it returns"),
+        KeyRow(k.scratch2, "string", "more of it: the tiers of oldest-first sampling"),
+        KeyRow(k.scratch3, "string", "more of it: the iteration's batch"),
+        KeyRow(k.epoch, "string", "counter of whole clears (the read fence, with `gen`)"),
+        KeyRow(k.generations, "string", "one big-endian u32 per row (`BITFIELD ... GET u32 #ROW`): clears of "
+               "that row so far"),
+        KeyRow(k.events, "channel", "pub/sub: every put publishes the number of rows it wrote"),
+        KeyRow(k.cursor, "string", "next row `prefetch_request_index` hands out (reset by a whole clear)"),
+        KeyRow(k.metrics, "hash", "metric name → JSON number or list of numbers (reset by a whole clear)"),
+        KeyRow(k.consumer_columns, "hash", "consumer → JSON list of the columns it reads when "
+               "`get_experience` is given none"),
+        KeyRow(k.finished, "bitmap", "partial rollout: bit i set when row i's response is finished"),
+        KeyRow(k.group_finished, "bitmap", "bit g set when all n rows of group g are finished"),
+        KeyRow(k.rows_finished, "bitmap", "`gfinished` spread over the rows of each group, for row-wise sampling"),
+        KeyRow(k.group_rolled, "bitmap", "bit g set once group g had a response put: from then on it ages"),
+        KeyRow(k.age(age), "bitmap", "rows of groups of age K (K = 0 .. max_age, the last: that old or older); "
+               "ageing renames the bitmaps"),
+        KeyRow(k.group_age(age), "bitmap", "the same, one bit per group"),
+        KeyRow(k.wait(waited), "bitmap", "rows of groups whose prompt waited through W clears without being "
+               "generated (W = 1 .. max_age); sampled after the aged groups, before newer prompts"),
+        KeyRow(k.group_wait(waited), "bitmap", "the same, one bit per group"),
+        KeyRow(k.group_batch, "bitmap", "partial rollout: the groups of this iteration, which every consumer but "
+               "the rollout takes first; emptied by the iteration clear"),
+        KeyRow(k.claimed, "bitmap", "groups `reserve_groups` handed out for new prompts; free again once "
+               "forgotten"),
+        KeyRow(k.group_versions, "sorted set", "member = group, score = oldest policy version of its rows"),
+        KeyRow(k.version, "string", "the current policy version (`set_version`; kept by clears)"),
+        KeyRow(k.discarded, "hash", "groups discarded since the last whole clear, by who: a consumer, `stale` "
+               "or `regenerated`"),
+        KeyRow(k.admitted, "string", "rows `prefetch_request_index` admitted under a staleness bound"),
+        KeyRow(k.replicated, "string", "counter written before each `WAIT` of `wait_replicas`"),
+        KeyRow(DockKeys.shard_replicated(shard), "string", "the same on the node of data shard S"),
+        KeyRow(DockKeys.shard_data(shard, column, _Placeholder("EPOCH")), "hash", "a sharded dock's row bytes on "
+               "data shard S (its own hash tag, so its own slot), written in epoch EPOCH; field = "
+               "`ROW:GENERATION`"),
+    ]
+
+
+def key_layout_markdown() -> str:
+    """The key layout as a Markdown table (what docs/operations.md shows)."""
+    lines = ["| key | type | contents |", "|---|---|---|"]
+    lines += [f"| `{row.key}` | {row.type} | {row.holds} |" for row in key_layout()]
+    return "\n".join(lines) + "\n"
