@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     exporter = commands.add_parser(
         "exporter", parents=[url], help="serve the docks' counts and memory as Prometheus metrics on /metrics",
         description="A Prometheus exporter: each scrape reads every dock (or the named ones) in one round trip. "
-                    "Metric names are listed in the README.",
+                    "Metric names are listed in docs/operations.md.",
     )
     exporter.add_argument("names", nargs="*", metavar="NAME", help="docks to export (default: every dock)")
     exporter.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default: %(default)s)")

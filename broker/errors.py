@@ -73,7 +73,7 @@ class BrokerConnectionError(BrokerError, ConnectionError):
 
 class BrokerTimeoutError(BrokerConnectionError, TimeoutError):
     """Redis did not answer within the call's bound: the dock's ``call_timeout``, or for
-    ``get_experience(timeout=T)`` T (see the README, "Lost replies and reconnects").
+    ``get_experience(timeout=T)`` T (see docs/reliability.md, "Lost replies and reconnects").
 
     The call was given up and not retried; it may or may not have been applied. The message names the
     server and the bound.

@@ -8,7 +8,7 @@ latency included, which only the caller can measure. Nothing is recorded until :
     metrics.start_http_server(9809)     # /metrics on every interface, this process's calls
 
 or, in a process that already serves Prometheus metrics (vLLM, a trainer), ``metrics.enable()`` to
-add them to ``prometheus_client``'s default registry. Metric names are in the README.
+add them to ``prometheus_client``'s default registry. Metric names are in docs/operations.md.
 
 Every dock in the process records into the same metrics, labelled by dock name and operation:
 ``put``, ``get`` (sampling and explicit rows alike; the time includes waiting for puts when the call

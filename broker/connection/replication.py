@@ -1,10 +1,10 @@
 """Waiting for replicas: the dock's optional durability (``TransferDock(..., wait_replicas=k)``).
 
 Redis replicates asynchronously: a primary answers a write before any replica has it, and a primary
-that dies in that window takes the write with it when its replica is promoted (see the README,
-"Beyond one machine"). ``WAIT k timeout`` blocks until k replicas acknowledged every write the
-calling connection made before it, which narrows that window to nothing for the writes it covers
-(it does not make Redis strongly consistent: a replica that acknowledged may still lose a failover
+that dies in that window takes the write with it when its replica is promoted (see docs/cluster.md,
+"What replication does and does not promise"). ``WAIT k timeout`` blocks until k replicas acknowledged
+every write the calling connection made before it, which narrows that window to nothing for the writes it
+covers (it does not make Redis strongly consistent: a replica that acknowledged may still lose a failover
 election to one that did not, and a timeout returns what was reached).
 
 WAIT covers only the writes of its own connection, and a broker call writes through pooled

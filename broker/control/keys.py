@@ -3,79 +3,11 @@
 Every key of dock NAME starts with ``td:{NAME}:``. The braces are a Redis Cluster hash tag: all of a
 dock's keys hash to one slot, so a Lua script or MULTI touching several of them is legal on a cluster.
 
-=================================  ======  ============================================================
-key                                type    contents
-=================================  ======  ============================================================
-``td:{NAME}:meta``                 hash    schema: prompts_num, n_samples_per_prompt, columns, consumers,
-                                           format version; ``versioned`` once ``set_version`` ran (the
-                                           version key missing then was lost: lua/include/current_version.lua)
-``td:{NAME}:data:COLUMN``          hash    field = row index in decimal, value = one encoded tensor
-``td:{NAME}:ready:COLUMN``         bitmap  bit i set when row i of COLUMN is written
-``td:{NAME}:gready:COLUMN``        bitmap  bit g set when all n rows of group g are written in COLUMN
-``td:{NAME}:consumed:CONSUMER``    bitmap  bit i set when row i was handed to CONSUMER
-``td:{NAME}:gtaken:CONSUMER``      bitmap  bit g set when any row of group g was handed to CONSUMER
-``td:{NAME}:leases:CONSUMER``      zset    rows handed out under a lease and not yet acked; score =
-                                           deadline in ms of server time
-``td:{NAME}:tokens:CONSUMER``      hash    field = leased row, value = token of the call holding its
-                                           lease (an ack must name it)
-``td:{NAME}:redelivered:CONSUMER`` string  counter: rows given back to CONSUMER after a lease expired
-``td:{NAME}:failures:CONSUMER``    hash    field = row, value = deliveries of it to CONSUMER whose bytes
-                                           could not be read (corrupt, or missing)
-``td:{NAME}:dead:CONSUMER``        hash    dead letters: field = row, value = why it is no longer handed
-                                           to CONSUMER (its bytes failed ``dead_letter_after`` reads)
-``td:{NAME}:reply:REQUEST``        string  the reply of a call that changed the dock, kept for a minute
-                                           so that a resend after a lost reply gets it instead of
-                                           applying the call twice (lua/include/once.lua)
-``td:{NAME}:gate``                 string  "go" from put.lua to bar.lua when a put may land; exists only
-                                           inside the put's MULTI/EXEC
-``td:{NAME}:aside:COLUMN``         hash    a data hash set aside by bar.lua while a refused put's HSETs
-                                           fail; exists only inside the put's MULTI/EXEC
-``td:{NAME}:scratch``              string  work space of the sampling script; deleted before it returns
-``td:{NAME}:scratch2``             string  more of it (tiers of oldest-first sampling)
-``td:{NAME}:scratch3``             string  more of it (the iteration's batch)
-``td:{NAME}:epoch``                string  counter: whole clears so far (the read fence, with gen)
-``td:{NAME}:gen``                  string  u32 per row, big-endian (``BITFIELD ... GET u32 #ROW``): clears
-                                           of that row so far
-``td:{NAME}:events``               pubsub  channel; every put publishes on it to wake waiting readers
-``td:{NAME}:len:COLUMN``           string  u32 per row, big-endian: the value of row i of a length column
-                                           (``prompt_length``, ...), which balanced sampling sums
-``td:{NAME}:cursor``               string  counter: next row ``prefetch_request_index`` hands out
-``td:{NAME}:metrics``              hash    field = metric name, value = a number or a list of numbers, in
-                                           JSON; shared by every worker, reset by a whole clear
-``td:{NAME}:columns_of``           hash    field = consumer, value = JSON list of the columns it reads
-                                           when ``get_experience`` is given none
-``td:{NAME}:finished``             bitmap  partial rollout: bit i set when row i's response is finished
-``td:{NAME}:gfinished``            bitmap  bit g set when all n rows of group g are finished
-``td:{NAME}:rfinished``            bitmap  bit i set when every row of row i's group is finished (the
-                                           group bit spread over its rows, for row-wise sampling)
-``td:{NAME}:grolled``              bitmap  bit g set once the rollout put any response of group g: from
-                                           then on the group ages
-``td:{NAME}:age:K``                bitmap  rows of groups of age K (K = 0 .. max_age; the last holds every
-                                           group that old or older); a clear that ends an iteration ages
-                                           them by renaming the bitmaps, not by touching rows
-``td:{NAME}:gage:K``               bitmap  the same, one bit per group
-``td:{NAME}:wait:W``               bitmap  rows of groups whose prompt waited through W clears without being
-                                           generated (W = 1 .. max_age, the last: that many or more);
-                                           sampled after the aged groups, before newer prompts
-``td:{NAME}:gwait:W``              bitmap  the same, one bit per group
-``td:{NAME}:gbatch``               bitmap  partial rollout: the groups of this iteration, the first gbs_train
-                                           handed to a consumer other than the rollout; the others take
-                                           these first (see sample.lua); emptied by the iteration clear
-``td:{NAME}:claimed``              bitmap  bit g set when group g was reserved for new prompts
-                                           (``reserve_groups``); a group forgotten is free again
-``td:{NAME}:gversions``            zset    member = group, score = oldest policy version of its rows
-``td:{NAME}:version``              string  the current policy version (``set_version``); kept by clears
-``td:{NAME}:discarded``            hash    groups discarded since the last whole clear: field = the consumer
-                                           that dropped them, or ``stale`` / ``regenerated``
-``td:{NAME}:admitted``             string  rows ``prefetch_request_index`` admitted under a staleness bound
-``td:{NAME}:replicated``           string  counter: written before each WAIT of ``wait_replicas`` (see
-                                           connection/replication.py); ``td:{NAME~S}:replicated`` on each shard
-``td:{NAME~S}:data:COLUMN:EPOCH``  hash    a sharded dock's row bytes (see data/store.py): data shard S (its
-                                           own hash tag, so its own slot), rows written in epoch EPOCH;
-                                           field = ``ROW:GENERATION``, value = one encoded tensor
-=================================  ======  ============================================================
+The layout of every key (pattern, type, what it holds) is ``key_layout()`` at the end of this module. It is
+built by calling the key builders below, so it cannot drift from them; docs/operations.md shows it as a table
+that ``tests/test_docs.py`` checks against it (``python -m tests.test_docs`` writes it anew).
 
-On a Redis Cluster the keys above live in the slot of ``{NAME}``, but a sharded dock's bytes are spread
+On a Redis Cluster the keys of a dock live in the slot of ``{NAME}``, but a sharded dock's bytes are spread
 over the data shards ``{NAME~S}``, whose tags the schema stores (``Schema.shards``). Their names cannot
 clash with another dock's: ``~`` is not allowed in names.
 """

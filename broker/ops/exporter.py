@@ -40,7 +40,7 @@ from broker.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
-#: HTTP port of ``broker exporter`` (the README's scrape config uses it).
+#: HTTP port of ``broker exporter`` (the scrape config of docs/operations.md uses it).
 DEFAULT_PORT = 9808
 
 #: The longest a scrape waits for Redis (Prometheus's default scrape_timeout).
@@ -232,7 +232,8 @@ class DockCollector:
         dead = gauge("broker_consumer_dead_letter_rows",
                      "Rows no longer handed to the consumer: their bytes failed to read dead_letter_after times",
                      ["dock", "consumer"])
-        memory = gauge("broker_dock_memory_bytes", "Redis memory of the dock's keys, sampled (see README)", ["dock"])
+        memory = gauge("broker_dock_memory_bytes", "Redis memory of the dock's keys, sampled (docs/operations.md)",
+                       ["dock"])
         version = gauge("broker_dock_version", "The dock's current policy version (set_version)", ["dock"])
         discarded = CounterMetricFamily(
             "broker_dock_discarded_groups",
