@@ -17,8 +17,6 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 OPERATIONS = DOCS / "operations.md"
 
-#: Linked to before it exists: another branch writes it. Remove a name once its file is here.
-
 #: The README is the way in, not the manual: what it does not say belongs in docs/.
 README_MAX_LINES = 250
 
@@ -28,6 +26,8 @@ TABLE_END = "<!-- end of the generated table -->\n"
 _FENCE = re.compile(r"^```.*?^```[^\n]*$", re.MULTILINE | re.DOTALL)
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 _DOCS_PATH = re.compile(r"(?<![\w/.-])docs/[\w./-]*\w")
+#: Source files named in prose: they move with restructurings, and a stale path misleads a newcomer.
+_SOURCE_PATH = re.compile(r"(?<![\w/.-])(?:broker|workers|tests|lua)/[\w./-]*\.(?:py|lua)\b")
 
 
 def documents() -> list[Path]:
@@ -79,6 +79,13 @@ def test_every_docs_path_named_exists(doc: Path):
     named = set(_DOCS_PATH.findall(doc.read_text(encoding="utf-8")))
     missing = sorted(p for p in named if not exists(ROOT / p))
     assert not missing, f"{doc.relative_to(ROOT)} names {missing}"
+
+
+@pytest.mark.parametrize("doc", documents(), ids=lambda p: p.name)
+def test_every_source_file_named_exists(doc: Path):
+    named = set(_SOURCE_PATH.findall(doc.read_text(encoding="utf-8")))
+    missing = sorted(n for n in named if not (ROOT / n).exists() and not re.search(r"/[A-Z_]+\.", n))  # NAME.lua
+    assert not missing, f"{doc.name} names files that do not exist: {missing}"
 
 
 def test_the_readme_stays_short():
