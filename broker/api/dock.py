@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn, TypeVar, cast
 
+import numpy as np
 import redis
+import torch
 
 from broker.api import metrics
 from broker.api.balance import balanced_order, dp_padded
@@ -57,7 +59,7 @@ from broker.control import server_checks
 from broker.control.keys import DockKeys
 from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
-from broker.control.schema import Schema, fingerprint
+from broker.control.schema import CHECKED_FIELDS, Schema, fingerprint
 from broker.control.scripts import (
     DockScripts,
     Finish,
@@ -1160,6 +1162,77 @@ class TransferDock(GenerationCalls):
                 pass  # another process grew it between our read and our write
             # Either way the next refresh reads what is stored now, and returns once it holds our names.
         raise BrokerError(f"dock {self.name!r}: other processes kept growing it; {_FENCE_RETRIES} tries failed")
+
+    # == Row status and callers' settings, for adapters (broker.adapters) ===========================
+    # What an adapter reads and keeps beside rows (MindSpeed's status vectors, the TransferQueue's topic
+    # timeout), so that none reaches past the dock to its client or keys. Each delegates to the code above.
+
+    def ready_rows(self, columns: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Per column (None: every column), a bool tensor of ``capacity`` rows, True where the row is
+        written (ready). One consistent read of all of them."""
+        names = list(self.columns) if columns is None else self._check.columns_to_read(columns)
+        return dict(zip(names, self._row_masks([self._keys.ready(c) for c in names])))
+
+    def consumed_rows(self, consumers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Per consumer (None: every consumer), a bool tensor of ``capacity`` rows, True where the row
+        was handed to it (leased or for good). One consistent read of all of them."""
+        if consumers is not None and not isinstance(consumers, (list, tuple)):
+            raise InvalidExperienceError(f"consumers must be a list of consumer names, got {consumers!r:.60}")
+        names = list(self.consumers) if consumers is None else [self._check.consumer(c) for c in consumers]
+        return dict(zip(names, self._row_masks([self._keys.consumed(c) for c in names])))
+
+    def finished_rows(self) -> torch.Tensor:
+        """On a partial-rollout dock, a bool tensor of ``capacity`` rows, True on every row of a group
+        whose responses are all finished."""
+        self._partial("finished_rows")
+        (mask,) = self._row_masks([self._keys.rows_finished])
+        return mask
+
+    #: Fields of the meta hash the dock itself writes (the schema, and what create.lua and version.lua add).
+    _OWN_META_FIELDS = frozenset((*CHECKED_FIELDS, "dead_letter_after", "versioned"))
+
+    def set_setting(self, name: str, value: str) -> None:
+        """Keep a caller's setting with the dock (a field of its meta hash), for every process attached
+        to it: the TransferQueue keeps its topic's timeout so. A write like the others (it waits for
+        ``wait_replicas``); the dock's own fields are refused."""
+        field = self._setting_field(name)
+        if not isinstance(value, str):
+            raise InvalidExperienceError(f"a setting's value is a str, got {type(value).__name__}")
+        self._write("set_setting", lambda: self._client.hset(self._keys.meta, field, value), returns=False)
+
+    def setting(self, name: str) -> str | None:
+        """The setting ``name`` kept with ``set_setting``; None if there is none."""
+        field = self._setting_field(name)
+        raw = cast("bytes | None", self._run(lambda: self._client.hget(self._keys.meta, field)))
+        try:
+            return None if raw is None else raw.decode()
+        except UnicodeDecodeError:
+            raise DecodeError(f"{self._keys.meta} field {field!r}: not UTF-8 text") from None
+
+    def _setting_field(self, name: Any) -> str:
+        if not isinstance(name, str) or not name or name in self._OWN_META_FIELDS:
+            raise InvalidExperienceError(
+                f"a setting's name is a non-empty str other than the dock's own fields "
+                f"{sorted(self._OWN_META_FIELDS)}, got {name!r:.60}"
+            )
+        return name
+
+    def _row_masks(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        """The row bitmaps ``keys`` as bool tensors of ``capacity`` rows, read in one MULTI/EXEC."""
+        def reads(pipe: redis.client.Pipeline) -> None:
+            for key in keys:
+                pipe.get(key)
+
+        masks = []
+        for raw in self._reads(reads, transaction=True):
+            # Not unpackbits(count=capacity): it leaves the padding of an empty bitmap uninitialised.
+            bits = np.unpackbits(np.frombuffer(raw or b"", dtype=np.uint8))[: self.capacity]
+            mask = np.zeros(self.capacity, dtype=bool)  # a bitmap ends at its last row ever set
+            mask[: len(bits)] = bits
+            masks.append(torch.from_numpy(mask))
+        return masks
+
+    # == end of: row status and callers' settings, for adapters =====================================
 
 
 
