@@ -208,7 +208,7 @@ def snapshot(client) -> dict[bytes, bytes]:
 @pytest.mark.parametrize("call, message", [
     (lambda td: td.get_experience("nobody", ["prompts"], 4), "nobody not in TD experience_consumers"),
     (lambda td: td.get_experience("actor_train", ["nothing"], 4), "nothing not in TD experience_column"),
-    (lambda td: td.get_experience("actor_train", ["prompts"], 32), "need >= experience_count: 32"),
+    (lambda td: td.get_experience("actor_train", ["prompts"], 32), "experience_count 32 exceeds the dock.s 16 rows"),
     (lambda td: td.get_experience("actor_train", ["prompts"], 3), "need be divisible by experience_count: 3"),
     (lambda td: td.get_experience("actor_train", ["prompts"], None), "experience_count must be a positive int"),
     (lambda td: td.put_experience({"prompts": [torch.ones(1)]}, None), "indexes must be provided"),

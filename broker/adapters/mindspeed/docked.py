@@ -4,51 +4,56 @@ one native dock (puts, gets, leases, durability, metrics and status)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
 from broker.adapters.mindspeed.defaults import COMPLETED, RESPONSE_COLUMNS, SEQLEN_BALANCED
 from broker.adapters.mindspeed.helpers import as_dict, bad, int_rows, narrowed
 from broker.adapters.mindspeed.metric import Metric
 from broker.api.batches import remove_padding_tensor_dict_to_dict
-from broker.api.checks import PAD_INDEX, check_durability, check_lease, drop_padding
+from broker.api.checks import PAD_INDEX, check_durability, check_lease, drop_padding, is_int
 from broker.api.delivery import HandedRows, LeasedRows
 from broker.api.dock import TransferDock
-from broker.errors import FencedError
+from broker.errors import FencedError, InvalidExperienceError, UnknownColumnError, UnknownConsumerError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Docked:
     """What the dock and the queue share: MindSpeed's checks and calls on one native dock."""
 
-    def _check_count(self, dock: TransferDock, count: Any, get_n_samples: bool, divides: bool) -> int:
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise bad(f"experience_count must be a positive int, got {count!r}")
-        if count > dock.capacity:
-            raise bad(f"TD max_len: {dock.capacity} need >= experience_count: {count}")
-        if divides and dock.capacity % count:
-            raise bad(f"TD max_len:{dock.capacity} need be divisible by experience_count: {count}")
-        if get_n_samples and count % dock.n_samples_per_prompt:
-            raise bad(
-                f"get_n_samples need experience_count:{count} must be divisible by n_samples_per_prompt: "
-                f"{dock.n_samples_per_prompt}"
-            )
-        return count
+    def _named(self, dock: TransferDock, call: Callable[[], T], what: str, consumer: Any = None,
+               columns: Sequence[Any] = ()) -> T:
+        """``call`` on ``dock``, with the names the dock does not know raised as MindSpeed's ValueErrors
+        (the dock's are KeyErrors). A name this object has not seen may have been added by another
+        process (grow): the schema is read again and the call made once more. That is safe because the
+        dock checks names before it touches Redis: the first try changed nothing. ``consumer`` and
+        ``columns`` only name what was unknown."""
+        def mindspeeds(exc: Exception) -> InvalidExperienceError:
+            if isinstance(exc, UnknownConsumerError):
+                return bad(f"{what} experience ERROR: {consumer} not in TD experience_consumers {list(dock.consumers)}")
+            return unknown_columns(dock, what, columns)
 
-    def _check_names(self, dock: TransferDock, consumer: Any, columns: Sequence[Any]) -> None:
-        # MindSpeed raises ValueError for both; ours are KeyErrors, so name them here first. A name this
-        # object has not seen may have been added by another process (grow): read the schema again.
-        if consumer not in dock.consumers or not set(columns) <= set(dock.columns):
-            dock.refresh()
-        if consumer not in dock.consumers:
-            raise bad(f"get experience ERROR: {consumer} not in TD experience_consumers {list(dock.consumers)}")
-        for column in columns:
-            if column not in dock.columns:
-                raise bad(f"get experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
+        schema = dock.schema
+        try:
+            return call()
+        except (UnknownColumnError, UnknownConsumerError) as exc:
+            if dock.refresh() is schema:
+                raise mindspeeds(exc) from None
+        try:
+            return call()
+        except (UnknownColumnError, UnknownConsumerError) as exc:
+            raise mindspeeds(exc) from None
+
+    @staticmethod
+    def _check_divides(dock: TransferDock, count: Any) -> None:
+        """MindSpeed's rule for a sampling call of a dock without partial rollout, beyond the dock's own
+        checks of ``experience_count`` (which it leaves to them): the count divides the dock's rows."""
+        if is_int(count) and 0 < count <= dock.capacity and dock.capacity % count:
+            raise bad(f"TD max_len:{dock.capacity} need be divisible by experience_count: {count}")
 
     def _put(self, dock: TransferDock, data_dict: Any, indexes: Any, unpad: bool = True, *,
              is_prompt: bool | None = False, finished: bool | None = None) -> None:
@@ -80,15 +85,15 @@ class Docked:
             if flags is None and any(c in data for c in RESPONSE_COLUMNS) and not is_prompt:
                 raise bad("partial rollout enabled, when putting responses, rollout_completed status must be "
                            "provided in data dict")
-        if not set(data) <= set(dock.columns):
-            dock.refresh()
-        for column in data:
-            if column not in dock.columns:
-                raise bad(f"put experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
         if partial and is_prompt:
+            # The put would name unknown columns only after the groups below are claimed: name them first.
+            if not set(data) <= set(dock.columns) and not set(data) <= set(dock.refresh().columns):
+                raise unknown_columns(dock, "put", list(data))
             rows, delivery = self._free_rows(dock, rows), None  # new prompts, wherever there is room
         try:  # a put naming a leased delivery acks its rows with it: the stage's result is written
-            dock.put_experience(data, rows, is_prompt=is_prompt, rollout_completed=flags, delivery=delivery)
+            self._named(dock, lambda: dock.put_experience(data, rows, is_prompt=bool(is_prompt),
+                                                          rollout_completed=flags, delivery=delivery),
+                        "put", columns=list(data))
         except FencedError as exc:
             # MindSpeed's workers have no handler for this: the late result is dropped, the worker goes on.
             log.warning("put of rows %s dropped: %s", rows[:8], exc)
@@ -144,7 +149,6 @@ class Docked:
             rows = [r for r in int_rows(indexes) if r != PAD_INDEX]
             got = dock.get_experience(consumer, columns, indexes=rows, timeout=timeout, lease=self.lease)
         else:
-            assert count is not None
             policy = "seqlen" if seqlen and consumer in SEQLEN_BALANCED and dock.schema.length_columns else "random"
             # MindSpeed's workers call again at once when they get (None, None): a short wait for a put
             # (woken by the dock's pub/sub) keeps a dozen such loops from spinning on the server.
@@ -168,15 +172,12 @@ class Docked:
             dock.update_metrics(key, value, cumulate=cumulate)
 
     @staticmethod
-    def _bits(dock: TransferDock, keys: Sequence[str]) -> list[torch.Tensor]:
-        """Row bitmaps as int32 tensors of 0 and 1, one row per element (MindSpeed's status vectors)."""
-        out = []
-        for raw in cast("list[bytes | None]", dock.client.mget(list(keys))):
-            bits = np.unpackbits(np.frombuffer(raw or b"", dtype=np.uint8))[: dock.capacity]
-            status = np.zeros(dock.capacity, dtype=np.int32)
-            status[: len(bits)] = bits
-            out.append(torch.from_numpy(status))
-        return out
+    def _status(masks: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Row masks as MindSpeed's status vectors: int32 tensors of 0 and 1, one element per row."""
+        return {name: mask.to(torch.int32) for name, mask in masks.items()}
 
-    def _status(self, dock: TransferDock) -> dict[str, torch.Tensor]:
-        return dict(zip(dock.columns, self._bits(dock, [dock.keys.ready(c) for c in dock.columns])))
+
+def unknown_columns(dock: TransferDock, what: str, columns: Sequence[Any]) -> InvalidExperienceError:
+    """MindSpeed's error for a column the dock does not have (the first of ``columns`` it lacks)."""
+    column = next((c for c in columns if c not in dock.columns), None)
+    return bad(f"{what} experience ERROR: {column} not in TD experience_column {list(dock.columns)}")

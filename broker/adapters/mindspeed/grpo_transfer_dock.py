@@ -127,13 +127,12 @@ class GRPOTransferDock(Docked):
         """Hand ready rows to ``consumer`` as a padded batch, or ``(None, None)`` at once if too few are ready."""
         columns = list(experience_columns)
         generating = self.enable_partial_rollout and consumer == ROLLOUT_CONSUMER
-        self._check_names(self.dock, consumer, [c for c in columns if not (generating and c == AGE)])
-        if generating and get_n_samples:
-            raise bad("get_n_samples not supported for rollout when actor_rollout enables partial_rollout")
-        if indexes is None:
-            self._check_count(self.dock, experience_count, get_n_samples, divides=not self.enable_partial_rollout)
-        batch, rows = self._get(self.dock, consumer, columns, experience_count, indexes,
-                                get_n_samples, use_batch_seqlen_balance, self.timeout)
+        if indexes is None and not self.enable_partial_rollout:
+            self._check_divides(self.dock, experience_count)
+        # The dock checks the rest (names, counts, get_n_samples for the rollout), before it touches Redis.
+        batch, rows = self._named(self.dock, lambda: self._get(
+            self.dock, consumer, columns, experience_count, indexes, get_n_samples, use_batch_seqlen_balance,
+            self.timeout), "get", consumer, [c for c in columns if not (generating and c == AGE)])
         if batch is None or rows is None:
             return None, None
         if generating and experience_count is not None and 0 < len(rows) < experience_count and dp_size > 1:
@@ -151,9 +150,7 @@ class GRPOTransferDock(Docked):
         Under partial rollout: forget what ``consumer`` trained on, age every group kept, reset the
         cursor and metrics (MindSpeed's ``clear``, without its re-sort: see the module docstring)."""
         if self.enable_partial_rollout:
-            if consumer not in self.dock.consumers:
-                self._check_names(self.dock, consumer, [])
-            self.dock.clear(consumer=consumer)
+            self._named(self.dock, lambda: self.dock.clear(consumer=consumer), "clear", consumer)
             self._done(self.dock, consumer)  # the trained rows are gone: nothing of theirs to ack
         else:
             self.dock.clear()
@@ -161,8 +158,7 @@ class GRPOTransferDock(Docked):
 
     def get_consumer_status(self) -> dict[str, torch.Tensor]:
         """Per consumer, an int32 tensor with 1 for every row handed to it."""
-        consumers = self.dock.consumers
-        return dict(zip(consumers, self._bits(self.dock, [self.dock.keys.consumed(c) for c in consumers])))
+        return self._status(self.dock.consumed_rows())
 
     # -- shared state -------------------------------------------------------------------------
 
@@ -185,7 +181,8 @@ class GRPOTransferDock(Docked):
         return self.dock.read_rows(list(self.dock.columns), range(self.max_len))
 
     def get_experience_status(self) -> dict[str, torch.Tensor]:
-        return self._status(self.dock)
+        """Per column, an int32 tensor with 1 for every row written."""
+        return self._status(self.dock.ready_rows())
 
     def get_experience_len(self) -> int:
         return self.max_len
@@ -213,7 +210,7 @@ class GRPOTransferDock(Docked):
         if consumer != ROLLOUT_CONSUMER:
             raise bad(f"Consumer {consumer} is not supported for partial rollout stop signal.")
         self._partial("find_all_consumed_n_samples_groups")
-        (mask,) = self._bits(self.dock, [self.dock.keys.rows_finished])
+        mask = self.dock.finished_rows().to(torch.int32)
         n = self.n_samples_per_prompt
         starts = [g * n for g in range(self.prompts_num) if bool(mask[g * n])]
         return len(starts), mask, starts

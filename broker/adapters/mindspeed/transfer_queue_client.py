@@ -29,6 +29,9 @@ from broker.errors import DockNotFoundError, InvalidExperienceError, UnknownCons
 
 log = logging.getLogger(__name__)
 
+#: The topic's ``timeout`` (add_topic's), kept with its dock as a setting.
+TIMEOUT_SETTING = "tq_timeout"
+
 
 class TransferQueueClient(Docked):
     """MindSpeed-RL's TransferQueue client: topics, each a dock named ``tq.TOPIC`` on one Redis server."""
@@ -60,7 +63,7 @@ class TransferQueueClient(Docked):
     def _timeout(self, dock: TransferDock) -> float:
         """The topic's ``timeout`` (add_topic's), read once per topic: it does not change."""
         if dock.name not in self._timeouts:
-            raw = dock.client.hget(dock.keys.meta, "tq_timeout")
+            raw = dock.setting(TIMEOUT_SETTING)
             self._timeouts[dock.name] = float(raw) if raw else 5.0
         return self._timeouts[dock.name]
 
@@ -86,9 +89,7 @@ class TransferQueueClient(Docked):
         if not dock.created:
             dock.close()
             raise bad(f"Topic '{topic}' already exists")
-        # Not part of the schema; written through the dock's one way of writing, which waits for replicas.
-        dock._write("add_topic", lambda: dock.client.hset(dock.keys.meta, "tq_timeout", str(float(timeout))),
-                    returns=False)
+        dock.set_setting(TIMEOUT_SETTING, str(float(timeout)))  # not schema: kept with the dock beside it
         self._docks[topic] = dock
         if metrics is not None and getattr(metrics, "metric", None):
             self._update_metrics(dock, "", dict(metrics.metric), False)
@@ -115,7 +116,11 @@ class TransferQueueClient(Docked):
 
     @staticmethod
     def _registered(dock: TransferDock, consumer: str) -> bool:
-        return bool(dock.client.hexists(dock.keys.consumer_columns, consumer))
+        try:
+            dock.consumer_columns(consumer)
+        except InvalidExperienceError:  # none registered for it
+            return False
+        return True
 
     def register_consumer_columns_dict(self, columns_dict: Mapping[str, Sequence[str]],
                                        topic: str = DEFAULT_TOPIC) -> None:
@@ -180,12 +185,12 @@ class TransferQueueClient(Docked):
                 ) from None
         if experience_count is None and indexes is None:
             raise bad("Either experience_count or indexes must be provided for get_experience")
-        self._check_names(dock, consumer, experience_columns)
-        if indexes is None:
-            self._check_count(dock, experience_count, get_n_samples, divides=False)
+        columns, timeout = list(experience_columns), self._timeout(dock)
         start = time.perf_counter()
-        batch, rows = self._get(dock, consumer, list(experience_columns), experience_count, indexes,
-                                get_n_samples, use_batch_seqlen_balance, self._timeout(dock))
+        # The dock checks names and counts before it touches Redis.
+        batch, rows = self._named(dock, lambda: self._get(dock, consumer, columns, experience_count, indexes,
+                                                          get_n_samples, use_batch_seqlen_balance, timeout),
+                                  "get", consumer, columns)
         self._timings["get"] += time.perf_counter() - start
         if batch is None or rows is None:
             log.debug("Get none experience.")
@@ -204,9 +209,11 @@ class TransferQueueClient(Docked):
 
     def all_updated(self, column: str, topic: str = DEFAULT_TOPIC) -> bool:
         dock = self._dock(topic)
-        if column not in dock.columns:
-            raise bad(f"Column '{column}' not recognized.")
-        return bool(dock.status()["columns"][column]["ready"] == dock.capacity)
+        try:
+            ready = self._named(dock, lambda: dock.ready_rows([column]), "all_updated", columns=[column])
+        except InvalidExperienceError:
+            raise bad(f"Column '{column}' not recognized.") from None
+        return bool(ready[column].all())
 
     def reset_consumer_status(self, consumer: str, topic: str = DEFAULT_TOPIC,
                               indexes: Sequence[int] | None = None) -> None:
@@ -253,8 +260,8 @@ class TransferQueueClient(Docked):
     def clear_data_status(self, columns: Sequence[str], indexes: Sequence[int], topic: str = DEFAULT_TOPIC) -> None:
         """Mark rows of columns not ready, keeping their data."""
         dock = self._dock(topic)
-        self._check_names(dock, dock.consumers[0], list(columns))
-        dock.unready(list(columns), [r for r in int_rows(indexes) if r >= 0])
+        rows = [r for r in int_rows(indexes) if r >= 0]
+        self._named(dock, lambda: dock.unready(list(columns), rows), "clear_data_status", columns=list(columns))
 
     def get_partial_rollout_stop_signal(self, require_max_age_all_finished: bool = True,
                                         topic: str = DEFAULT_TOPIC) -> bool:
