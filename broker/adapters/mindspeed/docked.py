@@ -34,7 +34,7 @@ class Docked:
         ``columns`` only name what was unknown."""
         def mindspeeds(exc: Exception) -> InvalidExperienceError:
             if isinstance(exc, UnknownConsumerError):
-                return bad(f"{what} experience ERROR: {consumer} not in TD experience_consumers {list(dock.consumers)}")
+                return bad(f"{what} ERROR: {consumer} not in TD experience_consumers {list(dock.consumers)}")
             return unknown_columns(dock, what, columns)
 
         schema = dock.schema
@@ -84,21 +84,21 @@ class Docked:
                 flags = [finished] * len(rows)
             if flags is None and any(c in data for c in RESPONSE_COLUMNS) and not is_prompt:
                 raise bad("partial rollout enabled, when putting responses, rollout_completed status must be "
-                           "provided in data dict")
+                          "provided in data dict")
         if partial and is_prompt:
             # The put would name unknown columns only after the groups below are claimed: name them first.
             if not set(data) <= set(dock.columns) and not set(data) <= set(dock.refresh().columns):
-                raise unknown_columns(dock, "put", list(data))
+                raise unknown_columns(dock, "put experience", list(data))
             rows, delivery = self._free_rows(dock, rows), None  # new prompts, wherever there is room
         try:  # a put naming a leased delivery acks its rows with it: the stage's result is written
             self._named(dock, lambda: dock.put_experience(data, rows, is_prompt=bool(is_prompt),
                                                           rollout_completed=flags, delivery=delivery),
-                        "put", columns=list(data))
+                        "put experience", columns=list(data))
         except FencedError as exc:
             # MindSpeed's workers have no handler for this: the late result is dropped, the worker goes on.
             log.warning("put of rows %s dropped: %s", rows[:8], exc)
 
-    #: Seconds rows are leased for when handed out; None: for good, as MindSpeed (see the module docstring).
+    #: Seconds rows are leased for when handed out; None: for good, as MindSpeed (see the package docstring).
     lease: float | None
     #: Leased deliveries handed out through this object and not acked yet, per (dock, consumer).
     _leased: dict[tuple[str, str], list[LeasedRows]]
@@ -107,7 +107,7 @@ class Docked:
         check_lease(lease)  # refused now, not at the first get
         self.lease, self._leased = lease, {}
 
-    #: ``wait_replicas`` and ``wait_timeout`` of every dock this object opens (see the module docstring).
+    #: ``wait_replicas`` and ``wait_timeout`` of every dock this object opens (see the package docstring).
     _durability: tuple[int, float] = (0, 1.0)
 
     def _init_durability(self, wait_replicas: int, wait_timeout: float) -> None:
@@ -119,22 +119,22 @@ class Docked:
 
     def _done(self, dock: TransferDock, consumer: str) -> None:
         """Ack what ``consumer`` was handed through this object before: it asks for more, so it is done
-        with that (Kafka's auto-commit; see the module docstring)."""
+        with that (Kafka's auto-commit; see the package docstring)."""
         for rows in self._leased.pop((dock.name, consumer), []):
             dock.ack(consumer, rows)
 
     @staticmethod
     def _free_rows(dock: TransferDock, rows: list[int]) -> list[int]:
-        """Rows of free groups for new prompts, in place of the rows given (partial rollout: see the
-        module docstring). The groups are claimed atomically, so concurrent writers never share one."""
+        """Rows of free groups for new prompts, in place of the rows given (partial rollout: see
+        docs/mindspeed.md). The groups are claimed atomically, so concurrent writers never share one."""
         n = dock.n_samples_per_prompt
         if len(rows) % n:
             raise bad(f"is_prompt put of {len(rows)} rows: under partial rollout prompts come as whole groups "
-                       f"of n_samples_per_prompt={n}")
+                      f"of n_samples_per_prompt={n}")
         groups = dock.reserve_groups(len(rows) // n, "prompts")
         if groups is None:
             raise bad(f"no room for {len(rows) // n} more prompt groups in TD of {dock.prompts_num} groups "
-                       "(train and clear some first)")
+                      "(train and clear some first)")
         return [g * n + j for g in groups for j in range(n)]
 
     #: How long a sampling call that finds too few rows waits for a put before it returns (None, None).
@@ -180,4 +180,4 @@ class Docked:
 def unknown_columns(dock: TransferDock, what: str, columns: Sequence[Any]) -> InvalidExperienceError:
     """MindSpeed's error for a column the dock does not have (the first of ``columns`` it lacks)."""
     column = next((c for c in columns if c not in dock.columns), None)
-    return bad(f"{what} experience ERROR: {column} not in TD experience_column {list(dock.columns)}")
+    return bad(f"{what} ERROR: {column} not in TD experience_column {list(dock.columns)}")

@@ -58,7 +58,7 @@ def _open(url: str | Client | None, name: str, prompts_num: int, n: int, columns
 
 
 class GRPOTransferDock(Docked):
-    """MindSpeed-RL's ``GRPOTransferDock``, every method, on a dock in Redis (see the module docstring)."""
+    """MindSpeed-RL's ``GRPOTransferDock``, every method, on a dock in Redis (see the package docstring)."""
 
     def __init__(
         self,
@@ -110,7 +110,7 @@ class GRPOTransferDock(Docked):
 
         Under partial rollout, responses come with ``rollout_completed`` (one ``[0]``/``[1]`` per row),
         and prompts put with ``is_prompt=True`` get placeholder responses and land in free groups (see
-        the module docstring)."""
+        docs/mindspeed.md)."""
         self._put(self.dock, data_dict, indexes, is_prompt=is_prompt)
 
     def get_experience(
@@ -132,7 +132,7 @@ class GRPOTransferDock(Docked):
         # The dock checks the rest (names, counts, get_n_samples for the rollout), before it touches Redis.
         batch, rows = self._named(self.dock, lambda: self._get(
             self.dock, consumer, columns, experience_count, indexes, get_n_samples, use_batch_seqlen_balance,
-            self.timeout), "get", consumer, [c for c in columns if not (generating and c == AGE)])
+            self.timeout), "get experience", consumer, [c for c in columns if not (generating and c == AGE)])
         if batch is None or rows is None:
             return None, None
         if generating and experience_count is not None and 0 < len(rows) < experience_count and dp_size > 1:
@@ -148,7 +148,7 @@ class GRPOTransferDock(Docked):
         """Forget the batch: rows, every consumer's marks, metrics and the request cursor.
 
         Under partial rollout: forget what ``consumer`` trained on, age every group kept, reset the
-        cursor and metrics (MindSpeed's ``clear``, without its re-sort: see the module docstring)."""
+        cursor and metrics (MindSpeed's ``clear``, without its re-sort: see docs/mindspeed.md)."""
         if self.enable_partial_rollout:
             self._named(self.dock, lambda: self.dock.clear(consumer=consumer), "clear", consumer)
             self._done(self.dock, consumer)  # the trained rows are gone: nothing of theirs to ack

@@ -174,7 +174,7 @@ class TransferQueueClient(Docked):
         dock = self._dock(topic)
         if allow_partial_ready_data and not (dock.rollout.partial and consumer == ROLLOUT_CONSUMER):
             raise bad(f"allow_partial_ready_data: only '{ROLLOUT_CONSUMER}' of a partial-rollout topic reads "
-                       "unfinished rows here")
+                      "unfinished rows here")
         if experience_columns is None:
             try:
                 experience_columns = dock.consumer_columns(consumer)
@@ -190,7 +190,7 @@ class TransferQueueClient(Docked):
         # The dock checks names and counts before it touches Redis.
         batch, rows = self._named(dock, lambda: self._get(dock, consumer, columns, experience_count, indexes,
                                                           get_n_samples, use_batch_seqlen_balance, timeout),
-                                  "get", consumer, columns)
+                                  "get experience", consumer, columns)
         self._timings["get"] += time.perf_counter() - start
         if batch is None or rows is None:
             log.debug("Get none experience.")
@@ -254,7 +254,7 @@ class TransferQueueClient(Docked):
 
     def refine_topic_for_partial_rollout(self, topic: str = DEFAULT_TOPIC) -> None:
         """Forget the rows ``actor_train`` trained on; reset the cursor and metrics. Nothing moves:
-        sampling goes oldest first by the age bitmaps (see the module docstring)."""
+        sampling goes oldest first by the age bitmaps (see docs/mindspeed.md)."""
         self._partial_dock(topic, "refine_topic_for_partial_rollout").clear(consumer="actor_train", age=False)
 
     def clear_data_status(self, columns: Sequence[str], indexes: Sequence[int], topic: str = DEFAULT_TOPIC) -> None:
