@@ -63,13 +63,12 @@ class Docked:
         rows = None if indexes is None else int_rows(indexes)
         if not rows:
             raise bad("put experience into TD without indexes, indexes must be provided")
-        data = as_dict(data_dict)
+        data = narrowed(as_dict(data_dict))  # before unpadding: a padded column in one conversion
         if unpad:
             data = remove_padding_tensor_dict_to_dict(data)
+        data = {column: value for column, value in data.items() if value is not None}  # as MindSpeed skips them
         partial = dock.rollout.partial
-        if partial and COMPLETED in data:
-            data = {**data, COMPLETED: data[COMPLETED]}  # kept aside below, with its padding rows dropped
-        data, rows = drop_padding(narrowed(data), rows, every_negative=True)
+        data, rows = drop_padding(data, rows, every_negative=True)
         if not rows:
             return
         flags = None

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from broker.adapters.mindspeed.defaults import RESPONSE_COLUMNS, ROLLOUT_CONSUMER
-from broker.api.batches import padding_dict_to_tensor_dict
+from broker.api.batches import ORIGINAL_LENGTH_KEY, padding_dict_to_tensor_dict
 from broker.api.checks import is_int
 from broker.control.rollout import Rollout
 from broker.errors import InvalidExperienceError, RowIndexError
@@ -36,16 +36,20 @@ def as_dict(data: Any) -> dict[str, Any]:
 
 
 def narrowed(data: Mapping[str, Any]) -> dict[str, Any]:
-    """int64 rows become int32, as MindSpeed's ``trans_input_to_experience`` stores them."""
+    """int64 rows become int32, as MindSpeed's ``trans_input_to_experience`` stores them: a padded column
+    (a matrix, given before it is cut into rows) in one conversion, a list of rows row by row. The row
+    lengths of a padded batch (``original_length``) stay as they are."""
     def narrow(v: Any) -> Any:
-        return v.to(torch.int32) if isinstance(v, torch.Tensor) and v.dtype == torch.int64 else v
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.int64:
+            return v
+        try:  # numpy's conversion runs on this thread: torch's may be split over threads (see batches.py)
+            return torch.from_numpy(v.numpy().astype(np.int32))
+        except (RuntimeError, TypeError):  # not a CPU tensor numpy can view
+            return v.to(torch.int32)
 
-    out = {}
-    for column, value in data.items():
-        if value is None:
-            continue  # MindSpeed skips None columns
-        out[column] = [narrow(v) for v in value] if isinstance(value, (list, tuple)) else narrow(value)
-    return out
+    return {column: value if column == ORIGINAL_LENGTH_KEY
+            else [narrow(v) for v in value] if isinstance(value, (list, tuple)) else narrow(value)
+            for column, value in data.items()}
 
 
 def mindspeed_batch(batch: Mapping[str, list[Any]]) -> Any:
