@@ -171,6 +171,15 @@ def test_a_length_column_must_hold_one_integer_per_row(make_dock, value, message
     assert dock.status()["columns"]["prompts"]["ready"] == 0
 
 
+def test_a_length_column_of_one_value_rows_keeps_every_value_exact(make_dock):
+    dock = length_dock(make_dock, prompts_num=1, n=2)
+    same = [torch.tensor([3001]), torch.tensor([2**31 + 5])]  # one dtype: read in one go
+    mixed = [torch.tensor([3001]), torch.tensor([1.0], dtype=torch.float16)]  # float16 would round 3001
+    dock.put_experience({"prompts": torch.ones(2, 2), "prompt_length": same, "response_length": mixed}, [0, 1])
+    assert dock._handouts._row_costs([0, 1], ["prompt_length"]) == [3001, 2**31 + 5]
+    assert dock._handouts._row_costs([0, 1], ["response_length"]) == [3001, 1]
+
+
 def test_clearing_rows_zeroes_their_lengths(make_dock, client):
     dock = length_dock(make_dock, prompts_num=2, n=1)
     put_lengths(dock, [3, 4], [10, 20])

@@ -533,3 +533,40 @@ def test_two_dimensional_position_ids_pack_along_their_last_dimension_as_mindspe
     assert out.shape == (2, 3, 4)
     assert torch.equal(out[0, :, :2], rows[0]) and torch.equal(out[1, :, :3], rows[1])
     assert bool((out[0, :, 2:] == -1).all()) and bool((out[1, :, 3:] == -1).all())
+
+
+# --------------------------------------------------------------------------------------------------
+# The fast paths (numpy copies, one concatenation for one-value rows) keep the semantics
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [
+    [t([1, 2, 3], dtype=torch.int32), t([4], dtype=torch.int32), t([], dtype=torch.int32)],  # numpy copies
+    [t([0.5]), t([1.5]), t([2.5])],                                                          # one value per row
+    [t([1, 2], dtype=torch.bfloat16), t([3], dtype=torch.bfloat16)],                         # numpy has no bfloat16
+    [t([1.0, 2.0], requires_grad=True), t([3.0])],                                           # autograd
+    [t([True, False]), t([True])],
+])
+def test_padding_matches_pad_sequence_whichever_way_it_is_made(rows):
+    padded = padding_dict_to_tensor_dict({"a": rows})
+    want = torch.nn.utils.rnn.pad_sequence([r.detach() for r in rows], batch_first=True)
+    assert_same(padded["a"].detach(), want)
+    assert padded[ORIGINAL_LENGTH_KEY].tolist() == [len(r) for r in rows]
+
+
+@pytest.mark.parametrize("rows", [[t([1]), t([2.0])], [t([1, 2]), t([2.0])]])
+def test_padding_refuses_a_column_of_mixed_dtypes_on_every_path(rows):
+    with pytest.raises(InvalidExperienceError, match="mixes dtypes"):
+        padding_dict_to_tensor_dict({"a": rows})
+
+
+@pytest.mark.parametrize("padded", [
+    t([[1, 2, 3], [4, 0, 0]], dtype=torch.int32),        # ragged: numpy views
+    t([[1], [4]], dtype=torch.int32),                    # every row full: unbind
+    t([[1, 2, 3], [4, 0, 0]], dtype=torch.bfloat16),     # numpy cannot view it: indexing
+])
+def test_unpadded_rows_are_views_of_the_batch(padded):
+    lengths = [3, 1] if padded.shape[1] == 3 else [1, 1]
+    rows = remove_padding_tensor_dict_to_dict({"a": padded, ORIGINAL_LENGTH_KEY: t(lengths)})["a"]
+    assert [r.tolist() for r in rows] == [padded[i, :n].tolist() for i, n in enumerate(lengths)]
+    rows[1][0] = 9  # as MindSpeed's: writing into a row writes into the batch
+    assert padded[1, 0].item() == 9

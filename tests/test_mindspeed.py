@@ -147,6 +147,18 @@ def test_what_comes_back_is_mindspeeds_padded_format(td):
     assert [r.tolist() for r in back["prompts"]] == [[1, 2, 3], [4]]
 
 
+def test_a_padded_int64_batch_is_stored_as_int32_and_none_columns_are_skipped(td):
+    padded = padding_dict_to_tensor_dict({"prompts": [torch.tensor([1, 2, 3]), torch.tensor([2**40 + 4])]})
+    assert padded["prompts"].dtype == torch.int64  # what MindSpeed's workers hand over
+    td.put_experience(padded, [0, 1])
+    td.put_experience({"responses": [torch.tensor([7]), torch.tensor([8])], "labels": None}, [0, 1])
+    batch, _ = td.get_experience("actor_rollout", ["prompts", "responses"], indexes=[0, 1])
+    assert batch["prompts"].dtype == torch.int32
+    assert batch["prompts"].tolist() == [[1, 2, 3], [4, 0, 0]]  # wrapped to int32, as MindSpeed's .to(int32)
+    assert batch["original_length"].tolist() == [3, 1, 1, 1]
+    assert not td.get_experience_status()["labels"].any()
+
+
 def test_sampling_returns_none_at_once_and_never_waits(td):
     assert td.get_experience("actor_train", ["prompts"], 4) == (None, None)
 
@@ -208,7 +220,7 @@ def snapshot(client) -> dict[bytes, bytes]:
 @pytest.mark.parametrize("call, message", [
     (lambda td: td.get_experience("nobody", ["prompts"], 4), "nobody not in TD experience_consumers"),
     (lambda td: td.get_experience("actor_train", ["nothing"], 4), "nothing not in TD experience_column"),
-    (lambda td: td.get_experience("actor_train", ["prompts"], 32), "need >= experience_count: 32"),
+    (lambda td: td.get_experience("actor_train", ["prompts"], 32), "experience_count 32 exceeds the dock.s 16 rows"),
     (lambda td: td.get_experience("actor_train", ["prompts"], 3), "need be divisible by experience_count: 3"),
     (lambda td: td.get_experience("actor_train", ["prompts"], None), "experience_count must be a positive int"),
     (lambda td: td.put_experience({"prompts": [torch.ones(1)]}, None), "indexes must be provided"),

@@ -1,4 +1,5 @@
-"""Administration of a dock: shared metrics, status, dead letters, clearing, deleting and growing it."""
+"""Administration of a dock: shared metrics, status and row status masks, callers' settings, dead letters,
+clearing, deleting and growing it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+import numpy as np
 import redis
+import torch
 
 from broker.api import metrics
 from broker.api.checks import check_flag, metric_values
@@ -14,13 +17,17 @@ from broker.api.session import RACE_RETRIES, DockSession
 from broker.connection import call_deadline, redis_errors
 from broker.connection.replication import REPEAT_SAFE
 from broker.control.keys import DockKeys
-from broker.control.schema import Schema
+from broker.control.schema import CHECKED_FIELDS, Schema
 from broker.control.status import DockRef, read_statuses
 from broker.errors import BrokerError, DecodeError, InvalidExperienceError, SchemaError
 
+#: Fields of the meta hash the dock itself writes (the schema, and what create.lua and version.lua add):
+#: a caller's setting may not take their names.
+OWN_META_FIELDS = frozenset((*CHECKED_FIELDS, "dead_letter_after", "versioned"))
+
 
 class Admin:
-    """Metrics, status, dead letters, clear, delete, grow: a part of ``TransferDock``, on its session."""
+    """Metrics, status, settings, dead letters, clear, delete, grow: a part of ``TransferDock``, on its session."""
 
     def __init__(self, session: DockSession):
         self._s = session
@@ -121,3 +128,66 @@ class Admin:
                 pass  # another process grew it between our read and our write
             # Either way the next refresh reads what is stored now, and returns once it holds our names.
         raise BrokerError(f"dock {self._s.name!r}: other processes kept growing it; {RACE_RETRIES} tries failed")
+
+    # -- row status masks and callers' settings (what adapters read and keep beside rows) ----------
+
+    def ready_rows(self, columns: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Per column, a bool tensor of the rows written."""
+        names = list(self._s.schema.columns) if columns is None else self._s.check.columns_to_read(columns)
+        return dict(zip(names, self._row_masks([self._s.keys.ready(c) for c in names])))
+
+    def consumed_rows(self, consumers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Per consumer, a bool tensor of the rows handed to it."""
+        if consumers is not None and not isinstance(consumers, (list, tuple)):
+            raise InvalidExperienceError(f"consumers must be a list of consumer names, got {consumers!r:.60}")
+        names = list(self._s.schema.consumers) if consumers is None else [self._s.check.consumer(c) for c in consumers]
+        return dict(zip(names, self._row_masks([self._s.keys.consumed(c) for c in names])))
+
+    def finished_rows(self) -> torch.Tensor:
+        """A bool tensor of the rows of finished groups (partial rollout)."""
+        if not self._s.schema.rollout.partial:
+            raise InvalidExperienceError(
+                f"dock {self._s.name!r} has no partial rollout (max_age > 1): finished_rows needs it")
+        (mask,) = self._row_masks([self._s.keys.rows_finished])
+        return mask
+
+    def set_setting(self, name: str, value: str) -> None:
+        """Keep a caller's setting in the dock's meta hash."""
+        field = _setting_field(name)
+        if not isinstance(value, str):
+            raise InvalidExperienceError(f"a setting's value is a str, got {type(value).__name__}")
+        self._s.write("set_setting", lambda: self._s.client.hset(self._s.keys.meta, field, value), returns=False)
+
+    def setting(self, name: str) -> str | None:
+        """The setting ``name``; None if there is none."""
+        field = _setting_field(name)
+        raw = cast("bytes | None", self._s.run(lambda: self._s.client.hget(self._s.keys.meta, field)))
+        try:
+            return None if raw is None else raw.decode()
+        except UnicodeDecodeError:
+            raise DecodeError(f"{self._s.keys.meta} field {field!r}: not UTF-8 text") from None
+
+    def _row_masks(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        """The row bitmaps ``keys`` as bool tensors of ``capacity`` rows, read in one MULTI/EXEC."""
+        def reads(pipe: redis.client.Pipeline) -> None:
+            for key in keys:
+                pipe.get(key)
+
+        capacity = self._s.schema.capacity
+        masks = []
+        for raw in self._s.reads(reads, transaction=True):
+            # Not unpackbits(count=capacity): it leaves the padding of an empty bitmap uninitialised.
+            bits = np.unpackbits(np.frombuffer(raw or b"", dtype=np.uint8))[:capacity]
+            mask = np.zeros(capacity, dtype=bool)  # a bitmap ends at its last row ever set
+            mask[: len(bits)] = bits
+            masks.append(torch.from_numpy(mask))
+        return masks
+
+
+def _setting_field(name: Any) -> str:
+    if not isinstance(name, str) or not name or name in OWN_META_FIELDS:
+        raise InvalidExperienceError(
+            f"a setting's name is a non-empty str other than the dock's own fields {sorted(OWN_META_FIELDS)}, "
+            f"got {name!r:.60}"
+        )
+    return name

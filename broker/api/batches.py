@@ -28,8 +28,9 @@ Three layouts appear below, shown for the column ``"prompts"`` with rows ``[1, 1
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
@@ -390,6 +391,42 @@ def _pad_nd(column: str, rows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     return out, lengths
 
 
+def _numpy_view(tensor: Tensor) -> np.ndarray | None:
+    """A numpy view of a CPU tensor; None where numpy cannot view it (GPU, bfloat16, autograd)."""
+    try:
+        return tensor.numpy()
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _pad_rows(column: str, value: object) -> tuple[Tensor, Tensor]:
+    """A list of 1-D rows -> ``(rows, longest)`` padded with 0, and the rows' lengths.
+
+    Copied row by row into a numpy array where numpy can view every row (CPU tensors of one dtype):
+    a third faster than ``pad_sequence`` on one thread, and, unlike torch's copies, never split over
+    threads, which on a loaded machine made each batch several times slower. Anything else takes
+    ``pad_sequence``, after ``_check_rows`` names what is wrong.
+    """
+    arrays: list[np.ndarray | None] = []
+    if isinstance(value, (list, tuple)) and value and all(isinstance(row, Tensor) for row in value):
+        dtype = value[0].dtype
+        if all(row.shape == (1,) and row.dtype is dtype and row.is_cpu for row in value):
+            # One value per row (prompt_length, a score): one concatenation instead of a copy per row.
+            return torch.cat(value).unsqueeze(1), torch.ones(len(value), dtype=torch.int64)
+        arrays = [_numpy_view(row) for row in value]
+    first = arrays[0] if arrays else None
+    if first is None or any(a is None or a.ndim != 1 or a.dtype != first.dtype for a in arrays):
+        rows = _check_rows(column, value)
+        lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.int64)
+        return pad_sequence(rows, batch_first=True), lengths
+    views = cast("list[np.ndarray]", arrays)
+    counts = [a.shape[0] for a in views]
+    out = np.zeros((len(views), max(counts)), dtype=views[0].dtype)
+    for row, array, n in zip(out, views, counts):
+        row[:n] = array
+    return torch.from_numpy(out), torch.tensor(counts, dtype=torch.int64)
+
+
 def padding_dict_to_tensor_dict(experience_data: Mapping[str, ColumnValue]) -> dict[str, Tensor]:
     """Pad each column's rows with 0 into ``(rows, width)`` and record the unpadded lengths.
 
@@ -428,10 +465,7 @@ def padding_dict_to_tensor_dict(experience_data: Mapping[str, ColumnValue]) -> d
         elif isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor) and value[0].dim() > 1:
             flattened[column] = _pad_nd(column, value)
         else:
-            rows = _check_rows(column, value)
-            # pad_sequence pads in one C++ pass: three times the speed of concatenating then scattering.
-            lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.int64)
-            flattened[column] = (pad_sequence(rows, batch_first=True), lengths)
+            flattened[column] = _pad_rows(column, value)
     counts = {column: lengths.numel() for column, (_, lengths) in flattened.items()}
     _same_row_count({**counts, **{column: len(v) for column, v in values.items()}})
 
@@ -492,8 +526,16 @@ def remove_padding_tensor_dict_to_dict(
                 f"row lengths {lengths.tolist()}"
             )
         # Views, as MindSpeed's truncate_rows makes: no copy (a row is a prefix of a contiguous row of
-        # the matrix, so it is contiguous, and a put encodes it without copying it first).
-        result[column] = [padded[i, :n] for i, n in enumerate(lengths.tolist())]
+        # the matrix, so it is contiguous, and a put encodes it without copying it first). Made through
+        # numpy where it can view the matrix: a third of the cost of indexing the tensor, row by row.
+        if bool((lengths == padded.shape[1]).all()):  # every row full (one value per row): one call makes them
+            result[column] = list(padded.unbind(0))
+            continue
+        array = _numpy_view(padded)
+        if array is None:
+            result[column] = [padded[i, :n] for i, n in enumerate(lengths.tolist())]
+        else:
+            result[column] = [torch.from_numpy(row[:n]) for row, n in zip(array, lengths.tolist())]
     result.update(passed)
     return result
 

@@ -199,6 +199,9 @@ def length_values(column: str, value: Any, count: int) -> list[int]:
             if flat.shape[1] != 1:
                 raise ValueError(f"rows of {flat.shape[1]} values")
             numbers = flat[:, 0].tolist()
+        elif rows and all(isinstance(row, torch.Tensor) and row.shape == (1,) and row.is_cpu
+                          and row.dtype is rows[0].dtype for row in rows):  # one dtype: cat promotes none
+            numbers = torch.cat(rows).tolist()  # one call for the column: a tenth of the cost of one per row
         else:
             numbers = []
             for row in rows:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from broker.api.admin import Admin
 from broker.api.checks import is_int
 from broker.api.delivery import HandedRows
@@ -526,6 +528,36 @@ class TransferDock:
         changing the size, would lose rows and is not offered: make a new dock for that.
         """
         return self._admin.grow(columns, consumers)
+
+
+    # -- row status and callers' settings, for adapters (admin.py) ------------------------------------
+    # What an adapter reads and keeps beside rows (MindSpeed's status vectors, the TransferQueue's topic
+    # timeout), so that none reaches past the dock to its client or keys.
+
+    def ready_rows(self, columns: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Per column (None: every column), a bool tensor of ``capacity`` rows, True where the row is
+        written (ready). One consistent read of all of them."""
+        return self._admin.ready_rows(columns)
+
+    def consumed_rows(self, consumers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Per consumer (None: every consumer), a bool tensor of ``capacity`` rows, True where the row
+        was handed to it (leased or for good). One consistent read of all of them."""
+        return self._admin.consumed_rows(consumers)
+
+    def finished_rows(self) -> torch.Tensor:
+        """On a partial-rollout dock, a bool tensor of ``capacity`` rows, True on every row of a group
+        whose responses are all finished."""
+        return self._admin.finished_rows()
+
+    def set_setting(self, name: str, value: str) -> None:
+        """Keep a caller's setting with the dock (a field of its meta hash), for every process attached
+        to it: the TransferQueue keeps its topic's timeout so. A write like the others (it waits for
+        ``wait_replicas``); the dock's own fields are refused."""
+        self._admin.set_setting(name, value)
+
+    def setting(self, name: str) -> str | None:
+        """The setting ``name`` kept with ``set_setting``; None if there is none."""
+        return self._admin.setting(name)
 
 
 def _reattach(url: str, name: str, policy: str, seed: int | None, durability: tuple[int, float] = (0, 1.0),
