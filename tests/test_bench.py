@@ -38,7 +38,7 @@ def test_every_mode_and_every_system_agree_and_no_key_is_left(real_url, capsys):
     assert "checksums all equal" in out and "equal to the sequential run" in out
     report = _json_line(out)
     systems = report["pipeline"]["systems"]
-    assert set(systems) == {"broker", "adapter", "adapter-ray", "ray", "redis-floor", "inprocess"}
+    assert set(systems) == {"broker", "broker-random", "adapter", "adapter-ray", "ray", "redis-floor", "inprocess"}
     assert report["pipeline"]["checksums_equal"]
     assert len({s["checksum"] for s in systems.values()}) == 1
     assert systems["broker"]["ratio_to_broker"] == 1.0

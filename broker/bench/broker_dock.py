@@ -13,10 +13,12 @@ from broker.control.keys import DockKeys
 class BrokerDock:
     """A TransferDock holding the global batch; calls are exactly what a worker would make."""
 
-    def __init__(self, url: str, name: str, workload: Workload, *, wait_replicas: int = 0):
+    def __init__(self, url: str, name: str, workload: Workload, *, wait_replicas: int = 0, policy: str = "fifo"):
+        """``policy="random"``: sampling as the MindSpeed adapter asks for it (MindSpeed samples at random),
+        the native call the adapter's cost is measured against."""
         self.dock = TransferDock(dock_target(url), name, prompts_num=workload.prompts, n_samples_per_prompt=workload.n,
                                  columns=list(COLUMNS), consumers=list(workload.consumers),
-                                 wait_replicas=wait_replicas)
+                                 wait_replicas=wait_replicas, policy=policy)
         self.dock.clear()  # a dock left by an interrupted run of the same name
 
     def put(self, data: Rows, rows: list[int]) -> None:

@@ -8,7 +8,7 @@ import argparse
 #: so more passes fit in the same time and steady its ratio on a busy machine).
 REPEAT, CLUSTER_REPEAT = 3, 5
 
-SYSTEMS = ("broker", "adapter", "adapter-ray", "ray", "redis-floor", "inprocess")
+SYSTEMS = ("broker", "broker-random", "adapter", "adapter-ray", "ray", "redis-floor", "inprocess")
 MODES = ("pipeline", "concurrent", "sampling", "memory", "balance")
 
 

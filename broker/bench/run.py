@@ -47,6 +47,10 @@ def openers(url: str, prefix: str, workload: Workload) -> dict[str, Callable[[],
         from broker.bench.broker_dock import BrokerDock
         return BrokerDock(url, f"{prefix}-broker", workload)
 
+    def broker_random() -> BenchDock:
+        from broker.bench.broker_dock import BrokerDock
+        return BrokerDock(url, f"{prefix}-broker-random", workload, policy="random")
+
     def ray() -> BenchDock:
         from broker.bench.ray_dock import RayDock
         return RayDock(workload, seed=workload.seed)
@@ -67,8 +71,8 @@ def openers(url: str, prefix: str, workload: Workload) -> dict[str, Callable[[],
         from broker.bench.adapter import AdapterRayDock
         return AdapterRayDock(url, f"{prefix}-adapter-ray", workload)
 
-    return {"broker": broker, "adapter": adapter, "adapter-ray": adapter_ray, "ray": ray, "redis-floor": floor,
-            "inprocess": inprocess}
+    return {"broker": broker, "broker-random": broker_random, "adapter": adapter, "adapter-ray": adapter_ray,
+            "ray": ray, "redis-floor": floor, "inprocess": inprocess}
 
 
 def pipeline_mode(url: str, prefix: str, workload: Workload, systems: tuple[str, ...], repeat: int,
