@@ -74,7 +74,7 @@ class Handouts:
     ) -> tuple[Batch, list[int]] | tuple[None, None]:
         """Hand rows to ``consumer`` (see ``TransferDock.get_experience``)."""
         # The wait and every attempt end by ``timeout`` (see waiting_call and _wait); reading rows once
-        # handed out, by call_timeout (see _read).
+        # handed out, by call_timeout (see RowReader.read).
         with metrics.observe(self._s.name, "get") as call, waiting_call(timeout, self._s.call_timeout):
             self._s.check.consumer(consumer)
             if experience_columns is None:
