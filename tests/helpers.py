@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
 import os
 import re
 import shutil
@@ -110,6 +111,20 @@ def held_rows(dock: TransferDock, column: str) -> int:
         return int(client.hlen(dock.keys.data(column)))
     epoch = int(client.get(dock.keys.epoch) or 0)
     return sum(int(client.hlen(DockKeys.shard_data(tag, column, epoch))) for tag in dock.schema.shards)
+
+
+def worker_processes() -> multiprocessing.context.BaseContext:
+    """How tests start worker processes: forked from a server process that has imported torch and the broker.
+
+    Each worker still starts from a fresh interpreter's state, as under spawn (what Ray and
+    torch.multiprocessing give): it has never seen the test's docks or clients and gets them pickled.
+    Under spawn each worker imported torch (and tensordict, for the MindSpeed adapter) itself: 10 workers
+    took 43 s to start on a loaded 2-core machine, against 3 s forked from the server. A process has one
+    such server, and whoever starts it first sets what it imports (``broker bench`` imports the broker too).
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "tensordict", "broker", "tests.helpers"])  # a missing one is skipped
+    return ctx
 
 
 def required(binary: str | None, what: str, why: str) -> str:

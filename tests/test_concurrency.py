@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from broker import TransferDock
+from tests.helpers import worker_processes
 
 PROMPTS, N = 64, 8
 COLUMNS = ["prompts", "responses"]
@@ -60,7 +61,7 @@ def test_many_processes_consume_every_row_exactly_once_in_whole_groups(dock_url,
     dock = TransferDock(dock_url, "exactly-once", prompts_num=PROMPTS, n_samples_per_prompt=N,
                         columns=COLUMNS, consumers=CONSUMERS)
     dock.clear()
-    ctx = mp.get_context("spawn")  # what Ray and torch.multiprocessing do: a fresh interpreter per worker
+    ctx = worker_processes()  # as Ray and torch.multiprocessing give: a fresh interpreter per worker
     out = ctx.Queue()
     # Everyone starts together, so no process gets the whole dock before the others have booted.
     start = ctx.Barrier(1 + len(CONSUMERS) * processes_per_consumer)

@@ -18,6 +18,7 @@ import torch
 from redis.commands.core import Script
 
 from broker import ExperienceTimeoutError, TransferDock
+from tests.helpers import worker_processes
 
 
 @contextlib.contextmanager
@@ -222,7 +223,7 @@ def test_put_clear_loop_against_consumer_processes_never_repeats_or_mixes_rows(d
     On a cluster the dock's bytes are on data shards: the put is two steps, which a clear may split."""
     dock = TransferDock(dock_url, "race", prompts_num=4, n_samples_per_prompt=2, columns=["prompts"],
                         consumers=["reader"])
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes()
     out, stop, ready = ctx.Queue(), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_consumer, args=(dock_url, "race", out, stop, ready)) for _ in range(4)]
     for p in procs:

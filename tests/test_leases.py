@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from broker import InvalidExperienceError, LeasedRows, TransferDock, UnknownConsumerError
-from tests.helpers import fill, held_rows
+from tests.helpers import fill, held_rows, worker_processes
 
 
 def test_leased_rows_stay_out_until_acked(make_dock):
@@ -232,7 +232,7 @@ def test_killed_worker_rows_are_redelivered_and_every_row_gets_one_result(dock_u
                         columns=["prompts", "results"], consumers=["stage"])
     capacity = PROMPTS * N
     dock.put_experience({"prompts": torch.arange(capacity).reshape(capacity, 1)}, indexes=list(range(capacity)))
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes()
     holding, log = ctx.Event(), ctx.Queue()
     victim_log = ctx.Queue()  # its own, kept referenced until the victim has started
     victim = ctx.Process(target=_stage_worker, args=(dock, True, holding, victim_log))

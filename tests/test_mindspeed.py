@@ -25,7 +25,7 @@ from broker.adapters.mindspeed import (
     get_transfer_queue_client,
 )
 from broker.api.batches import padding_dict_to_tensor_dict, put_prompts_experience, remove_padding_tensor_dict_to_dict
-from tests.helpers import server_keys
+from tests.helpers import server_keys, worker_processes
 
 _names = itertools.count()
 
@@ -351,7 +351,7 @@ def test_mindspeeds_worker_loop_runs_through_the_adapter_in_many_processes(url):
     prompts = [torch.arange(g, g + 3 + g % 4) for g in range(8)]  # prompt g starts with g
     data, indexes = put_prompts_experience({"prompts": prompts}, 2)
     driver.put_experience(data, indexes)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_processes()
     out = ctx.Queue()
     procs = [ctx.Process(target=run_stage, args=(url, name, stage, out)) for stage in STAGES for _ in range(2)]
     for p in procs:

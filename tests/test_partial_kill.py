@@ -9,7 +9,6 @@ row's current partial response, so a pass redone after a kill writes what the lo
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from broker import FencedError, Rollout, TransferDock
+from tests.helpers import worker_processes
 
 pytestmark = pytest.mark.real
 
@@ -81,14 +81,17 @@ def test_rollout_workers_killed_mid_generation_lose_nothing(url):
             next_prompt += 1
 
     refill()
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes()
     workers = [ctx.Process(target=_rollout_worker, args=(url, name, s)) for s in range(3)]
     for w in workers:
         w.start()
     rng = random.Random(0)
     trained: dict[int, list[list[int]]] = {}
     kills, seed = 0, 100
-    next_kill = time.monotonic() + 1.0  # a spawned worker takes about a second to start
+    # The first kill as soon as a worker holds rows; the next ones sooner than a lease (1 s) runs out, so that
+    # the rows a kill took, handed out again, keep the run going until the next kill: the run cannot end
+    # before MAX_KILLS kills however fast the workers are (they start in a fork's time).
+    next_kill = time.monotonic()
     deadline = time.monotonic() + 120
     try:
         while len(trained) < PROMPTS and time.monotonic() < deadline:
@@ -97,7 +100,7 @@ def test_rollout_workers_killed_mid_generation_lose_nothing(url):
             # starting up each time, and a run end with no kill mid-generation at all (seen once in CI).
             busy = [i for i, w in enumerate(workers) if dock.client.exists(f"generating:{name}:{w.pid}")]
             if time.monotonic() >= next_kill and busy and kills < MAX_KILLS:
-                next_kill = time.monotonic() + rng.uniform(0.5, 1.5)
+                next_kill = time.monotonic() + rng.uniform(0.2, 0.6)
                 victim = rng.choice(busy)
                 os.kill(workers[victim].pid, signal.SIGKILL)
                 workers[victim].join()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from broker import InvalidExperienceError, SchemaError, TransferDock, UnknownColumnError, UnknownConsumerError
-from tests.helpers import small_dock
+from tests.helpers import small_dock, worker_processes
 
 
 def test_metrics_set_append_and_reset_on_a_whole_clear(make_dock):
@@ -64,7 +64,7 @@ def _prefetch(url: str, name: str, out: multiprocessing.Queue) -> None:
 
 def test_many_processes_append_to_one_metric_and_lose_nothing(url):
     small_dock(url, "metrics", 2, 2)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_processes()
     procs = [ctx.Process(target=_append, args=(url, "metrics", w)) for w in range(4)]
     for p in procs:
         p.start()
@@ -76,7 +76,7 @@ def test_many_processes_append_to_one_metric_and_lose_nothing(url):
 
 def test_rollout_ranks_never_get_the_same_request_index(url):
     dock = small_dock(url, "cursor", 50, 2)  # 100 rows
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_processes()
     out = ctx.Queue()
     procs = [ctx.Process(target=_prefetch, args=(url, "cursor", out)) for _ in range(4)]
     for p in procs:
