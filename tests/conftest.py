@@ -15,6 +15,7 @@ import os
 import fakeredis
 import pytest
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 
 from broker import TransferDock
@@ -93,6 +94,15 @@ def client(backend, request):
     yield c
     c.flushdb()
     c.close()
+
+
+@pytest.fixture
+def no_retry_pauses(monkeypatch):
+    """The broker's clients retry a failed connection as many times as ever, but without the pauses between
+    the tries (4-7 s in all): for tests of what a call that cannot reach its server raises, not of when."""
+    from broker.connection import retries  # every retry loop pauses through its one backoff
+
+    monkeypatch.setattr(retries._BACKOFF, "_backoff", NoBackoff())
 
 
 _names = itertools.count()

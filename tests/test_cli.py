@@ -78,7 +78,7 @@ def test_clear_delete_removes_the_dock_so_it_can_be_made_with_another_size(url, 
     assert [k for k in left if b":reply:" not in k] == []  # sampling replies expire by themselves
 
 
-def test_unreachable_server_is_a_clear_error(capsys):
+def test_unreachable_server_is_a_clear_error(capsys, no_retry_pauses):
     assert main(["status", "--url", "redis://127.0.0.1:1/0"]) == 1
     assert "127.0.0.1:1" in capsys.readouterr().err
 

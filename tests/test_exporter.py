@@ -15,6 +15,8 @@ import pytest
 import redis
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from broker.ops.exporter import serve
 from broker.ops.local_redis import RedisServer, free_port
@@ -225,7 +227,8 @@ def test_unreachable_redis_is_broker_up_0_not_an_http_error():
     server = RedisServer().start()
     dock = make(server.url, "grpo")
     dock.close()
-    client = redis.Redis(host="127.0.0.1", port=server.port, socket_connect_timeout=1)
+    # No retries: redis-py's own 10 would only delay the failed scrape by 3 s; the exporter's answer is the point.
+    client = redis.Redis(host="127.0.0.1", port=server.port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
     http = serve(client, where=server.url, port=0, addr="127.0.0.1")
     try:
         assert value(scrape(http), "broker_up") == 1
