@@ -205,8 +205,14 @@ def test_an_idle_listener_stops_and_starts_again_on_the_next_wait(store):
     client, admin = store.client, store.admin
     listener = store.listener(idle_seconds=0.2)
     assert listener.wait(pop(client), timeout=0.3, recheck=0.1) is None
-    time.sleep(1.0)
+    thread = listener._thread  # started by the wait; idle, it ends by itself (None: it is ending already)
+    if thread is not None:
+        thread.join(10)
+        assert not thread.is_alive()
     if admin is not None:
+        deadline = time.monotonic() + 5  # its connection closed as it ended: the server may take a moment to see it
+        while subscribers(admin) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert subscribers(admin) == 0
     threading.Timer(0.3, lambda: store.put(b"y")).start()
     assert listener.wait(pop(client), timeout=10, recheck=60) == b"y"
