@@ -62,8 +62,8 @@ def test_every_mode_and_every_system_agree_and_no_key_is_left(real_url, capsys):
     assert report["memory"]["payload_bytes"] == WORKLOAD.payload_bytes()
     assert report["memory"]["systems"]["broker"]["per_payload_byte"] > 1.0
     assert set(report["targets"]) == {"broker_over_floor", "ray_over_broker", "sampling_p99_ms", "sampling_growth",
-                                      "sampling_p99_ages_ms",
-                                      "memory_per_payload_byte", "adapter_over_broker", "ray_over_adapter_ray",
+                                      "sampling_p99_ages_ms", "memory_per_payload_byte", "adapter_over_broker",
+                                      "adapter_over_native", "ray_over_adapter_ray",
                                       "dp_balance_max_over_mean",
                                       "concurrent_adapter_over_broker", "concurrent_ray_over_adapter_ray"}
     assert client.dbsize() == 0  # a user's server gets back exactly what it had
