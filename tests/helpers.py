@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -125,6 +126,13 @@ def worker_processes() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tensordict", "broker", "tests.helpers"])  # a missing one is skipped
     return ctx
+
+
+def interruptible() -> None:
+    """``preexec_fn`` of a child that a test stops with SIGINT, as Ctrl-C in a terminal would: SIGINT's default
+    action restored. A shell runs background jobs with SIGINT ignored, and a child inherits that, so a suite
+    started with ``&`` (a CI runner's script may be) saw such children never stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def required(binary: str | None, what: str, why: str) -> str:

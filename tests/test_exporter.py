@@ -20,7 +20,7 @@ from redis.retry import Retry
 
 from broker.ops.exporter import serve
 from broker.ops.local_redis import RedisServer, free_port
-from tests.helpers import cli_output, small_dock
+from tests.helpers import cli_output, interruptible, small_dock
 
 pytestmark = pytest.mark.real
 
@@ -294,6 +294,7 @@ def test_broker_exporter_command_serves_and_stops_cleanly(url, stop):
     proc = subprocess.Popen(
         [sys.executable, "-m", "broker", "exporter", "--url", url, "--port", str(port), "--addr", "127.0.0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=interruptible,
     )
     try:
         line = proc.stdout.readline()

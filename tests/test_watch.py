@@ -23,7 +23,7 @@ from broker.connection import redis_errors
 from broker.control.status import Survey
 from broker.ops.local_redis import free_port
 from broker.ops.watch import counts, rates, watch
-from tests.helpers import small_dock
+from tests.helpers import interruptible, small_dock
 
 pytestmark = pytest.mark.real
 
@@ -101,6 +101,7 @@ def test_under_a_terminal_it_redraws_in_place_and_ends_cleanly_on_ctrl_c(url):
     proc = subprocess.Popen(
         [sys.executable, "-m", "broker", "status", "grpo", "--url", url, "--watch", "0.2"],
         stdin=child, stdout=child, stderr=child, close_fds=True, env={**os.environ, "COLUMNS": "100", "LINES": "40"},
+        preexec_fn=interruptible,
     )
     os.close(child)
     seen = b""
