@@ -145,9 +145,7 @@ class Admin:
 
     def finished_rows(self) -> torch.Tensor:
         """A bool tensor of the rows of finished groups (partial rollout)."""
-        if not self._s.schema.rollout.partial:
-            raise InvalidExperienceError(
-                f"dock {self._s.name!r} has no partial rollout (max_age > 1): finished_rows needs it")
+        self._s.partial_rollout("finished_rows")
         (mask,) = self._row_masks([self._s.keys.rows_finished])
         return mask
 

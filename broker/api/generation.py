@@ -17,7 +17,7 @@ import torch
 from broker.api.checks import bitmap_count, check_flag, check_version, encode_column, is_int
 from broker.api.delivery import HandedRows, check_delivery, fence_of
 from broker.api.session import DockSession
-from broker.control.rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
+from broker.control.rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE
 from broker.control.scripts import Selection
 from broker.errors import DataLostError, DecodeError, InvalidExperienceError
 
@@ -98,15 +98,9 @@ class Generation:
     def finished_groups(self) -> int:
         return int(self._s.run(lambda: self._s.client.bitcount(self._s.keys.group_finished)))
 
-    def _partial(self, what: str) -> Rollout:
-        rollout = self._s.schema.rollout
-        if not rollout.partial:
-            raise InvalidExperienceError(f"dock {self._s.name!r} has no partial rollout (max_age > 1): {what} needs it")
-        return rollout
-
     def age_groups(self) -> None:
         """Make every generated group one iteration older."""
-        self._partial("age_groups")
+        self._s.partial_rollout("age_groups")
         self._s.forget("age_groups", lambda: self._s.scripts.clear(iteration_of=""), returns=False,
                      repeat="do not repeat it: a repeat would age the groups again")
 
@@ -118,7 +112,7 @@ class Generation:
 
     def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:
         """The stop signal of a partial-rollout iteration."""
-        rollout = self._partial("get_update_ready")
+        rollout = self._s.partial_rollout("get_update_ready")
         check_flag("require_max_age_all_finished", require_max_age_all_finished)
         k = self._s.keys
 
@@ -137,7 +131,7 @@ class Generation:
 
     def get_incomplete_response_num(self) -> int:
         """Rows holding a prompt whose response is not finished."""
-        rollout = self._partial("get_incomplete_response_num")
+        rollout = self._s.partial_rollout("get_incomplete_response_num")
         k = self._s.keys
 
         def reads(pipe: redis.client.Pipeline) -> None:

@@ -40,7 +40,7 @@ from broker.control.rollout import Rollout
 from broker.control.schema import Schema, fingerprint
 from broker.control.scripts import DockScripts, Forgot, read_pipeline
 from broker.data.store import DataStore, ShardedStore, SlotStore, choose_shards
-from broker.errors import BrokerError, DecodeError, DockNotFoundError, SchemaError
+from broker.errors import BrokerError, DecodeError, DockNotFoundError, InvalidExperienceError, SchemaError
 
 T = TypeVar("T")
 
@@ -145,6 +145,14 @@ class DockSession:
         if not meta:
             raise DockNotFoundError(f"no dock named {self.name!r} at {self.server}")
         return Schema.from_meta(meta, where=self.keys.meta), fingerprint(meta)
+
+    def partial_rollout(self, what: str) -> Rollout:
+        """The dock's rollout settings; InvalidExperienceError if it has no partial rollout, which ``what``
+        needs."""
+        rollout = self.schema.rollout
+        if not rollout.partial:
+            raise InvalidExperienceError(f"dock {self.name!r} has no partial rollout (max_age > 1): {what} needs it")
+        return rollout
 
     def refresh(self) -> Schema:
         """Read the schema again, adopting columns or consumers another process added."""
