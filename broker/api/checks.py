@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from broker.api.delivery import LeasedRows
-from broker.connection import MIN_VALUE_LIMIT, ValueLimit
+from broker.connection import MIN_VALUE_LIMIT, Framed, ValueLimit
 from broker.control.schema import Schema
 from broker.data import codec
 from broker.errors import (
@@ -123,8 +123,9 @@ def lease_token(rows: Any, consumer: str, token: Any) -> str:
     return token
 
 
-def encode_column(column: str, value: Any, count: int) -> list[bytes]:
-    """The ``count`` rows of one column of a put, encoded; errors name the column.
+def encode_column(column: str, value: Any, count: int, *, framed: bool = False) -> list[bytes | Framed]:
+    """The ``count`` rows of one column of a put, encoded; errors name the column. With ``framed``, large
+    tensor rows come as ``Framed`` views of the tensors (for a client that sends them uncopied: ``frames``).
 
     ``value`` is a stacked tensor or numeric numpy array (split along dim 0), a numpy array of objects
     or strings (verl's ``non_tensor_batch``: one value per element along dim 0), or a list of rows, each
@@ -146,7 +147,7 @@ def encode_column(column: str, value: Any, count: int) -> list[bytes]:
                 f"column {column!r}: stacked tensor of shape {tuple(value.shape)} has {value.shape[0]} rows "
                 f"for {count} indexes"
             )
-        encode: Callable[[Any], list[bytes]] = codec.encode_stacked
+        encode: Callable[..., list[bytes | Framed]] = codec.encode_stacked
     elif not isinstance(value, (list, tuple)):
         raise InvalidExperienceError(
             f"column {column!r}: expected a tensor, a numpy array or a list of rows, got {type(value).__name__}"
@@ -156,7 +157,7 @@ def encode_column(column: str, value: Any, count: int) -> list[bytes]:
     else:
         encode = codec.encode_rows
     try:
-        return encode(value)
+        return encode(value, framed=framed)
     except InvalidExperienceError as exc:
         raise InvalidExperienceError(f"column {column!r}, {exc}") from None
 
@@ -256,7 +257,7 @@ def _metric_number(name: str, v: Any) -> float | int | None:
     return v
 
 
-def check_sizes(encoded: Mapping[str, Mapping[str, bytes]], limit: int, setting: str) -> None:
+def check_sizes(encoded: Mapping[str, Mapping[str, bytes | Framed]], limit: int, setting: str) -> None:
     """Every encoded value of a put fits in one Redis value (``limit`` bytes, from server ``setting``)."""
     for col, values in encoded.items():
         for field, value in values.items():
@@ -268,7 +269,7 @@ def check_sizes(encoded: Mapping[str, Mapping[str, bytes]], limit: int, setting:
                 )
 
 
-def unchecked_value(encoded: Mapping[str, Mapping[str, bytes]], limit: ValueLimit) -> str | None:
+def unchecked_value(encoded: Mapping[str, Mapping[str, bytes | Framed]], limit: ValueLimit) -> str | None:
     """The largest value of a put if the server might refuse its size unseen (its limits could not be read,
     and it is longer than any server must take), described for an error message; else None."""
     if limit.read:

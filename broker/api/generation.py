@@ -198,7 +198,7 @@ class Generation:
         placeholders = None
         if regenerate and rollout.partial:  # what the rollout reads as the response so far
             one = self.placeholders(1)
-            placeholders = {c: encode_column(c, rows, 1)[0] for c, rows in one.items()}
+            placeholders = {c: bytes(encode_column(c, rows, 1)[0]) for c, rows in one.items()}
         # Part of a hand-out (sampling found the groups): a shortfall is logged, as the hand-out's own is.
         self._s.forget("get_experience (discarding stale groups)", lambda: self._s.scripts.discard(
             groups, regenerate=regenerate, field="regenerated" if regenerate else "stale",

@@ -26,7 +26,7 @@ from broker.api.session import DockSession
 from broker.connection import sizes_unchecked, value_limit
 from broker.connection.replication import REPEAT_SAFE
 from broker.control.scripts import Finish, rows_of, runs_of
-from broker.data.store import Encoded, PutRequest
+from broker.data.requests import Encoded, PutRequest
 from broker.errors import InvalidExperienceError
 
 #: Key of the completion flags inside a put while padding rows are dropped with the data (no column
@@ -109,7 +109,9 @@ class Puts:
     ) -> PutRequest:
         """Everything encoded, and the rows' lengths and flags in ascending row order (the scripts' order)."""
         fields = [str(r) for r in rows]
-        encoded: Encoded = {c: dict(zip(fields, encode_column(c, value, len(rows)))) for c, value in data.items()}
+        framed = self._s.frames  # large rows sent from the tensors' own memory (connection/framing.py)
+        encoded: Encoded = {c: dict(zip(fields, encode_column(c, value, len(rows), framed=framed)))
+                            for c, value in data.items()}
         in_run_order = sorted(range(len(rows)), key=rows.__getitem__)
         lengths = {}
         for c in self._s.schema.length_columns:

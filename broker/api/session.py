@@ -29,6 +29,7 @@ from broker.connection import (
     call_deadline,
     connect,
     disconnect,
+    frames,
     redact,
     redis_errors,
 )
@@ -67,6 +68,8 @@ class DockSession:
         with call_deadline(self.call_timeout):  # a URL's client asks the server whether it is a cluster
             self.client, self.url = connect(target)
         self.owns_client = isinstance(target, str)
+        #: Whether the client sends ``Framed`` values uncopied (its connections were opened here).
+        self.frames = frames(self.client)
         self.closed = False
         self.server = redact(self.url) if self.url else repr(self.client)
         self.where = f"{self.server} (dock {name!r})"  # names the dock in every Redis error
@@ -134,7 +137,8 @@ class DockSession:
         self.store = (
             ShardedStore(self.client, self.keys, self.scripts, schema.columns, schema.shards,
                          schema.n_samples_per_prompt, self.replication)
-            if schema.shards else SlotStore(self.client, self.keys, self.scripts, schema.columns)
+            if schema.shards
+            else SlotStore(self.client, self.keys, self.scripts, schema.columns, schema.n_samples_per_prompt)
         )
 
     def stored(self) -> tuple[Schema, str]:

@@ -8,7 +8,10 @@ Each module holds one concern; each imports only those above it (no cycles):
   ``time_left``, ``slow_reply``, and ``_DeadlinePassed``, the error of a call cut by it.
 - ``sizes.py``: the largest value a server takes (``value_limit``), and puts sent without knowing it
   (``sizes_unchecked``).
-- ``sockets.py``: the bounded connections (TCP, TLS and its handshake, unix socket) and the errors they raise.
+- ``framing.py``: ``Framed``, a large value sent from its own buffers (no copy into the command), and the
+  scatter-gather send.
+- ``sockets.py``: the bounded connections (TCP, TLS and its handshake, unix socket), the errors they raise,
+  and ``frames`` (whether a client's connections send ``Framed`` values uncopied).
 - ``retries.py``: the backoff that ends at the deadline, and the reconnect retry (``default_retry``).
 - ``pools.py``: a URL's pool (its hand-out retried, its wait bounded) and a cluster node's.
 - ``urls.py``: a client's URL (``url_of``, its TLS query), what a URL cannot carry (``uncarried``), ``redact``.
@@ -24,7 +27,8 @@ The order, each line importing only from the lines above it::
     client
     deadlines
     sizes        <- client, deadlines
-    sockets      <- deadlines, sizes
+    framing
+    sockets      <- client, deadlines, sizes, framing
     retries      <- deadlines
     pools        <- deadlines, sockets
     urls         <- client, sockets
@@ -50,9 +54,11 @@ from broker.connection.deadlines import (
     time_left,
     waiting_call,
 )
+from broker.connection.framing import Framed
 from broker.connection.retries import default_retry
 from broker.connection.shared import connect, default_url, disconnect
 from broker.connection.sizes import MIN_VALUE_LIMIT, ValueLimit, sizes_unchecked, value_limit
+from broker.connection.sockets import frames
 from broker.connection.translate import bounded, elide_values, redis_errors, script_error
 from broker.connection.urls import redact, uncarried
 
@@ -62,6 +68,7 @@ __all__ = [
     "LAST_TRY_SECONDS",
     "MIN_VALUE_LIMIT",
     "Client",
+    "Framed",
     "ValueLimit",
     "bounded",
     "call_deadline",
@@ -71,6 +78,7 @@ __all__ = [
     "disconnect",
     "elide_values",
     "extend_call",
+    "frames",
     "redact",
     "redis_errors",
     "script_error",

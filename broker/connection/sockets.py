@@ -17,9 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection
 from redis.utils import SENTINEL
 
+from broker.connection import framing
+from broker.connection.client import Client
 from broker.connection.deadlines import _DEADLINE_SLACK, _bounds, _expired, _passed
 from broker.connection.sizes import _unchecked_size
 
@@ -47,9 +50,48 @@ class _Bounded(AbstractConnection):
     too) waits at most the time left, and one that finds none left, or times out at the deadline,
     closes the connection and raises ``_DeadlinePassed``. Under ``slow_reply`` the socket timeout grows
     by the allowance. Under ``sizes_unchecked`` a large command whose size the server refuses is not sent
-    again (see ``_refused``). Otherwise each method is redis-py's own. (redis-py's methods are untyped:
-    they are called through ``Any``.)
+    again (see ``_refused``). ``Framed`` arguments are sent from the caller's buffers (see framing.py).
+    Otherwise each method is redis-py's own. (redis-py's methods are untyped: they are called through ``Any``.)
     """
+
+    def pack_command(self, *args: Any) -> Any:
+        if framing.has_framed(args):
+            conn: Any = self
+            return framing.pack(args, conn.encoder.encode)
+        base: Any = super()
+        return base.pack_command(*args)
+
+    def pack_commands(self, commands: Any) -> Any:
+        commands = list(commands)
+        if not any(framing.has_framed(command) for command in commands):
+            base: Any = super()
+            return base.pack_commands(commands)
+        return framing.join_small(chunk for command in commands for chunk in self.pack_command(*command))
+
+    def _send_packed(self, command: Any, check_health: bool) -> None:
+        """redis-py's ``send_packed_command`` (a ``sendall`` per chunk), but a command in many chunks (a framed
+        one, or one with large values) goes as scatter-gather writes; socket errors translated as redis-py does."""
+        base: Any = super()
+        if isinstance(command, (str, bytes)) or len(command) <= 2:
+            base.send_packed_command(command, check_health)
+            return
+        conn: Any = self
+        if not conn._sock:
+            self.connect_check_health(check_health=False)
+        if check_health:
+            conn.check_health()
+        try:
+            framing.send_gathered(conn._sock, command)
+        except TimeoutError:  # socket.timeout
+            conn.disconnect()
+            raise redis.TimeoutError("Timeout writing to socket") from None
+        except OSError as exc:
+            conn.disconnect()
+            errno, message = ("UNKNOWN", exc.args[0]) if len(exc.args) == 1 else exc.args[:2]
+            raise redis.ConnectionError(f"Error {errno} while writing to socket. {message}.") from None
+        except BaseException:
+            conn.disconnect()  # part of the command may be sent: the connection cannot serve another
+            raise
 
     def _op_timeout(self) -> float | None:
         """The next operation's socket timeout; None: the connection's own (no deadline, no allowance)."""
@@ -107,7 +149,6 @@ class _Bounded(AbstractConnection):
     _sent_unchecked = 0
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        base: Any = super()
         conn: Any = self
         size = _unchecked_size(command)
         self._sent_unchecked = 0  # until the command itself is sent: the PING of a health check may come first
@@ -116,7 +157,7 @@ class _Bounded(AbstractConnection):
             # is sent must mean it refused the command, not that it had dropped an idle connection.
             conn.next_health_check = -math.inf
         elif self._op_timeout() is None:
-            base.send_packed_command(command, check_health)
+            self._send_packed(command, check_health)
             return
         with self._cut_at_deadline():  # without a deadline, it passes every error on
             # redis-py's own steps before the send (each bounded by its own operations), then the send.
@@ -129,7 +170,7 @@ class _Bounded(AbstractConnection):
                 sock.settimeout(timeout)
             self._sent_unchecked = size
             try:
-                base.send_packed_command(command, check_health=False)
+                self._send_packed(command, check_health=False)
             except redis.ConnectionError as exc:
                 if size:
                     self._refused(exc)
@@ -254,3 +295,12 @@ _BOUNDED: dict[type[Any], type[Any]] = {
     redis.SSLConnection: _BoundedSSLConnection,
     redis.UnixDomainSocketConnection: _BoundedUnixConnection,
 }
+
+
+def frames(client: Client) -> bool:
+    """Whether ``client``'s connections send ``Framed`` arguments from their buffers (those opened by
+    ``broker.connection``); a client made elsewhere (fakeredis, a user's own) needs joined bytes."""
+    if isinstance(client, RedisCluster):
+        pools = [node.redis_connection.connection_pool for node in client.get_nodes() if node.redis_connection]
+        return bool(pools) and all(issubclass(pool.connection_class, _Bounded) for pool in pools)
+    return issubclass(client.connection_pool.connection_class, _Bounded)

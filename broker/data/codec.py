@@ -55,6 +55,7 @@ import msgpack
 import numpy as np
 import torch
 
+from broker.connection.framing import LARGE, Framed
 from broker.errors import DecodeError, InvalidExperienceError
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
@@ -249,23 +250,29 @@ def _decode_value(data: bytes | bytearray | memoryview, length: int, size: int, 
         raise DecodeError(f"{where}: unreadable value ({type(exc).__name__}: {exc})") from None
 
 
-def encode_rows(rows: Sequence[Any]) -> list[bytes]:
+def encode_rows(rows: Sequence[Any], *, framed: bool = False) -> list[bytes | Framed]:
     """Encode many tensors: the same bytes as ``encode`` on each, with the per-row work cut short.
 
     A put carries thousands of rows, and ``encode``'s checks cost more than the copy of a small row.
     Here a CPU tensor that numpy can view is joined straight to its cached prefix; anything else
-    (bfloat16, non-contiguous, on a GPU, numpy, wrong type) falls back to ``encode``, which also names
-    what is wrong. The join reads ``array.nbytes`` from the row's first element, so the row's storage
-    must hold that many bytes from there (``.numpy()`` does not check; see ``_check_storage``).
+    (non-contiguous, on a GPU, numpy, wrong type) falls back to ``encode``, which also names what is
+    wrong. The join reads ``array.nbytes`` from the row's first element, so the row's storage must hold
+    that many bytes from there (``.numpy()`` does not check; see ``_check_storage``). With ``framed``,
+    a row of at least ``framing.LARGE`` bytes is not joined but ``Framed``: its prefix, then a view of
+    the tensor's own storage, sent from there (see ``connection/framing.py``).
     """
-    prefixes, join, out = _ENCODED_PREFIXES, b"".join, []
+    prefixes, join = _ENCODED_PREFIXES, b"".join
+    out: list[bytes | Framed] = []
     for i, row in enumerate(rows):
         try:
-            array = row.numpy()
+            array = (row.view(torch.int16) if row.dtype is torch.bfloat16 else row).numpy()
             prefix = prefixes[row.dtype, array.shape]
             if row.untyped_storage().nbytes() < row.storage_offset() * array.itemsize + array.nbytes:
                 raise TypeError  # encode names it
-            out.append(join((prefix, array)))
+            if framed and array.nbytes >= LARGE:
+                out.append(Framed((prefix, memoryview(array).cast("B"))))  # TypeError if not contiguous
+            else:
+                out.append(join((prefix, array)))
         except (AttributeError, KeyError, RuntimeError, TypeError):
             # TypeError also covers a non-contiguous array, which join refuses: encode makes it contiguous.
             try:
@@ -275,18 +282,21 @@ def encode_rows(rows: Sequence[Any]) -> list[bytes]:
     return out
 
 
-def encode_stacked(tensor: torch.Tensor) -> list[bytes]:
-    """Encode each slice ``tensor[i]`` along dim 0, as ``encode`` would, without splitting the tensor."""
+def encode_stacked(tensor: torch.Tensor, *, framed: bool = False) -> list[bytes | Framed]:
+    """Encode each slice ``tensor[i]`` along dim 0, as ``encode`` would, without splitting the tensor;
+    with ``framed``, rows of at least ``framing.LARGE`` bytes as views of the tensor (see ``encode_rows``)."""
     tensor = _dense_cpu(tensor)
     if tensor.dim() == 0:
         raise InvalidExperienceError("a stacked tensor needs a row dimension, got a 0-d tensor")
     try:
-        array = tensor.numpy()
+        array = (tensor.view(torch.int16) if tensor.dtype is torch.bfloat16 else tensor).numpy()
         flat = memoryview(array).cast("B")  # type: ignore[arg-type]  # (as in encode) refuses non-contiguous arrays
         prefix = _ENCODED_PREFIXES[tensor.dtype, array.shape[1:]]
     except (KeyError, RuntimeError, TypeError):
-        return encode_rows(tensor.unbind(0))  # caches the prefix; bfloat16, GPU and strided tensors land here
+        return encode_rows(tensor.unbind(0), framed=framed)  # caches the prefix; GPU and strided tensors land here
     size = flat.nbytes // len(array) if len(array) else 0
+    if framed and size >= LARGE:
+        return [Framed((prefix, flat[i * size : (i + 1) * size])) for i in range(len(array))]
     join = b"".join
     return [join((prefix, flat[i * size : (i + 1) * size])) for i in range(len(array))]
 

@@ -9,7 +9,12 @@ apart from it by one of two stores with one small interface:
     put is one MULTI holding the checking and marking script (lua/put.lua), a bar on the HSETs unless
     it let them through (lua/bar.lua), the HSETs, and the bar's undoing, so nothing is ever ready without
     its bytes, a put that must not land (a resend of one that did, a delivery no longer current) writes
-    nothing, and a clear deletes bytes inside its own script.
+    nothing, and a clear deletes bytes inside its own script. A put of more than ``SLICE_BYTES`` is one
+    such MULTI per slice of whole groups, sent back to back (``slices.py``): each slice lands whole or
+    not at all, checked, marked (and acked) on its own. So a put that fails part way
+    (its delivery taken over explicitly, the server gone) may leave earlier slices' rows written and
+    ready, and says which; a clear landing between two slices clears the rows of those before it only.
+    With a lease, claim.lua first holds it for the put's time bound, so it cannot run out between slices.
 
 ``ShardedStore``
     the bytes spread over data shards ``{NAME~S}`` chosen to land on distinct cluster primaries
@@ -54,8 +59,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis
 from redis.client import Pipeline
@@ -66,8 +70,6 @@ from broker.connection.replication import Replication
 from broker.control.keys import DockKeys, shard_pattern, shard_tag
 from broker.control.scripts import (
     DockScripts,
-    Fence,
-    Finish,
     Forgot,
     Handout,
     new_request_id,
@@ -76,40 +78,14 @@ from broker.control.scripts import (
     run_pipeline,
     runs_of,
 )
+from broker.data.requests import Encoded, PutRequest
+from broker.data.slices import slices
 from broker.errors import BrokerError, DecodeError, FencedError
-
-#: Per column, field -> encoded bytes: what a put writes (field = the row in decimal).
-Encoded = dict[str, dict[str, bytes]]
 
 #: How many times a sharded put writes again after clears moved its rows between its two steps. Each
 #: retry means a clear of these rows landed within one round trip; running out takes a clearer in a
 #: tight loop, and the put then fails with a BrokerError saying so.
 PUT_RETRIES = 16
-
-#: How long a sharded put naming a leased delivery holds the lease while its bytes travel (claim.lua),
-#: by default: the longest a call may take.
-HOLD_MS = 60_000
-
-
-@dataclass(frozen=True)
-class PutRequest:
-    """One put, as the dock hands it down: checked, encoded and sorted already (see ``api/puts.py``)."""
-
-    #: Per column, field (the row in decimal) -> encoded bytes.
-    encoded: Encoded
-    #: The rows, as runs (see ``runs_of``).
-    runs: Sequence[int]
-    #: Per length column, one length per row in ascending row order.
-    lengths: dict[str, list[int]]
-    #: Completion flags and version to record with the marks, if any.
-    finish: Finish | None = None
-    #: The delivery the put is fenced by (a stage's result for rows it was handed), if any.
-    fence: Fence | None = None
-    #: With a leased ``fence``: end the lease of the rows in the same step.
-    ack: bool = False
-    #: How long a sharded put holds the lease of a leased ``fence`` while its bytes travel (claim.lua).
-    hold_ms: int = HOLD_MS
-
 
 class DataStore(Protocol):
     """Where a dock's row bytes live (see the module docstring)."""
@@ -139,34 +115,81 @@ class DataStore(Protocol):
 
 
 class SlotStore:
-    """The bytes in the dock's own slot; a put is one MULTI (see the module docstring)."""
+    """The bytes in the dock's own slot; a put is one MULTI per slice (see the module docstring)."""
 
-    def __init__(self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Sequence[str]):
+    def __init__(self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Sequence[str], n: int):
         self._client, self._keys, self._scripts, self._columns = client, keys, scripts, tuple(columns)
+        self._n = n
 
     def put(self, put: PutRequest) -> None:
-        encoded, runs, lengths, finish, fence, ack = put.encoded, put.runs, put.lengths, put.finish, put.fence, put.ack
-        request_id = new_request_id()  # the same in the client's resends of this MULTI
-        columns = list(encoded)
+        parts = slices(put, self._n)
+        if len(parts) == 1:
+            error = self._put_one(put, new_request_id())
+            if error is not None:
+                raise error
+            return
+        if put.fence is not None and put.fence.token:
+            # The lease must not run out between slices and go to another worker, who would write the
+            # same rows (claim.lua holds it for the put's time bound; each slice acks its own rows).
+            self._scripts.claim(put.runs, put.fence, put.hold_ms)
+        # The first slice alone: a server that lost the scripts (NOSCRIPT, see run_pipeline) costs one slice
+        # sent twice, not the batch. The others back to back, so the server writes one while the next travels.
+        request_ids = [new_request_id() for _ in parts]
+        outcomes = [self._put_one(parts[0], request_ids[0]), *self._put_slices(parts[1:], request_ids[1:])]
+        failed = [(i, o) for i, o in enumerate(outcomes) if o is not None]
+        if failed:
+            landed = [r for part, o in zip(parts, outcomes) if o is None for r in rows_of(part.runs)]
+            error = failed[0][1]
+            note = (f"; rows {_few(landed)} of this put landed in its other slices" if landed
+                    else "; no slice of this put landed")
+            raise type(error)(f"{error}{note}") from error
+        return
 
-        def transaction(pipe: Pipeline) -> None:
-            self._scripts.put(pipe, columns, runs, lengths, finish, request_id, fence, ack)  # and bar.lua
-            for col, mapping in encoded.items():
-                pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
-            self._scripts.unbar(pipe, columns)
+    def _put_slices(self, parts: Sequence[PutRequest], request_ids: Sequence[str]) -> list[BaseException | None]:
+        """Each of ``parts`` as its own MULTI; the error of each that did not land, else None."""
+        if isinstance(self._client, RedisCluster):  # no pipeline of several transactions there: one by one
+            return [self._put_one(part, rid) for part, rid in zip(parts, request_ids)]
+        todo = list(range(len(parts)))
+        outcomes: list[BaseException | None] = [None] * len(parts)
+        for attempt in range(2):
+            def build(pipe: Pipeline, todo: list[int] = todo) -> None:
+                for i in todo:
+                    pipe.execute_command("MULTI")
+                    self._queue(pipe, parts[i], request_ids[i])
+                    pipe.execute_command("EXEC")
 
-        replies = run_pipeline(self._client, self._scripts.load_all, transaction, transaction=True)
-        # put, bar, the HSETs, unbar. put.lua's reply is the verdict: an error (refused, fenced) or the
-        # put's counts, kept ones for a resend; only then did the HSETs run, and can have failed of their
-        # own (a barred put's fail by design, see lua/bar.lua). unbar.lua's error would be the server's.
-        verdict, lands, unbar = replies[0], replies[1], replies[-1]  # lands: bar.lua's 1, the bytes went in
-        for reply in (unbar, verdict):
-            if isinstance(reply, Exception):
-                raise reply
-        if lands == 1:
-            for reply in replies[2:-1]:
-                if isinstance(reply, Exception):
-                    raise reply
+            replies = run_pipeline(self._client, self._scripts.load_all, build, transaction=False)
+            lost: list[int] = []
+            for i in todo:  # per slice: MULTI's OK, a QUEUED per command, EXEC's array
+                size = len(parts[i].encoded) + 3
+                queued, replies = replies[: size + 2], replies[size + 2 :]
+                executed = queued[-1]
+                if isinstance(executed, Exception) or not isinstance(executed, list):
+                    outcomes[i] = executed if isinstance(executed, Exception) else BrokerError(
+                        f"dock {self._keys.name!r}: a put's transaction was not run (EXEC answered {executed!r})")
+                elif attempt == 0 and isinstance(executed[0], redis.exceptions.NoScriptError):
+                    lost.append(i)  # the server lost the scripts since the first slice: bar.lua kept the bytes out
+                else:
+                    outcomes[i] = _outcome(executed)
+            if not lost:
+                break
+            self._scripts.load_all(self._client)
+            todo = lost
+        return outcomes
+
+    def _put_one(self, put: PutRequest, request_id: str) -> BaseException | None:
+        """``put`` as one MULTI (``request_id`` the same in the client's resends of it); its error, if it did
+        not land (see ``_outcome``)."""
+        return _outcome(run_pipeline(self._client, self._scripts.load_all,
+                                     lambda pipe: self._queue(pipe, put, request_id), transaction=True))
+
+    def _queue(self, pipe: Pipeline, put: PutRequest, request_id: str) -> None:
+        """Queue one put on one slot: put.lua, bar.lua, the HSETs, unbar.lua (see lua/put.lua)."""
+        columns = list(put.encoded)
+        self._scripts.put(pipe, columns, put.runs, put.lengths, put.finish, request_id, put.fence, put.ack)
+        for col, mapping in put.encoded.items():
+            pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
+        self._scripts.unbar(pipe, columns)
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         # One round trip: the HMGETs, then the fence script in the same pipeline, after them (see
@@ -424,3 +447,25 @@ def _in_order(rows: Sequence[int], runs: Sequence[int], generations: bytes) -> b
 def _u32s(packed: bytes) -> list[int]:
     """Big-endian u32s (the generations the fence scripts return)."""
     return list(struct.unpack(f">{len(packed) // 4}I", packed))
+
+
+def _outcome(replies: list[Any]) -> BaseException | None:
+    """The error of a put on one slot from its replies (put, bar, the HSETs, unbar), or None if it landed.
+
+    put.lua's reply is the verdict: an error (refused, fenced) or the put's counts, kept ones for a resend;
+    only then did the HSETs run, and can have failed of their own (a barred put's fail by design, see
+    lua/bar.lua). unbar.lua's error would be the server's.
+    """
+    verdict, lands, unbar = replies[0], replies[1], replies[-1]  # lands: bar.lua's 1, the bytes went in
+    for reply in (unbar, verdict):
+        if isinstance(reply, Exception):
+            return reply
+    if lands == 1:
+        for reply in replies[2:-1]:
+            if isinstance(reply, Exception):
+                return reply
+    return None
+
+
+def _few(rows: Sequence[int]) -> str:
+    return f"{list(rows[:8])}{'...' if len(rows) > 8 else ''}"

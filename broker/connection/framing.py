@@ -1,0 +1,130 @@
+"""Commands framed around the caller's buffers: a large value goes from its tensor to the socket uncopied.
+
+redis-py (with hiredis) packs a command by copying every argument into one new buffer; for a put of
+0.3 GB that copy took as long as sending it. A ``Framed`` argument is a bulk string given in pieces (a
+tensor row's small header, then a memoryview of the tensor's own storage): the connections opened here
+(``sockets._Bounded``) frame it with the RESP length line around the pieces, keep the large pieces as
+they are, and send the whole command with scatter-gather writes (``socket.sendmsg``, up to
+``_IOV_MAX`` buffers per system call). Small pieces are copied into the framing: below ``LARGE`` bytes
+a copy costs less than another buffer to gather.
+
+What the caller keeps: the buffers must not change until the call returns (a resend after a lost
+connection frames them again); nothing here holds them afterwards. A connection that does not frame
+(fakeredis's, or one not opened by ``broker.connection``) gets ``bytes(value)``: the copy it always made.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+#: Pieces at least this long are sent from where they are; shorter ones are copied into the framing.
+LARGE = 16 * 1024
+#: Buffers per sendmsg call (Linux's IOV_MAX is 1024).
+_IOV_MAX = 1024
+_CRLF = b"\r\n"
+
+
+class Framed:
+    """One bulk-string argument given in pieces, sent without joining them (see the module docstring).
+
+    ``len()`` is its length in bytes, ``bytes()`` the joined value (a copy: for clients that do not frame).
+    """
+
+    __slots__ = ("pieces", "nbytes")
+
+    def __init__(self, pieces: Sequence[bytes | memoryview]):
+        self.pieces = tuple(pieces)
+        self.nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in self.pieces)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.pieces)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Framed):
+            other = bytes(other)
+        return isinstance(other, (bytes, bytearray, memoryview)) and bytes(self) == other
+
+    __hash__ = None  # type: ignore[assignment]  # mutable buffers inside: not a dict key
+
+    def __repr__(self) -> str:
+        return f"Framed({self.nbytes} bytes in {len(self.pieces)} pieces)"
+
+
+def has_framed(args: Iterable[Any]) -> bool:
+    """Whether any argument is ``Framed``."""
+    return any(type(a) is Framed for a in args)
+
+
+def unframed(args: Sequence[Any]) -> tuple[Any, ...]:
+    """``args`` with every ``Framed`` joined into bytes (for connections that do not frame)."""
+    return tuple(bytes(a) if type(a) is Framed else a for a in args)
+
+
+def pack(args: Sequence[Any], encode: Any) -> list[bytes | memoryview]:
+    """RESP of one command whose arguments may be ``Framed``: small parts joined, large pieces left as they
+    are. ``encode`` turns any other argument into bytes (the connection's encoder)."""
+    out: list[bytes | memoryview] = []
+    small = bytearray(b"*%d\r\n" % len(args))
+    for arg in args:
+        if type(arg) is Framed:
+            small += b"$%d\r\n" % arg.nbytes
+            for piece in arg.pieces:
+                if len(piece) < LARGE:
+                    small += piece
+                else:
+                    out.append(bytes(small))
+                    out.append(piece)
+                    small = bytearray()
+            small += _CRLF
+        else:
+            value = encode(arg)
+            small += b"$%d\r\n" % len(value)
+            small += value
+            small += _CRLF
+    out.append(bytes(small))
+    return out
+
+
+def join_small(chunks: Iterable[bytes | memoryview]) -> list[bytes | memoryview]:
+    """Adjacent small chunks joined, large ones kept: fewer buffers to gather, no large copy."""
+    out: list[bytes | memoryview] = []
+    small: list[bytes | memoryview] = []
+    for chunk in chunks:
+        if len(chunk) < LARGE:
+            small.append(chunk)
+            continue
+        if small:
+            out.append(b"".join(small))
+            small = []
+        out.append(chunk)
+    if small:
+        out.append(b"".join(small))
+    return out
+
+
+def send_gathered(sock: socket.socket, chunks: Sequence[bytes | memoryview]) -> None:
+    """Send every chunk in order, ``_IOV_MAX`` buffers per system call, resuming after partial writes.
+
+    A TLS socket has no scatter-gather write: it sends chunk by chunk. Errors are the socket's own
+    (``socket.timeout``, ``OSError``): the connection translates them as for any send.
+    """
+    if isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
+        for chunk in chunks:
+            sock.sendall(chunk)
+        return
+    pending = [memoryview(c).cast("B") if isinstance(c, memoryview) else memoryview(c) for c in chunks]
+    first = 0
+    while first < len(pending):
+        sent = sock.sendmsg(pending[first : first + _IOV_MAX])
+        # Skip what went out: whole buffers, then a cut into the first one not finished.
+        while first < len(pending) and sent >= pending[first].nbytes:
+            sent -= pending[first].nbytes
+            first += 1
+        if sent:
+            pending[first] = pending[first][sent:]

@@ -1,0 +1,39 @@
+"""What a put hands the store: its rows' encoded bytes and what the scripts record with them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from broker.connection import Framed
+from broker.control.scripts import Fence, Finish
+
+#: Per column, field -> encoded bytes: what a put writes (field = the row in decimal). A ``Framed`` value is
+#: sent from the tensor's own memory, by a client that ``frames`` (see connection/framing.py).
+Encoded = dict[str, dict[str, bytes | Framed]]
+
+#: How long a sharded put naming a leased delivery holds the lease while its bytes travel (claim.lua),
+#: by default: the longest a call may take.
+HOLD_MS = 60_000
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """One put, as the dock hands it down: checked, encoded and sorted already (see ``api/puts.py``)."""
+
+    #: Per column, field (the row in decimal) -> encoded bytes.
+    encoded: Encoded
+    #: The rows, as runs (see ``runs_of``).
+    runs: Sequence[int]
+    #: Per length column, one length per row in ascending row order.
+    lengths: dict[str, list[int]]
+    #: Completion flags and version to record with the marks, if any.
+    finish: Finish | None = None
+    #: The delivery the put is fenced by (a stage's result for rows it was handed), if any.
+    fence: Fence | None = None
+    #: With a leased ``fence``: end the lease of the rows in the same step.
+    ack: bool = False
+    #: How long a sharded put holds the lease of a leased ``fence`` while its bytes travel (claim.lua).
+    hold_ms: int = HOLD_MS
+
+

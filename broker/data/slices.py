@@ -1,0 +1,91 @@
+"""A large put cut into slices of whole groups, each written as a put of its own (see ``SlotStore.put``).
+
+One MULTI holding a whole 0.3 GB batch keeps the server busy with it for the time of its EXEC (every
+other client waits), and the server starts that work only once the last byte has arrived: the send and
+the server's work follow each other instead of overlapping. Slices of at most ``SLICE_BYTES`` are each
+one MULTI, sent back to back, so the server writes one slice while the next is on the wire.
+
+A slice holds whole groups (rows ``[g*n, (g+1)*n)`` of the put): a reader sampling whole groups never
+finds a group half written by one put. Each slice is a complete put of its rows: its own check (the
+fence), marks, completion flags and request id, and with ``ack`` it ends the lease of its own rows:
+a row is acked in the step that writes its result, and rows of a slice that did not land stay leased,
+to be handed out again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from broker.control.scripts import Finish, rows_of, runs_of
+from broker.data.requests import PutRequest
+
+#: Bytes of row values above which a put on one slot is written in slices (see the module docstring).
+#: 32 MiB: the server writes one in about 30 ms here (Redis 7.0.15, jemalloc), a pause other clients
+#: barely see, and fewer than a few dozen slices per batch keep the per-slice cost (a script call) small.
+SLICE_BYTES = 32 * 1024 * 1024
+
+
+def row_bytes(put: PutRequest) -> list[int]:
+    """Encoded bytes per row of ``put``, in ascending row order."""
+    rows = rows_of(put.runs)
+    sizes = [0] * len(rows)
+    for mapping in put.encoded.values():
+        for i, row in enumerate(rows):
+            value = mapping.get(str(row))
+            if value is not None:
+                sizes[i] += len(value)
+    return sizes
+
+
+def slices(put: PutRequest, n: int, limit: int | None = None) -> list[PutRequest]:
+    """``put`` cut into puts of whole groups of at most ``limit`` bytes each (default ``SLICE_BYTES``; a group
+    larger than that is a slice of its own); ``[put]`` when it fits in one."""
+    limit = SLICE_BYTES if limit is None else limit
+    sizes = row_bytes(put)
+    if sum(sizes) <= limit:
+        return [put]
+    rows = rows_of(put.runs)
+    cuts = [0]  # positions in ``rows`` where a slice starts
+    held = 0
+    for i, row in enumerate(rows):
+        new_group = i == 0 or row // n != rows[i - 1] // n
+        if new_group and held and held + _group_bytes(rows, sizes, i, n) > limit:
+            cuts.append(i)
+            held = 0
+        held += sizes[i]
+    cuts.append(len(rows))
+    if len(cuts) == 2:
+        return [put]
+    out = []
+    for k in range(len(cuts) - 1):
+        first, end = cuts[k], cuts[k + 1]
+        out.append(_part(put, rows, first, end))
+    return out
+
+
+def _group_bytes(rows: list[int], sizes: list[int], i: int, n: int) -> int:
+    """Bytes of the rows of ``rows[i]``'s group, from position ``i`` on."""
+    group, total = rows[i] // n, 0
+    while i < len(rows) and rows[i] // n == group:
+        total += sizes[i]
+        i += 1
+    return total
+
+
+def _part(put: PutRequest, rows: list[int], first: int, end: int) -> PutRequest:
+    """The put of ``rows[first:end]`` alone (positions in ascending row order)."""
+    fields = [str(r) for r in rows[first:end]]
+    finish = put.finish
+    if finish is not None and finish.flags is not None:
+        finish = Finish(finish.flags[first:end], finish.version)
+    fence = put.fence
+    if fence is not None:
+        fence = dataclasses.replace(fence, generations=fence.generations[4 * first : 4 * end])
+    return dataclasses.replace(
+        put,
+        encoded={c: {f: mapping[f] for f in fields if f in mapping} for c, mapping in put.encoded.items()},
+        runs=runs_of(rows[first:end]),
+        lengths={c: values[first:end] for c, values in put.lengths.items()},
+        finish=finish,
+        fence=fence,
+    )

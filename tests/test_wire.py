@@ -1,0 +1,235 @@
+"""Large puts: values framed from the tensors' own memory (connection/framing.py) and sent in slices of whole
+groups (data/slices.py), on every kind of server and connection, with every guarantee of a put kept."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import fakeredis
+import pytest
+import redis
+import torch
+
+from broker import TransferDock
+from broker.connection import Framed, frames
+from broker.connection.framing import LARGE, send_gathered
+from broker.control.scripts import Fence, Finish, runs_of
+from broker.control.scripts.loader import SCRIPT_FILES, script_text
+from broker.data import slices as slices_module
+from broker.data.requests import PutRequest
+from broker.data.slices import slices
+from broker.errors import FencedError
+from tests.helpers import bits, lose_next_reply, random_tensor, small_dock
+from tests.test_security import _certificates
+
+SEQ = LARGE // 4 * 2  # float32 rows of 32 KiB: framed
+
+
+def _batch(rows: int, columns=("a", "b"), seed: int = 0) -> dict[str, torch.Tensor]:
+    return {c: random_tensor(torch.float32, (rows, SEQ), seed=seed + i) for i, c in enumerate(columns)}
+
+
+def _same(dock: TransferDock, data: dict[str, torch.Tensor], rows: list[int]) -> None:
+    got = dock.read_rows(list(data), rows)
+    for col, tensor in data.items():
+        for i, row in enumerate(rows):
+            assert bits(got[col][i]) == bits(tensor[i]), (col, row)
+
+
+@pytest.fixture(params=["real", "redis62", "cluster", "fake", "unix"])
+def where(request, tmp_path):
+    """A URL (the broker opens the client: framing on), or fakeredis (joined bytes), or a unix socket."""
+    if request.param == "fake":
+        return fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    if request.param == "unix":
+        from broker.ops.local_redis import RedisServer
+
+        server = RedisServer(unix=True)
+        server.start(15)
+        request.addfinalizer(lambda: (server.stop(), server.close()))
+        return server.url
+    if request.param == "cluster":
+        request.getfixturevalue("cluster_admin")
+        return request.getfixturevalue("cluster_url")
+    return request.getfixturevalue("redis62_url" if request.param == "redis62" else "real_url")
+
+
+@pytest.mark.real
+def test_a_large_put_in_slices_reads_back_bit_for_bit(where, monkeypatch):
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 3 * 2 * 2 * SEQ * 4)  # three groups of 2 rows per slice
+    with small_dock(where, "wire-roundtrip", prompts=8, n=2, columns=("a", "b", "c")) as dock:
+        assert dock._session.frames == (not isinstance(where, fakeredis.FakeRedis))
+        data = _batch(16)
+        data["c"] = [torch.tensor([r]) for r in range(16)]  # small rows ride along, joined
+        rows = list(range(15, -1, -1))  # out of order: slices follow the rows' order, not the call's
+        dock.put_experience({k: v.flip(0) if isinstance(v, torch.Tensor) else v[::-1] for k, v in data.items()},
+                            indexes=rows)
+        _same(dock, {k: v for k, v in data.items() if k != "c"}, list(range(16)))
+        batch, got = dock.get_experience("actor_train", ["a", "b", "c"], experience_count=16)
+        assert sorted(got) == list(range(16))
+        for i, row in enumerate(got):
+            assert bits(batch["a"][i]) == bits(data["a"][row]) and batch["c"][i].item() == row
+        dock.delete()
+
+
+@pytest.mark.real
+def test_framed_values_over_tls(tmp_path):
+    """A TLS socket has no scatter-gather write: the framed command goes chunk by chunk."""
+    from broker.ops.local_redis import RedisServer
+
+    with RedisServer(tls=_certificates(tmp_path)) as server, small_dock(server.url, "wire-tls", 4, 2) as dock:
+        assert dock._session.frames
+        data = _batch(8, columns=("prompts",))
+        dock.put_experience(data, indexes=list(range(8)))
+        _same(dock, data, list(range(8)))
+
+
+def test_a_client_made_elsewhere_gets_joined_bytes(real_url):
+    """A user's own redis.Redis does not frame: the put joins the values, as it always did."""
+    plain = redis.Redis.from_url(real_url)
+    assert not frames(plain) and not frames(fakeredis.FakeRedis())
+    with small_dock(plain, "wire-plain", 2, 2) as dock:
+        assert not dock._session.frames
+        data = _batch(4, columns=("prompts",))
+        dock.put_experience(data, indexes=[0, 1, 2, 3])
+        _same(dock, data, [0, 1, 2, 3])
+        dock.delete()
+    plain.close()
+
+
+def test_slices_hold_whole_groups_and_split_what_the_scripts_record():
+    n, rows = 4, list(range(4, 20))  # groups 1..4
+    value = Framed((b"x" * 100,))
+    put = PutRequest(
+        {"a": {str(r): value for r in rows}}, runs_of(rows), {"len": list(rows)},
+        Finish(tuple(r % 2 == 0 for r in rows), 7), Fence(3, b"".join(r.to_bytes(4, "big") for r in rows), "c", "t"),
+        ack=True,
+    )
+    parts = slices(put, n, limit=2 * 4 * 100 + 50)  # two groups fit, not three
+    assert [p.runs for p in parts] == [[4, 8], [12, 8]]
+    assert [p.ack for p in parts] == [True, True]  # each slice ends the lease of its own rows
+    assert parts[1].lengths == {"len": list(range(12, 20))}
+    assert parts[1].finish == Finish(tuple(r % 2 == 0 for r in range(12, 20)), 7)
+    assert parts[1].fence == Fence(3, b"".join(r.to_bytes(4, "big") for r in range(12, 20)), "c", "t")
+    assert sorted(parts[1].encoded["a"], key=int) == [str(r) for r in range(12, 20)]
+    assert slices(put, n, limit=10**9) == [put]
+    # A group larger than the limit is a slice of its own; rows given out of their groups' order too.
+    assert [p.runs for p in slices(put, n, limit=10)] == [[4, 4], [8, 4], [12, 4], [16, 4]]
+
+
+@pytest.mark.real
+def test_a_server_without_the_scripts_costs_one_slice_sent_twice(real_url, monkeypatch):
+    """The first put of a dock on a server that lost the scripts (a restart, SCRIPT FLUSH) was refused by
+    bar.lua and sent again whole: 0.3 GB twice. Only its first slice is now."""
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 2 * 2 * SEQ * 4)  # one group (2 rows x 2 columns)
+    admin = redis.Redis.from_url(real_url)
+    with small_dock(real_url, "wire-noscript", prompts=6, n=2, columns=("a", "b")) as dock:
+        data = _batch(12)
+
+        def sent_by_put(flush: bool) -> int:
+            dock.clear()
+            if flush:
+                admin.script_flush()
+            before = int(admin.info("stats")["total_net_input_bytes"])
+            dock.put_experience(data, indexes=list(range(12)))
+            return int(admin.info("stats")["total_net_input_bytes"]) - before
+
+        texts = sum(len(script_text(name)) for name in SCRIPT_FILES)  # loaded again after the NOSCRIPT
+        again = sent_by_put(flush=True) - sent_by_put(flush=False) - texts  # one slice (1/6), and a little
+        assert again < 12 * 2 * SEQ * 4 / 2  # was: the whole put again
+        _same(dock, data, list(range(12)))
+        # Lost between slices: every later slice is refused by bar.lua, then sent again once.
+        store = dock._session.store
+        parts = slices(PutRequest({c: {str(r): v for r, v in zip(range(12), codec_rows(data[c]))} for c in data},
+                                  runs_of(list(range(12))), {}), 2)
+        admin.script_flush()
+        outcomes = store._put_slices(parts, [f"r{i}" for i in range(len(parts))])
+        assert outcomes == [None] * len(parts)
+        dock.delete()
+    admin.close()
+
+
+def codec_rows(tensor: torch.Tensor) -> list:
+    from broker.data import codec
+
+    return codec.encode_stacked(tensor, framed=True)
+
+
+@pytest.mark.real
+def test_a_slice_refused_names_the_rows_that_landed(real_url, monkeypatch):
+    """A delivery without a lease whose later rows were cleared since: the first slices land, the rest is
+    refused, and the error says which rows are in."""
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 2 * SEQ * 4)  # one group (2 rows x 1 column) per slice
+    with small_dock(real_url, "wire-fenced", prompts=4, n=2, columns=("prompts", "out")) as dock:
+        dock.put_experience({"prompts": [torch.tensor([r]) for r in range(8)]}, indexes=list(range(8)))
+        _, handed = dock.get_experience("actor_train", ["prompts"], experience_count=8)
+        dock.clear(indexes=[6, 7])  # the last group: its slice is fenced off
+        with pytest.raises(FencedError, match=r"rows \[0, 1, 2, 3, 4, 5\] of this put landed"):
+            dock.put_experience({"out": _batch(8, columns=("out",))["out"]}, indexes=handed)
+        assert dock.ready_rows(["out"])["out"].tolist() == [True] * 6 + [False] * 2
+        dock.delete()
+
+
+@pytest.mark.real
+def test_a_leased_put_in_slices_acks_every_row(real_url, monkeypatch):
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 2 * SEQ * 4)
+    with small_dock(real_url, "wire-leased", prompts=4, n=2, columns=("prompts", "out")) as dock:
+        dock.put_experience({"prompts": [torch.tensor([r]) for r in range(8)]}, indexes=list(range(8)))
+        _, handed = dock.get_experience("actor_train", ["prompts"], experience_count=8, lease=30)
+        out = _batch(8, columns=("out",))
+        dock.put_experience(out, indexes=handed)  # each slice acks its rows
+        _same(dock, out, list(handed))
+        assert dock.status()["consumers"]["actor_train"]["leased"] == 0
+        with pytest.raises(FencedError):  # acked: the delivery is over, a repeat is refused whole
+            dock.put_experience(out, indexes=handed)
+        dock.delete()
+
+
+@pytest.mark.real
+def test_a_slice_whose_reply_was_lost_is_not_written_twice(real_url, monkeypatch):
+    """The reply of a slice's EXEC lost, another worker writes those rows, then the client resends every
+    slice: the resend of the slice that landed keeps its hands off the other worker's bytes."""
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 2 * SEQ * 4)
+    with small_dock(real_url, "wire-lost", prompts=4, n=2, columns=("prompts",)) as dock, \
+            small_dock(real_url, "wire-lost", prompts=4, n=2, columns=("prompts",)) as other:
+        mine, theirs = _batch(8, columns=("prompts",)), _batch(8, columns=("prompts",), seed=9)
+
+        def meanwhile() -> None:
+            other.put_experience({"prompts": theirs["prompts"][2:4]}, indexes=[2, 3])
+
+        with lose_next_reply("EXEC", between=meanwhile, every=2) as cuts:  # the third slice's (the first is a MULTI)
+            dock.put_experience(mine, indexes=list(range(8)))
+        assert cuts
+        got = dock.read_rows(["prompts"], list(range(8)))["prompts"]
+        assert bits(got[2]) == bits(theirs["prompts"][2]) and bits(got[3]) == bits(theirs["prompts"][3])
+        assert all(bits(got[r]) == bits(mine["prompts"][r]) for r in (0, 1, 4, 5, 6, 7))
+        dock.delete()
+
+
+def test_send_gathered_resumes_after_partial_writes():
+    """A small send buffer makes sendmsg write part of its buffers: what follows must resume exactly there."""
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    payload = torch.randint(0, 256, (3_000_000,), dtype=torch.uint8).numpy()
+    view = memoryview(payload)
+    chunks = [b"head", *(view[i : i + 7001] for i in range(0, len(view), 7001)), b"", b"tail"]
+    received = bytearray()
+
+    def read() -> None:
+        while len(received) < len(payload) + 8:
+            received.extend(b.recv(65536))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    send_gathered(a, chunks * 1)
+    reader.join(30)
+    a.close()
+    b.close()
+    assert bytes(received) == b"head" + payload.tobytes() + b"tail"
+
+
+def test_framed_compares_and_joins_as_its_bytes():
+    f = Framed((b"ab", memoryview(b"cd")))
+    assert len(f) == 4 and bytes(f) == b"abcd" and f == b"abcd" and f == Framed((b"abcd",)) and f != b"abce"
