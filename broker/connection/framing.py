@@ -35,9 +35,10 @@ class Framed:
 
     __slots__ = ("pieces", "nbytes")
 
-    def __init__(self, pieces: Sequence[bytes | memoryview]):
-        self.pieces = tuple(pieces)
-        self.nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in self.pieces)
+    def __init__(self, pieces: tuple[bytes | memoryview, ...], nbytes: int | None = None):
+        """``pieces``: bytes and byte-format (``"B"``) memoryviews; ``nbytes``, their total length, if known."""
+        self.pieces = pieces
+        self.nbytes = sum(len(p) for p in pieces) if nbytes is None else nbytes
 
     def __len__(self) -> int:
         return self.nbytes
@@ -70,41 +71,30 @@ def pack(args: Sequence[Any], encode: Any) -> list[bytes | memoryview]:
     """RESP of one command whose arguments may be ``Framed``: small parts joined, large pieces left as they
     are. ``encode`` turns any other argument into bytes (the connection's encoder)."""
     out: list[bytes | memoryview] = []
-    small = bytearray(b"*%d\r\n" % len(args))
+    small: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
     for arg in args:
         if type(arg) is Framed:
-            small += b"$%d\r\n" % arg.nbytes
+            small.append(b"$%d\r\n" % arg.nbytes)
             for piece in arg.pieces:
                 if len(piece) < LARGE:
-                    small += piece
+                    small.append(piece)
                 else:
-                    out.append(bytes(small))
+                    out.append(b"".join(small))
                     out.append(piece)
-                    small = bytearray()
-            small += _CRLF
+                    small = []
+            small.append(_CRLF)
         else:
             value = encode(arg)
-            small += b"$%d\r\n" % len(value)
-            small += value
-            small += _CRLF
-    out.append(bytes(small))
+            small += (b"$%d\r\n" % len(value), value, _CRLF)
+    out.append(b"".join(small))
     return out
 
 
-def join_small(chunks: Iterable[bytes | memoryview]) -> list[bytes | memoryview]:
-    """Adjacent small chunks joined, large ones kept: fewer buffers to gather, no large copy."""
+def pack_many(commands: Iterable[Sequence[Any]], encode: Any) -> list[bytes | memoryview]:
+    """RESP of several commands, each as ``pack`` frames it (its small parts already joined)."""
     out: list[bytes | memoryview] = []
-    small: list[bytes | memoryview] = []
-    for chunk in chunks:
-        if len(chunk) < LARGE:
-            small.append(chunk)
-            continue
-        if small:
-            out.append(b"".join(small))
-            small = []
-        out.append(chunk)
-    if small:
-        out.append(b"".join(small))
+    for command in commands:
+        out += pack(command, encode)
     return out
 
 
@@ -118,13 +108,13 @@ def send_gathered(sock: socket.socket, chunks: Sequence[bytes | memoryview]) -> 
         for chunk in chunks:
             sock.sendall(chunk)
         return
-    pending = [memoryview(c).cast("B") if isinstance(c, memoryview) else memoryview(c) for c in chunks]
+    pending = list(chunks)  # byte strings and byte-format views: len() is their length in bytes
     first = 0
     while first < len(pending):
         sent = sock.sendmsg(pending[first : first + _IOV_MAX])
         # Skip what went out: whole buffers, then a cut into the first one not finished.
-        while first < len(pending) and sent >= pending[first].nbytes:
-            sent -= pending[first].nbytes
+        while first < len(pending) and sent >= len(pending[first]):
+            sent -= len(pending[first])
             first += 1
         if sent:
-            pending[first] = pending[first][sent:]
+            pending[first] = memoryview(pending[first])[sent:]

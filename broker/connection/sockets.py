@@ -66,7 +66,8 @@ class _Bounded(AbstractConnection):
         if not any(framing.has_framed(command) for command in commands):
             base: Any = super()
             return base.pack_commands(commands)
-        return framing.join_small(chunk for command in commands for chunk in self.pack_command(*command))
+        conn: Any = self
+        return framing.pack_many(commands, conn.encoder.encode)
 
     def _send_packed(self, command: Any, check_health: bool) -> None:
         """redis-py's ``send_packed_command`` (a ``sendall`` per chunk), but a command in many chunks (a framed

@@ -269,8 +269,8 @@ def encode_rows(rows: Sequence[Any], *, framed: bool = False) -> list[bytes | Fr
             prefix = prefixes[row.dtype, array.shape]
             if row.untyped_storage().nbytes() < row.storage_offset() * array.itemsize + array.nbytes:
                 raise TypeError  # encode names it
-            if framed and array.nbytes >= LARGE:
-                out.append(Framed((prefix, memoryview(array).cast("B"))))  # TypeError if not contiguous
+            if framed and array.nbytes >= LARGE:  # cast: a TypeError if not contiguous, as join's
+                out.append(Framed((prefix, memoryview(array).cast("B")), len(prefix) + array.nbytes))
             else:
                 out.append(join((prefix, array)))
         except (AttributeError, KeyError, RuntimeError, TypeError):
@@ -296,7 +296,8 @@ def encode_stacked(tensor: torch.Tensor, *, framed: bool = False) -> list[bytes 
         return encode_rows(tensor.unbind(0), framed=framed)  # caches the prefix; GPU and strided tensors land here
     size = flat.nbytes // len(array) if len(array) else 0
     if framed and size >= LARGE:
-        return [Framed((prefix, flat[i * size : (i + 1) * size])) for i in range(len(array))]
+        total = len(prefix) + size
+        return [Framed((prefix, flat[i * size : (i + 1) * size]), total) for i in range(len(array))]
     join = b"".join
     return [join((prefix, flat[i * size : (i + 1) * size])) for i in range(len(array))]
 
