@@ -33,7 +33,8 @@ returns are immutable, so each read copies them once, one column at a time, into
 the column's tensors view (see ``decode_rows``); writing into a returned tensor corrupts nothing: no
 other row, nothing in Redis, nothing another call returned. The decoder never hands torch a read-only
 buffer, so torch's "The given buffer is not writable" warning, which it shows once per process, is
-left to the user's own calls, and nothing here filters warnings.
+left to the user's own calls, and nothing here filters warnings. A column wanted as one tensor is
+decoded straight into it by ``stacking.py``, with the checks here (``tensor_layout``).
 
 What a writer may pass: torch tensors of a dtype in ``DTYPES``, on any device, strided or not (lazy
 negation is resolved), and numpy arrays of those dtypes in any byte order and memory layout (copied
