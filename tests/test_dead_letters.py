@@ -21,20 +21,22 @@ def corrupt(client, dock, row: int, column: str = "prompts") -> None:
     client.hset(*data_cell(dock, column, row), GARBAGE)
 
 
-def test_a_corrupt_row_loses_no_good_row_and_dies_after_its_third_failed_delivery(make_dock, client):
+@pytest.mark.parametrize("stack", [False, True], ids=["list", "stacked"])
+def test_a_corrupt_row_loses_no_good_row_and_dies_after_its_third_failed_delivery(make_dock, client, stack):
     dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
     fill(dock)
     corrupt(client, dock, 2)
     for attempt in range(1, 4):
         with pytest.raises(DecodeError, match=f"row 2: .*field 2.*row 2 {attempt}"):
-            dock.get_experience("actor_train", ["prompts"], 4, get_n_samples=False)
+            dock.get_experience("actor_train", ["prompts"], 4, get_n_samples=False, stack=stack)
         consumed = dock.status()["consumers"]["actor_train"]
         # Given back every time, until the third failure leaves row 2 alone handed out, as a dead letter.
         assert consumed["consumed"] == (1 if attempt == 3 else 0)
         assert consumed["dead"] == (1 if attempt == 3 else 0)
     assert not dock.all_consumed("actor_train")
-    batch, rows = dock.get_experience("actor_train", ["prompts"], 3, get_n_samples=False)
+    batch, rows = dock.get_experience("actor_train", ["prompts"], 3, get_n_samples=False, stack=stack)
     assert rows == [0, 1, 3] and [t[0].item() for t in batch["prompts"]] == [0, 1, 3]  # the good rows
+    assert isinstance(batch["prompts"], torch.Tensor) == stack
     assert dock.all_consumed("actor_train")  # the dead letter counts as handed out
     assert list(dock.dead_letters()["actor_train"]) == [2]
     assert "field 2" in dock.dead_letters("actor_train")["actor_train"][2]
@@ -93,13 +95,14 @@ def test_an_evicted_data_hash_loses_no_row_and_says_so(make_dock, client):
     assert sorted(dock.dead_letters("actor_train")["actor_train"]) == [0, 1, 2, 3]
 
 
-def test_an_explicit_take_of_a_corrupt_row_marks_nothing(make_dock, client):
+@pytest.mark.parametrize("stack", [False, True], ids=["list", "stacked"])
+def test_an_explicit_take_of_a_corrupt_row_marks_nothing(make_dock, client, stack):
     dock = make_dock(prompts_num=2, n=2, columns=("prompts",))
     fill(dock)
     dock.get_experience("actor_train", ["prompts"], indexes=[0])
     corrupt(client, dock, 1)
     with pytest.raises(DecodeError, match="field 1"):
-        dock.get_experience("actor_train", ["prompts"], indexes=[0, 1])
+        dock.get_experience("actor_train", ["prompts"], indexes=[0, 1], stack=stack)
     assert dock.status()["consumers"]["actor_train"]["consumed"] == 1  # row 0, taken before
 
 

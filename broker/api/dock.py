@@ -16,7 +16,7 @@ See docs/design.md for a put and a get walked through the planes.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -26,7 +26,7 @@ from broker.api.delivery import HandedRows
 from broker.api.generation import Generation
 from broker.api.handout import Handouts
 from broker.api.puts import Puts
-from broker.api.reads import Batch, RowReader
+from broker.api.reads import Batch, RowReader, StackedBatch
 from broker.api.session import DockSession
 from broker.connection import DEFAULT_CALL_TIMEOUT, Client, uncarried
 from broker.control.keys import DockKeys
@@ -34,7 +34,7 @@ from broker.control.rollout import Rollout
 from broker.control.schema import Schema
 from broker.errors import BrokerError, SchemaError
 
-__all__ = ["TransferDock", "Batch", "DEAD_LETTER_AFTER"]
+__all__ = ["TransferDock", "Batch", "StackedBatch", "DEAD_LETTER_AFTER"]
 
 #: How many times, by default, a row whose bytes cannot be read is handed to a consumer before it becomes
 #: a dead letter for it: enough to ride out a row being rewritten while it was read, few enough that a
@@ -274,6 +274,22 @@ class TransferDock:
         self._puts.put(data_dict, indexes, is_prompt=is_prompt, rollout_completed=rollout_completed, version=version,
                        delivery=delivery, ack=ack)
 
+    @overload
+    def get_experience(
+        self, consumer: str, experience_columns: Sequence[str] | None = ..., experience_count: int | None = ...,
+        indexes: Sequence[int] | None = ..., get_n_samples: bool = ..., timeout: float | None = ...,
+        policy: str | None = ..., lease: float | None = ..., *, dp_size: int = ..., balance: bool | Sequence[str] = ...,
+        dp_padding: bool = ..., max_staleness: int | None = ..., stack: Literal[False] = ...,
+    ) -> tuple[Batch, list[int]] | tuple[None, None]: ...
+
+    @overload
+    def get_experience(
+        self, consumer: str, experience_columns: Sequence[str] | None = ..., experience_count: int | None = ...,
+        indexes: Sequence[int] | None = ..., get_n_samples: bool = ..., timeout: float | None = ...,
+        policy: str | None = ..., lease: float | None = ..., *, dp_size: int = ..., balance: bool | Sequence[str] = ...,
+        dp_padding: bool = ..., max_staleness: int | None = ..., stack: bool,
+    ) -> tuple[StackedBatch, list[int]] | tuple[None, None]: ...
+
     def get_experience(
         self,
         consumer: str,
@@ -289,7 +305,8 @@ class TransferDock:
         balance: bool | Sequence[str] = False,
         dp_padding: bool = False,
         max_staleness: int | None = None,
-    ) -> tuple[Batch, list[int]] | tuple[None, None]:
+        stack: bool = False,
+    ) -> tuple[StackedBatch, list[int]] | tuple[None, None]:
         """Hand rows to ``consumer`` and return ``({column: [tensor per row]}, rows)``.
 
         Without ``indexes``: atomically pick ``experience_count`` rows written in every requested
@@ -331,10 +348,18 @@ class TransferDock:
         bound (the dock's ``max_staleness``, or this call's) a consumer other than the rollout one is
         never handed a group produced by a version older than the current one minus the bound; such
         groups are dropped or regenerated as the dock's ``stale_policy`` says, and counted.
+
+        With ``stack=True`` a column comes back as one tensor instead of a list, decoded straight into it
+        (allocated once, each row's bytes copied into its slice, no tensor per row on the way): of shape
+        ``(rows, *shape)`` when every row is a tensor of one dtype and shape; a jagged nested tensor
+        (``torch.nested.nested_tensor_from_jagged``, layout ``torch.jagged``, ``unbind()`` gives the rows)
+        when the rows are tensors of one dtype and rank >= 1 that differ only in their first dim; otherwise
+        (plain values, mixed dtypes or ranks) the list as without it. In the order of ``rows``, balanced
+        and DP padding included. The tensors are writable and own their memory.
         """
         return self._handouts.get(consumer, experience_columns, experience_count, indexes, get_n_samples, timeout,
                                   policy, lease, dp_size=dp_size, balance=balance, dp_padding=dp_padding,
-                                  max_staleness=max_staleness)
+                                  max_staleness=max_staleness, stack=stack)
 
     def ack(self, consumer: str, indexes: Sequence[int], token: str | None = None) -> int:
         """Confirm that ``consumer`` is done with leased rows; returns how many this released.
@@ -388,13 +413,20 @@ class TransferDock:
         """The columns registered for ``consumer``; with None, every column of the dock."""
         return self._handouts.consumer_columns(consumer)
 
-    def read_rows(self, columns: Sequence[str], indexes: Sequence[int]) -> Batch:
+    @overload
+    def read_rows(self, columns: Sequence[str], indexes: Sequence[int], *, stack: Literal[False] = ...) -> Batch: ...
+
+    @overload
+    def read_rows(self, columns: Sequence[str], indexes: Sequence[int], *, stack: bool) -> StackedBatch: ...
+
+    def read_rows(self, columns: Sequence[str], indexes: Sequence[int], *, stack: bool = False) -> StackedBatch:
         """The rows' values as stored now, ``None`` where a row is not written; marks nothing.
 
         For inspection and MindSpeed's ``get_experience_data``: no consumer is involved, so unlike
-        ``get_experience`` it promises nothing about rows a clear removes meanwhile.
+        ``get_experience`` it promises nothing about rows a clear removes meanwhile. ``stack=True`` makes
+        a column one tensor as in ``get_experience``; a column with an unwritten row stays a list.
         """
-        return self._reader.read_now(columns, indexes)
+        return self._reader.read_now(columns, indexes, stack)
 
     # -- partial rollout, versions and discarding (generation.py) ----------------------------------
 

@@ -29,7 +29,7 @@ from broker.api.checks import (
 )
 from broker.api.delivery import HandedRows, LeasedRows, reordered
 from broker.api.generation import AGE_COLUMN, AGES_KEY, Generation
-from broker.api.reads import Batch, RowReader, Unreadable
+from broker.api.reads import Batch, RowReader, StackedBatch, Unreadable
 from broker.api.session import RACE_RETRIES, DockSession
 from broker.connection import LAST_TRY_SECONDS, extend_call, waiting_call
 from broker.control.scripts import Handout, Selection, new_request_id, rows_of, runs_of
@@ -71,7 +71,8 @@ class Handouts:
         balance: bool | Sequence[str] = False,
         dp_padding: bool = False,
         max_staleness: int | None = None,
-    ) -> tuple[Batch, list[int]] | tuple[None, None]:
+        stack: bool = False,
+    ) -> tuple[StackedBatch, list[int]] | tuple[None, None]:
         """Hand rows to ``consumer`` (see ``TransferDock.get_experience``)."""
         # The wait and every attempt end by ``timeout`` (see waiting_call and _wait); reading rows once
         # handed out, by call_timeout (see RowReader.read).
@@ -94,6 +95,7 @@ class Handouts:
             ranks = self._s.check.dp_size(dp_size)
             weigh_by = self._s.check.balance(balance)
             check_flag("dp_padding", dp_padding)
+            stack = check_flag("stack", stack)
             staleness = self._generation.staleness(consumer, max_staleness)
             got: tuple[Batch, list[int]] | None
             if generating and groups:
@@ -109,13 +111,14 @@ class Handouts:
                     )
                 rows = self._s.check.rows(indexes)
                 self._s.check.take_count(experience_count, rows)
-                got = self._take_rows(consumer, columns, rows, lease_ms, timeout, call)
+                got = self._take_rows(consumer, columns, rows, lease_ms, timeout, call, stack)
             else:
                 count = self._s.check.sample_count(experience_count, groups)
                 policy = check_policy(policy or self._s.policy)
                 weights = (weigh_by or list(self._s.schema.length_columns)) if policy == "seqlen" else []
                 select = self._generation.selection(consumer, groups, staleness)
-                sampler = self._sampler(consumer, columns, count, groups, policy, lease_ms, call, weights, select)
+                sampler = self._sampler(consumer, columns, count, groups, policy, lease_ms, call, weights, select,
+                                        stack)
                 got = self._wait(sampler, timeout)
             if got is None:
                 call.empty = True
@@ -130,7 +133,8 @@ class Handouts:
             if ranks > 1 and dp_padding and len(rows) % ranks:
                 batch, rows = dp_padded(batch, rows, ranks)
             call.rows = len(rows)
-            return batch, rows
+            # Stacked only now, in the batch's final order: each column built once (see RowReader.read).
+            return self._reader.stacked(batch) if stack else batch, rows
 
     def _balanced(
         self, batch: Batch, rows: list[int], ranks: int, weigh_by: list[str], groups: bool
@@ -165,7 +169,7 @@ class Handouts:
 
     def _take_rows(
         self, consumer: str, columns: list[str], rows: list[int], lease_ms: int, timeout: float | None,
-        call: metrics.Call,
+        call: metrics.Call, stack: bool,
     ) -> tuple[Batch, list[int]]:
         runs = runs_of(rows)
         missing: dict[str, list[int]] = {}
@@ -181,7 +185,7 @@ class Handouts:
                         missing[col] = [r for r in rows if r in unwritten]
                     return None
                 try:
-                    batch = self._reader.read(columns, rows, got, call)
+                    batch = self._reader.read(columns, rows, got, call, stack)
                 except Unreadable as bad:  # give back only what this take handed out
                     fresh = got if got.fresh is None else got.only(got.fresh)
                     self._reader.give_back_unreadable(consumer, fresh, token, new_request_id(), False, bad)
@@ -206,7 +210,7 @@ class Handouts:
 
     def _sampler(
         self, consumer: str, columns: list[str], count: int, groups: bool, policy: str, lease_ms: int,
-        call: metrics.Call, weigh_by: Sequence[str] = (), select: Selection = _PLAIN,
+        call: metrics.Call, weigh_by: Sequence[str] = (), select: Selection = _PLAIN, stack: bool = False,
     ) -> Callable[[], tuple[Batch, list[int]] | None]:
         """One sampling attempt of ``count`` units (groups when ``groups``, else rows), checked already."""
         rollout = self._s.schema.rollout
@@ -241,7 +245,7 @@ class Handouts:
                     self._s.seeds.advance(seed)
                 rows = rows_of(handout.runs)
                 try:
-                    batch = self._reader.read(columns, rows, handout, call)
+                    batch = self._reader.read(columns, rows, handout, call, stack)
                 except Unreadable as bad:
                     self._reader.give_back_unreadable(consumer, handout, token, request_id, groups, bad)
                 if batch is not None:

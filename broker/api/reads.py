@@ -12,15 +12,18 @@ from collections.abc import Sequence
 from typing import Any, NoReturn, cast
 
 from broker.api import metrics
-from broker.api.checks import abbrev
+from broker.api.checks import abbrev, check_flag
 from broker.api.session import DockSession
 from broker.connection import extend_call
 from broker.control.scripts import Handout
-from broker.data import codec
+from broker.data import codec, stacking
 from broker.errors import DecodeError, MissingDataError
 
 #: A batch: per column, one row per index: a tensor, or the plain value that was put (see ``codec``).
 Batch = dict[str, list[Any]]
+#: A batch read with ``stack=True``: per column one tensor where its rows stack (see ``data/stacking.py``),
+#: else the list of a ``Batch``.
+StackedBatch = dict[str, Any]
 
 
 class Unreadable(Exception):
@@ -37,10 +40,16 @@ class RowReader:
     def __init__(self, session: DockSession):
         self._s = session
 
-    def read(self, columns: list[str], rows: list[int], handout: Handout, call: metrics.Call) -> Batch | None:
+    def read(
+        self, columns: list[str], rows: list[int], handout: Handout, call: metrics.Call, stack: bool = False,
+    ) -> Batch | None:
         """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out
         (the read fence: see ``data/store.py`` and lua/include/generations.lua). Rows whose bytes cannot be
-        read raise Unreadable, naming each of them; the caller gives the hand-out back."""
+        read raise Unreadable, naming each of them; the caller gives the hand-out back.
+
+        With ``stack``, a column whose rows stack is only checked here (every row, as decoding would) and
+        left as its ``stacking.Checked`` rows, which the caller may reorder or repeat like any column;
+        ``stacked`` then builds each such column once, in the batch's final order."""
         fields = [str(r) for r in rows]
         # The rows are handed out: cut short now, those without a lease would be lost. The rest of the call
         # (this read, the wait for replicas, balancing) gets call_timeout, even past a get's own timeout.
@@ -55,7 +64,8 @@ class RowReader:
             key = self._s.keys.data(col) if not self._s.schema.shards else f"column {col!r} of dock {self._s.name!r}"
             if all(v is not None for v in values):
                 try:
-                    batch[col] = codec.decode_rows(cast("list[bytes]", values), where=key, fields=fields)
+                    checked = stacking.checked_rows(values, where=key, fields=fields) if stack else None
+                    batch[col] = checked or codec.decode_rows(cast("list[bytes]", values), where=key, fields=fields)
                     continue
                 except DecodeError:
                     pass  # find every row that fails, below: the good ones must not be lost with it
@@ -100,13 +110,24 @@ class RowReader:
                    f"{fate}")
         raise (DecodeError if bad.corrupt else MissingDataError)(message)
 
-    def read_now(self, columns: Sequence[str], indexes: Sequence[int]) -> Batch:
-        """The rows' values as stored now, None where a row is not written; marks nothing."""
+    @staticmethod
+    def stacked(batch: Batch) -> StackedBatch:
+        """A batch ``read(..., stack=True)`` gave, each column one tensor where its rows stack."""
+        return {col: stacking.stacked(values) if values and isinstance(values[0], stacking.Checked)
+                else stacking.stack_decoded(values) for col, values in batch.items()}
+
+    def read_now(self, columns: Sequence[str], indexes: Sequence[int], stack: bool = False) -> StackedBatch:
+        """The rows' values as stored now, None where a row is not written; marks nothing. With ``stack``,
+        a column written in every row and whose rows stack is one tensor (see ``data/stacking.py``)."""
         names = self._s.check.columns_to_read(columns)
         rows = self._s.check.rows(indexes)
+        stack = check_flag("stack", stack)
         fields = [str(r) for r in rows]
-        out: Batch = {}
+        out: StackedBatch = {}
         for col, values in zip(names, self._s.run(lambda: self._s.store.read_now(names, rows))):
+            if stack and None not in values:
+                out[col] = stacking.decode_stacked(values, where=self._s.keys.data(col), fields=fields)
+                continue
             present = [(f, v) for f, v in zip(fields, values) if v is not None]
             decoded = iter(codec.decode_rows([v for _, v in present], where=self._s.keys.data(col),
                                              fields=[f for f, _ in present]))

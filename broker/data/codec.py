@@ -33,7 +33,8 @@ returns are immutable, so each read copies them once, one column at a time, into
 the column's tensors view (see ``decode_rows``); writing into a returned tensor corrupts nothing: no
 other row, nothing in Redis, nothing another call returned. The decoder never hands torch a read-only
 buffer, so torch's "The given buffer is not writable" warning, which it shows once per process, is
-left to the user's own calls, and nothing here filters warnings.
+left to the user's own calls, and nothing here filters warnings. A column wanted as one tensor is
+decoded straight into it by ``stacking.py``, with the checks here (``tensor_layout``).
 
 What a writer may pass: torch tensors of a dtype in ``DTYPES``, on any device, strided or not (lazy
 negation is resolved), and numpy arrays of those dtypes in any byte order and memory layout (copied
@@ -386,6 +387,21 @@ def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field:
         # Slicing and struct would count items or rows, not bytes, or refuse a strided view outright.
         data = data.cast("B") if data.c_contiguous else bytearray(data)
     size = len(data) if not isinstance(data, memoryview) else data.nbytes
+    checked = _checked(data, size, where)
+    if isinstance(checked, int):
+        return _decode_value(data, checked, size, where)
+    dtype, shape, start, expected = checked
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
+        data = bytearray(data)
+    out = torch.frombuffer(data, dtype=dtype, offset=start)
+    return out if len(shape) == 1 else out.reshape(shape)
+
+
+def _checked(data: Any, size: int, where: Any) -> tuple[torch.dtype, tuple[int, ...], int, int] | int:
+    """Every check ``decode`` makes of one row's ``size`` bytes: a tensor's (dtype, shape, payload offset,
+    payload bytes), its bool payload included; for a value, its declared length (the msgpack is not read)."""
     if size < _PREFIX.size:
         raise DecodeError(f"{where}: {size} bytes is too short for an encoded tensor")
     magic, version, kind, header_len = _PREFIX.unpack_from(data, 0)
@@ -396,7 +412,7 @@ def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field:
     if version == KIND_VERSION and kind != KIND_TENSOR:
         if kind != KIND_VALUE:
             raise DecodeError(f"{where}: unknown kind {kind} of row (0 is a tensor, 1 a value)")
-        return _decode_value(data, header_len, size, where)
+        return int(header_len)
     if 8 + header_len > size:
         raise DecodeError(f"{where}: header length {header_len} runs past the {size} bytes stored")
     header = bytes(data[8 : 8 + header_len])
@@ -408,14 +424,22 @@ def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field:
         raise DecodeError(
             f"{where}: shape {shape} of {_NAMES[dtype]} needs {expected} payload bytes, found {max(size - start, 0)}"
         )
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
-    if dtype is torch.bool and np.frombuffer(data, dtype=np.uint8, offset=start).max() > 1:
+    if expected and dtype is torch.bool and np.frombuffer(data, dtype=np.uint8, offset=start).max() > 1:
         raise DecodeError(f"{where}: bool payload holds bytes other than 0 and 1")
-    if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
-        data = bytearray(data)
-    out = torch.frombuffer(data, dtype=dtype, offset=start)
-    return out if len(shape) == 1 else out.reshape(shape)
+    return known
+
+
+def tensor_layout(value: bytes, guess: int, where: str, field: str) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+    """(payload offset, dtype, shape) of one encoded tensor, after every check ``decode`` makes (a bool
+    payload's bytes too), or None for a value (a row that is not a tensor; its msgpack is not read here).
+    ``guess`` is the prefix length to look up among the prefixes already accepted (the last row's)."""
+    hit = _DECODED_PREFIXES.get(value[:guess])
+    if hit is not None and len(value) == hit[0]:
+        return guess, hit[1], hit[2]
+    checked = _checked(value, len(value), _Place(where, field))
+    if isinstance(checked, int):
+        return None
+    return _remember_prefix(value), checked[0], checked[1]
 
 
 # A batch holds thousands of rows but few distinct (dtype, shape) pairs: prefixes and parsed headers are

@@ -1,0 +1,114 @@
+"""A column of rows decoded straight into one tensor: stacked, or jagged when the rows' first dims differ.
+
+``decode_rows`` (codec.py) gives one tensor per row, views on one joined copy of the reply. A caller
+that wants the batch as one tensor would stack them: a second copy and a tensor per row on the way.
+Here the rows are checked first, all of them, with ``decode``'s checks (codec's prefix caches make that
+a dict lookup per row), and only then is the result allocated once and each row's payload copied from
+the reply bytes into its slice: one copy, no per-row tensor, no joined buffer. Checking everything
+before allocating is what lets a get give back unreadable rows exactly as the list form does
+(``api/reads.py``): a corrupt row raises DecodeError naming it before anything is built.
+
+What a column becomes (``decode_stacked``):
+
+- every row a tensor of one dtype and one shape: a tensor of shape ``(rows, *shape)``;
+- every row a tensor of one dtype with at least one dim, equal trailing dims and different first dims:
+  a jagged nested tensor (``torch.nested.nested_tensor_from_jagged``, layout ``torch.jagged``) whose
+  ``unbind()`` gives the rows;
+- anything else (plain values, mixed dtypes or ranks, 0-d rows beside others, no rows): the list of
+  rows ``decode_rows`` gives.
+
+The result is writable and owns its memory (``torch.empty``): writing into it changes nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from broker.data import codec
+
+
+class Checked(NamedTuple):
+    """One row checked for stacking: its bytes, where its payload starts, its dtype and shape."""
+
+    value: bytes
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def checked_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> list[Checked] | None:
+    """Every value checked as ``decode`` would (DecodeError naming the first bad one), as rows that stack
+    (see the module docstring); None if they do not, which does not say they are readable: decode those
+    with ``codec.decode_rows``, which checks them all (a value row, for one, is not read here)."""
+    if not values or not all(type(v) is bytes for v in values):
+        return None
+    out: list[Checked] = []
+    guess = 32  # the prefix length of the last row; the common one for 1-d tensors
+    for value, field in zip(values, fields):
+        layout = codec.tensor_layout(value, guess, where, field)
+        if layout is None:
+            return None
+        guess = layout[0]
+        out.append(Checked(value, *layout))
+    first = out[0]
+    dims = len(first.shape)
+    if any(row.dtype is not first.dtype or len(row.shape) != dims for row in out):
+        return None
+    ragged = any(row.shape != first.shape for row in out)
+    if ragged and (dims == 0 or any(row.shape[1:] != first.shape[1:] for row in out)):
+        return None
+    return out
+
+
+def stacked(rows: Sequence[Checked]) -> torch.Tensor:
+    """The rows ``checked_rows`` accepted, in one tensor allocated once: stacked, or jagged nested."""
+    first = rows[0]
+    uniform = all(row.shape == first.shape for row in rows)
+    if uniform:
+        out = torch.empty((len(rows), *first.shape), dtype=first.dtype)
+    else:
+        out = torch.empty((sum(row.shape[0] for row in rows), *first.shape[1:]), dtype=first.dtype)
+    if out.numel():
+        # A byte view of the fresh tensor (bool and bfloat16 included): each slice assignment is one memcpy
+        # from the reply bytes, with no tensor or array made per row.
+        target = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+        at = 0
+        for row in rows:
+            size = len(row.value) - row.offset
+            target[at : at + size] = memoryview(row.value)[row.offset :]
+            at += size
+    if uniform:
+        return out
+    return _jagged(out, [row.shape[0] for row in rows])
+
+
+def decode_stacked(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> torch.Tensor | list[Any]:
+    """A column's values (``bytes``, as a Redis client returns them) as one tensor (see the module
+    docstring), or as the list ``codec.decode_rows`` gives when they do not stack. ``where`` is their key
+    and ``fields`` their fields, named by the DecodeError a corrupt value raises."""
+    rows = checked_rows(values, where=where, fields=fields)
+    return codec.decode_rows(values, where=where, fields=fields) if rows is None else stacked(rows)
+
+
+def stack_decoded(rows: list[Any]) -> torch.Tensor | list[Any]:
+    """Rows already decoded (tensors made by the broker, such as a get's ``age``), stacked by the same rule."""
+    if not rows or not all(isinstance(r, torch.Tensor) for r in rows):
+        return rows
+    first = rows[0]
+    if any(r.dtype is not first.dtype or r.dim() != first.dim() for r in rows):
+        return rows
+    if all(r.shape == first.shape for r in rows):
+        return torch.stack(rows)
+    if first.dim() == 0 or any(r.shape[1:] != first.shape[1:] for r in rows):
+        return rows
+    return _jagged(torch.cat(rows), [r.shape[0] for r in rows])
+
+
+def _jagged(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """A jagged nested tensor over ``values`` (no copy), its rows ``lengths`` long along dim 0."""
+    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    # The bounds given, so that torch does not scan the offsets for them when a kernel asks.
+    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=min(lengths), max_seqlen=max(lengths))
