@@ -134,7 +134,8 @@ class DockSession:
         self.store = (
             ShardedStore(self.client, self.keys, self.scripts, schema.columns, schema.shards,
                          schema.n_samples_per_prompt, self.replication)
-            if schema.shards else SlotStore(self.client, self.keys, self.scripts, schema.columns)
+            if schema.shards else SlotStore(self.client, self.keys, self.scripts, schema.columns, schema.group_columns,
+                                            schema.n_samples_per_prompt)
         )
 
     def stored(self) -> tuple[Schema, str]:
