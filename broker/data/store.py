@@ -207,12 +207,17 @@ class SlotStore:
 
     def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
         expansions: list[list[int] | None] = []
+        shared = [c for c in columns if c in self._groups]
 
         def reads(pipe: Pipeline) -> None:
             expansions[:] = self._hmgets(pipe, columns, rows)
+            for col in shared:  # a row not ready has no value, though its group's field may be there for others
+                pipe.execute_command("BITFIELD", self._keys.ready(col), *(x for r in rows for x in ("GET", "u1", r)))
 
-        values = read_pipeline(self._client, self._scripts.load_all, reads)
-        return [v if at is None else groups.expand(v, at) for v, at in zip(values, expansions)]
+        replies = read_pipeline(self._client, self._scripts.load_all, reads)
+        values, ready = replies[: len(columns)], dict(zip(shared, replies[len(columns):]))
+        return [v if at is None else [b if bit else None for b, bit in zip(groups.expand(v, at), ready[col])]
+                for col, v, at in zip(columns, values, expansions)]
 
     def forget(self, forgot: Forgot, *, whole: bool = False) -> tuple[int, list[str]]:
         return forgot.value, []
