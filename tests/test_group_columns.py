@@ -249,3 +249,21 @@ def test_puts_and_clears_of_one_group_at_once_never_leave_a_ready_row_without_it
         t.join()
     assert not errors, errors
     assert checks > 0
+
+
+def test_the_mindspeed_adapter_reads_and_writes_a_dock_made_with_group_prompts(client):
+    from broker.adapters.mindspeed import DEFAULT_COLUMNS, DEFAULT_CONSUMERS, GRPOTransferDock
+    from broker.api.batches import put_prompts_experience
+
+    native = TransferDock(client, "ms_groups", 4, 2, DEFAULT_COLUMNS, DEFAULT_CONSUMERS,
+                          length_columns=["prompt_length", "response_length"], group_columns=["prompts"])
+    td = GRPOTransferDock(4, 2, url=client, name="ms_groups")  # attaches: the schema differs by the group column
+    prompts = [torch.arange(g, g + 3 + g) for g in range(4)]
+    data, indexes = put_prompts_experience({"prompts": prompts}, 2)  # each prompt repeated for its 2 rows
+    td.put_experience(data, indexes)
+    if _one_slot(native):
+        assert _fields(native, "prompts") == {b"g0", b"g1", b"g2", b"g3"}
+    batch, rows = td.get_experience("actor_rollout", ["prompts"], 8)
+    assert sorted(rows) == list(range(8))
+    # The adapter pads the rows into one tensor, as MindSpeed's does.
+    assert [batch["prompts"][i].tolist() for i in range(8)] == [data["prompts"][r].tolist() for r in rows]
