@@ -33,8 +33,8 @@ read, and a clear of all n (or of the last ready ones) deletes them. Why no row 
   the put writes the field and marks its rows after the clear deleted it. After: the put's rows are
   ready, so the field stays unless the clear forgot each of them (then none is ready, nobody reads it);
 - a row ready in a column holds bytes there, and nothing but a forget clears a ready bit of a group
-  column (unready.lua refuses group columns, broker/api/generation.py; regeneration keeps the prompt
-  columns, ready bits and fields both);
+  column (the dock's unready refuses them before calling unready.lua, broker/api/generation.py;
+  regeneration keeps the prompt columns, ready bits and fields both);
 - a reader handed a row whose group field was deleted by a clear was handed a row that clear forgot
   (the others are still ready): its generation moved, so the reader's fence fails (include/generations.lua).
 A sharded dock stores group columns per row on its data shards (see broker/data/groups.py): nothing here.
