@@ -9,6 +9,7 @@ KEYS[1]     td:{NAME}:meta
 ARGV[1]     the schema the client read (see include/schema.lua)
 ARGV[2]     the grown columns, JSON list (the old ones first, in their order)
 ARGV[3]     the grown consumers, JSON list
+ARGV[4]     the grown group columns, JSON list, or "" when the dock has none (the field stays absent)
 
 Returns 1.
 ]]
@@ -17,4 +18,5 @@ Returns 1.
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
 redis.call('HSET', KEYS[1], 'columns', ARGV[2], 'consumers', ARGV[3])
+if ARGV[4] and ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'group_columns', ARGV[4]) end
 return 1

@@ -55,7 +55,8 @@ OLD_DOCK_API = {
 OLD_INIT = (
     "(self, url_or_client: 'str | Client', name: 'str', prompts_num: 'int', n_samples_per_prompt: 'int', "
     "columns: 'Sequence[str]', consumers: 'Sequence[str]', *, policy: 'str' = 'fifo', seed: 'int | None' = None, "
-    "length_columns: 'Sequence[str]' = (), rollout: 'Rollout | None' = None, shards: 'int | None' = None, "
+    "length_columns: 'Sequence[str]' = (), group_columns: 'Sequence[str]' = (), rollout: 'Rollout | None' = None, "
+    "shards: 'int | None' = None, "
     "wait_replicas: 'int' = 0, wait_timeout: 'float' = 1.0, call_timeout: 'float' = 30.0, "
     "dead_letter_after: 'int' = 3, allow_volatile_eviction: 'bool' = False)"
 )

@@ -233,3 +233,32 @@ def test_send_gathered_resumes_after_partial_writes():
 def test_framed_compares_and_joins_as_its_bytes():
     f = Framed((b"ab", memoryview(b"cd")))
     assert len(f) == 4 and bytes(f) == b"abcd" and f == b"abcd" and f == Framed((b"abcd",)) and f != b"abce"
+
+
+def test_a_slice_carries_the_group_fields_of_its_groups():
+    from broker.control.keys import group_field
+
+    n, rows = 2, list(range(8))
+    row_value, group_value = Framed((b"r" * 100,)), Framed((b"g" * 150,))
+    put = PutRequest({"out": {str(r): row_value for r in rows}, "image": {group_field(g): group_value for g in range(4)}},
+                     runs_of(rows), {})
+    parts = slices(put, n, limit=2 * (2 * 100 + 150))  # two groups: their rows and their one image each
+    assert [p.runs for p in parts] == [[0, 4], [4, 4]]
+    assert [sorted(p.encoded["image"]) for p in parts] == [["g0", "g1"], ["g2", "g3"]]
+
+
+@pytest.mark.real
+def test_a_sliced_put_of_a_group_column_stores_one_field_per_group(real_url, monkeypatch):
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 2 * 2 * SEQ * 4)  # about two groups per slice
+    admin = redis.Redis.from_url(real_url)
+    with small_dock(real_url, "wire-groups", prompts=6, n=2, columns=("image", "out"),
+                    group_columns=["image"]) as dock:
+        images = _batch(6, columns=("image",))["image"]
+        rows = list(range(12))
+        dock.put_experience({"image": [images[r // 2] for r in rows], "out": _batch(12, columns=("out",))["out"]},
+                            indexes=rows)
+        got = dock.read_rows(["image"], rows, stack=True)["image"]
+        assert all(bits(got[r]) == bits(images[r // 2]) for r in rows)
+        assert admin.hlen(dock.keys.data("image")) == 6
+        dock.delete()
+    admin.close()

@@ -109,12 +109,14 @@ class Admin:
         self._s.write("delete", lambda: self._s.client.delete(*dict.fromkeys(keys)), shards=shards, returns=False,
                     drop=True)
 
-    def grow(self, columns: Sequence[str] = (), consumers: Sequence[str] = ()) -> Schema:
-        """Add columns and consumers; the grown schema."""
+    def grow(
+        self, columns: Sequence[str] = (), consumers: Sequence[str] = (), group_columns: Sequence[str] = (),
+    ) -> Schema:
+        """Add columns, consumers and group columns; the grown schema."""
         wrote = False
         for _ in range(RACE_RETRIES):
             self._s.refresh()
-            grown = self._s.schema.grown(columns, consumers)
+            grown = self._s.schema.grown(columns, consumers, group_columns)
             if grown == self._s.schema:
                 if wrote:
                     self._s.replicated("grow", grown, [self._s.keys.replicated])

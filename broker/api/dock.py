@@ -62,6 +62,7 @@ class TransferDock:
         policy: str = "fifo",
         seed: int | None = None,
         length_columns: Sequence[str] = (),
+        group_columns: Sequence[str] = (),
         rollout: Rollout | None = None,
         shards: int | None = None,
         wait_replicas: int = 0,
@@ -79,6 +80,9 @@ class TransferDock:
         ``length_columns`` are columns holding one integer per row (``prompt_length``,
         ``response_length``): their sum is a row's cost when sampling or ordering balances load.
         ``rollout`` turns on partial rollout and the staleness bound (see :class:`broker.Rollout`).
+        ``group_columns`` (among ``columns``) hold one value per group, stored once per group of n rows
+        (the prompt's tokens, an image): puts give a value per row as for any column, and the rows of a
+        group must hold equal values; reads give each row its own tensor (see data/groups.py).
 
         ``shards`` spreads the rows' bytes over that many data shards (see ``data/store.py``); None: on a Redis
         Cluster one per primary, each on its own, and on one server none (the bytes stay in the dock's
@@ -111,7 +115,8 @@ class TransferDock:
         policy, which evicts only the replies kept for resends: a call resent after a lost reply may then
         be applied twice.
         """
-        wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout)
+        wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout,
+                              group_columns)
         if shards is not None and (not is_int(shards) or shards < 0):
             raise SchemaError(f"shards must be None or an int >= 0, got {shards!r}")
         if not is_int(dead_letter_after) or dead_letter_after < 1:
@@ -552,14 +557,18 @@ class TransferDock:
         """Read the schema again, to see columns or consumers another process added; returns it."""
         return self._session.refresh()
 
-    def grow(self, columns: Sequence[str] = (), consumers: Sequence[str] = ()) -> Schema:
+    def grow(
+        self, columns: Sequence[str] = (), consumers: Sequence[str] = (), group_columns: Sequence[str] = (),
+    ) -> Schema:
         """Add columns and consumers to the dock, keeping every row; returns the grown schema.
 
+        ``group_columns`` (see ``__init__``) must be among the ``columns`` added, or group columns already:
+        a column holding per-row values cannot become one (SchemaError).
         Names it has already are skipped, so many workers may grow it with the same names at once.
         Other processes' dock objects adopt the grown schema at their next call. Removing names, or
         changing the size, would lose rows and is not offered: make a new dock for that.
         """
-        return self._admin.grow(columns, consumers)
+        return self._admin.grow(columns, consumers, group_columns)
 
 
     # -- row status and callers' settings, for adapters (admin.py) ------------------------------------

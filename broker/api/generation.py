@@ -108,6 +108,15 @@ class Generation:
         """Mark rows of columns not ready, keeping their bytes; how many cells were ready."""
         names = self._s.check.columns_to_read(columns)
         rows = self._s.check.rows(indexes)
+        shared = [c for c in names if c in self._s.schema.group_columns]
+        if shared:
+            # A forget deletes a group's bytes once no row of the group is ready (lua/include/forget.lua):
+            # rows made not ready here would lose the bytes they kept. (Refused on data shards too, where
+            # they are stored per row: a dock means the same on either store.)
+            raise InvalidExperienceError(
+                f"dock {self._s.name!r}: columns {shared} are group columns (one value per group); unready takes "
+                "per-row columns (the responses being continued)"
+            )
         return self._s.write("unready", lambda: self._s.scripts.unready(names, rows))
 
     def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from broker.api import metrics
 from broker.api.checks import (
     check_flag,
@@ -23,9 +25,11 @@ from broker.api.checks import (
 from broker.api.delivery import HandedRows, check_delivery, fence_of
 from broker.api.generation import Generation
 from broker.api.session import DockSession
-from broker.connection import sizes_unchecked, value_limit
+from broker.connection import Framed, sizes_unchecked, value_limit
 from broker.connection.replication import REPEAT_SAFE
+from broker.control.schema import Schema
 from broker.control.scripts import Finish, rows_of, runs_of
+from broker.data import groups
 from broker.data.requests import Encoded, PutRequest
 from broker.errors import InvalidExperienceError
 
@@ -111,6 +115,8 @@ class Puts:
         fields = [str(r) for r in rows]
         framed = self._s.frames  # large rows sent from the tensors' own memory (connection/framing.py)
         encoded: Encoded = {c: dict(zip(fields, encode_column(c, value, len(rows), framed=framed)))
+                            if c not in self._s.schema.group_columns  # else one field per group (data/groups.py)
+                            else encode_group_column(c, value, rows, self._s.schema, framed)
                             for c, value in data.items()}
         in_run_order = sorted(range(len(rows)), key=rows.__getitem__)
         lengths = {}
@@ -127,3 +133,27 @@ class Puts:
             fence=None if delivery is None else fence_of(delivery, rows_of(runs)), ack=ack,
             hold_ms=int(self._s.call_timeout * 1000),  # a sharded put holds its lease for as long as it may take
         )
+
+
+def encode_group_column(
+    column: str, value: Any, rows: list[int], schema: Schema, framed: bool = False,
+) -> dict[str, bytes | Framed]:
+    """A group column's fields for a put of ``rows`` (see data/groups.py): one per group in one slot, one
+    per row (its group's bytes) on data shards. A value given for many rows as the same object (``[img] * n``)
+    is encoded once; the rows of a group must hold equal values (else InvalidExperienceError, nothing sent)."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "OUS" and value.ndim > 0:
+        value = list(value)  # as encode_column reads it: one value per element along dim 0
+    if isinstance(value, (list, tuple)) and len(value) == len(rows):
+        first: dict[int, int] = {}  # id of a value -> its position among the distinct ones (kept alive by value)
+        distinct: list[Any] = []
+        for v in value:
+            if id(v) not in first:
+                first[id(v)] = len(distinct)
+                distinct.append(v)
+        encoded = encode_column(column, distinct, len(distinct), framed=framed)
+        each = [encoded[first[id(v)]] for v in value]
+    else:
+        each = encode_column(column, value, len(rows), framed=framed)  # a stacked tensor, or a mistake it names
+    n = schema.n_samples_per_prompt
+    folded = groups.fold(column, rows, n, each)
+    return groups.per_row(rows, n, folded) if schema.shards else folded

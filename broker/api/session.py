@@ -138,7 +138,8 @@ class DockSession:
             ShardedStore(self.client, self.keys, self.scripts, schema.columns, schema.shards,
                          schema.n_samples_per_prompt, self.replication)
             if schema.shards
-            else SlotStore(self.client, self.keys, self.scripts, schema.columns, schema.n_samples_per_prompt)
+            else SlotStore(self.client, self.keys, self.scripts, schema.columns, schema.group_columns,
+                           schema.n_samples_per_prompt)
         )
 
     def stored(self) -> tuple[Schema, str]:

@@ -46,6 +46,12 @@ def shard_pattern(dock: str) -> str:
     return f"{PREFIX}:{{{dock}~*}}:*"
 
 
+def group_field(group: int) -> str:
+    """Field of group ``group`` in a group column's data hash: ``g`` and the group in decimal (row fields
+    are bare decimals, so the two never clash). lua/include/forget.lua builds it too."""
+    return f"g{group}"
+
+
 def check_name(kind: str, name: object) -> str:
     """Return ``name`` if it is a valid dock, column or consumer name, else raise SchemaError."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):  # match() with $ took "grpo\n"
@@ -290,9 +296,12 @@ def key_layout() -> list[KeyRow]:
     return [
         KeyRow(k.meta, "hash", "the schema: `format_version`, `prompts_num`, `n_samples_per_prompt`, `columns`, "
                "`consumers` and `length_columns` (JSON lists), `rollout` (JSON of the `Rollout` settings, `{}` for "
-               "none), `shards`; not part of the schema: `dead_letter_after`, and `versioned` once `set_version` ran "
+               "none), `shards`, `group_columns` (JSON list; absent when none); not part of the schema: "
+               "`dead_letter_after`, and `versioned` once `set_version` ran "
                "(a version key missing then was lost)"),
-        KeyRow(k.data(column), "hash", "field = row index in decimal, value = one encoded row"),
+        KeyRow(k.data(column), "hash", "field = row index in decimal, value = one encoded row; in a group column "
+               f"(meta `group_columns`) field = `{group_field(_Placeholder('G'))}` (G = group), value = the group's "
+               "one encoded value, read by its n rows"),
         KeyRow(k.ready(column), "bitmap", "bit i set when row i of COLUMN is written"),
         KeyRow(k.group_ready(column), "bitmap", "bit g set when all n rows of group g are written in COLUMN (kept by "
                "`put`)"),

@@ -19,7 +19,7 @@ FORMAT_VERSION = 1
 
 #: Meta fields every script compares with what its client expects (lua/include/schema.lua), in order.
 CHECKED_FIELDS = ("format_version", "prompts_num", "n_samples_per_prompt", "columns", "consumers", "length_columns",
-                  "rollout", "shards")
+                  "rollout", "shards", "group_columns")
 
 #: Bitmaps of more rows than this would be slow to scan and big to hold; raise it deliberately.
 MAX_CAPACITY = 1 << 26
@@ -41,6 +41,11 @@ class Schema:
     #: Hash tags of the data shards (``DockKeys.shard_data``) on a Redis Cluster, chosen when the dock is
     #: made so that they land on distinct primaries; empty: the row bytes stay in the dock's own slot.
     shards: tuple[str, ...] = ()
+    #: Columns holding one value per group (a prompt's tokens, an image): stored once per group of n in
+    #: one slot (field ``group_field(g)`` of the column's data hash), served to each of its n rows. On data
+    #: shards they are stored per row, as other columns (see data/groups.py). Absent from the meta of a
+    #: dock without any, so such a dock's meta is what it was before they existed.
+    group_columns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("prompts_num", "n_samples_per_prompt"):
@@ -65,15 +70,31 @@ class Schema:
         if not isinstance(self.rollout, Rollout):
             raise SchemaError(f"rollout must be a broker.Rollout, got {self.rollout!r}")
         self.rollout.check(self.columns, self.consumers)
+        self._check_group_columns()
         if self.shards and self.rollout != Rollout():
             # Partial rollout and regeneration write placeholders from inside scripts, which reach only
             # the dock's own slot: such docks keep their bytes there (see data/store.py).
             raise SchemaError("a sharded dock takes no partial rollout or staleness settings (rollout=Rollout())")
 
+    def _check_group_columns(self) -> None:
+        if isinstance(self.group_columns, str):
+            raise SchemaError(f"group_columns must be a list of column names, got {self.group_columns!r}")
+        unknown = [c for c in self.group_columns if c not in self.columns]
+        if unknown:
+            raise SchemaError(f"group_columns {unknown} are not columns of the dock ({list(self.columns)}); "
+                              "a group column must be one of the columns too")
+        dupes = sorted({c for c in self.group_columns if self.group_columns.count(c) > 1})
+        if dupes:
+            raise SchemaError(f"duplicate group_columns: {dupes}")
+        responses = [c for c in self.group_columns if c in self.rollout.response_columns]
+        if responses:
+            # Each row's response is its own: placeholders and regeneration write them per row.
+            raise SchemaError(f"group_columns {responses} are response columns of the rollout; responses are per row")
+
     @classmethod
     def build(
         cls, prompts_num: Any, n_samples_per_prompt: Any, columns: Iterable[str], consumers: Iterable[str],
-        length_columns: Iterable[str] = (), rollout: Rollout | None = None,
+        length_columns: Iterable[str] = (), rollout: Rollout | None = None, group_columns: Iterable[str] = (),
     ) -> Schema:
         """Schema from user arguments (any sequences of names); ``__post_init__`` checks them."""
         def as_tuple(names: Iterable[str]) -> Any:  # a bare string stays one, so validation can name the mistake
@@ -85,7 +106,8 @@ class Schema:
             return value
 
         return cls(as_int(prompts_num), as_int(n_samples_per_prompt), as_tuple(columns), as_tuple(consumers),
-                   as_tuple(length_columns), Rollout() if rollout is None else rollout)
+                   as_tuple(length_columns), Rollout() if rollout is None else rollout,
+                   group_columns=as_tuple(group_columns))
 
     @property
     def capacity(self) -> int:
@@ -94,7 +116,7 @@ class Schema:
 
     def to_meta(self) -> dict[str, str]:
         """Fields of the meta hash."""
-        return {
+        fields = {
             "format_version": str(FORMAT_VERSION),
             "prompts_num": str(self.prompts_num),
             "n_samples_per_prompt": str(self.n_samples_per_prompt),
@@ -104,6 +126,9 @@ class Schema:
             "rollout": self.rollout.to_json(),
             "shards": json.dumps(list(self.shards)),
         }
+        if self.group_columns:  # absent when none: the meta (and its fingerprint) of such a dock is unchanged
+            fields["group_columns"] = json.dumps(list(self.group_columns))
+        return fields
 
     @classmethod
     def from_meta(cls, meta: dict[bytes, bytes], *, where: str) -> Schema:
@@ -124,6 +149,7 @@ class Schema:
                 tuple(json.loads(fields.get("length_columns", "[]"))),  # absent in docks made before it existed
                 Rollout.from_json(fields.get("rollout", "{}")),  # likewise
                 tuple(json.loads(fields.get("shards", "[]"))),  # likewise
+                tuple(json.loads(fields.get("group_columns", "[]"))),  # likewise, and in docks without any
             )
         except (KeyError, ValueError, TypeError, SchemaError) as exc:
             raise DecodeError(f"{where}: malformed dock meta ({exc})") from None
@@ -140,7 +166,7 @@ class Schema:
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
                 out.append(f"{field}: stored {theirs}, requested {mine}")
-        for field in ("columns", "consumers", "length_columns"):
+        for field in ("columns", "consumers", "length_columns", "group_columns"):
             mine, theirs = set(getattr(self, field)), set(getattr(other, field))
             if mine != theirs:
                 parts = []
@@ -154,15 +180,23 @@ class Schema:
         return out
 
 
-    def grown(self, columns: Iterable[str] = (), consumers: Iterable[str] = ()) -> Schema:
-        """This schema with ``columns`` and ``consumers`` added (those it has already are skipped)."""
+    def grown(
+        self, columns: Iterable[str] = (), consumers: Iterable[str] = (), group_columns: Iterable[str] = (),
+    ) -> Schema:
+        """This schema with ``columns`` and ``consumers`` added (those it has already are skipped), and
+        ``group_columns`` among the columns added (or group columns already): a column holding per-row
+        values cannot turn into a group column, its rows' bytes are stored per row."""
         def plus(names: tuple[str, ...], more: Iterable[str]) -> tuple[str, ...]:
             if isinstance(more, str) or not isinstance(more, (list, tuple)):
                 raise SchemaError(f"expected a list of names, got {more!r}")
             return names + tuple(dict.fromkeys(m for m in more if m not in names))
 
+        groups = plus(self.group_columns, group_columns)
+        per_row = [c for c in groups if c in self.columns and c not in self.group_columns]
+        if per_row:
+            raise SchemaError(f"columns {per_row} hold per-row values already; only a new column can be a group column")
         return Schema(self.prompts_num, self.n_samples_per_prompt, plus(self.columns, columns),
-                      plus(self.consumers, consumers), self.length_columns, self.rollout, self.shards)
+                      plus(self.consumers, consumers), self.length_columns, self.rollout, self.shards, groups)
 
     def contains(self, other: Schema) -> bool:
         """Whether this schema is ``other`` grown: same size and length columns, a superset of the names."""
@@ -170,6 +204,8 @@ class Schema:
             (self.prompts_num, self.n_samples_per_prompt, self.length_columns, self.rollout, self.shards)
             == (other.prompts_num, other.n_samples_per_prompt, other.length_columns, other.rollout, other.shards)
             and set(other.columns) <= set(self.columns) and set(other.consumers) <= set(self.consumers)
+            # a column the other holds per row stays per row (a grow adds only new columns as group columns)
+            and set(other.group_columns) == set(self.group_columns) & set(other.columns)
         )
 
 

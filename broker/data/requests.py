@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from broker.connection import Framed
 from broker.control.scripts import Fence, Finish
 
-#: Per column, field -> encoded bytes: what a put writes (field = the row in decimal). A ``Framed`` value is
+#: Per column, field -> encoded bytes: what a put writes (field = the row in decimal; in a group column on
+#: one slot, ``group_field(g)`` per group: see data/groups.py). A ``Framed`` value is
 #: sent from the tensor's own memory, by a client that ``frames`` (see connection/framing.py).
 Encoded = dict[str, dict[str, bytes | Framed]]
 
@@ -21,7 +22,7 @@ HOLD_MS = 60_000
 class PutRequest:
     """One put, as the dock hands it down: checked, encoded and sorted already (see ``api/puts.py``)."""
 
-    #: Per column, field (the row in decimal) -> encoded bytes.
+    #: Per column, field (the row in decimal, or a group's field) -> encoded bytes.
     encoded: Encoded
     #: The rows, as runs (see ``runs_of``).
     runs: Sequence[int]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from broker.control.keys import group_field
 from broker.control.scripts import Finish, rows_of, runs_of
 from broker.data.requests import PutRequest
 
@@ -25,13 +26,21 @@ from broker.data.requests import PutRequest
 SLICE_BYTES = 32 * 1024 * 1024
 
 
-def row_bytes(put: PutRequest) -> list[int]:
-    """Encoded bytes per row of ``put``, in ascending row order."""
+def row_bytes(put: PutRequest, n: int) -> list[int]:
+    """Encoded bytes per row of ``put``, in ascending row order; a group column's field (data/groups.py)
+    counts once, at the first row of its group in the put."""
     rows = rows_of(put.runs)
     sizes = [0] * len(rows)
+    first_of_group: dict[int, int] = {}
+    for i, row in enumerate(rows):
+        first_of_group.setdefault(row // n, i)
     for mapping in put.encoded.values():
         for i, row in enumerate(rows):
             value = mapping.get(str(row))
+            if value is not None:
+                sizes[i] += len(value)
+        for g, i in first_of_group.items():
+            value = mapping.get(group_field(g))
             if value is not None:
                 sizes[i] += len(value)
     return sizes
@@ -41,7 +50,7 @@ def slices(put: PutRequest, n: int, limit: int | None = None) -> list[PutRequest
     """``put`` cut into puts of whole groups of at most ``limit`` bytes each (default ``SLICE_BYTES``; a group
     larger than that is a slice of its own); ``[put]`` when it fits in one."""
     limit = SLICE_BYTES if limit is None else limit
-    sizes = row_bytes(put)
+    sizes = row_bytes(put, n)
     if sum(sizes) <= limit:
         return [put]
     rows = rows_of(put.runs)
@@ -59,7 +68,7 @@ def slices(put: PutRequest, n: int, limit: int | None = None) -> list[PutRequest
     out = []
     for k in range(len(cuts) - 1):
         first, end = cuts[k], cuts[k + 1]
-        out.append(_part(put, rows, first, end))
+        out.append(_part(put, rows, first, end, n))
     return out
 
 
@@ -72,9 +81,10 @@ def _group_bytes(rows: list[int], sizes: list[int], i: int, n: int) -> int:
     return total
 
 
-def _part(put: PutRequest, rows: list[int], first: int, end: int) -> PutRequest:
-    """The put of ``rows[first:end]`` alone (positions in ascending row order)."""
-    fields = [str(r) for r in rows[first:end]]
+def _part(put: PutRequest, rows: list[int], first: int, end: int, n: int) -> PutRequest:
+    """The put of ``rows[first:end]`` alone (positions in ascending row order), with their groups' fields."""
+    mine = rows[first:end]
+    fields = [str(r) for r in mine] + [group_field(g) for g in sorted({r // n for r in mine})]
     finish = put.finish
     if finish is not None and finish.flags is not None:
         finish = Finish(finish.flags[first:end], finish.version)

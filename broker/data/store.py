@@ -78,6 +78,7 @@ from broker.control.scripts import (
     run_pipeline,
     runs_of,
 )
+from broker.data import groups
 from broker.data.requests import Encoded, PutRequest
 from broker.data.slices import slices
 from broker.errors import BrokerError, DecodeError, FencedError
@@ -115,11 +116,30 @@ class DataStore(Protocol):
 
 
 class SlotStore:
-    """The bytes in the dock's own slot; a put is one MULTI per slice (see the module docstring)."""
+    """The bytes in the dock's own slot; a put is one MULTI per slice (see the module docstring). Group
+    columns hold one field per group (see data/groups.py): a put hands their fields ready-made, a read asks
+    for each group's once and hands every row its group's bytes."""
 
-    def __init__(self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Sequence[str], n: int):
+    def __init__(
+        self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Sequence[str],
+        group_columns: Sequence[str] = (), n_samples_per_prompt: int = 1,
+    ):
         self._client, self._keys, self._scripts, self._columns = client, keys, scripts, tuple(columns)
-        self._n = n
+        self._groups, self._n = frozenset(group_columns), n_samples_per_prompt
+
+    def _hmgets(self, pipe: Pipeline, columns: Sequence[str], rows: Sequence[int]) -> list[list[int] | None]:
+        """Queue one HMGET per column; per column, the positions to expand a group column's reply by."""
+        fields = [str(r) for r in rows]
+        expansions: list[list[int] | None] = []
+        for col in columns:
+            if col in self._groups:
+                group_fields, positions = groups.read_fields(rows, self._n)
+                pipe.hmget(self._keys.data(col), group_fields)
+                expansions.append(positions)
+            else:
+                pipe.hmget(self._keys.data(col), fields)
+                expansions.append(None)
+        return expansions
 
     def put(self, put: PutRequest) -> None:
         parts = slices(put, self._n)
@@ -193,25 +213,32 @@ class SlotStore:
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         # One round trip: the HMGETs, then the fence script in the same pipeline, after them (see
-        # DockScripts.fence and lua/include/generations.lua).
-        fields = [str(r) for r in rows]
+        # DockScripts.fence and lua/include/generations.lua). A group's field is deleted only by a clear
+        # that forgot each ready row of the group (lua/include/forget.lua), so the fence vouches for it too.
+        expansions: list[list[int] | None] = []
 
         def reads(pipe: Pipeline) -> None:
-            for col in columns:
-                pipe.hmget(self._keys.data(col), fields)
+            expansions[:] = self._hmgets(pipe, columns, rows)
             self._scripts.fence(pipe, handout.runs)  # after the HMGETs: it vouches for what they read
 
         *values, fence = read_pipeline(self._client, self._scripts.load_all, reads)
-        return values if self._scripts.fence_holds(fence, handout) else None
+        if not self._scripts.fence_holds(fence, handout):
+            return None
+        return [v if at is None else groups.expand(v, at) for v, at in zip(values, expansions)]
 
     def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
-        fields = [str(r) for r in rows]
+        expansions: list[list[int] | None] = []
+        shared = [c for c in columns if c in self._groups]
 
         def reads(pipe: Pipeline) -> None:
-            for col in columns:
-                pipe.hmget(self._keys.data(col), fields)
+            expansions[:] = self._hmgets(pipe, columns, rows)
+            for col in shared:  # a row not ready has no value, though its group's field may be there for others
+                pipe.execute_command("BITFIELD", self._keys.ready(col), *(x for r in rows for x in ("GET", "u1", r)))
 
-        return read_pipeline(self._client, self._scripts.load_all, reads)
+        replies = read_pipeline(self._client, self._scripts.load_all, reads)
+        values, ready = replies[: len(columns)], dict(zip(shared, replies[len(columns):]))
+        return [v if at is None else [b if bit else None for b, bit in zip(groups.expand(v, at), ready[col])]
+                for col, v, at in zip(columns, values, expansions)]
 
     def forget(self, forgot: Forgot, *, whole: bool = False) -> tuple[int, list[str]]:
         return forgot.value, []

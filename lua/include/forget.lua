@@ -23,6 +23,22 @@ slots, which no script may touch: the data keys above are then the dock's unused
 (always empty), and forget_rows records each forgotten row with the generation its bytes were written
 under; `forgotten_reply` hands them to the client, which deletes those bytes from the data shards.
 
+Group columns (the meta's "group_columns", JSON list; absent: none) hold one field per group, "g" followed
+by the group in decimal (broker/control/keys.py group_field), that all n rows of the group read. Forgetting
+rows deletes a group's field once no row of the group is ready in that column any more (checked after the
+forgotten rows' ready bits were cleared), so a clear of some rows of a group keeps the bytes the others
+read, and a clear of all n (or of the last ready ones) deletes them. Why no row is ever ready without them:
+- a put on one slot is one MULTI (put.lua marks its rows, then the HSET of the group's field: see
+  broker/data/store.py), and this script is atomic: a clear runs wholly before or after a put. Before:
+  the put writes the field and marks its rows after the clear deleted it. After: the put's rows are
+  ready, so the field stays unless the clear forgot each of them (then none is ready, nobody reads it);
+- a row ready in a column holds bytes there, and nothing but a forget clears a ready bit of a group
+  column (the dock's unready refuses them before calling unready.lua, broker/api/generation.py;
+  regeneration keeps the prompt columns, ready bits and fields both);
+- a reader handed a row whose group field was deleted by a clear was handed a row that clear forgot
+  (the others are still ready): its generation moved, so the reader's fence fails (include/generations.lua).
+A sharded dock stores group columns per row on its data shards (see broker/data/groups.py): nothing here.
+
 Forgetting a row deletes its bytes, clears its ready bits and every consumer's marks and leases, zeroes
 its lengths, its failed deliveries and dead letters, and bumps its generation, so a reader handed it before sees the change at its read (see
 include/generations.lua). Groups touched lose their group state (complete, finished, age, version): a
@@ -51,6 +67,18 @@ local function forget_layout()
   L.last = L.gbatch
   local shards = redis.call('HGET', KEYS[1], 'shards')
   L.sharded = shards ~= false and shards ~= '[]'
+  L.group = {}                                              -- L.group[c]: column c holds one field per group
+  local group_columns = redis.call('HGET', KEYS[1], 'group_columns')
+  if group_columns and not L.sharded then
+    -- Names are letters, digits, '_', '.', '-' (keys.py check_name): no quote to escape, no ':' in a key's
+    -- last part, so the JSON list and the data keys parse without cjson (which fakeredis lacks).
+    local named = {}
+    for name in string.gmatch(group_columns, '"([^"]+)"') do named[name] = true end
+    for c = 1, k do
+      local column = string.match(KEYS[L.data + c], ':data:([^:]+)$')
+      if column and named[column] then L.group[c] = true end
+    end
+  end
   return L
 end
 
@@ -74,6 +102,17 @@ local function forget_wrong_type(L)
     or wrong_type(L.gversions, L.gversions, 'zset') or wrong_type(L.gversions + 1, L.last, 'string')
 end
 
+-- HDELs the fields of `groups` (distinct) in group column c that no row of theirs is ready in any more;
+-- returns how many it deleted.
+local function forget_group_fields(L, c, groups)
+  local _, any_ready = group_states(KEYS[L.ready + c], groups, L.n)
+  local empty = {}
+  for i, g in ipairs(groups) do
+    if any_ready[i] ~= true then empty[#empty + 1] = 'g' .. int_text(g) end
+  end
+  return call_in_chunks('HDEL', KEYS[L.data + c], empty)
+end
+
 -- Forgets `rows` (ascending). `keep` maps column positions (1..k) whose bytes and ready bits stay;
 -- with `keep_age` the groups keep their age and their place in the ageing. Returns the cells removed.
 local function forget_rows(L, rows, keep, keep_age)
@@ -89,9 +128,10 @@ local function forget_rows(L, rows, keep, keep_age)
   bump_generations(KEYS[3], rows)
   for c = 1, L.k do
     if not keep[c] then
-      cells = cells + call_in_chunks('HDEL', KEYS[L.data + c], fields)
+      if not L.group[c] then cells = cells + call_in_chunks('HDEL', KEYS[L.data + c], fields) end
       set_bits(KEYS[L.ready + c], rows, 0)
       set_bits(KEYS[L.gready + c], groups, 0)   -- a group missing a row is no longer complete
+      if L.group[c] then cells = cells + forget_group_fields(L, c, groups) end   -- after the ready bits
     end
   end
   for j = 1, L.nlen do

@@ -8,7 +8,7 @@ prefixes into DockNotFoundError and SchemaError.
 ]]
 
 local SCHEMA_FIELDS = {'format_version', 'prompts_num', 'n_samples_per_prompt', 'columns', 'consumers',
-  'length_columns', 'rollout', 'shards'}
+  'length_columns', 'rollout', 'shards', 'group_columns'}
 
 -- nil if `meta` holds the schema `expected` (its fields' values joined by newlines, in
 -- SCHEMA_FIELDS order), else the error message to return.

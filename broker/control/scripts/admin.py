@@ -28,9 +28,10 @@ class AdminScripts(ScriptsBase):
         return int(self._once("metrics", [self._keys.meta, self._keys.metrics], args))
 
     def grow(self, grown: Schema) -> None:
-        """Store the columns and consumers of ``grown`` if the dock still holds the schema bound now."""
+        """Store the columns, consumers and group columns of ``grown`` if the dock still holds the schema bound now."""
         fields = grown.to_meta()
-        self._call("grow", [self._keys.meta], [self._expected, fields["columns"], fields["consumers"]])
+        self._call("grow", [self._keys.meta], [self._expected, fields["columns"], fields["consumers"],
+                                               fields.get("group_columns", "")])
 
     def columns_of(self, columns: dict[str, str]) -> int:
         """Record the columns (a JSON list) each consumer reads by default."""
