@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -63,12 +64,15 @@ class Writer:
     def expected(self) -> dict[str, int]:
         return checksum(self.batch, self.w.names())
 
-    def put(self, system: str) -> None:
+    def put(self, system: str) -> float:
+        """Put the batch; this process's CPU seconds in it."""
+        began = time.process_time()
         if system == "broker":
             assert self.dock is not None
             self.dock.put_experience(self.batch, indexes=list(range(self.w.batch)))
         else:
             self._floor_put()
+        return time.process_time() - began
 
     def _floor_put(self) -> None:
         assert self.raw is not None
@@ -113,14 +117,17 @@ class Reader:
         self.raw = RespConnection(url) if "redis-floor" in systems else None
         self.last: dict[str, Any] = {}
 
-    def get(self, system: str) -> None:
+    def get(self, system: str) -> float:
+        """Get every row of every column; this process's CPU seconds in it."""
         self.last = {}  # the previous pass's arrays go before this one's arrive
+        began = time.process_time()
         if system == "broker":
             assert self.dock is not None
             kwargs = {"stack": True} if self.stacked else {}
             self.last = self.dock.read_rows(self.w.names(), self.rows, **kwargs)
         else:
             self.last = self._floor_get()
+        return time.process_time() - began
 
     def _floor_get(self) -> dict[str, Any]:
         assert self.raw is not None

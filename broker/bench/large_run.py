@@ -124,19 +124,12 @@ class RedisSystems:
             actor.close()
 
 
-def _timed(fn: Any, *args: Any) -> float:
-    began = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - began
-
-
 def measure_one(url: str, prefix: str, w: LargeWorkload, systems: list[str], tq_python: str | None,
                 repeat: int, warmup: int) -> dict[str, Any]:
     """Every system on one batch: passes interleaved; best, median and first put; memory; checksums."""
     payload = w.payload_bytes()
     redis_systems = [s for s in systems if s in REDIS_SYSTEMS]
-    record: dict[str, dict[str, Any]] = {s: {"puts": [], "gets": [], "memory": [], "checks_equal": True}
-                                         for s in systems}
+    record: dict[str, dict[str, Any]] = {s: {"checks_equal": True} for s in systems}
     hosts: RedisSystems | None = None
     tq: TQSystem | None = None
     out: dict[str, Any] = {"variant": w.label(), "batch": w.batch, "fields": w.fields, "seq_len": w.seq_len,
@@ -152,16 +145,16 @@ def measure_one(url: str, prefix: str, w: LargeWorkload, systems: list[str], tq_
             for i in range(warmup + repeat):
                 order = systems[i % len(systems):] + systems[: i % len(systems)]
                 for s in order:
-                    put_s, get_s, ok, mem = _pass(s, hosts, tq, client)
+                    got = _pass(s, hosts, tq, client)
+                    put_s, get_s = got["put"], got["get"]
                     r = record[s]
                     if i == 0:
                         r["first_put"] = put_s
                     if i >= warmup:
-                        r["puts"].append(put_s)
-                        r["gets"].append(get_s)
-                        if mem is not None:
-                            r["memory"].append(mem)
-                    r["checks_equal"] = r["checks_equal"] and ok
+                        for key, value in got.items():
+                            if key != "ok":
+                                r.setdefault(key, []).append(value)
+                    r["checks_equal"] = r["checks_equal"] and got["ok"]
                     label = f"warm-up {i + 1}" if i < warmup else f"pass {i + 1 - warmup}"
                     _say(f"large {w.label()} {w.batch} rows, {label}: {s} put {put_s:.3f} s, get {get_s:.3f} s")
     finally:
@@ -170,45 +163,61 @@ def measure_one(url: str, prefix: str, w: LargeWorkload, systems: list[str], tq_
         if tq is not None:
             tq.close()
     for s, r in record.items():
-        if not r["puts"]:
+        if not r.get("put"):
             continue
-        best_put, best_get = min(r["puts"]), min(r["gets"])
+        best_put, best_get = min(r["put"]), min(r["get"])
         out["systems"][s] = {
             "first_put_seconds": r["first_put"], "put_seconds": best_put, "get_seconds": best_get,
-            "median_put_seconds": statistics.median(r["puts"]), "median_get_seconds": statistics.median(r["gets"]),
+            "median_put_seconds": statistics.median(r["put"]), "median_get_seconds": statistics.median(r["get"]),
             "put_gb_per_s": payload / GIB / best_put, "get_gb_per_s": payload / GIB / best_get,
-            "puts": [round(v, 4) for v in r["puts"]], "gets": [round(v, 4) for v in r["gets"]],
+            "puts": [round(v, 4) for v in r["put"]], "gets": [round(v, 4) for v in r["get"]],
             "checks_equal": r["checks_equal"],
         }
-        if r["memory"]:
+        # CPU seconds (medians): what a loaded machine's wall times hide, the work each side did.
+        for key in ("client_cpu_put", "server_cpu_put", "client_cpu_get", "server_cpu_get"):
+            if r.get(key):
+                out["systems"][s][f"{key}_seconds"] = statistics.median(r[key])
+        if r.get("memory"):
             out["systems"][s]["memory_per_payload_byte"] = statistics.median(r["memory"]) / payload
     out["ratios"] = ratios(out["systems"])
     return out
 
 
-def _pass(system: str, hosts: RedisSystems | None, tq: TQSystem | None,
-          client: Client) -> tuple[float, float, bool, int | None]:
-    """One system's pass: (put s, get s, checksums equal, used_memory of the stored batch or None)."""
+def _pass(system: str, hosts: RedisSystems | None, tq: TQSystem | None, client: Client) -> dict[str, Any]:
+    """One system's pass: put and get seconds, checksums equal; for the Redis systems also the writer's and
+    reader's CPU seconds, the server's CPU seconds in each call and ``used_memory`` of the stored batch."""
     if system == "transferqueue":
         assert tq is not None
         tq.reset()
-        put_s = tq.put()
-        get_s = tq.get()
-        ok = tq.checks_equal()
+        out = {"put": tq.put(), "get": tq.get(), "ok": tq.checks_equal()}
         tq.reset()
-        return put_s, get_s, ok, None
+        return out
     assert hosts is not None
     hosts.writer.call("reset", system)
     time.sleep(0.2)  # let a lazy free of the last pass's values finish before the baseline
-    before = used_memory(client)
-    put_s = _timed(hosts.writer.call, "put", system)
+    before, cpu0 = used_memory(client), server_cpu(client)
+    began = time.perf_counter()
+    client_put = hosts.writer.call("put", system)
+    put_s = time.perf_counter() - began
+    cpu1 = server_cpu(client)
     time.sleep(0.2)  # let the server release the big query buffers of the put
     stored = used_memory(client) - before
-    get_s = _timed(hosts.reader.call, "get", system)
+    cpu2 = server_cpu(client)
+    began = time.perf_counter()
+    client_get = hosts.reader.call("get", system)
+    get_s = time.perf_counter() - began
+    cpu3 = server_cpu(client)
     ok = hosts.reader.call("got") == hosts.expected
     hosts.writer.call("reset", system)
     hosts.reader.call("forget")
-    return put_s, get_s, ok, stored
+    return {"put": put_s, "get": get_s, "ok": ok, "memory": stored, "client_cpu_put": client_put,
+            "server_cpu_put": cpu1 - cpu0, "client_cpu_get": client_get, "server_cpu_get": cpu3 - cpu2}
+
+
+def server_cpu(client: Client) -> float:
+    """The server process's CPU seconds so far, user and system, every thread (``INFO cpu``)."""
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 def ratios(systems: dict[str, Any]) -> dict[str, float]:

@@ -135,6 +135,11 @@ def _large(large: dict[str, Any]) -> list[str]:
                          f"{sy['put_seconds']:9.3f} ({sy['median_put_seconds']:6.3f}){sy['put_gb_per_s']:7.2f}"
                          f"{sy['get_seconds']:9.3f} ({sy['median_get_seconds']:6.3f}){sy['get_gb_per_s']:7.2f}"
                          f"{mem}  {'equal' if sy['checks_equal'] else 'DIFFER'}")
+        cpu = [(LABELS.get(n, n), sy) for n, sy in run["systems"].items() if "client_cpu_put_seconds" in sy]
+        if cpu:
+            lines.append("  CPU s (medians), client / server: " + "; ".join(
+                f"{name} put {sy['client_cpu_put_seconds']:.2f} / {sy['server_cpu_put_seconds']:.2f}, get "
+                f"{sy['client_cpu_get_seconds']:.2f} / {sy['server_cpu_get_seconds']:.2f}" for name, sy in cpu))
         if run["ratios"]:
             lines.append("  " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in run["ratios"].items()))
     return lines
