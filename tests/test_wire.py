@@ -262,3 +262,58 @@ def test_a_sliced_put_of_a_group_column_stores_one_field_per_group(real_url, mon
         assert admin.hlen(dock.keys.data("image")) == 6
         dock.delete()
     admin.close()
+
+
+@pytest.fixture(params=["real", "redis62"])
+def server_url(request):
+    return request.getfixturevalue("redis62_url" if request.param == "redis62" else "real_url")
+
+
+@pytest.mark.real
+def test_reads_receive_rows_straight_into_one_tensor(server_url, monkeypatch):
+    """A stacked read on one server receives each column off the socket into one tensor (no reply bytes)."""
+    from broker.data import stacking
+
+    seen: list[int] = []
+    original = stacking.receive_column
+    monkeypatch.setattr(stacking, "receive_column", lambda *a, **k: seen.append(1) or original(*a, **k))
+    with small_dock(server_url, "wire-receive", prompts=4, n=2, columns=("a", "b", "c")) as dock:
+        data = _batch(8, columns=("a", "b"))
+        data["c"] = [torch.tensor([r % 2 == 0, True]) for r in range(8)]  # bool: checked byte by byte, not received
+        dock.put_experience(data, indexes=list(range(8)))
+        got = dock.read_rows(["a", "b", "c"], list(range(8)), stack=True)
+        assert seen and bits(got["a"]) == bits(data["a"]) and bits(got["b"]) == bits(data["b"])
+        assert got["c"].tolist() == [[r % 2 == 0, True] for r in range(8)]
+        batch, rows = dock.get_experience("actor_train", ["a", "c"], experience_count=8, stack=True)
+        assert [bits(batch["a"][i]) for i in range(8)] == [bits(data["a"][r]) for r in rows]
+        # A row of another length in the middle: the rows received so far go back to bytes, and the column
+        # comes back as stack=True makes it of bytes: jagged; a row of another rank: the list.
+        dock.put_experience({"b": [torch.ones(3)]}, indexes=[5])
+        got = dock.read_rows(["b"], list(range(8)), stack=True)["b"].unbind()
+        assert got[5].tolist() == [1.0, 1.0, 1.0] and bits(got[4]) == bits(data["b"][4]) and bits(got[6]) == bits(data["b"][6])
+        dock.put_experience({"b": [torch.ones(1, 3)]}, indexes=[5])
+        got = dock.read_rows(["b"], list(range(8)), stack=True)["b"]
+        assert isinstance(got, list) and got[5].tolist() == [[1.0, 1.0, 1.0]] and bits(got[0]) == bits(data["b"][0])
+        # An unwritten row: the list, with None.
+        dock.clear(indexes=[3])
+        assert dock.read_rows(["a"], list(range(8)), stack=True)["a"][3] is None
+        dock.delete()
+
+
+@pytest.mark.real
+def test_a_corrupt_row_received_is_given_back_as_in_the_list_form(real_url):
+    from broker.errors import DecodeError
+
+    admin = redis.Redis.from_url(real_url)
+    with small_dock(real_url, "wire-corrupt", prompts=4, n=2, columns=("a",)) as dock:
+        dock.put_experience(_batch(8, columns=("a",)), indexes=list(range(8)))
+        admin.hset(dock.keys.data("a"), "6", b"TD\x01\x00" + b"\xff" * 40)
+        with pytest.raises(DecodeError, match=r"field 6"):
+            dock.get_experience("actor_train", ["a"], experience_count=8, stack=True)
+        assert dock.status()["consumers"]["actor_train"]["consumed"] == 0  # every row given back
+        admin.script_flush()  # the fence script lost: the read takes the usual path once, and loads it
+        admin.hset(dock.keys.data("a"), "6", admin.hget(dock.keys.data("a"), "7"))
+        batch, rows = dock.get_experience("actor_train", ["a"], experience_count=8, stack=True)
+        assert isinstance(batch["a"], torch.Tensor) and batch["a"].shape == (8, SEQ)
+        dock.delete()
+    admin.close()

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NoReturn, cast
 
+import torch
+
 from broker.api import metrics
 from broker.api.checks import abbrev, check_flag
 from broker.api.session import DockSession
@@ -54,13 +56,21 @@ class RowReader:
         # The rows are handed out: cut short now, those without a lease would be lost. The rest of the call
         # (this read, the wait for replicas, balancing) gets call_timeout, even past a get's own timeout.
         extend_call(self._s.call_timeout, bound=f"call_timeout={self._s.call_timeout:g} s (rows were handed out)")
-        values_by_column = self._s.run(lambda: self._s.store.read(columns, rows, handout))
+        store = self._s.store
+        values_by_column = self._s.run(lambda: store.received(columns, rows, handout) if stack
+                                       else store.read(columns, rows, handout))
         if values_by_column is None:
             return None
         batch: Batch = {}
         unreadable: dict[int, str] = {}
         corrupt = False
+        nbytes = 0
         for col, values in zip(columns, values_by_column):
+            if isinstance(values, torch.Tensor):  # received straight into one tensor, every row checked
+                batch[col] = [stacking.InBuffer(values, i) for i in range(len(rows))]
+                nbytes += values.nbytes
+                continue
+            nbytes += sum(len(v) for v in values if v is not None)
             key = self._s.keys.data(col) if not self._s.schema.shards else f"column {col!r} of dock {self._s.name!r}"
             if all(v is not None for v in values):
                 try:
@@ -83,7 +93,7 @@ class RowReader:
         if unreadable:
             raise Unreadable(unreadable, corrupt)
         if call.live:
-            call.nbytes += sum(len(v) for values in values_by_column for v in values if v is not None)
+            call.nbytes += nbytes
         return batch
 
     def give_back_unreadable(
@@ -114,6 +124,7 @@ class RowReader:
     def stacked(batch: Batch) -> StackedBatch:
         """A batch ``read(..., stack=True)`` gave, each column one tensor where its rows stack."""
         return {col: stacking.stacked(values) if values and isinstance(values[0], stacking.Checked)
+                else stacking.gathered(values) if values and isinstance(values[0], stacking.InBuffer)
                 else stacking.stack_decoded(values) for col, values in batch.items()}
 
     def read_now(self, columns: Sequence[str], indexes: Sequence[int], stack: bool = False) -> StackedBatch:
@@ -124,7 +135,12 @@ class RowReader:
         stack = check_flag("stack", stack)
         fields = [str(r) for r in rows]
         out: StackedBatch = {}
-        for col, values in zip(names, self._s.run(lambda: self._s.store.read_now(names, rows))):
+        store = self._s.store
+        got = self._s.run(lambda: store.received(names, rows, None) if stack else store.read_now(names, rows))
+        for col, values in zip(names, got or []):
+            if isinstance(values, torch.Tensor):  # received straight into one tensor, every row checked
+                out[col] = values
+                continue
             if stack and None not in values:
                 out[col] = stacking.decode_stacked(values, where=self._s.keys.data(col), fields=fields)
                 continue

@@ -15,10 +15,12 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import redis
+
+T = TypeVar("T")
 
 #: The bound of a dock call that has no ``timeout`` of its own (``TransferDock(call_timeout=...)``),
 #: retries and reconnects included. Long enough for what a healthy call may need: riding out a restart
@@ -103,6 +105,23 @@ def waiting_call(timeout: Any, call_timeout: float) -> contextlib.AbstractContex
             return call_deadline(LAST_TRY_SECONDS, bound=f"{LAST_TRY_SECONDS:g} s (get_experience's timeout of "
                                                          f"{wait:g} s, raised to the least a round trip gets)")
     return call_deadline(call_timeout)
+
+
+def in_thread(work: Callable[[], T]) -> Callable[[], T]:
+    """``work``, to be run by another thread under the calling thread's bounds as they are now (its
+    deadline, slow-reply allowance and unchecked size): a call that spreads its requests over threads
+    stays one call, cut at one deadline."""
+    deadlines, allowance, unchecked = list(_bounds.deadlines), _bounds.allowance, _bounds.unchecked
+
+    def run() -> T:
+        saved = _bounds.deadlines, _bounds.allowance, _bounds.unchecked
+        _bounds.deadlines, _bounds.allowance, _bounds.unchecked = list(deadlines), allowance, unchecked
+        try:
+            return work()
+        finally:
+            _bounds.deadlines, _bounds.allowance, _bounds.unchecked = saved
+
+    return run
 
 
 def time_left() -> float | None:

@@ -27,7 +27,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from broker.connection.replies import RespReader
 from broker.data import codec
+from broker.errors import DecodeError
 
 
 class Checked(NamedTuple):
@@ -112,3 +114,98 @@ def _jagged(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
     # The bounds given, so that torch does not scan the offsets for them when a kernel asks.
     return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=min(lengths), max_seqlen=max(lengths))
+
+
+class InBuffer(NamedTuple):
+    """One row of a column received straight into one tensor (``receive_column``): row ``position`` of it."""
+
+    tensor: torch.Tensor
+    position: int
+
+
+def gathered(rows: Sequence[InBuffer]) -> torch.Tensor:
+    """Rows received into one tensor, in the order given: the tensor itself when that is its own order (no
+    copy), else its rows picked out into a new one (a reordered or padded batch, a group column's rows)."""
+    first = rows[0].tensor
+    if len(rows) == len(first) and all(r.tensor is first and r.position == i for i, r in enumerate(rows)):
+        return first
+    return torch.stack([r.tensor[r.position] for r in rows])
+
+
+def receive_column(reader: RespReader, *, where: str, fields: Sequence[str]) -> torch.Tensor | list[bytes | None]:
+    """One HMGET reply read off the socket: rows that stack (one dtype and shape, a prefix ``decode``
+    accepted before) received straight into one tensor allocated once, each row's payload into its
+    slice; else (a nil, a row of another layout, a value, a row that fails a check) the values as
+    ``bytes``, as a Redis client gives them, for the usual decoding to judge. Reads the whole reply."""
+    count = reader.array_length()
+    out: torch.Tensor | None = None
+    target: memoryview | None = None
+    size = 0
+    prefix = b""
+    values: list[bytes | None] | None = None  # once rows do not stack: every value as bytes
+    head = bytearray(_HEAD)
+    for i in range(count):
+        length = reader.bulk_length()
+        if values is not None or length < 0:
+            if values is None:
+                values = _as_values(out, prefix, i)
+            values.append(None if length < 0 else _rest(reader, b"", length))
+            continue
+        if out is not None and length == len(prefix) + size:
+            reader.exactly(memoryview(head)[: len(prefix)])
+            if head[: len(prefix)] == prefix:  # the same prefix as row 0's, which decode's checks accepted
+                reader.exactly(target[i * size : (i + 1) * size])  # type: ignore[index]
+                reader.crlf()
+                continue
+            values = _as_values(out, prefix, i)
+            values.append(_rest(reader, bytes(head[: len(prefix)]), length))
+            continue
+        value = _rest(reader, b"", length)
+        if out is None and i == 0:
+            layout = _stacking_layout(value, where, fields[0])
+            if layout is not None:
+                start, dtype, shape = layout
+                out = torch.empty((count, *shape), dtype=dtype)
+                size, prefix = length - start, value[:start]
+                target = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                target[:size] = memoryview(value)[start:]
+                continue
+        values = _as_values(out, prefix, i)
+        values.append(value)
+    if values is not None:
+        return values
+    return out if out is not None else []
+
+
+#: Bytes read ahead of a row's payload: its prefix (magic, header, padding), 32 for most tensors.
+_HEAD = 256
+
+
+def _stacking_layout(value: bytes, where: str, field: str) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+    """(payload offset, dtype, shape) of a row whose like can be received straight into a tensor: a tensor
+    ``decode`` accepts, not empty, not bool (a bool payload is checked byte by byte); else None."""
+    try:
+        layout = codec.tensor_layout(value, 32, where, field)
+    except DecodeError:
+        return None  # the usual decoding names it
+    if layout is None or layout[1] is torch.bool or len(value) == layout[0] or layout[0] > _HEAD:
+        return None
+    return layout
+
+
+def _rest(reader: RespReader, head: bytes, length: int) -> bytes:
+    """A bulk string of ``length`` bytes whose first ``head`` bytes were read already, then its CRLF."""
+    out = bytearray(length)
+    out[: len(head)] = head
+    reader.exactly(memoryview(out)[len(head) :])
+    reader.crlf()
+    return bytes(out)
+
+
+def _as_values(out: torch.Tensor | None, prefix: bytes, count: int) -> list[bytes | None]:
+    """The first ``count`` rows received into ``out``, as the bytes they were sent as."""
+    if out is None or not count:
+        return []
+    raw = out.view(-1).view(torch.uint8).numpy()
+    size = raw.nbytes // len(out)
+    return [prefix + raw[i * size : (i + 1) * size].tobytes() for i in range(count)]

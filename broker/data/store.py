@@ -58,15 +58,19 @@ then mark ready (lua/mark.lua). The interleavings that matter, and why each is s
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import redis
+import torch
 from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
-from broker.connection import Client, fanout
+from broker.connection import Client, fanout, frames
+from broker.connection.deadlines import in_thread
 from broker.connection.replication import Replication
+from broker.connection.replies import RespReader, exchange
 from broker.control.keys import DockKeys, shard_pattern, shard_tag
 from broker.control.scripts import (
     DockScripts,
@@ -78,10 +82,15 @@ from broker.control.scripts import (
     run_pipeline,
     runs_of,
 )
-from broker.data import groups
+from broker.data import groups, stacking
 from broker.data.requests import Encoded, PutRequest
 from broker.data.slices import slices
 from broker.errors import BrokerError, DecodeError, FencedError
+
+#: Connections a put on one slot sends its slices over at once (see ``SlotStore._put_slices``). The server
+#: takes a large put in faster from two connections than from one, even on one thread (docs/operations.md
+#: has the figures); more gained nothing on 2 cores.
+PUT_LANES = 2
 
 #: How many times a sharded put writes again after clears moved its rows between its two steps. Each
 #: retry means a clear of these rows landed within one round trip; running out takes a clearer in a
@@ -106,6 +115,12 @@ class DataStore(Protocol):
     def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
         """The bytes of ``rows`` per column as stored now, None where there are none; checks nothing."""
 
+    def received(
+        self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
+    ) -> list[torch.Tensor | list[bytes | None]] | None:
+        """As ``read`` (with ``handout``) or ``read_now``, a column whose rows stack as one tensor where the
+        store can receive them straight into it (see ``SlotStore.received``)."""
+
     def forget(self, forgot: Forgot, *, whole: bool = False) -> tuple[int, list[str]]:
         """Delete from the data shards what a script forgot (nothing to do in one slot): its value, and the
         ``replicated`` counters of the shards it deleted bytes on (the call that forgot waits for their
@@ -126,6 +141,9 @@ class SlotStore:
     ):
         self._client, self._keys, self._scripts, self._columns = client, keys, scripts, tuple(columns)
         self._groups, self._n = frozenset(group_columns), n_samples_per_prompt
+        #: Whether reads may receive rows straight into tensors (connection/replies.py): one server, and
+        #: connections opened by broker.connection.
+        self._receives = isinstance(client, redis.Redis) and frames(client)
 
     def _hmgets(self, pipe: Pipeline, columns: Sequence[str], rows: Sequence[int]) -> list[list[int] | None]:
         """Queue one HMGET per column; per column, the positions to expand a group column's reply by."""
@@ -166,11 +184,39 @@ class SlotStore:
         return
 
     def _put_slices(self, parts: Sequence[PutRequest], request_ids: Sequence[str]) -> list[BaseException | None]:
-        """Each of ``parts`` as its own MULTI; the error of each that did not land, else None."""
+        """Each of ``parts`` as its own MULTI, over ``PUT_LANES`` connections at once; the error of each that
+        did not land, else None. Slices hold disjoint rows, so their order between lanes does not matter."""
         if isinstance(self._client, RedisCluster):  # no pipeline of several transactions there: one by one
             return [self._put_one(part, rid) for part, rid in zip(parts, request_ids)]
-        todo = list(range(len(parts)))
         outcomes: list[BaseException | None] = [None] * len(parts)
+        lanes = [list(range(first, len(parts), PUT_LANES)) for first in range(min(PUT_LANES, len(parts)))]
+        failures: list[BaseException] = []
+
+        def lane(todo: list[int]) -> Callable[[], None]:
+            def run() -> None:
+                try:
+                    self._lane(parts, request_ids, todo, outcomes)
+                except BaseException as exc:  # raised in the caller's thread below
+                    failures.append(exc)
+            return run
+
+        others = [threading.Thread(target=in_thread(lane(todo)), daemon=True) for todo in lanes[1:]]
+        for thread in others:
+            thread.start()
+        try:
+            self._lane(parts, request_ids, lanes[0], outcomes)
+        finally:
+            for thread in others:
+                thread.join()  # each bounded by the call's deadline, as this thread is
+        if failures:
+            raise failures[0]
+        return outcomes
+
+    def _lane(
+        self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: list[int],
+        outcomes: list[BaseException | None],
+    ) -> None:
+        """The slices ``todo`` back to back on one connection: one pipeline of MULTI ... EXEC per slice."""
         for attempt in range(2):
             def build(pipe: Pipeline, todo: list[int] = todo) -> None:
                 for i in todo:
@@ -192,10 +238,9 @@ class SlotStore:
                 else:
                     outcomes[i] = _outcome(executed)
             if not lost:
-                break
+                return
             self._scripts.load_all(self._client)
             todo = lost
-        return outcomes
 
     def _put_one(self, put: PutRequest, request_id: str) -> BaseException | None:
         """``put`` as one MULTI (``request_id`` the same in the client's resends of it); its error, if it did
@@ -225,6 +270,40 @@ class SlotStore:
         if not self._scripts.fence_holds(fence, handout):
             return None
         return [v if at is None else groups.expand(v, at) for v, at in zip(values, expansions)]
+
+    def received(
+        self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
+    ) -> list[torch.Tensor | list[bytes | None]] | None:
+        """As ``read`` (with ``handout``) or ``read_now`` (without), but each column whose rows stack comes as
+        one tensor, received straight off the socket into it (``stacking.receive_column``); the rest as
+        ``bytes``. On a client that cannot (not opened here) or for a group column, the same as those."""
+        if not self._receives or any(c in self._groups for c in columns):
+            return self._read_either(columns, rows, handout)
+        fields = [str(r) for r in rows]
+        commands: list[tuple[Any, ...]] = [("HMGET", self._keys.data(col), *fields) for col in columns]
+        if handout is not None:
+            commands.append(self._scripts.fence_command(handout.runs))  # after the HMGETs: it vouches for them
+
+        def read(reader: RespReader) -> tuple[list[torch.Tensor | list[bytes | None]], Any]:
+            values = [stacking.receive_column(reader, where=self._keys.data(col), fields=fields) for col in columns]
+            return values, reader.reply() if handout is not None else None
+
+        assert isinstance(self._client, redis.Redis)  # _receives
+        values, fence = exchange(self._client, commands, read)
+        if handout is None:
+            return values
+        if isinstance(fence, redis.exceptions.NoScriptError):  # the server lost the scripts: the usual path
+            self._scripts.load_all(self._client)
+            return self._read_either(columns, rows, handout)
+        if isinstance(fence, Exception):
+            raise fence
+        return values if self._scripts.fence_holds(fence, handout) else None
+
+    def _read_either(
+        self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
+    ) -> list[torch.Tensor | list[bytes | None]] | None:
+        got = self.read(columns, rows, handout) if handout is not None else self.read_now(columns, rows)
+        return None if got is None else list(got)
 
     def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
         expansions: list[list[int] | None] = []
@@ -368,6 +447,12 @@ class ShardedStore:
         for row, gen in zip(rows_of(handout.runs), _u32s(handout.generations)):
             self._seen[row] = (handout.epoch, gen)
         return values
+
+    def received(
+        self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
+    ) -> list[torch.Tensor | list[bytes | None]] | None:
+        got = self.read(columns, rows, handout) if handout is not None else self.read_now(columns, rows)
+        return None if got is None else list(got)  # bytes: the shards' replies come through fanout
 
     def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
         runs = runs_of(rows)
