@@ -5,11 +5,14 @@ Each module holds one concern; each imports only those above it (no cycles):
 
 - ``client.py``: ``Client``, what the broker talks to (one Redis server or a Redis Cluster).
 - ``deadlines.py``: a call's bound, per thread: ``call_deadline``, ``extend_call``, ``waiting_call``,
-  ``time_left``, ``slow_reply``, and ``_DeadlinePassed``, the error of a call cut by it.
+  ``time_left``, ``slow_reply``, ``in_thread`` (a call's bound carried to a helper thread), and
+  ``_DeadlinePassed``, the error of a call cut by it.
 - ``sizes.py``: the largest value a server takes (``value_limit``), and puts sent without knowing it
   (``sizes_unchecked``).
 - ``framing.py``: ``Framed``, a large value sent from its own buffers (no copy into the command), and the
   scatter-gather send.
+- ``replies.py``: replies read off a pooled connection by the caller, large values straight into its buffers
+  (``exchange``, ``RespReader``).
 - ``sockets.py``: the bounded connections (TCP, TLS and its handshake, unix socket), the errors they raise,
   and ``frames`` (whether a client's connections send ``Framed`` values uncopied).
 - ``retries.py``: the backoff that ends at the deadline, and the reconnect retry (``default_retry``).
@@ -36,6 +39,7 @@ The order, each line importing only from the lines above it::
     cluster      <- deadlines, sockets, retries, pools, urls, translate
     shared       <- client, deadlines, retries, pools, urls, translate, cluster
     fanout       <- client
+    replies      <- deadlines
     replication  <- client, deadlines, fanout
 
 This face re-exports what the rest of the broker imports from it; the package's own modules import from the
