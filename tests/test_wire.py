@@ -240,8 +240,8 @@ def test_a_slice_carries_the_group_fields_of_its_groups():
 
     n, rows = 2, list(range(8))
     row_value, group_value = Framed((b"r" * 100,)), Framed((b"g" * 150,))
-    put = PutRequest({"out": {str(r): row_value for r in rows}, "image": {group_field(g): group_value for g in range(4)}},
-                     runs_of(rows), {})
+    encoded = {"out": {str(r): row_value for r in rows}, "image": {group_field(g): group_value for g in range(4)}}
+    put = PutRequest(encoded, runs_of(rows), {})
     parts = slices(put, n, limit=2 * (2 * 100 + 150))  # two groups: their rows and their one image each
     assert [p.runs for p in parts] == [[0, 4], [4, 4]]
     assert [sorted(p.encoded["image"]) for p in parts] == [["g0", "g1"], ["g2", "g3"]]
@@ -290,7 +290,8 @@ def test_reads_receive_rows_straight_into_one_tensor(server_url, monkeypatch):
         # comes back as stack=True makes it of bytes: jagged; a row of another rank: the list.
         dock.put_experience({"b": [torch.ones(3)]}, indexes=[5])
         got = dock.read_rows(["b"], list(range(8)), stack=True)["b"].unbind()
-        assert got[5].tolist() == [1.0, 1.0, 1.0] and bits(got[4]) == bits(data["b"][4]) and bits(got[6]) == bits(data["b"][6])
+        assert got[5].tolist() == [1.0, 1.0, 1.0]
+        assert bits(got[4]) == bits(data["b"][4]) and bits(got[6]) == bits(data["b"][6])
         dock.put_experience({"b": [torch.ones(1, 3)]}, indexes=[5])
         got = dock.read_rows(["b"], list(range(8)), stack=True)["b"]
         assert isinstance(got, list) and got[5].tolist() == [[1.0, 1.0, 1.0]] and bits(got[0]) == bits(data["b"][0])
@@ -317,3 +318,21 @@ def test_a_corrupt_row_received_is_given_back_as_in_the_list_form(real_url):
         assert isinstance(batch["a"], torch.Tensor) and batch["a"].shape == (8, SEQ)
         dock.delete()
     admin.close()
+
+
+def test_a_helper_thread_runs_under_the_calls_deadline():
+    """The second lane of a put runs in a thread of its own: it must be cut at the call's deadline too."""
+    from broker.connection import call_deadline, time_left
+    from broker.connection.deadlines import in_thread
+
+    seen: list[float | None] = []
+    with call_deadline(5.0):
+        work = in_thread(lambda: seen.append(time_left()))
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen[0] is not None and 0 < seen[0] <= 5.0
+    plain = threading.Thread(target=lambda: seen.append(time_left()))
+    plain.start()
+    plain.join()
+    assert seen[1] is None  # a thread's bounds are its own

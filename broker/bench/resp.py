@@ -97,7 +97,9 @@ class RespConnection:
             kept = self._end - self._start
             self._buf[:kept] = self._buf[self._start : self._end]
             self._start, self._end = 0, kept
-        got = self.sock.recv_into(self._view[self._end :])
+        # A little at a time: what follows a bulk's length line is its payload, which _read_into receives
+        # straight into its destination; read here, it would be copied once more.
+        got = self.sock.recv_into(self._view[self._end : self._end + 512])
         if not got:
             raise ConnectionError("the server closed the connection")
         self._end += got
