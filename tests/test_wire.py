@@ -336,3 +336,20 @@ def test_a_helper_thread_runs_under_the_calls_deadline():
     plain.start()
     plain.join()
     assert seen[1] is None  # a thread's bounds are its own
+
+
+@pytest.mark.real
+def test_a_put_whose_first_slice_is_refused_sends_no_other(real_url, monkeypatch):
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 2 * SEQ * 4)  # one group per slice
+    admin = redis.Redis.from_url(real_url)
+    with small_dock(real_url, "wire-first", prompts=4, n=2, columns=("prompts", "out")) as dock:
+        dock.put_experience({"prompts": [torch.tensor([r]) for r in range(8)]}, indexes=list(range(8)))
+        _, handed = dock.get_experience("actor_train", ["prompts"], experience_count=8)
+        dock.clear(indexes=[0, 1])
+        admin.config_resetstat()
+        with pytest.raises(FencedError, match="no slice of this put landed"):
+            dock.put_experience({"out": _batch(8, columns=("out",))["out"]}, indexes=handed)
+        assert int(admin.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)) == 1
+        assert not dock.ready_rows(["out"])["out"].any()
+        dock.delete()
+    admin.close()

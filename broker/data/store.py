@@ -173,7 +173,10 @@ class SlotStore:
         # The first slice alone: a server that lost the scripts (NOSCRIPT, see run_pipeline) costs one slice
         # sent twice, not the batch. The others back to back, so the server writes one while the next travels.
         request_ids = [new_request_id() for _ in parts]
-        outcomes = [self._put_one(parts[0], request_ids[0]), *self._put_slices(parts[1:], request_ids[1:])]
+        first = self._put_one(parts[0], request_ids[0])
+        if first is not None:  # refused (fenced, the dock gone, ...): the other slices would be too
+            raise type(first)(f"{first}; no slice of this put landed") from first
+        outcomes = [first, *self._put_slices(parts[1:], request_ids[1:])]
         failed = [(i, o) for i, o in enumerate(outcomes) if o is not None]
         if failed:
             landed = [r for part, o in zip(parts, outcomes) if o is None for r in rows_of(part.runs)]
@@ -181,7 +184,6 @@ class SlotStore:
             note = (f"; rows {_few(landed)} of this put landed in its other slices" if landed
                     else "; no slice of this put landed")
             raise type(error)(f"{error}{note}") from error
-        return
 
     def _put_slices(self, parts: Sequence[PutRequest], request_ids: Sequence[str]) -> list[BaseException | None]:
         """Each of ``parts`` as its own MULTI, over ``PUT_LANES`` connections at once; the error of each that
