@@ -181,8 +181,9 @@ class SlotStore:
         if failed:
             landed = [r for part, o in zip(parts, outcomes) if o is None for r in rows_of(part.runs)]
             error = failed[0][1]
-            note = (f"; rows {_few(landed)} of this put landed in its other slices" if landed
-                    else "; no slice of this put landed")
+            slice_rows = _few(rows_of(parts[failed[0][0]].runs))
+            note = (f" (so said one slice of this put, of rows {slice_rows}; rows {_few(landed)} of this put landed "
+                    "in its other slices)" if landed else "; no slice of this put landed")
             raise type(error)(f"{error}{note}") from error
 
     def _put_slices(self, parts: Sequence[PutRequest], request_ids: Sequence[str]) -> list[BaseException | None]:
