@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-#: Buffers per sendmsg call; Linux's IOV_MAX is 1024.
-IOV_MAX = 1024
+from broker.connection.framing import send_gathered
+
 CRLF = b"\r\n"
 
 Value = bytes | memoryview
@@ -70,19 +70,8 @@ class RespConnection:
             self.call([b"SELECT", db.encode()])
 
     def send(self, parts: list[Value]) -> None:
-        """Send every buffer, in order, without joining them."""
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
-        i = 0
-        while i < len(views):
-            sent = self.sock.sendmsg(views[i : i + IOV_MAX])
-            while sent:
-                size = views[i].nbytes
-                if sent >= size:
-                    sent -= size
-                    i += 1
-                else:
-                    views[i] = views[i][sent:]
-                    sent = 0
+        """Send every buffer, in order, without joining them (scatter-gather, as the broker's connections do)."""
+        send_gathered(self.sock, [memoryview(p).cast("B") for p in parts if len(p)])
 
     def call(self, args: Sequence[Value]) -> Any:
         self.send(command_parts(args))

@@ -62,11 +62,6 @@ def has_framed(args: Iterable[Any]) -> bool:
     return any(type(a) is Framed for a in args)
 
 
-def unframed(args: Sequence[Any]) -> tuple[Any, ...]:
-    """``args`` with every ``Framed`` joined into bytes (for connections that do not frame)."""
-    return tuple(bytes(a) if type(a) is Framed else a for a in args)
-
-
 def pack(args: Sequence[Any], encode: Any) -> list[bytes | memoryview]:
     """RESP of one command whose arguments may be ``Framed``: small parts joined, large pieces left as they
     are. ``encode`` turns any other argument into bytes (the connection's encoder)."""
