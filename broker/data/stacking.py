@@ -74,9 +74,7 @@ def stacked(rows: Sequence[Checked]) -> torch.Tensor:
     else:
         out = torch.empty((sum(row.shape[0] for row in rows), *first.shape[1:]), dtype=first.dtype)
     if out.numel():
-        # A byte view of the fresh tensor (bool and bfloat16 included): each slice assignment is one memcpy
-        # from the reply bytes, with no tensor or array made per row.
-        target = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+        target = _bytes_of(out)  # each row one memcpy from the reply bytes
         at = 0
         for row in rows:
             size = len(row.value) - row.offset
@@ -167,7 +165,7 @@ def receive_column(reader: RespReader, *, where: str, fields: Sequence[str]) -> 
                 start, dtype, shape = layout
                 out = torch.empty((count, *shape), dtype=dtype)
                 size, prefix = length - start, value[:start]
-                target = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                target = _bytes_of(out)
                 target[:size] = memoryview(value)[start:]
                 continue
         values = _as_values(out, prefix, i)
@@ -206,6 +204,12 @@ def _as_values(out: torch.Tensor | None, prefix: bytes, count: int) -> list[byte
     """The first ``count`` rows received into ``out``, as the bytes they were sent as."""
     if out is None or not count:
         return []
-    raw = out.view(-1).view(torch.uint8).numpy()
+    raw = _bytes_of(out)
     size = raw.nbytes // len(out)
-    return [prefix + raw[i * size : (i + 1) * size].tobytes() for i in range(count)]
+    return [prefix + bytes(raw[i * size : (i + 1) * size]) for i in range(count)]
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a fresh tensor's memory (bool and bfloat16 included): slice assignments into
+    it are plain memcpys, with no tensor or array made per row."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
