@@ -366,6 +366,29 @@ class TransferDock:
                                   policy, lease, dp_size=dp_size, balance=balance, dp_padding=dp_padding,
                                   max_staleness=max_staleness, stack=stack)
 
+    def take(
+        self, consumer: str, indexes: Sequence[int], columns: Sequence[str] | None = None, *,
+        lease: float | None = None, exclusive: bool = False, name: str | None = None, name_ttl: float = 86400.0,
+    ) -> HandedRows | None:
+        """Hand rows ``indexes`` to ``consumer`` without reading them: the rows as their delivery.
+
+        For a reader that decides which rows to take from the status bitmaps and reads their bytes
+        later (``read_rows``), as TransferQueue's ``get_meta`` then ``get_data`` do. The rows must be
+        written in every column of ``columns`` (None: the consumer's registered columns), else
+        ExperienceTimeoutError names the missing cells and nothing is marked. ``lease`` as in
+        ``get_experience``.
+
+        ``exclusive=True`` makes it a compare-and-set: if another caller was handed one of the rows first
+        (and it was not given back), nothing is marked and it returns None; the caller reads the bitmaps
+        again and chooses other rows. Without it, taking rows already handed out marks them again.
+
+        ``name`` makes the take shared: the first take under that name (kept ``name_ttl`` seconds) hands
+        its rows out and records them in the same step; a later take under the name hands nothing out
+        and returns the recorded rows, whatever ``indexes`` it gives. The ranks of one data-parallel
+        group that must read the same batch use it.
+        """
+        return self._handouts.take(consumer, indexes, columns, lease, exclusive, name, name_ttl)
+
     def ack(self, consumer: str, indexes: Sequence[int], token: str | None = None) -> int:
         """Confirm that ``consumer`` is done with leased rows; returns how many this released.
 

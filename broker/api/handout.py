@@ -32,7 +32,7 @@ from broker.api.generation import AGE_COLUMN, AGES_KEY, Generation
 from broker.api.reads import Batch, RowReader, StackedBatch, Unreadable
 from broker.api.session import RACE_RETRIES, DockSession
 from broker.connection import LAST_TRY_SECONDS, extend_call, waiting_call
-from broker.control.scripts import Handout, Selection, new_request_id, rows_of, runs_of
+from broker.control.scripts import AlreadyTaken, Handout, Selection, new_request_id, rows_of, runs_of
 from broker.errors import DecodeError, ExperienceTimeoutError, InvalidExperienceError
 
 T = TypeVar("T")
@@ -179,11 +179,12 @@ class Handouts:
             for _ in range(_FENCE_RETRIES):
                 token = "r" + new_request_id() if lease_ms else ""
                 got = self._s.scripts.take(consumer, columns, runs, lease_ms=lease_ms, token=token)
-                if not isinstance(got, Handout):
+                if isinstance(got, dict):
                     for col, cells in got.items():  # the script goes by runs; report in the caller's order
                         unwritten = set(cells)
                         missing[col] = [r for r in rows if r in unwritten]
                     return None
+                assert isinstance(got, Handout)  # neither exclusive nor named: never refused
                 try:
                     batch = self._reader.read(columns, rows, got, call, stack)
                 except Unreadable as bad:  # give back only what this take handed out
@@ -279,6 +280,49 @@ class Handouts:
             return self._s.run(attempt)
 
         return self._s.listener.wait(attempt_in_time, timeout, _RECHECK_SECONDS)
+
+    def take(
+        self, consumer: str, indexes: Sequence[int], columns: Sequence[str] | None, lease: float | None,
+        exclusive: bool, name: str | None, name_ttl: float,
+    ) -> HandedRows | None:
+        """Hand explicit rows out without reading them (see ``TransferDock.take``)."""
+        with metrics.observe(self._s.name, "take") as call:
+            self._s.check.consumer(consumer)
+            if self._s.schema.rollout.partial and consumer == self._s.schema.rollout.consumer:
+                raise InvalidExperienceError(
+                    f"dock {self._s.name!r}: the rollout consumer of a partial-rollout dock samples its rows "
+                    "(oldest first); explicit indexes are not supported for it"
+                )
+            cols = self._s.check.columns_to_read(self.consumer_columns(consumer) if columns is None else columns)
+            lease_ms = check_lease(lease)
+            exclusive = check_flag("exclusive", exclusive)
+            if name is not None and (not isinstance(name, str) or not name or len(name) > 256):
+                raise InvalidExperienceError(f"name must be None or a non-empty str of at most 256 chars, "
+                                             f"got {name!r:.60}")
+            name_ms = check_lease(name_ttl) if name is not None else 0
+            if name is not None and not name_ms:
+                raise InvalidExperienceError(f"name_ttl must be > 0 seconds, got {name_ttl!r}")
+            rows = self._s.check.rows(indexes)
+            token = "r" + new_request_id() if lease_ms else ""
+
+            def take() -> HandedRows | AlreadyTaken | dict[str, list[int]]:
+                got = self._s.scripts.take(consumer, cols, runs_of(rows), lease_ms=lease_ms, token=token,
+                                           exclusive=exclusive, name=name or "", name_ms=name_ms, order=rows)
+                if isinstance(got, Handout):
+                    # A named take that found its record returns the recorded rows, in their order.
+                    handed = list(got.order) if got.recorded else rows
+                    return self._handed_out(handed, got, token, consumer)
+                return got
+
+            got = self._s.write("take", take, hands_out=True)
+            if isinstance(got, AlreadyTaken):
+                return None
+            if isinstance(got, dict):
+                detail = "; ".join(f"{col}: rows {abbrev(r)}" for col, r in got.items())
+                raise ExperienceTimeoutError(
+                    f"dock {self._s.name!r}, consumer {consumer!r}: rows not written: {detail}", got)
+            call.rows = len(got)
+            return got
 
     def all_consumed(self, consumer: str) -> bool:
         """Whether ``consumer`` was handed every row and acked every lease, after giving back expired ones."""

@@ -238,6 +238,10 @@ class DockKeys:
     def reply(self, request_id: str) -> str:
         return f"{self.base}reply:{request_id}"
 
+    def named(self, label: str) -> str:
+        """The record of a named take (lua/take.lua): the rows the first take under ``label`` handed out."""
+        return f"{self.base}named:{label}"
+
     @property
     def reply_pattern(self) -> str:
         """SCAN pattern of the replies the dock's sampling calls keep for retries."""

@@ -37,6 +37,7 @@ from broker.control.scripts.loader import (
 )
 from broker.control.scripts.pipelines import read_pipeline, run_pipeline
 from broker.control.scripts.results import (
+    AlreadyTaken,
     Fence,
     Finish,
     Forgot,
@@ -52,6 +53,7 @@ from broker.control.scripts.status import StatusScript
 
 __all__ = [
     "ALLOW_OOM",
+    "AlreadyTaken",
     "REPLY_TTL_MS",
     "SCRIPT_FILES",
     "DockScripts",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from broker.control.scripts.base import ScriptsBase
-from broker.control.scripts.results import Handout, Sampled, Selection, numbers_of
+from broker.control.scripts.results import AlreadyTaken, Handout, Sampled, Selection, numbers_of, runs_of
 
 
 class HandOutScripts(ScriptsBase):
@@ -54,15 +54,28 @@ class HandOutScripts(ScriptsBase):
         return Sampled(Handout(runs, int(reply[0]), reply[1], numbers_of(reply[2])), stale)
 
     def take(
-        self, consumer: str, columns: Sequence[str], runs: Sequence[int], *, lease_ms: int, token: str
-    ) -> Handout | dict[str, list[int]]:
-        """Mark rows ``runs`` handed to ``consumer`` if written in every column; else the missing cells."""
+        self, consumer: str, columns: Sequence[str], runs: Sequence[int], *, lease_ms: int, token: str,
+        exclusive: bool = False, name: str = "", name_ms: int = 0, order: Sequence[int] = (),
+    ) -> Handout | AlreadyTaken | dict[str, list[int]]:
+        """Mark rows ``runs`` handed to ``consumer`` if written in every column; else the missing cells.
+
+        ``exclusive``: refuse (AlreadyTaken, nothing marked) if one of them was handed to it already.
+        ``name`` (kept ``name_ms``): the first take under a name records its rows, later ones get those
+        rows back, in the ``order`` it gave (a Handout ``recorded``, ``fresh`` empty) and hand nothing out.
+        """
         k = self._keys
         keys = [k.meta, *self._consumer_keys(consumer), k.redelivered(consumer), k.epoch, k.generations,
-                *(k.ready(c) for c in columns)]
-        reply = self._once("take", keys, [self._expected, self._n, lease_ms, token, *runs])
+                k.named(name), *(k.ready(c) for c in columns)]
+        reply = self._once("take", keys, [self._expected, self._n, lease_ms, token, int(exclusive),
+                                          name_ms if name else 0, ",".join(map(str, order)) if name else "",
+                                          *runs])
         if reply[0] == 1:
             return Handout(tuple(runs), int(reply[1]), reply[2], fresh=numbers_of(reply[3]))
+        if reply[0] == 2:
+            return AlreadyTaken(numbers_of(reply[1]))
+        if reply[0] == 3:
+            order = numbers_of(reply[3])
+            return Handout(tuple(runs_of(order)), int(reply[1]), reply[2], fresh=(), recorded=True, order=order)
         missing: dict[str, list[int]] = {}
         for pos, row in zip(reply[1::2], reply[2::2]):
             missing.setdefault(columns[int(pos) - 1], []).append(int(row))

@@ -28,6 +28,13 @@ def rows_of(runs: Sequence[int]) -> list[int]:
 
 
 @dataclass(frozen=True)
+class AlreadyTaken:
+    """An exclusive take's refusal (lua/take.lua): these of its rows were handed to the consumer already."""
+
+    rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Handout:
     """Rows a sample or take handed out, with what their read checks (see lua/include/generations.lua).
 
@@ -43,6 +50,10 @@ class Handout:
     #: The rows this call handed out that were not handed out before (what it gives back if it cannot
     #: deliver); None: all of them (sampling only hands out rows not handed out).
     fresh: tuple[int, ...] | None = None
+    #: A named take found the record of an earlier take under its name: these are the recorded rows,
+    #: ``order`` the order its first caller gave them in.
+    recorded: bool = False
+    order: tuple[int, ...] = ()
 
     def only(self, rows: Sequence[int]) -> Handout:
         """The handout of ``rows`` alone (rows of this one): their runs and generations."""
