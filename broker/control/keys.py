@@ -238,6 +238,39 @@ class DockKeys:
     def reply(self, request_id: str) -> str:
         return f"{self.base}reply:{request_id}"
 
+    # The TransferQueue adapter's keys (broker/adapters/transfer_queue): its samples are rows of this dock.
+
+    @property
+    def tq_next(self) -> str:
+        return self.base + "tq:next"
+
+    @property
+    def tq_free(self) -> str:
+        return self.base + "tq:free"
+
+    @property
+    def tq_partitions(self) -> str:
+        return self.base + "tq:partitions"
+
+    @property
+    def tq_conf(self) -> str:
+        return self.base + "tq:conf"
+
+    def tq_rows(self, partition: str) -> str:
+        return f"{self.base}tq:rows:{partition}"
+
+    def tq_keys(self, partition: str) -> str:
+        return f"{self.base}tq:keys:{partition}"
+
+    def tq_rkeys(self, partition: str) -> str:
+        return f"{self.base}tq:rkeys:{partition}"
+
+    def tq_tags(self, partition: str) -> str:
+        return f"{self.base}tq:tags:{partition}"
+
+    def tq_fields(self, partition: str) -> str:
+        return f"{self.base}tq:fields:{partition}"
+
     def named(self, label: str) -> str:
         """The record of a named take (lua/take.lua): the rows the first take under ``label`` handed out."""
         return f"{self.base}named:{label}"
@@ -324,6 +357,20 @@ def key_layout() -> list[KeyRow]:
                "CONSUMER (its bytes failed `dead_letter_after` reads)"),
         KeyRow(k.reply("REQUEST"), "string", "the reply of a call that changed the dock, kept 60 s so that a "
                "resend gets it instead of applying twice"),
+        KeyRow(k.named("LABEL"), "string", "a named `take`'s rows (`start,length,...|row,row,...`), kept until its "
+               "time to live (a day by default): what later takes under LABEL get"),
+        KeyRow(k.tq_next, "string", "TransferQueue adapter: rows below it have held samples"),
+        KeyRow(k.tq_free, "list", "TransferQueue adapter: rows released by clears, oldest first; new samples take "
+               "them first"),
+        KeyRow(k.tq_partitions, "hash", "TransferQueue adapter: partition → when it was created (ms)"),
+        KeyRow(k.tq_conf, "string", "TransferQueue adapter: the system's configuration (JSON), written by the first "
+               "`init`"),
+        KeyRow(k.tq_rows("P"), "bitmap", "TransferQueue adapter: bit i set when row i holds a sample of partition P"),
+        KeyRow(k.tq_keys("P"), "hash", "TransferQueue adapter: user key → row, in partition P"),
+        KeyRow(k.tq_rkeys("P"), "hash", "TransferQueue adapter: row → user key, in partition P"),
+        KeyRow(k.tq_tags("P"), "hash", "TransferQueue adapter: row → the sample's tags / custom meta (msgpack)"),
+        KeyRow(k.tq_fields("P"), "hash", "TransferQueue adapter: field → its schema in partition P (msgpack: dtype, "
+               "shape, nested, non-tensor)"),
         KeyRow(k.gate, "string", "a put's verdict (`put` to `bar`); exists only inside the put's MULTI/EXEC"),
         KeyRow(k.aside(column), "hash", "a data hash `bar` sets aside while a refused put's HSETs fail; exists "
                "only inside the put's MULTI/EXEC"),

@@ -30,6 +30,7 @@ CLIENT_COMMANDS = (
     "hset", "hget", "hmget", "hgetall", "hlen", "bitcount", "bitfield", "zcard", "get", "del", "subscribe",
     "unsubscribe", "hdel", "unlink", "incr", "wait",  # the data shards' puts and clears, wait_replicas
     "info",  # opening a dock reads maxmemory_policy (control/server_checks.py); wait_replicas, the replicas' state
+    "hkeys",  # the TransferQueue adapter's partition list
 )
 
 #: Commands the Lua scripts in lua/ call.
@@ -37,6 +38,7 @@ SCRIPT_COMMANDS = (
     "type", "exists", "time", "hset", "hget", "hmget", "hgetall", "hdel", "hlen", "get", "set", "del", "incr", "incrby",
     "strlen", "setrange", "getrange", "bitfield", "bitop", "bitpos", "bitcount", "zadd", "zrem", "zcard",
     "zrangebyscore", "publish", "getbit", "setbit", "hincrby", "rename", "zcount", "zscore",
+    "hexists", "llen", "lpop", "rpush",  # the TransferQueue adapter's free rows (tq_rows, tq_release)
 )
 
 

@@ -47,6 +47,8 @@ SCRIPT_FILES = {
     "unready": "unready.lua",
     "status": "status.lua",
     "mark": "mark.lua",
+    "tq_rows": "tq_rows.lua",
+    "tq_release": "tq_release.lua",
 }
 
 #: How long a script keeps its reply for a resend of the same call (lua/include/once.lua). A resend

@@ -1,0 +1,362 @@
+"""``TransferQueueClient``: TransferQueue's low-level client on the broker (``get_meta``, ``put``, ``get_data``,
+statuses, clears), and ``AsyncTransferQueueClient``, the same as coroutines.
+
+Every call goes to Redis from the caller's process; there is no controller. A sampler runs here over the rows
+Redis says are ready and unconsumed, and its choice is taken atomically (``System.claim``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from broker.adapters.transfer_queue import tensors
+from broker.adapters.transfer_queue.metadata import BatchMeta
+from broker.adapters.transfer_queue.sampler import BaseSampler
+from broker.adapters.transfer_queue.system import SampleNotFoundError, System
+from broker.api.delivery import HandedRows, LeasedRows
+from broker.errors import ExperienceTimeoutError, InvalidExperienceError
+
+MODES = ("fetch", "force_fetch", "insert")
+
+#: Where a leased get_meta keeps its delivery in the BatchMeta's extra_info.
+DELIVERY = "broker_delivery"
+
+
+class TransferQueueClient:
+    """TransferQueue's client: one per process (``broker.transfer_queue.get_client()``), safe from many threads."""
+
+    def __init__(self, system: System, sampler: BaseSampler, *, polling_mode: bool = False,
+                 get_meta_timeout: float = 5.0, lease: float | None = None, client_id: str = "client"):
+        self.client_id = client_id
+        self._system, self._sampler = system, sampler
+        self._polling, self._timeout, self._lease = polling_mode, get_meta_timeout, lease
+
+    @property
+    def system(self) -> System:
+        return self._system
+
+    # -- reading what to read -----------------------------------------------------------------------------
+
+    def get_meta(
+        self,
+        data_fields: list[str],
+        batch_size: int | None = None,
+        partition_id: str | None = None,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: dict[str, Any] | None = None,
+        *,
+        lease: float | None = None,
+    ) -> BatchMeta:
+        """Which rows to read (``fetch``: chosen by the sampler among those produced in ``data_fields`` and not
+        consumed by ``task_name``, and now consumed by it; ``force_fetch``: every row of the partition;
+        ``insert``: ``batch_size`` new rows to put into).
+
+        ``fetch`` waits up to ``broker.get_meta_timeout`` seconds for enough rows, then raises TimeoutError
+        (with ``polling_mode``: returns an empty BatchMeta at once). ``lease`` (seconds; default the conf's
+        ``broker.lease``): the rows come back to other readers unless ``ack(meta)`` comes in time — a reader
+        that dies loses nothing. The meta's ``extra_info["broker_delivery"]`` carries the lease; a ``put`` with
+        this meta writes only while the lease is this reader's, and acks it.
+        """
+        if mode not in MODES:
+            raise InvalidExperienceError(f"mode must be one of {MODES}, got {mode!r}")
+        fields = _names("data_fields", data_fields, allow_empty=mode == "force_fetch")
+        partition = _partition(partition_id)
+        system = self._system
+        if mode == "insert":
+            count = _count(batch_size)
+            rows = system.new_rows(partition, count)
+            return self._meta(partition, rows, fields)
+        if mode == "force_fetch":
+            rows = system.partition_rows(partition)
+            return self._meta(partition, rows, fields or list(system.field_schema(partition)))
+        count = _count(batch_size)
+        if not isinstance(task_name, str) or not task_name:
+            raise InvalidExperienceError(f"get_meta(mode='fetch') needs a task_name, got {task_name!r}")
+        config = dict(sampling_config or {})
+        lease = self._lease if lease is None else lease
+        name = None
+        if config.get("dp_rank") is not None:  # the ranks of one DP group share one choice per batch
+            name = f"{partition}|{task_name}|{config.get('dp_rank')}|{config.get('batch_index')}"
+
+        def choose(ready: list[int]) -> tuple[list[int], list[int]]:
+            if len(ready) < count and not self._cached(partition, task_name, config):
+                return [], []
+            sampled, consumed = self._sampler(ready, count, task_name=task_name, partition_id=partition, **config)
+            return list(sampled), list(consumed)
+
+        deadline = time.monotonic() + self._timeout
+        got: list[tuple[list[int], HandedRows | None]] = []
+
+        def attempt() -> bool:
+            sampled, handed = system.claim(partition, fields, task_name, choose, lease=lease, name=name)
+            if sampled:
+                got.append((sampled, handed))
+            return bool(sampled)
+
+        if not system.wait_ready(deadline if not self._polling else time.monotonic(), attempt):
+            if self._polling:
+                return BatchMeta.empty()
+            have = len(system.ready_unconsumed(partition, fields, task_name))
+            raise ExperienceTimeoutError(
+                f"partition {partition!r}, task {task_name!r}: {count} samples with fields {fields} wanted, "
+                f"{have} ready within {self._timeout} s (broker.get_meta_timeout)", {})
+        sampled, handed = got[0]
+        meta = self._meta(partition, sampled, fields)
+        if isinstance(handed, LeasedRows):
+            # The delivery fences the reader's put of its results into these rows (a reader whose lease ran
+            # out, its rows handed to another, cannot write them), and that put acks the lease.
+            meta.extra_info[DELIVERY] = handed
+        return meta
+
+    def _cached(self, partition: str, task: str, config: Mapping[str, Any]) -> bool:
+        return bool(self._sampler.has_cached_result(partition, task, dict(config)))
+
+    def _meta(self, partition: str, rows: list[int], fields: Sequence[str]) -> BatchMeta:
+        system = self._system
+        schema = system.field_schema(partition, list(fields))
+        status = system.produced(partition, rows, list(fields)) if fields else np.zeros(len(rows), dtype=np.int8)
+        return BatchMeta(global_indexes=rows, partition_ids=[partition] * len(rows), field_schema=schema,
+                         production_status=status, custom_meta=system.tags(partition, rows))
+
+    def ack(self, metadata: BatchMeta) -> int:
+        """End the lease ``get_meta(lease=...)`` took on these rows: for a reader that writes no result into
+        them (a put with this metadata acks them itself). Returns how many rows it released."""
+        delivery = metadata.extra_info.get(DELIVERY)
+        if not isinstance(delivery, LeasedRows):
+            return 0
+        return self._system.dock.ack(delivery.consumer, list(metadata.global_indexes), delivery.token)
+
+    # -- data ----------------------------------------------------------------------------------------------------
+
+    def put(self, data: Any, metadata: BatchMeta | None = None, partition_id: str | None = None,
+            data_parser: Callable[[Any], Any] | None = None) -> BatchMeta:
+        """Write ``data`` (a TensorDict, one row per sample) into the rows of ``metadata``, or into new rows of
+        ``partition_id``; returns the metadata of the rows, their fields now produced."""
+        size = tensors.batch_size_of(data)
+        if data_parser is not None:
+            raise InvalidExperienceError("data_parser is a SimpleStorage hook TransferQueue applies in its storage "
+                                         "units; parse the data before the put here")
+        if metadata is None:
+            partition = _partition(partition_id)
+            rows = self._system.new_rows(partition, size)
+            custom: list[dict[str, Any]] = [{} for _ in rows]
+        else:
+            if metadata.size != size:
+                raise InvalidExperienceError(f"data has {size} rows, metadata {metadata.size}")
+            partitions = set(metadata.partition_ids)
+            if len(partitions) > 1:
+                raise InvalidExperienceError(f"metadata spans partitions {sorted(partitions)}; put each alone "
+                                             "(BatchMeta.chunk_by_partition)")
+            partition = _partition(partition_id or (metadata.partition_ids[0] if size else None))
+            rows = list(metadata.global_indexes)
+            custom = list(metadata.custom_meta)
+        delivery = metadata.extra_info.get(DELIVERY) if metadata is not None else None
+        self.write(partition, rows, data, delivery if isinstance(delivery, HandedRows) else None)
+        if any(custom):
+            self._system.set_tags(partition, rows, custom)
+        meta = self._meta(partition, rows, tensors.field_names(data))
+        if metadata is not None:
+            meta.extra_info.update(metadata.extra_info)
+            wider = {**{f: s for f, s in metadata.field_schema.items()}, **meta.field_schema}
+            meta = BatchMeta(meta.global_indexes, meta.partition_ids, wider,
+                             self._system.produced(partition, rows, list(wider)), meta.extra_info, meta.custom_meta)
+        return meta
+
+    def write(self, partition: str, rows: list[int], data: Any, delivery: HandedRows | None = None) -> None:
+        """The put itself: record the fields' schema, grow the dock by new fields, write the rows (fenced by
+        ``delivery``, the leased rows they were read as, when given)."""
+        if not rows:
+            return
+        schema = tensors.field_schema(data)
+        columns = tensors.columns_of(data, len(rows))
+        self._system.ensure_fields(list(columns))
+        self._system.record_schema(partition, schema)
+        self._system.dock.put_experience(columns, rows, delivery=delivery)
+
+    def get_data(self, metadata: BatchMeta) -> Any:
+        """The rows of ``metadata``, the fields it names, as a TensorDict in its order."""
+        if metadata.size == 0:
+            return tensors.assemble({}, 0, {})
+        partition = _partition(metadata.partition_ids[0])
+        return self.read(partition, list(metadata.global_indexes), list(metadata.field_names))
+
+    def read(self, partition: str, rows: list[int], fields: list[str]) -> Any:
+        system = self._system
+        schema = system.field_schema(partition, fields)
+        missing = [f for f in fields if f not in schema]
+        if missing:
+            raise SampleNotFoundError(f"partition {partition!r} has no field {missing} (it has "
+                                      f"{sorted(system.field_schema(partition))})")
+        for field, ok in zip(fields, system.produced_each(partition, rows, fields)):
+            if not ok.all():
+                unready = [r for r, o in zip(rows, ok) if not o]
+                raise SampleNotFoundError(f"partition {partition!r}: field {field!r} is not produced for "
+                                          f"global indexes {unready[:8]}")
+        columns = system.dock.read_rows(fields, rows, stack=True)
+        return tensors.assemble(columns, len(rows), schema)
+
+    def set_custom_meta(self, metadata: BatchMeta) -> None:
+        """Store each sample's ``custom_meta`` (TransferQueue's per-sample metadata; the KV API's tags)."""
+        for partition, meta in _by_partition(metadata):
+            self._system.set_tags(partition, list(meta.global_indexes), list(meta.custom_meta), merge=False)
+
+    # -- clearing -------------------------------------------------------------------------------------------
+
+    def clear_partition(self, partition_id: str) -> None:
+        partition = _partition(partition_id)
+        self._system.release(partition, None)
+        self._sampler.clear_cache(partition)
+
+    def clear_samples(self, metadata: BatchMeta) -> None:
+        for partition, meta in _by_partition(metadata):
+            self._system.release(partition, list(meta.global_indexes))
+
+    # -- status ----------------------------------------------------------------------------------------------
+
+    def get_consumption_status(self, task_name: str, partition_id: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The partition's global indexes and, per index, 1 if ``task_name`` consumed it."""
+        partition = _partition(partition_id)
+        members, consumed = self._status(partition, [], task_name)
+        rows = np.flatnonzero(members)
+        return torch.as_tensor(rows, dtype=torch.long), torch.as_tensor(_at(consumed, rows), dtype=torch.int8)
+
+    def get_production_status(self, data_fields: list[str], partition_id: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The partition's global indexes and, per index, 1 if every one of ``data_fields`` is produced."""
+        partition = _partition(partition_id)
+        fields = _names("data_fields", data_fields)
+        members, *ready = self._system.status(partition, fields, None)
+        rows = np.flatnonzero(members)
+        status = np.ones(len(rows), dtype=np.int8)
+        for bits in ready:
+            status &= _at(bits, rows)
+        return torch.as_tensor(rows, dtype=torch.long), torch.as_tensor(status, dtype=torch.int8)
+
+    def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        rows, status = self.get_consumption_status(task_name, partition_id)
+        return bool(rows is not None and status is not None and len(rows) > 0 and bool(status.all()))
+
+    def check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
+        rows, status = self.get_production_status(data_fields, partition_id)
+        return bool(rows is not None and status is not None and len(rows) > 0 and bool(status.all()))
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        """Offer the partition's rows again to ``task_name`` (None: every task)."""
+        partition = _partition(partition_id)
+        rows = self._system.partition_rows(partition)
+        if not rows:
+            return True
+        tasks = [task_name] if task_name is not None else [t for t in self._system.dock.consumers]
+        for task in tasks:
+            if task in self._system.dock.consumers:
+                self._system.dock.reset_consumer(task, rows)
+        return True
+
+    def _status(self, partition: str, fields: list[str], task: str) -> tuple[np.ndarray, np.ndarray]:
+        if task not in self._system.dock.consumers:
+            members = self._system.status(partition, [], None)[0]
+            return members, np.zeros(len(members), dtype=bool)
+        members, consumed = self._system.status(partition, [], task)
+        return members, consumed
+
+    def get_partition_list(self) -> list[str]:
+        return self._system.partitions()
+
+    # -- keys ---------------------------------------------------------------------------------------------------
+
+    def kv_retrieve_meta(self, keys: list[str] | str, partition_id: str, create: bool = False) -> BatchMeta:
+        """The metadata of the samples of ``keys`` (``create``: new rows for new keys)."""
+        partition = _partition(partition_id)
+        keys = _keys(keys)
+        rows = self._system.rows_for_keys(partition, keys) if create else self._system.rows_of_keys(partition, keys)
+        fields = list(self._system.field_schema(partition))
+        produced = [f for f in fields if rows and bool(self._system.produced(partition, rows, [f]).all())]
+        return self._meta(partition, rows, produced)
+
+    def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str | None]:
+        partition = _partition(partition_id)
+        rows = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
+        return self._system.keys_of_rows(partition, rows)
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+        partitions = self._system.partitions() if partition_id is None else [_partition(partition_id)]
+        return {p: self._system.listing(p) for p in partitions}
+
+    def close(self) -> None:
+        """Nothing to stop: the process's connections close with ``broker.transfer_queue.close()``."""
+
+
+class AsyncTransferQueueClient(TransferQueueClient):
+    """The client's calls as coroutines (``async_get_meta``, ``async_put``, ...), each run on a thread."""
+
+
+def _async(name: str) -> Callable[..., Any]:
+    sync = getattr(TransferQueueClient, name)
+
+    @functools.wraps(sync)
+    async def call(self: TransferQueueClient, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(sync, self, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"async_{name}"
+    return call
+
+
+for _name in ("get_meta", "put", "get_data", "set_custom_meta", "clear_partition", "clear_samples",
+              "get_consumption_status", "get_production_status", "check_consumption_status",
+              "check_production_status", "reset_consumption", "get_partition_list", "kv_retrieve_meta",
+              "kv_retrieve_keys", "kv_list", "ack"):
+    setattr(TransferQueueClient, f"async_{_name}", _async(_name))
+
+
+def _at(bits: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``bits`` at ``rows`` as int8, rows past the bitmap's end being 0."""
+    out = np.zeros(len(rows), dtype=np.int8)
+    inside = rows < len(bits)
+    out[inside] = bits[rows[inside]]
+    return out
+
+
+def _by_partition(metadata: BatchMeta) -> list[tuple[str, BatchMeta]]:
+    if metadata.size == 0:
+        return []
+    return [(_partition(m.partition_ids[0]), m) for m in metadata.chunk_by_partition()]
+
+
+def _partition(partition_id: Any) -> str:
+    if not isinstance(partition_id, str) or not partition_id or len(partition_id) > 256:
+        raise InvalidExperienceError(f"partition_id must be a non-empty str of at most 256 chars, got "
+                                     f"{partition_id!r:.60}")
+    return partition_id
+
+
+def _names(what: str, names: Any, allow_empty: bool = False) -> list[str]:
+    if isinstance(names, str):
+        names = [names]
+    if names is None and allow_empty:
+        return []
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise InvalidExperienceError(f"{what} must be a list of field names, got {names!r:.80}")
+    if not names and not allow_empty:
+        raise InvalidExperienceError(f"{what} must name at least one field")
+    return list(names)
+
+
+def _keys(keys: Any) -> list[str]:
+    if isinstance(keys, str):
+        return [keys]
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k for k in keys):
+        raise InvalidExperienceError(f"keys must be a str or a list of non-empty str, got {keys!r:.80}")
+    return list(keys)
+
+
+def _count(batch_size: Any) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidExperienceError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return batch_size

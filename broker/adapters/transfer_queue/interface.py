@@ -1,0 +1,378 @@
+"""TransferQueue's module-level API on the broker: ``init`` / ``close``, the KV interface (``kv_put``,
+``kv_batch_put``, ``kv_batch_get``, ``kv_batch_get_by_meta``, ``kv_list``, ``kv_clear`` and their ``async_``
+twins) and ``get_client``.
+
+``init`` finds Redis, in this order: the conf's ``broker.url``; ``$REDIS_URL``; the system an earlier
+``init`` published (a Ray actor named ``TransferQueueController`` in namespace ``transfer_queue`` when Ray is
+running, as TransferQueue's tutorials look it up; else a file in this machine's temporary folder); else it
+starts a private redis-server (``broker.ops.local_redis``) that lives until this process calls ``close()``
+or exits. The first ``init`` writes the conf to Redis; later ones, in other processes or on other machines,
+attach and read it (their own conf is ignored then, as in TransferQueue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from broker.adapters.transfer_queue import sampler as samplers
+from broker.adapters.transfer_queue import tensors
+from broker.adapters.transfer_queue.client import TransferQueueClient, _keys, _partition
+from broker.adapters.transfer_queue.config import capacity_of, merged
+from broker.adapters.transfer_queue.metadata import KVBatchMeta
+from broker.adapters.transfer_queue.sampler import BaseSampler
+from broker.adapters.transfer_queue.system import System, dock_name
+from broker.errors import BrokerError, InvalidExperienceError, SchemaError
+from broker.ops.local_redis import RedisServer
+
+log = logging.getLogger(__name__)
+
+#: The Ray actor TransferQueue's tutorials look up for the conf (``ray.get_actor(NAME, namespace=...)``).
+CONTROLLER_NAME, CONTROLLER_NAMESPACE = "TransferQueueController", "transfer_queue"
+
+
+class _Process:
+    """This process's attachment: the conf, the system, the client, and the server it started, if any."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.conf: dict[str, Any] | None = None
+        self.system: System | None = None
+        self.client: TransferQueueClient | None = None
+        self.server: RedisServer | None = None
+        self.published: Path | None = None
+        self.controller: Any = None
+
+
+_P = _Process()
+
+
+def init(conf: Any = None) -> Any:
+    """Start the system, or attach to the one already running; returns the conf in effect."""
+    with _P.lock:
+        if _P.client is not None:
+            return _as_given(_P.conf, conf)
+        wanted = merged(conf)
+        url, published = _find(wanted)
+        namespace = wanted["broker"]["namespace"]
+        stored = _stored_conf(url, namespace)
+        effective = stored if stored is not None else wanted
+        effective["broker"]["url"] = url
+        system = System(url, namespace, capacity_of(effective), float(effective["broker"]["call_timeout"]))
+        if stored is None:
+            _store_conf(system, effective)
+        _P.conf, _P.system = effective, system
+        _P.client = TransferQueueClient(
+            system, _sampler_of(conf, effective), polling_mode=bool(effective["controller"]["polling_mode"]),
+            get_meta_timeout=float(effective["broker"]["get_meta_timeout"]), lease=effective["broker"]["lease"])
+        if not published:
+            _publish(effective)
+        if effective["metrics"].get("enabled"):
+            _start_metrics(effective)
+        return _as_given(effective, conf)
+
+
+def close() -> None:
+    """Detach this process; the process that started the private redis-server stops it (and its data)."""
+    with _P.lock:
+        if _P.system is not None:
+            _P.system.close()
+        if _P.controller is not None:
+            try:
+                import ray
+
+                ray.kill(_P.controller)
+            except Exception as exc:  # Ray already shut down: nothing left to stop
+                log.debug("could not stop the %s actor: %s", CONTROLLER_NAME, exc)
+        if _P.published is not None:
+            _P.published.unlink(missing_ok=True)
+        if _P.server is not None:
+            _P.server.stop()
+        _P.__init__()  # type: ignore[misc]
+
+
+def get_client() -> TransferQueueClient:
+    """This process's client (``init`` first)."""
+    if _P.client is None:
+        raise BrokerError("broker.transfer_queue is not initialized in this process: call init() first")
+    return _P.client
+
+
+def get_metrics_endpoint() -> str | None:
+    """``host:port`` of this process's /metrics endpoint, if ``metrics.enabled``."""
+    conf = _P.conf or {}
+    endpoint = conf.get("metrics", {}).get("endpoint")
+    return str(endpoint) if endpoint else None
+
+
+# -- the KV interface ---------------------------------------------------------------------------------------
+
+
+def kv_put(key: str, partition_id: str, fields: Any = None, tag: Mapping[str, Any] | None = None,
+           data_parser: Any = None) -> KVBatchMeta:
+    """Put one sample (``fields``: a TensorDict of batch 1 or a dict of per-sample values) and/or its tag."""
+    if fields is not None and not tensors.is_tensordict(fields):
+        fields = tensors.batch_of_one(fields)
+    return kv_batch_put([key], partition_id, fields, None if tag is None else [dict(tag)], data_parser)
+
+
+def kv_batch_put(keys: list[str], partition_id: str, fields: Any = None, tags: list[dict[str, Any]] | None = None,
+                 data_parser: Any = None) -> KVBatchMeta:
+    """Put samples by key: ``fields`` (a TensorDict, one row per key) and/or ``tags`` (one dict per key).
+
+    A key new to the partition gets a row; an existing key keeps its row, and new fields add columns to it.
+    Tags are merged over the key's earlier tags.
+    """
+    client = get_client()
+    keys = _keys(keys)
+    partition = _partition(partition_id)
+    if fields is None and tags is None:
+        raise InvalidExperienceError("kv_batch_put needs fields, tags, or both")
+    if fields is not None and tensors.batch_size_of(fields) != len(keys):
+        raise InvalidExperienceError(f"{len(keys)} keys but fields hold {tensors.batch_size_of(fields)} rows")
+    if tags is not None and (not isinstance(tags, (list, tuple)) or len(tags) != len(keys)):
+        raise InvalidExperienceError(f"tags must be a list of one dict per key ({len(keys)}), got {tags!r:.80}")
+    if len(set(keys)) != len(keys):
+        raise InvalidExperienceError("keys must be distinct")
+    if data_parser is not None:
+        raise InvalidExperienceError("data_parser is a SimpleStorage hook; parse the data before the put here")
+    system = client.system
+    rows = system.rows_for_keys(partition, keys)
+    if fields is not None:
+        client.write(partition, rows, fields)
+    if tags is not None:  # after the data: a reader that polls the tags finds the data there
+        system.set_tags(partition, rows, tags)
+    schema = system.field_schema(partition)
+    ready = system.produced_each(partition, rows, list(schema))
+    produced = [f for f, ok in zip(schema, ready) if ok.all()]
+    return KVBatchMeta(keys=list(keys), tags=system.tags(partition, rows), partition_id=partition, fields=produced)
+
+
+def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> Any:
+    """The samples of ``keys`` as a TensorDict in their order (``select_fields``: these fields; None: all)."""
+    client = get_client()
+    keys = _keys(keys)
+    partition = _partition(partition_id)
+    rows = client.system.rows_of_keys(partition, keys)
+    if select_fields is None:
+        fields = list(client.system.field_schema(partition))
+    else:
+        fields = [select_fields] if isinstance(select_fields, str) else list(select_fields)
+    return client.read(partition, rows, fields)
+
+
+def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> Any:
+    """``kv_batch_get`` of a KVBatchMeta's keys and partition (its fields unless ``select_fields``)."""
+    if meta.partition_id is None:
+        raise InvalidExperienceError("the KVBatchMeta names no partition_id")
+    fields: Any = select_fields
+    if fields is None:
+        fields = list(meta.fields or [])
+    elif meta.fields is not None:
+        wanted = [fields] if isinstance(fields, str) else list(fields)
+        unknown = [f for f in wanted if f not in meta.fields]
+        if unknown:
+            raise InvalidExperienceError(f"select_fields {unknown} are not among the meta's fields {meta.fields}")
+    if not fields:
+        return kv_batch_get(list(meta.keys), meta.partition_id, None)
+    return kv_batch_get(list(meta.keys), meta.partition_id, fields)
+
+
+def kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+    """``{partition: {key: tags}}`` of one partition, or of all."""
+    return get_client().kv_list(partition_id)
+
+
+def kv_clear(keys: list[str] | str, partition_id: str) -> None:
+    """End the samples of ``keys``: their data, status and tags; their rows go to new samples."""
+    client = get_client()
+    partition = _partition(partition_id)
+    keys = _keys(keys)
+    got = client.system.run("kv_clear", lambda: client.system.client.hmget(client.system.keys.tq_keys(partition),
+                                                                            keys))
+    rows = [int(r) for r in got if r is not None]  # a key cleared already is not an error, as in TransferQueue
+    if rows:
+        client.system.release(partition, rows)
+
+
+async def async_kv_put(*args: Any, **kwargs: Any) -> KVBatchMeta:
+    return await asyncio.to_thread(kv_put, *args, **kwargs)
+
+
+async def async_kv_batch_put(*args: Any, **kwargs: Any) -> KVBatchMeta:
+    return await asyncio.to_thread(kv_batch_put, *args, **kwargs)
+
+
+async def async_kv_batch_get(*args: Any, **kwargs: Any) -> Any:
+    return await asyncio.to_thread(kv_batch_get, *args, **kwargs)
+
+
+async def async_kv_batch_get_by_meta(*args: Any, **kwargs: Any) -> Any:
+    return await asyncio.to_thread(kv_batch_get_by_meta, *args, **kwargs)
+
+
+async def async_kv_list(*args: Any, **kwargs: Any) -> dict[str, dict[str, Any]]:
+    return await asyncio.to_thread(kv_list, *args, **kwargs)
+
+
+async def async_kv_clear(*args: Any, **kwargs: Any) -> None:
+    await asyncio.to_thread(kv_clear, *args, **kwargs)
+
+
+# -- finding Redis --------------------------------------------------------------------------------------------
+
+
+def _find(conf: dict[str, Any]) -> tuple[str, bool]:
+    """The Redis URL to use, and whether it was found published by another process (True) or not."""
+    if conf["broker"]["url"]:
+        return str(conf["broker"]["url"]), False
+    if os.environ.get("REDIS_URL"):
+        return os.environ["REDIS_URL"], False
+    namespace = conf["broker"]["namespace"]
+    from_ray = _ray_conf()
+    if from_ray is not None:
+        return str(from_ray["broker"]["url"]), True
+    path = _publish_path(namespace)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two processes starting at once: one server
+        url = _published_url(path)
+        if url is not None:
+            return url, True
+        server = RedisServer()
+        server.start()
+        _P.server = server
+        path.write_text(server.url)
+        _P.published = path
+        log.info("broker.transfer_queue started a private redis-server at %s (it stops with close())", server.url)
+        return server.url, False
+
+
+def _publish_path(namespace: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"broker-tq-{os.getuid()}" / f"{dock_name(namespace)}.url"
+
+
+def _published_url(path: Path) -> str | None:
+    """The URL another process published, if its server still answers."""
+    try:
+        url = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        redis.Redis.from_url(url, socket_timeout=1).ping()
+    except (redis.RedisError, OSError):
+        return None
+    return url
+
+
+def _ray_conf() -> dict[str, Any] | None:
+    """The conf the ``TransferQueueController`` actor holds, when Ray runs here and it exists."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    try:
+        actor = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        return None
+    conf = ray.get(actor.get_config.remote())
+    return conf if isinstance(conf, dict) else None
+
+
+def _publish(conf: dict[str, Any]) -> None:
+    """Make the conf findable by other processes: a Ray actor when Ray runs (its tutorials read its conf)."""
+    try:
+        import ray
+    except ImportError:
+        return
+    if not ray.is_initialized():
+        return
+
+    @ray.remote(num_cpus=0)
+    class TransferQueueController:
+        """Holds the conf (with the Redis URL) for other processes' ``init``; no data passes through it."""
+
+        def __init__(self, conf: dict[str, Any]):
+            self.conf = conf
+
+        def get_config(self) -> dict[str, Any]:
+            return self.conf
+
+    plain = json.loads(json.dumps(conf, default=str))
+    try:
+        _P.controller = TransferQueueController.options(  # type: ignore[attr-defined]
+            name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE).remote(plain)
+    except ValueError:  # another process published it first
+        pass
+
+
+def _stored_conf(url: str, namespace: str) -> dict[str, Any] | None:
+    from broker.control.keys import DockKeys
+
+    raw = redis.Redis.from_url(url).get(DockKeys(dock_name(namespace)).tq_conf) if url else None
+    if raw is None:
+        return None
+    try:
+        conf = json.loads(raw)
+    except ValueError as exc:
+        raise SchemaError(f"the stored conf of TransferQueue system {namespace!r} is not JSON: {exc}") from exc
+    return merged(conf)
+
+
+def _store_conf(system: System, conf: dict[str, Any]) -> None:
+    text = json.dumps(conf, default=lambda o: o.__class__.__name__ if isinstance(o, BaseSampler) or
+                      isinstance(o, type) else str(o))
+    system.run("store conf", lambda: system.client.set(system.keys.tq_conf, text, nx=True))
+
+
+def _sampler_of(given: Any, conf: dict[str, Any]) -> BaseSampler:
+    """The sampler of ``controller.sampler``: an instance, a class, or a name of ours. Samplers run in each
+    caller's process: the caller's own conf names it; without one, the conf in effect (the stored one)."""
+    own = merged(given)["controller"]["sampler"] if given is not None else None
+    chosen = own if own is not None else conf["controller"]["sampler"]
+    if isinstance(chosen, BaseSampler):
+        return chosen
+    if isinstance(chosen, type) and issubclass(chosen, BaseSampler):
+        return chosen()
+    if isinstance(chosen, str) and isinstance(getattr(samplers, chosen, None), type):
+        made = getattr(samplers, chosen)()
+        if isinstance(made, BaseSampler):
+            return made
+    raise SchemaError(f"controller.sampler {chosen!r} is not a sampler: name one of {samplers.__all__}, or pass a "
+                      "BaseSampler subclass or instance")
+
+
+def _start_metrics(conf: dict[str, Any]) -> None:
+    from prometheus_client import start_http_server
+
+    from broker import metrics
+
+    metrics.enable()
+    port = int(conf["metrics"].get("port") or 0)
+    server, _ = start_http_server(port, addr="127.0.0.1")
+    conf["metrics"]["endpoint"] = f"127.0.0.1:{server.server_port}"
+
+
+def _as_given(conf: dict[str, Any] | None, given: Any) -> Any:
+    """The conf, as an OmegaConf DictConfig when the caller passed one (TransferQueue returns one)."""
+    if conf is None:
+        return None
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:
+        return conf
+    if given is None or OmegaConf.is_config(given):
+        return OmegaConf.create(conf, flags={"allow_objects": True})
+    return conf

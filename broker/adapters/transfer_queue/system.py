@@ -1,0 +1,331 @@
+"""One TransferQueue system on Redis: its samples are rows of one dock, its partitions and keys the adapter's
+own keys beside the dock's (``DockKeys.tq_*``, all in the dock's slot).
+
+How TransferQueue's model maps onto the dock:
+
+- a *global index* is a row of the dock ``tq.<namespace>`` (one sample per row, groups of one: TransferQueue's
+  groups are runs of consecutive indexes that its samplers find, not the dock's fixed groups);
+- a *field* is a column, added (``grow``) the first time a put carries it; its *production status* is the
+  column's ready bitmap;
+- a *task* is a consumer, added the first time ``get_meta`` names it; *consumption status* is its consumed
+  bitmap; ``get_meta`` marks rows with the dock's ``take`` (exclusive: two callers never get one row);
+- a *partition* is a bitmap of the rows it holds, a key -> row hash, tags per row, and its fields' schema;
+- rows of cleared samples go to a free list and are given to new samples first (lua/tq_rows.lua).
+
+Interleavings, and why each is safe:
+
+- two puts of the same new key at once: tq_rows.lua gives the key one row, whichever runs first;
+- a put of a key vs ``kv_clear`` of it: the clear empties the row in the dock, then tq_release.lua frees it. A
+  put that looked the key up before the release lands on a freed row, whose bits tq_rows.lua clears when it
+  gives the row to a new sample: the new sample never looks produced by the old put (its bytes are replaced by
+  the new sample's own put). Such a late put is lost, as it would be if it came after the clear;
+- ``get_meta`` vs ``get_meta``: the sampler runs on what each caller read; the take is a compare-and-set, and
+  the loser reads again (``claim``);
+- ``get_meta`` vs a clear: a row cleared after it was read is not ready any more, and the take refuses it
+  (ExperienceTimeoutError inside ``claim``, which reads again);
+- a reader that dies after ``get_meta``: without a lease its rows stay consumed (as in TransferQueue); with one
+  (``lease=``) they are handed out again once it runs out, and ``ack`` ends it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from broker import ExperienceTimeoutError, TransferDock
+from broker.api.delivery import HandedRows
+from broker.connection import bounded, redact, script_error
+from broker.control.keys import check_name
+from broker.control.scripts.transfer_queue import TransferQueueScripts
+from broker.errors import BrokerError, InvalidExperienceError, SchemaError
+
+#: The dock's first column and consumer: a dock needs one of each before any field or task exists.
+PLACEHOLDER = "tq.sample"
+
+#: How many times ``claim`` reads and chooses again after another caller took one of its rows first.
+CLAIM_RETRIES = 64
+
+
+class SampleNotFoundError(BrokerError, KeyError):
+    """A key (or global index) that its partition does not hold; TransferQueue's StorageKeyNotFoundError."""
+
+
+def dock_name(namespace: str) -> str:
+    return f"tq.{check_name('namespace', namespace)}"
+
+
+class System:
+    """The system's dock and the adapter's keys beside it, on one Redis (or Redis Cluster)."""
+
+    def __init__(self, url: str, namespace: str, capacity: int, call_timeout: float):
+        self.url, self.namespace = url, namespace
+        self.dock = TransferDock(url, dock_name(namespace), prompts_num=capacity, n_samples_per_prompt=1,
+                                 columns=[PLACEHOLDER], consumers=[PLACEHOLDER], call_timeout=call_timeout)
+        self.keys = self.dock.keys
+        self.client = self.dock.client
+        self.call_timeout = call_timeout
+        self.scripts = TransferQueueScripts(self.client, self.keys, allow_oom=False)
+        self._grow_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.dock.close()
+
+    # -- running -------------------------------------------------------------------------------------------
+
+    def run(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call`` bounded by the call timeout, with Redis errors as broker errors naming ``what``."""
+        import redis
+
+        try:
+            with bounded(f"{redact(self.url)} ({what})", self.call_timeout):
+                return call()
+        except redis.ResponseError as exc:
+            known = script_error(exc)
+            if known is not None:
+                raise known from exc
+            if "rows free" in str(exc):  # tq_rows.lua: the dock is full
+                raise InvalidExperienceError(str(exc).removeprefix("ERR ")) from exc
+            raise
+
+    # -- fields and tasks ------------------------------------------------------------------------------------
+
+    def ensure_fields(self, fields: Sequence[str]) -> None:
+        """Add the columns of ``fields`` the dock lacks (many writers may add the same ones at once)."""
+        new = [f for f in fields if f not in self.dock.columns]
+        if new:
+            for f in new:
+                check_name("field", f)
+            with self._grow_lock:
+                self.dock.grow(columns=new)
+
+    def ensure_task(self, task: str) -> None:
+        if task not in self.dock.consumers:
+            check_name("task_name", task)
+            with self._grow_lock:
+                self.dock.grow(consumers=[task])
+
+    # -- rows ------------------------------------------------------------------------------------------------
+
+    def rows_for_keys(self, partition: str, keys: Sequence[str]) -> list[int]:
+        """The rows of ``keys`` in ``partition``, new rows for new keys."""
+        schema = self.dock.schema
+        return list(self.run("rows for keys", lambda: self.scripts.rows(
+            partition, schema.capacity, keys=keys, columns=schema.columns, consumers=schema.consumers)))
+
+    def new_rows(self, partition: str, count: int) -> list[int]:
+        """Rows for ``count`` new samples of ``partition``."""
+        if count < 1:
+            return []
+        schema = self.dock.schema
+        return list(self.run("new rows", lambda: self.scripts.rows(
+            partition, schema.capacity, count=count, columns=schema.columns, consumers=schema.consumers)))
+
+    def rows_of_keys(self, partition: str, keys: Sequence[str]) -> list[int]:
+        """The rows of existing ``keys``; SampleNotFoundError names those the partition lacks."""
+        if not keys:
+            return []
+        got = self.run("rows of keys", lambda: self.client.hmget(self.keys.tq_keys(partition), list(keys)))
+        missing = [k for k, r in zip(keys, got) if r is None]
+        if missing:
+            raise SampleNotFoundError(f"partition {partition!r} holds no key {missing[:5]!r}"
+                                      f"{' and %d more' % (len(missing) - 5) if len(missing) > 5 else ''}")
+        return [int(r) for r in got]
+
+    def keys_of_rows(self, partition: str, rows: Sequence[int]) -> list[str | None]:
+        if not rows:
+            return []
+        got = self.run("keys of rows", lambda: self.client.hmget(self.keys.tq_rkeys(partition), list(rows)))
+        return [None if k is None else k.decode() for k in got]
+
+    def partition_rows(self, partition: str) -> list[int]:
+        """Every row of ``partition``, ascending."""
+        raw = self.run("partition rows", lambda: self.client.get(self.keys.tq_rows(partition)))
+        return [int(r) for r in np.flatnonzero(_bits(raw))]
+
+    def release(self, partition: str, rows: Sequence[int] | None) -> list[int]:
+        """End the samples on ``rows`` (None: the whole partition): clear them in the dock, then free them."""
+        whole = rows is None
+        todo = self.partition_rows(partition) if rows is None else list(rows)
+        if todo:  # an empty list would clear the whole dock
+            self.dock.clear(todo)
+        return list(self.run("release", lambda: self.scripts.release(partition, [] if whole else todo,
+                                                                      whole=whole)))
+
+    def partitions(self) -> list[str]:
+        got = self.run("partitions", lambda: self.client.hkeys(self.keys.tq_partitions))
+        return sorted(p.decode() for p in got)
+
+    # -- tags and schemas -------------------------------------------------------------------------------------
+
+    def set_tags(self, partition: str, rows: Sequence[int], tags: Sequence[Mapping[str, Any] | None],
+                 merge: bool = True) -> None:
+        """Store each row's tags (msgpack), merged over what it had when ``merge``."""
+        pairs = [(r, dict(t)) for r, t in zip(rows, tags) if t is not None]
+        if not pairs:
+            return
+        key = self.keys.tq_tags(partition)
+        if merge:
+            old = self.tags(partition, [r for r, _ in pairs])
+            pairs = [(r, {**o, **t}) for (r, t), o in zip(pairs, old)]
+        mapping = {str(r): _pack(t, "tags") for r, t in pairs}
+        self.run("set tags", lambda: self.client.hset(key, mapping=mapping))  # type: ignore[arg-type]  # str keys are fine
+
+    def tags(self, partition: str, rows: Sequence[int]) -> list[dict[str, Any]]:
+        if not rows:
+            return []
+        got = self.run("tags", lambda: self.client.hmget(self.keys.tq_tags(partition), [str(r) for r in rows]))
+        return [{} if raw is None else _unpack(raw, "tags") for raw in got]
+
+    def listing(self, partition: str) -> dict[str, dict[str, Any]]:
+        """``{key: tags}`` of every key of ``partition``."""
+        pairs = self.run("kv_list", lambda: self.client.hgetall(self.keys.tq_keys(partition)))
+        keys = sorted(((int(r), k.decode()) for k, r in pairs.items()))
+        tags = self.tags(partition, [r for r, _ in keys])
+        return {k: t for (_, k), t in zip(keys, tags)}
+
+    def record_schema(self, partition: str, schema: Mapping[str, Mapping[str, Any]]) -> None:
+        """Record each field's schema for ``partition`` (what reads rebuild the TensorDict from)."""
+        if schema:
+            mapping = {f: _pack(dict(s), "field schema") for f, s in schema.items()}
+            self.run("field schema", lambda: self.client.hset(self.keys.tq_fields(partition), mapping=mapping))  # type: ignore[arg-type]
+
+    def field_schema(self, partition: str, fields: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+        key = self.keys.tq_fields(partition)
+        if fields is None:
+            got = self.run("field schema", lambda: self.client.hgetall(key))
+            return {f.decode(): _unpack(v, "field schema") for f, v in sorted(got.items())}
+        if not fields:
+            return {}
+        values = self.run("field schema", lambda: self.client.hmget(key, list(fields)))
+        return {f: _unpack(v, "field schema") for f, v in zip(fields, values) if v is not None}
+
+    # -- status ------------------------------------------------------------------------------------------------
+
+    def status(self, partition: str, fields: Sequence[str], task: str | None) -> tuple[np.ndarray, ...]:
+        """The partition's rows as bits, each field's ready bits, and the task's consumed bits, of one moment
+        (one transaction): numpy bool arrays, as long as the longest."""
+        keys = [self.keys.tq_rows(partition), *(self.keys.ready(f) for f in fields if f in self.dock.columns)]
+        if task is not None:
+            keys.append(self.keys.consumed(task))
+
+        def read() -> list[bytes | None]:
+            pipe = self.client.pipeline(transaction=True)
+            for key in keys:
+                pipe.get(key)
+            return list(pipe.execute())
+
+        raw = self.run("status", read)
+        bits = [_bits(r) for r in raw]
+        width = max((len(b) for b in bits), default=0)
+        padded = [np.pad(b, (0, width - len(b))) for b in bits]
+        missing_fields = len(fields) - (len(keys) - 1 - (task is not None))
+        if missing_fields:  # a field never put: nothing is ready in it
+            padded[1:1] = [np.zeros(width, dtype=bool)] * missing_fields
+        return tuple(padded)
+
+    def ready_unconsumed(self, partition: str, fields: Sequence[str], task: str) -> list[int]:
+        """Rows of ``partition`` produced in every field and not consumed by ``task``, ascending."""
+        members, *rest = self.status(partition, fields, task)
+        ready = members.copy()
+        for field_bits in rest[:-1]:
+            ready &= field_bits
+        ready &= ~rest[-1]
+        return [int(r) for r in np.flatnonzero(ready)]
+
+    def claim(
+        self, partition: str, fields: Sequence[str], task: str, choose: Callable[[list[int]], tuple[list[int], list[int]]],
+        *, lease: float | None = None, name: str | None = None,
+    ) -> tuple[list[int], HandedRows | None]:
+        """Read the rows ready for ``task``, let ``choose`` (a sampler) pick ``(sampled, consumed)``, and take
+        ``consumed`` atomically; read and choose again if another caller took one first. Returns ``sampled``
+        and the delivery of ``consumed`` (None when nothing was consumed). With ``name`` the choice is shared
+        (the ranks of one DP group): the first caller's is returned to every later one."""
+        self.ensure_task(task)
+        for _ in range(CLAIM_RETRIES):
+            ready = self.ready_unconsumed(partition, fields, task)
+            sampled, consumed = choose(ready)
+            if not consumed:
+                return list(sampled), None
+            try:
+                handed = self.dock.take(task, consumed, list(fields), lease=lease, exclusive=True, name=name)
+            except ExperienceTimeoutError:
+                continue  # a clear took a row after it was read
+            if handed is None:
+                continue  # another caller took one of the rows first
+            if name is not None and list(handed) != list(consumed):
+                return list(handed), handed  # an earlier rank's choice under this name
+            return list(sampled), handed
+        raise InvalidExperienceError(
+            f"partition {partition!r}, task {task!r}: other callers took the rows this one chose "
+            f"{CLAIM_RETRIES} times in a row; is a sampler returning rows it was not offered?")
+
+    def produced_each(self, partition: str, rows: Sequence[int], fields: Sequence[str]) -> list[np.ndarray]:
+        """Per field, per row: whether it is produced (bool arrays)."""
+        _, *ready = self.status(partition, fields, None)
+        index = np.asarray(rows, dtype=np.int64)
+        out = []
+        for bits in ready:
+            has = np.zeros(len(index), dtype=bool)
+            inside = index < len(bits)
+            has[inside] = bits[index[inside]]
+            out.append(has)
+        return out
+
+    def produced(self, partition: str, rows: Sequence[int], fields: Sequence[str]) -> np.ndarray:
+        """Per row, 1 if every one of ``fields`` is produced (TransferQueue's production status), as int8."""
+        out = np.ones(len(rows), dtype=bool)
+        for has in self.produced_each(partition, rows, fields) if rows else []:
+            out &= has
+        return out.astype(np.int8)
+
+    def wait_ready(self, deadline: float, check: Callable[[], bool]) -> bool:
+        """Call ``check`` until it is true or ``deadline`` (monotonic) passes, sleeping a little between."""
+        pause = 0.005
+        while True:
+            if check():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)
+
+    def delete(self) -> None:
+        """Remove the system from Redis: the dock and every key of the adapter."""
+        pattern = self.keys.base + "tq:*"
+
+        def drop() -> None:
+            for key in list(self.client.scan_iter(match=pattern, count=1000)):
+                self.client.delete(key)
+
+        self.run("delete", drop)
+        self.dock.delete()
+
+
+def _bits(raw: bytes | None) -> np.ndarray:
+    """A Redis bitmap as a bool array (bit 0 is the most significant bit of byte 0, as SETBIT numbers them)."""
+    if not raw:
+        return np.zeros(0, dtype=bool)
+    return np.unpackbits(np.frombuffer(raw, dtype=np.uint8)).astype(bool)
+
+
+def _pack(value: Any, what: str) -> bytes:
+    try:
+        packed: bytes = msgpack.packb(value, use_bin_type=True)
+        return packed
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidExperienceError(
+            f"{what} must hold plain values (str, int, float, bool, None, bytes, lists and dicts of them): {exc}; "
+            "the broker never pickles what it stores") from exc
+
+
+def _unpack(raw: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise SchemaError(f"stored {what} is not msgpack: {exc}") from exc

@@ -1,0 +1,98 @@
+--[[ tq_rows: give rows to TransferQueue samples of one partition (the adapter broker.transfer_queue).
+
+TransferQueue addresses a sample by a global index, unique across partitions while the sample lives, and
+optionally by a user key inside its partition. Here a global index is a row of the system's dock. New
+samples get released rows first, oldest release first (as TransferQueue reuses its indexes), then rows
+never used; a key that has a row keeps it (a later put of new fields for an existing key adds columns to
+that row). The partition is created by its first rows.
+
+A reused row was cleared before it was released (tq_release.lua runs after the dock's clear), but a put
+that looked its key up before the clear may still have landed on it since, and clear_partition releases
+rows given to the partition after it cleared the others: a reused row's ready and consumed bits are
+cleared here, so a new sample never looks produced, or consumed, before it is.
+
+KEYS[1]     td:{NAME}:tq:next       rows below it have been used
+KEYS[2]     td:{NAME}:tq:free       released rows, a list, oldest first
+KEYS[3]     td:{NAME}:tq:partitions partition -> when it was created (ms), a hash
+KEYS[4]     td:{NAME}:tq:rows:P     the partition's rows, a bitmap
+KEYS[5]     td:{NAME}:tq:keys:P     key -> row, a hash
+KEYS[6]     td:{NAME}:tq:rkeys:P    row -> key, a hash
+KEYS[7..]   td:{NAME}:ready:COLUMN and td:{NAME}:consumed:CONSUMER, for every column and consumer
+ARGV[1]     the partition P
+ARGV[2]     the dock's capacity (rows)
+ARGV[3]     how many rows to give new anonymous samples; 0 when keys follow
+ARGV[4..]   keys, each getting its row (a new one if it has none)
+
+Returns the rows, one per key or per new sample, in the order asked; or an error naming the partition when
+the dock has too few free rows (nothing is given then).
+
+last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
+            (include/once.lua): a resend after a lost reply gets the same rows, not new ones
+]]
+-- @include bits
+-- @include once
+
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
+
+local partition, capacity, anonymous = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local rows, wanted, new_keys = {}, 0, {}
+if anonymous > 0 then
+  wanted = anonymous
+else
+  for i = 4, #ARGV do
+    local row = redis.call('HGET', KEYS[5], ARGV[i])
+    if row then
+      rows[i - 3] = tonumber(row)
+    elseif new_keys[ARGV[i]] then
+      rows[i - 3] = new_keys[ARGV[i]]  -- the same new key twice in one call: one row
+    else
+      wanted = wanted + 1
+      new_keys[ARGV[i]] = -1
+    end
+  end
+end
+
+local free = redis.call('LLEN', KEYS[2])
+local next_row = tonumber(redis.call('GET', KEYS[1]) or '0')
+if wanted > free + (capacity - next_row) then
+  return redis.error_reply('ERR partition ' .. partition .. ': ' .. wanted .. ' new samples, but the dock has '
+    .. (free + capacity - next_row) .. ' of its ' .. capacity .. ' rows free; clear consumed samples, or init with a '
+    .. 'larger broker.capacity')
+end
+
+local given = {}
+local reused = math.min(wanted, free)
+if reused > 0 then
+  local popped = redis.call('LPOP', KEYS[2], reused)
+  if type(popped) ~= 'table' then popped = {popped} end  -- Redis 6.2 returns a list for a count too
+  for i = 1, #popped do given[#given + 1] = tonumber(popped[i]) end
+  for k = 7, #KEYS do set_bits(KEYS[k], given, 0) end
+end
+for r = next_row, next_row + (wanted - reused) - 1 do given[#given + 1] = r end
+if wanted > reused then redis.call('SET', KEYS[1], next_row + wanted - reused) end
+
+if redis.call('HEXISTS', KEYS[3], partition) == 0 then
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[3], partition, int_text(t[1] * 1000 + math.floor(t[2] / 1000)))
+end
+local g = 0
+if anonymous > 0 then
+  rows = given
+else
+  for i = 4, #ARGV do
+    if not rows[i - 3] then
+      local key = ARGV[i]
+      if new_keys[key] == -1 then
+        g = g + 1
+        new_keys[key] = given[g]
+        redis.call('HSET', KEYS[5], key, int_text(given[g]))
+        redis.call('HSET', KEYS[6], int_text(given[g]), key)
+      end
+      rows[i - 3] = new_keys[key]
+    end
+  end
+end
+set_bits(KEYS[4], given, 1)
+return keep_reply(reply_key, reply_ttl, rows)

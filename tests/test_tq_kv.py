@@ -1,0 +1,122 @@
+"""broker.transfer_queue's KV interface (TransferQueue's kv_put / kv_batch_put / kv_batch_get / kv_list /
+kv_clear) on a real Redis 7, Redis 6.2 and a Redis Cluster: keys, tags, partitions, new fields for existing
+keys, bit-exact TensorDicts, clear errors, and rows reused after clears."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis
+import torch
+
+tensordict = pytest.importorskip("tensordict")
+from tensordict import TensorDict  # noqa: E402
+
+import broker.transfer_queue as tq  # noqa: E402
+from broker import BrokerError  # noqa: E402
+from tests.helpers import empty_cluster  # noqa: E402
+
+
+@pytest.fixture(params=["real", "redis62", "cluster"])
+def system(request):
+    if request.param == "real":
+        url = request.getfixturevalue("url")
+    elif request.param == "redis62":
+        url = request.getfixturevalue("redis62_url")
+        redis.Redis.from_url(url).flushdb()
+    else:
+        empty_cluster(request.getfixturevalue("cluster_admin"))
+        url = request.getfixturevalue("cluster_url")
+    tq.init({"broker": {"url": url, "namespace": "kv" + uuid.uuid4().hex[:8], "get_meta_timeout": 0.5}})
+    yield tq
+    tq.get_client().system.delete()
+    tq.close()
+
+
+def batch(n: int, start: int = 0) -> TensorDict:
+    return TensorDict({"input_ids": torch.arange(start, start + 3 * n).reshape(n, 3),
+                       "mask": torch.ones(n, 3, dtype=torch.bool)}, batch_size=n)
+
+
+def test_put_list_get_clear_round_trip(system):
+    meta = tq.kv_batch_put(["a", "b"], "train", batch(2), [{"score": 1.5}, {"score": 2}])
+    assert meta.keys == ["a", "b"] and meta.partition_id == "train"
+    assert sorted(meta.fields) == ["input_ids", "mask"]
+    tq.kv_put("c", "train", {"input_ids": torch.tensor([7, 8, 9]), "mask": torch.zeros(3, dtype=torch.bool)},
+              {"score": 3})
+    assert tq.kv_list() == {"train": {"a": {"score": 1.5}, "b": {"score": 2}, "c": {"score": 3}}}
+    got = tq.kv_batch_get(["c", "a"], "train")
+    assert torch.equal(got["input_ids"], torch.tensor([[7, 8, 9], [0, 1, 2]]))
+    assert got["mask"].dtype == torch.bool and got.batch_size == torch.Size([2])
+    only = tq.kv_batch_get("b", "train", select_fields="input_ids")
+    assert list(only.keys()) == ["input_ids"]
+    tq.kv_clear(["a", "c"], "train")
+    assert tq.kv_list("train") == {"train": {"b": {"score": 2}}}
+    with pytest.raises(KeyError, match="'a'"):
+        tq.kv_batch_get(["a"], "train")
+
+
+def test_new_fields_for_existing_keys_add_columns_and_tags_merge(system):
+    tq.kv_batch_put(["k0", "k1"], "p", batch(2), [{"stage": "rollout"}, {"stage": "rollout"}])
+    meta = tq.kv_batch_put(["k0", "k1"], "p", TensorDict({"reward": torch.tensor([0.5, -1.0])}, batch_size=2),
+                           [{"stage": "reward"}, {"stage": "reward", "extra": True}])
+    assert sorted(meta.fields) == ["input_ids", "mask", "reward"]
+    assert meta.tags == [{"stage": "reward"}, {"stage": "reward", "extra": True}]
+    tq.kv_put("k0", "p", None, {"done": 1})  # tags only
+    assert tq.kv_list("p")["p"]["k0"] == {"stage": "reward", "done": 1}
+    got = tq.kv_batch_get_by_meta(meta)
+    assert torch.equal(got["reward"], torch.tensor([0.5, -1.0]))
+
+
+def test_partitions_are_separate_and_keys_may_repeat_across_them(system):
+    tq.kv_batch_put(["x"], "train", batch(1, 0))
+    tq.kv_batch_put(["x"], "val", batch(1, 100))
+    assert tq.get_client().get_partition_list() == ["train", "val"]
+    assert tq.kv_batch_get("x", "val")["input_ids"].tolist() == [[100, 101, 102]]
+    assert tq.kv_batch_get("x", "train")["input_ids"].tolist() == [[0, 1, 2]]
+
+
+def test_a_field_not_produced_for_a_key_is_a_clear_error(system):
+    tq.kv_batch_put(["a"], "p", batch(1))
+    tq.kv_batch_put(["b"], "p", None, [{"only": "tags"}])
+    with pytest.raises(BrokerError, match="not produced"):
+        tq.kv_batch_get(["a", "b"], "p")
+    with pytest.raises(BrokerError, match="no field"):
+        tq.kv_batch_get(["a"], "p", select_fields=["nope"])
+
+
+def test_bad_calls_name_what_is_wrong_and_write_nothing(system):
+    with pytest.raises(BrokerError, match="2 keys but fields hold 3 rows"):
+        tq.kv_batch_put(["a", "b"], "p", batch(3))
+    with pytest.raises(BrokerError, match="fields, tags, or both"):
+        tq.kv_batch_put(["a"], "p")
+    with pytest.raises(BrokerError, match="tags must be a list"):
+        tq.kv_batch_put(["a"], "p", batch(1), tags=[{}, {}])
+    with pytest.raises(BrokerError, match="partition_id"):
+        tq.kv_batch_put(["a"], "", batch(1))
+    assert tq.kv_list() == {}
+
+
+def test_cleared_rows_go_to_new_samples_and_look_unproduced(system):
+    tq.kv_batch_put([f"k{i}" for i in range(4)], "p", batch(4))
+    tq.kv_clear(["k1", "k2"], "p")
+    tq.kv_batch_put(["n1", "n2"], "p", None, [{}, {}])  # rows reused, no fields yet
+    client = tq.get_client()
+    rows, status = client.get_production_status(["input_ids"], "p")
+    produced = dict(zip(rows.tolist(), status.tolist()))
+    assert sorted(produced.values()) == [0, 0, 1, 1]
+    assert len(produced) == 4  # the two cleared rows were reused, not new ones
+
+
+def test_the_async_twins_do_the_same(system):
+    async def run():
+        await tq.async_kv_batch_put(["a"], "p", batch(1), [{"t": 1}])
+        got = await tq.async_kv_batch_get(["a"], "p")
+        listed = await tq.async_kv_list("p")
+        await tq.async_kv_clear("a", "p")
+        return got, listed, await tq.async_kv_list("p")
+
+    got, listed, after = asyncio.run(run())
+    assert got["input_ids"].tolist() == [[0, 1, 2]] and listed == {"p": {"a": {"t": 1}}} and after == {"p": {}}
