@@ -75,7 +75,7 @@ def _merged_extra_info(infos: Sequence[dict[str, Any] | None], what: str) -> dic
     if any(k != keys[0] for k in keys[1:]):
         logger.warning(f"{what}.concat: extra_info key sets differ across chunks, performing union of keys.")
     merged: dict[str, Any] = {}
-    for key in set().union(*keys):
+    for key in dict.fromkeys(k for info in infos for k in info or ()):  # first seen first
         values = [info[key] for info in infos if info and key in info]
         for i, v in enumerate(values[1:], start=1):
             if not _values_equal(values[0], v):
