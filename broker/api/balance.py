@@ -27,6 +27,10 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool) -> list[lis
     time, one per partition, so every partition ends with ``len(costs) / k`` items). The two partial
     solutions whose partitions differ most are merged, the heaviest partition of one with the lightest
     of the other, until one is left. Partitions come back heaviest first, indexes ascending within each.
+
+    Ties are broken as verl's ``seqlen_balancing.karmarkar_karp`` breaks them (TransferQueue's
+    ``SeqlenBalancedSampler`` copies it), so the same costs give the same partitions in the same order:
+    a TransferQueue sampler on the broker hands each DP rank the rows TransferQueue's would.
     """
     n = len(costs)
     if k < 1 or n < k:
@@ -34,25 +38,62 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool) -> list[lis
     if equal_size and n % k:
         raise InvalidExperienceError(f"{n} items do not split into {k} partitions of equal size")
     order = sorted(range(n), key=lambda i: (costs[i], i))
-    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
     if equal_size:
-        seeds = [order[i : i + k] for i in range(0, n, k)]
-        starts = [[(costs[i], [i]) for i in chunk] for chunk in seeds]
+        seeds = [[[i] for i in order[s : s + k]] for s in range(0, n, k)]
     else:
-        starts = [[(costs[i], [i])] + [(0.0, [])] * (k - 1) for i in order]
-    for tie, parts in enumerate(starts):
-        parts.sort(key=lambda p: -p[0])
-        heapq.heappush(heap, (-(parts[0][0] - parts[-1][0]), tie, parts))
-    tie = len(starts)
+        seeds = [[[i]] + [[] for _ in range(k - 1)] for i in order]
+    heap: list[_Partial] = []
+    for parts in seeds:  # pushed one by one, as verl does: the heap's order of equal spreads follows it
+        heapq.heappush(heap, _Partial([_Part.of([(i, costs[i]) for i in items]) for items in parts]))
     while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
+        a = heapq.heappop(heap)
+        b = heapq.heappop(heap)
         # a is sorted heaviest first; pair it with b lightest first.
-        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))]
-        merged.sort(key=lambda p: -p[0])
-        tie += 1
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
-    return [sorted(items) for _, items in heap[0][2]]
+        heapq.heappush(heap, _Partial([pa.merged(pb) for pa, pb in zip(a.parts, reversed(b.parts))]))
+    return [sorted(i for i, _ in part.items) for part in heap[0].parts]
+
+
+class _Part:
+    """One partition of a partial solution: its ``(index, cost)`` items in joining order and their total.
+
+    Partitions order by (total, item count, items), as verl's ``Set`` does. The total is the running
+    sum of the items in joining order, as there, so that float costs round the same way.
+    """
+
+    __slots__ = ("items", "total")
+
+    def __init__(self, items: list[tuple[int, float]], total: float = 0) -> None:
+        self.items = items
+        self.total = total
+
+    @classmethod
+    def of(cls, items: list[tuple[int, float]]) -> _Part:
+        return cls([], 0).merged(cls(items))
+
+    def merged(self, other: _Part) -> _Part:
+        total = self.total
+        for _, c in other.items:
+            total += c
+        return _Part(self.items + other.items, total)
+
+    def key(self) -> tuple[float, int, list[tuple[int, float]]]:
+        return self.total, len(self.items), self.items
+
+
+class _Partial:
+    """A partial solution: ``k`` partitions, heaviest first. The heap pops the widest spread first and,
+    among equal spreads, the one whose heaviest partition is heavier (verl's ``State.__lt__``)."""
+
+    __slots__ = ("parts", "spread")
+
+    def __init__(self, parts: list[_Part]) -> None:
+        self.parts = sorted(parts, key=_Part.key, reverse=True)
+        self.spread = self.parts[0].total - self.parts[-1].total
+
+    def __lt__(self, other: _Partial) -> bool:
+        if self.spread != other.spread:
+            return self.spread > other.spread
+        return self.parts[0].key() > other.parts[0].key()
 
 
 def balanced_order(costs: Sequence[float], dp_size: int) -> list[int]:
