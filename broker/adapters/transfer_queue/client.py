@@ -82,23 +82,47 @@ class TransferQueueClient:
             raise InvalidExperienceError(f"get_meta(mode='fetch') needs a task_name, got {task_name!r}")
         config = dict(sampling_config or {})
         lease = self._lease if lease is None else lease
-        name = None
-        if config.get("dp_rank") is not None:  # the ranks of one DP group share one choice per batch
-            name = f"{partition}|{task_name}|{config.get('dp_rank')}|{config.get('batch_index')}"
+        rank, batch_index = config.get("dp_rank"), config.get("batch_index")
+        label = f"{partition}|{task_name}|{rank}|{batch_index}"
+
+        sampler = self._sampler
+        before: list[set[Any]] = []
+
+        def entries() -> set[Any]:
+            return {(c.partition_id, c.task_name, c.dp_rank, c.batch_index) for c in sampler.cached_results()}
 
         def choose(ready: list[int]) -> tuple[list[int], list[int]]:
+            before[:] = [entries()]
             if len(ready) < count and not self._cached(partition, task_name, config):
                 return [], []
-            sampled, consumed = self._sampler(ready, count, task_name=task_name, partition_id=partition, **config)
+            sampled, consumed = sampler(ready, count, task_name=task_name, partition_id=partition, **config)
             return list(sampled), list(consumed)
+
+        def name() -> str | None:
+            # A sampler that cached its choice for this DP rank and batch (RankAwareSampler, GRPOGroupNSampler
+            # given a dp_rank) means every rank of the group must get it, in whatever process: the take is
+            # named after it. One that did not (SequentialSampler) hands each caller its own rows.
+            if rank is None or sampler.cached(partition, task_name, rank, batch_index) is None:
+                return None
+            return label
+
+        def refused() -> None:  # the choice was not taken: the sampler must not keep it cached
+            for entry in entries() - (before[0] if before else set()):
+                sampler.forget(*entry)
 
         deadline = time.monotonic() + self._timeout
         got: list[tuple[list[int], HandedRows | None]] = []
+        shared: list[bool] = []
 
         def attempt() -> bool:
-            sampled, handed = system.claim(partition, fields, task_name, choose, lease=lease, name=name)
+            sampled, handed = system.claim(partition, fields, task_name, choose, lease=lease, name=name,
+                                           refused=refused)
+            if sampled and name() is not None:
+                shared.append(True)
             if sampled:
                 got.append((sampled, handed))
+            elif before:
+                refused()  # too few rows: a sampler that cached an empty choice would keep returning it
             return bool(sampled)
 
         if not system.wait_ready(deadline if not self._polling else time.monotonic(), attempt):
@@ -109,6 +133,9 @@ class TransferQueueClient:
                 f"partition {partition!r}, task {task_name!r}: {count} samples with fields {fields} wanted, "
                 f"{have} ready within {self._timeout} s (broker.get_meta_timeout)", {})
         sampled, handed = got[0]
+        if shared:  # the choice of this rank's group, perhaps another process's: cached here as it is
+            refused()
+            sampler.remember(partition, task_name, rank, batch_index, sampled)
         meta = self._meta(partition, sampled, fields)
         if isinstance(handed, LeasedRows):
             # The delivery fences the reader's put of its results into these rows (a reader whose lease ran

@@ -47,6 +47,9 @@ from broker.errors import BrokerError, InvalidExperienceError, SchemaError
 #: The dock's first column and consumer: a dock needs one of each before any field or task exists.
 PLACEHOLDER = "tq.sample"
 
+#: A sampler's choice among the ready rows: ``(sampled, consumed)``.
+Chooser = Callable[[list[int]], tuple[list[int], list[int]]]
+
 #: How many times ``claim`` reads and chooses again after another caller took one of its rows first.
 CLAIM_RETRIES = 64
 
@@ -238,26 +241,31 @@ class System:
         return [int(r) for r in np.flatnonzero(ready)]
 
     def claim(
-        self, partition: str, fields: Sequence[str], task: str, choose: Callable[[list[int]], tuple[list[int], list[int]]],
-        *, lease: float | None = None, name: str | None = None,
+        self, partition: str, fields: Sequence[str], task: str, choose: Chooser, *, lease: float | None = None,
+        name: Callable[[], str | None] = lambda: None, refused: Callable[[], None] = lambda: None,
     ) -> tuple[list[int], HandedRows | None]:
         """Read the rows ready for ``task``, let ``choose`` (a sampler) pick ``(sampled, consumed)``, and take
         ``consumed`` atomically; read and choose again if another caller took one first. Returns ``sampled``
-        and the delivery of ``consumed`` (None when nothing was consumed). With ``name`` the choice is shared
-        (the ranks of one DP group): the first caller's is returned to every later one."""
+        and the delivery of ``consumed`` (None when nothing was consumed). When ``name()``, asked after each
+        choice, gives a name, the choice is shared under it (the ranks of one DP group): the first caller's
+        is returned to every later one. ``refused`` runs
+        before each new choice (a sampler forgets the choice it cached)."""
         self.ensure_task(task)
         for _ in range(CLAIM_RETRIES):
             ready = self.ready_unconsumed(partition, fields, task)
             sampled, consumed = choose(ready)
             if not consumed:
                 return list(sampled), None
+            label = name()
             try:
-                handed = self.dock.take(task, consumed, list(fields), lease=lease, exclusive=True, name=name)
+                handed = self.dock.take(task, consumed, list(fields), lease=lease, exclusive=True, name=label)
             except ExperienceTimeoutError:
-                continue  # a clear took a row after it was read
+                refused()  # a clear took a row after it was read
+                continue
             if handed is None:
-                continue  # another caller took one of the rows first
-            if name is not None and list(handed) != list(consumed):
+                refused()  # another caller took one of the rows first
+                continue
+            if label is not None and list(handed) != list(consumed):
                 return list(handed), handed  # an earlier rank's choice under this name
             return list(sampled), handed
         raise InvalidExperienceError(
