@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
+from broker.adapters.transfer_queue.field_schema import FieldSchema, extract_field_schema
 from broker.errors import DecodeError, InvalidExperienceError
 
 #: A column as ``put_experience`` takes it and ``read_rows(..., stack=True)`` returns it.
@@ -275,49 +276,13 @@ def _tensor_payload(value: torch.Tensor) -> list[Any]:
 # -- the metadata of a put: TransferQueue's field schema -----------------------------------------------
 
 
-def field_schema(fields: TensorDictBase | Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per field: ``dtype``, ``shape`` (of one row), ``is_nested``, ``is_non_tensor``, and for a nested tensor
-    ``per_sample_shapes``: the form of TransferQueue's ``metadata.extract_field_schema``, quirks included
-    (a 1-d column's row shape is ``(1,)``, TQ's unsqueezed view; a non-tensor field has dtype and shape
-    None; an empty batch has no schema). ``fields`` as for ``columns_of``."""
+def field_schema(fields: TensorDictBase | Mapping[str, Any]) -> FieldSchema:
+    """Per field ``dtype``, ``shape``, ``is_nested``, ``is_non_tensor`` (and ``per_sample_shapes`` of a nested
+    one): TransferQueue's ``extract_field_schema`` (``field_schema.py``) of the put's TensorDict, or of
+    kv_put's dict of one sample made a batch of one as TransferQueue makes it."""
     if isinstance(fields, TensorDictBase):
-        batch = _batch_size(fields)
-        items = list(fields.items())
-    elif isinstance(fields, Mapping):
-        batch = 1
-        items = [(_name(k), v.unsqueeze(0) if isinstance(v, torch.Tensor) and not v.is_nested else v)
-                 for k, v in fields.items()]
-    else:
-        raise InvalidExperienceError(f"expected a TensorDict or a dict of fields, got {_type_name(fields)}")
-    if batch == 0:
-        return {}
-    return {name: _field_meta(name, value, batch) for name, value in items}
-
-
-def _field_meta(name: str, value: Any, batch: int) -> dict[str, Any]:
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        shapes = _row_shapes(value)
-        if len(shapes) != batch:
-            raise InvalidExperienceError(f"field {name!r}: a nested tensor of {len(shapes)} rows, for batch {batch}")
-        return {"dtype": value.dtype, "shape": torch.Size(shapes[0]), "is_nested": True, "is_non_tensor": False,
-                "per_sample_shapes": shapes}
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 or value.shape[0] != batch:
-            raise InvalidExperienceError(f"field {name!r}: a tensor of shape {tuple(value.shape)}, for batch {batch}")
-        shape = value.shape[1:] if value.dim() > 1 else torch.Size([1])
-        return {"dtype": value.dtype, "shape": shape, "is_nested": False, "is_non_tensor": False}
-    if isinstance(value, TensorDictBase) and not isinstance(value, (NonTensorStack, NonTensorData)):
-        raise InvalidExperienceError(f"field {name!r}: a nested TensorDict; flatten it first (td.flatten_keys())")
-    return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
-
-
-def _row_shapes(value: torch.Tensor) -> list[tuple[int, ...]]:
-    """Each row's shape of a nested tensor; of a jagged one from its offsets, without a tensor per row."""
-    jagged: Any = value  # torch's stubs know no NestedTensor methods
-    if value.layout == torch.jagged and getattr(value, "_ragged_idx", None) == 1 and jagged.lengths() is None:
-        tail = tuple(jagged.values().shape[1:])
-        return [(int(n), *tail) for n in jagged.offsets().diff().tolist()]
-    return [tuple(row.shape) for row in value.unbind()]
+        return extract_field_schema(fields)
+    return extract_field_schema(batch_of_one(fields))
 
 
 # -- a get: the dock's columns -> the TensorDict TransferQueue returns ---------------------------------
