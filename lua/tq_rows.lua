@@ -17,11 +17,14 @@ KEYS[3]     td:{NAME}:tq:partitions partition -> when it was created (ms), a has
 KEYS[4]     td:{NAME}:tq:rows:P     the partition's rows, a bitmap
 KEYS[5]     td:{NAME}:tq:keys:P     key -> row, a hash
 KEYS[6]     td:{NAME}:tq:rkeys:P    row -> key, a hash
-KEYS[7..]   td:{NAME}:ready:COLUMN and td:{NAME}:consumed:CONSUMER, for every column and consumer
+KEYS[7]     td:{NAME}:meta          the dock's schema, checked: the status keys below are its columns'
+KEYS[8..]   td:{NAME}:ready:COLUMN and td:{NAME}:consumed:CONSUMER, for every column and consumer
 ARGV[1]     the partition P
 ARGV[2]     the dock's capacity (rows)
 ARGV[3]     how many rows to give new anonymous samples; 0 when keys follow
-ARGV[4..]   keys, each getting its row (a new one if it has none)
+ARGV[4]     the schema the client expects (see include/schema.lua): a client that missed a column
+            another process added would leave that column's bits on a reused row
+ARGV[5..]   keys, each getting its row (a new one if it has none)
 
 Returns the rows, one per key or per new sample, in the order asked; or an error naming the partition when
 the dock has too few free rows (nothing is given then).
@@ -30,23 +33,27 @@ last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as
             (include/once.lua): a resend after a lost reply gets the same rows, not new ones
 ]]
 -- @include bits
+-- @include schema
 -- @include once
 
 local reply_key, reply_ttl = once_args()
 local kept = kept_reply(reply_key)
 if kept then return kept end
 
+local wrong_schema = schema_error(KEYS[7], ARGV[4])
+if wrong_schema then return redis.error_reply(wrong_schema) end
+
 local partition, capacity, anonymous = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local rows, wanted, new_keys = {}, 0, {}
 if anonymous > 0 then
   wanted = anonymous
 else
-  for i = 4, #ARGV do
+  for i = 5, #ARGV do
     local row = redis.call('HGET', KEYS[5], ARGV[i])
     if row then
-      rows[i - 3] = tonumber(row)
+      rows[i - 4] = tonumber(row)
     elseif new_keys[ARGV[i]] then
-      rows[i - 3] = new_keys[ARGV[i]]  -- the same new key twice in one call: one row
+      rows[i - 4] = new_keys[ARGV[i]]  -- the same new key twice in one call: one row
     else
       wanted = wanted + 1
       new_keys[ARGV[i]] = -1
@@ -68,7 +75,7 @@ if reused > 0 then
   local popped = redis.call('LPOP', KEYS[2], reused)
   if type(popped) ~= 'table' then popped = {popped} end  -- Redis 6.2 returns a list for a count too
   for i = 1, #popped do given[#given + 1] = tonumber(popped[i]) end
-  for k = 7, #KEYS do set_bits(KEYS[k], given, 0) end
+  for k = 8, #KEYS do set_bits(KEYS[k], given, 0) end
 end
 for r = next_row, next_row + (wanted - reused) - 1 do given[#given + 1] = r end
 if wanted > reused then redis.call('SET', KEYS[1], next_row + wanted - reused) end
@@ -81,8 +88,8 @@ local g = 0
 if anonymous > 0 then
   rows = given
 else
-  for i = 4, #ARGV do
-    if not rows[i - 3] then
+  for i = 5, #ARGV do
+    if not rows[i - 4] then
       local key = ARGV[i]
       if new_keys[key] == -1 then
         g = g + 1
@@ -90,7 +97,7 @@ else
         redis.call('HSET', KEYS[5], key, int_text(given[g]))
         redis.call('HSET', KEYS[6], int_text(given[g]), key)
       end
-      rows[i - 3] = new_keys[key]
+      rows[i - 4] = new_keys[key]
     end
   end
 end

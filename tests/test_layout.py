@@ -22,7 +22,7 @@ ALLOWED = {
     "control": {"connection", "errors"},
     "data": {"control", "connection", "errors"},
     "api": {"data", "control", "connection", "errors"},
-    "adapters": {"face", "api", "control", "connection", "errors"},
+    "adapters": {"face", "api", "ops", "control", "connection", "errors"},
     "ops": {"api", "data", "control", "connection", "errors"},
     "bench": {"face", "adapters", "ops", "api", "data", "control", "connection", "errors"},
     "face": {"adapters", "ops", "api", "control", "connection", "errors"},

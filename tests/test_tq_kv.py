@@ -81,7 +81,9 @@ def test_partitions_are_separate_and_keys_may_repeat_across_them(system):
 def test_a_field_not_produced_for_a_key_is_a_clear_error(system):
     tq.kv_batch_put(["a"], "p", batch(1))
     tq.kv_batch_put(["b"], "p", None, [{"only": "tags"}])
-    with pytest.raises(BrokerError, match="not produced"):
+    with pytest.raises(BrokerError, match="'input_ids' is not produced for global indexes"):
+        tq.kv_batch_get(["a", "b"], "p", select_fields="input_ids")
+    with pytest.raises(KeyError, match="no field is produced for every one of the keys"):
         tq.kv_batch_get(["a", "b"], "p")
     with pytest.raises(BrokerError, match="no field"):
         tq.kv_batch_get(["a"], "p", select_fields=["nope"])

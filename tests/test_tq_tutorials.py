@@ -64,7 +64,7 @@ def test_a_transfer_queue_script_runs_to_its_end_on_the_broker(script, tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
     env["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
-    env["TMPDIR"] = str(tmp_path)  # its own published URL file, whatever else runs
+    env["BROKER_TQ_DIR"] = str(tmp_path)  # its own private server, whatever else runs here
     done = subprocess.run([sys.executable, str(target)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     tail = (done.stdout[-3000:] + "\n--- stderr ---\n" + done.stderr[-6000:])

@@ -226,6 +226,11 @@ class TransferDock:
         return self._session.schema.consumers
 
     @property
+    def fingerprint(self) -> str:
+        """The stored schema as the dock's scripts check it: what an adapter binds its own scripts to."""
+        return self._session.fingerprint
+
+    @property
     def rollout(self) -> Rollout:
         """The dock's partial-rollout and staleness settings."""
         return self._session.schema.rollout

@@ -211,7 +211,7 @@ class TransferQueueClient:
     def get_data(self, metadata: BatchMeta) -> Any:
         """The rows of ``metadata``, the fields it names, as a TensorDict in its order."""
         if metadata.size == 0:
-            return tensors.assemble({}, 0, {})
+            return tensors.assemble({}, 0, {}, stack_uniform=True)
         partition = _partition(metadata.partition_ids[0])
         return self.read(partition, list(metadata.global_indexes), list(metadata.field_names))
 
@@ -228,7 +228,7 @@ class TransferQueueClient:
                 raise SampleNotFoundError(f"partition {partition!r}: field {field!r} is not produced for "
                                           f"global indexes {unready[:8]}")
         columns = system.dock.read_rows(fields, rows, stack=True)
-        return tensors.assemble(columns, len(rows), schema)
+        return tensors.assemble(columns, len(rows), schema, stack_uniform=True)
 
     def set_custom_meta(self, metadata: BatchMeta) -> None:
         """Store each sample's ``custom_meta`` (TransferQueue's per-sample metadata; the KV API's tags)."""
@@ -248,14 +248,18 @@ class TransferQueueClient:
 
     # -- status ----------------------------------------------------------------------------------------------
 
-    def get_consumption_status(self, task_name: str, partition_id: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def get_consumption_status(
+        self, task_name: str, partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The partition's global indexes and, per index, 1 if ``task_name`` consumed it."""
         partition = _partition(partition_id)
         members, consumed = self._status(partition, [], task_name)
         rows = np.flatnonzero(members)
         return torch.as_tensor(rows, dtype=torch.long), torch.as_tensor(_at(consumed, rows), dtype=torch.int8)
 
-    def get_production_status(self, data_fields: list[str], partition_id: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def get_production_status(
+        self, data_fields: list[str], partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The partition's global indexes and, per index, 1 if every one of ``data_fields`` is produced."""
         partition = _partition(partition_id)
         fields = _names("data_fields", data_fields)
@@ -303,9 +307,7 @@ class TransferQueueClient:
         partition = _partition(partition_id)
         keys = _keys(keys)
         rows = self._system.rows_for_keys(partition, keys) if create else self._system.rows_of_keys(partition, keys)
-        fields = list(self._system.field_schema(partition))
-        produced = [f for f in fields if rows and bool(self._system.produced(partition, rows, [f]).all())]
-        return self._meta(partition, rows, produced)
+        return self._meta(partition, rows, self._system.common_fields(partition, rows))
 
     def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str | None]:
         partition = _partition(partition_id)

@@ -31,7 +31,9 @@ from broker.adapters.transfer_queue.client import TransferQueueClient, _keys, _p
 from broker.adapters.transfer_queue.config import capacity_of, merged
 from broker.adapters.transfer_queue.metadata import KVBatchMeta
 from broker.adapters.transfer_queue.sampler import BaseSampler
-from broker.adapters.transfer_queue.system import System, dock_name
+from broker.adapters.transfer_queue.system import SampleNotFoundError, System, dock_name
+from broker.connection import connect, disconnect, redact, redis_errors
+from broker.control.keys import DockKeys
 from broker.errors import BrokerError, InvalidExperienceError, SchemaError
 from broker.ops.local_redis import RedisServer
 
@@ -152,10 +154,8 @@ def kv_batch_put(keys: list[str], partition_id: str, fields: Any = None, tags: l
         client.write(partition, rows, fields)
     if tags is not None:  # after the data: a reader that polls the tags finds the data there
         system.set_tags(partition, rows, tags)
-    schema = system.field_schema(partition)
-    ready = system.produced_each(partition, rows, list(schema))
-    produced = [f for f, ok in zip(schema, ready) if ok.all()]
-    return KVBatchMeta(keys=list(keys), tags=system.tags(partition, rows), partition_id=partition, fields=produced)
+    return KVBatchMeta(keys=list(keys), tags=system.tags(partition, rows), partition_id=partition,
+                       fields=system.common_fields(partition, rows))
 
 
 def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> Any:
@@ -164,8 +164,11 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[s
     keys = _keys(keys)
     partition = _partition(partition_id)
     rows = client.system.rows_of_keys(partition, keys)
-    if select_fields is None:
-        fields = list(client.system.field_schema(partition))
+    if select_fields is None:  # the fields every one of the keys has, as TransferQueue gives them
+        fields = client.system.common_fields(partition, rows)
+        if not fields:
+            raise SampleNotFoundError(f"partition {partition!r}: no field is produced for every one of the keys "
+                                      f"{keys[:5]!r}{'...' if len(keys) > 5 else ''} (TransferQueue: empty fields)")
     else:
         fields = [select_fields] if isinstance(select_fields, str) else list(select_fields)
     return client.read(partition, rows, fields)
@@ -258,8 +261,13 @@ def _find(conf: dict[str, Any]) -> tuple[str, bool]:
         return server.url, False
 
 
+#: Names the folder where the first ``init`` publishes the URL of the redis-server it started.
+PUBLISH_DIR_ENV = "BROKER_TQ_DIR"
+
+
 def _publish_path(namespace: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"broker-tq-{os.getuid()}" / f"{dock_name(namespace)}.url"
+    folder = os.environ.get(PUBLISH_DIR_ENV) or Path(tempfile.gettempdir()) / f"broker-tq-{os.getuid()}"
+    return Path(folder) / f"{dock_name(namespace)}.url"
 
 
 def _published_url(path: Path) -> str | None:
@@ -319,9 +327,13 @@ def _publish(conf: dict[str, Any]) -> None:
 
 
 def _stored_conf(url: str, namespace: str) -> dict[str, Any] | None:
-    from broker.control.keys import DockKeys
-
-    raw = redis.Redis.from_url(url).get(DockKeys(dock_name(namespace)).tq_conf) if url else None
+    """The conf the system's first ``init`` stored, if the system exists."""
+    client, _ = connect(url)
+    try:
+        with redis_errors(redact(url)):
+            raw = client.get(DockKeys(dock_name(namespace)).tq_conf)
+    finally:
+        disconnect(url)
     if raw is None:
         return None
     try:

@@ -36,13 +36,14 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import torch
 
 from broker import ExperienceTimeoutError, TransferDock
 from broker.api.delivery import HandedRows
 from broker.connection import bounded, redact, script_error
 from broker.control.keys import check_name
 from broker.control.scripts.transfer_queue import TransferQueueScripts
-from broker.errors import BrokerError, InvalidExperienceError, SchemaError
+from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
 
 #: The dock's first column and consumer: a dock needs one of each before any field or task exists.
 PLACEHOLDER = "tq.sample"
@@ -67,8 +68,7 @@ class System:
 
     def __init__(self, url: str, namespace: str, capacity: int, call_timeout: float):
         self.url, self.namespace = url, namespace
-        self.dock = TransferDock(url, dock_name(namespace), prompts_num=capacity, n_samples_per_prompt=1,
-                                 columns=[PLACEHOLDER], consumers=[PLACEHOLDER], call_timeout=call_timeout)
+        self.dock = _open(url, dock_name(namespace), capacity, call_timeout)
         self.keys = self.dock.keys
         self.client = self.dock.client
         self.call_timeout = call_timeout
@@ -116,17 +116,26 @@ class System:
 
     def rows_for_keys(self, partition: str, keys: Sequence[str]) -> list[int]:
         """The rows of ``keys`` in ``partition``, new rows for new keys."""
-        schema = self.dock.schema
-        return list(self.run("rows for keys", lambda: self.scripts.rows(
-            partition, schema.capacity, keys=keys, columns=schema.columns, consumers=schema.consumers)))
+        return self._rows("rows for keys", partition, keys=keys)
 
     def new_rows(self, partition: str, count: int) -> list[int]:
         """Rows for ``count`` new samples of ``partition``."""
-        if count < 1:
-            return []
-        schema = self.dock.schema
-        return list(self.run("new rows", lambda: self.scripts.rows(
-            partition, schema.capacity, count=count, columns=schema.columns, consumers=schema.consumers)))
+        return self._rows("new rows", partition, count=count) if count > 0 else []
+
+    def _rows(self, what: str, partition: str, *, count: int = 0, keys: Sequence[str] = ()) -> list[int]:
+        for attempt in range(2):
+            schema = self.dock.schema
+            self.scripts.bind(schema, self.dock.fingerprint)
+            capacity, columns, consumers = schema.capacity, schema.columns, schema.consumers
+            try:
+                return list(self.run(what, lambda: self.scripts.rows(
+                    partition, capacity, count=count, keys=keys, columns=columns,  # noqa: B023 (run at once)
+                    consumers=consumers)))  # noqa: B023
+            except SchemaError:
+                if attempt:
+                    raise
+                self.dock.refresh()  # another process added a field or a task: adopt it, then again
+        raise AssertionError("unreachable")
 
     def rows_of_keys(self, partition: str, keys: Sequence[str]) -> list[int]:
         """The rows of existing ``keys``; SampleNotFoundError names those the partition lacks."""
@@ -135,8 +144,8 @@ class System:
         got = self.run("rows of keys", lambda: self.client.hmget(self.keys.tq_keys(partition), list(keys)))
         missing = [k for k, r in zip(keys, got) if r is None]
         if missing:
-            raise SampleNotFoundError(f"partition {partition!r} holds no key {missing[:5]!r}"
-                                      f"{' and %d more' % (len(missing) - 5) if len(missing) > 5 else ''}")
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise SampleNotFoundError(f"partition {partition!r} holds no key {missing[:5]!r}{more}")
         return [int(r) for r in got]
 
     def keys_of_rows(self, partition: str, rows: Sequence[int]) -> list[str | None]:
@@ -194,24 +203,26 @@ class System:
     def record_schema(self, partition: str, schema: Mapping[str, Mapping[str, Any]]) -> None:
         """Record each field's schema for ``partition`` (what reads rebuild the TensorDict from)."""
         if schema:
-            mapping = {f: _pack(dict(s), "field schema") for f, s in schema.items()}
+            mapping = {f: _pack(_schema_out(s), "field schema") for f, s in schema.items()}
             self.run("field schema", lambda: self.client.hset(self.keys.tq_fields(partition), mapping=mapping))  # type: ignore[arg-type]
 
     def field_schema(self, partition: str, fields: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         key = self.keys.tq_fields(partition)
         if fields is None:
             got = self.run("field schema", lambda: self.client.hgetall(key))
-            return {f.decode(): _unpack(v, "field schema") for f, v in sorted(got.items())}
+            return {f.decode(): _schema_in(_unpack(v, "field schema")) for f, v in sorted(got.items())}
         if not fields:
             return {}
         values = self.run("field schema", lambda: self.client.hmget(key, list(fields)))
-        return {f: _unpack(v, "field schema") for f, v in zip(fields, values) if v is not None}
+        return {f: _schema_in(_unpack(v, "field schema")) for f, v in zip(fields, values) if v is not None}
 
     # -- status ------------------------------------------------------------------------------------------------
 
     def status(self, partition: str, fields: Sequence[str], task: str | None) -> tuple[np.ndarray, ...]:
         """The partition's rows as bits, each field's ready bits, and the task's consumed bits, of one moment
         (one transaction): numpy bool arrays, as long as the longest."""
+        if any(f not in self.dock.columns for f in fields):
+            self.dock.refresh()  # another process may have added the field since this one looked
         keys = [self.keys.tq_rows(partition), *(self.keys.ready(f) for f in fields if f in self.dock.columns)]
         if task is not None:
             keys.append(self.keys.consumed(task))
@@ -284,6 +295,13 @@ class System:
             out.append(has)
         return out
 
+    def common_fields(self, partition: str, rows: Sequence[int]) -> list[str]:
+        """The partition's fields produced for every one of ``rows`` (none for no rows)."""
+        if not rows:
+            return []
+        fields = list(self.field_schema(partition))
+        return [f for f, ok in zip(fields, self.produced_each(partition, rows, fields)) if ok.all()]
+
     def produced(self, partition: str, rows: Sequence[int], fields: Sequence[str]) -> np.ndarray:
         """Per row, 1 if every one of ``fields`` is produced (TransferQueue's production status), as int8."""
         out = np.ones(len(rows), dtype=bool)
@@ -315,11 +333,54 @@ class System:
         self.dock.delete()
 
 
+def _open(url: str, name: str, capacity: int, call_timeout: float) -> TransferDock:
+    """The system's dock: attached as it is (grown by fields and tasks), or made with one placeholder column
+    and consumer. Two processes making it at once both succeed (same schema); one that finds it grown already
+    attaches. ``shards=0``: every byte in the dock's slot, so a checkpoint reads the whole system in one step."""
+    for _ in range(3):
+        try:
+            return TransferDock.attach(url, name, call_timeout=call_timeout)
+        except DockNotFoundError:
+            pass
+        try:
+            return TransferDock(url, name, prompts_num=capacity, n_samples_per_prompt=1, columns=[PLACEHOLDER],
+                                consumers=[PLACEHOLDER], call_timeout=call_timeout, shards=0)
+        except SchemaError:
+            continue  # grown between our attach and our create: attach again
+    raise SchemaError(f"dock {name!r} could neither be attached nor made; is it a TransferQueue system's dock?")
+
+
 def _bits(raw: bytes | None) -> np.ndarray:
     """A Redis bitmap as a bool array (bit 0 is the most significant bit of byte 0, as SETBIT numbers them)."""
     if not raw:
         return np.zeros(0, dtype=bool)
     return np.unpackbits(np.frombuffer(raw, dtype=np.uint8)).astype(bool)
+
+
+def _schema_out(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """A field's schema as plain values: the dtype by name, the shape a list. Shapes of single rows
+    (``per_sample_shapes``) belong to one put, not to the partition's field: they are not kept."""
+    out = {k: v for k, v in schema.items() if k != "per_sample_shapes"}
+    dtype = out.get("dtype")
+    if dtype is not None:
+        out["dtype"] = str(dtype)
+    if out.get("shape") is not None:
+        out["shape"] = [int(d) for d in out["shape"]]
+    return out
+
+
+def _schema_in(stored: Any) -> dict[str, Any]:
+    """The inverse of ``_schema_out``: torch dtypes and sizes again."""
+    if not isinstance(stored, dict):
+        raise SchemaError(f"stored field schema is not a map: {stored!r:.80}")
+    out = dict(stored)
+    dtype = out.get("dtype")
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype.removeprefix("torch."), None)
+        out["dtype"] = found if isinstance(found, torch.dtype) else dtype
+    if isinstance(out.get("shape"), list):
+        out["shape"] = torch.Size(out["shape"])
+    return out
 
 
 def _pack(value: Any, what: str) -> bytes:

@@ -23,13 +23,14 @@ class TransferQueueScripts(ScriptsBase):
     ) -> list[int]:
         """Rows for ``count`` new samples, or for ``keys`` (their rows, new ones for new keys), in order.
 
-        ``columns`` and ``consumers``: every column and consumer of the dock, whose bits a reused row loses.
+        ``columns`` and ``consumers``: every column and consumer of the dock, whose bits a reused row loses;
+        the script checks that the dock holds the schema bound (``bind``), so none is missed.
         """
         k = self._keys
         status = [*(k.ready(c) for c in columns), *(k.consumed(c) for c in consumers)]
         reply = self._once("tq_rows", [k.tq_next, k.tq_free, k.tq_partitions, k.tq_rows(partition),
-                                       k.tq_keys(partition), k.tq_rkeys(partition), *status],
-                           [partition, capacity, count, *keys])
+                                       k.tq_keys(partition), k.tq_rkeys(partition), k.meta, *status],
+                           [partition, capacity, count, self._expected, *keys])
         return [int(r) for r in reply]
 
     def release(self, partition: str, rows: Sequence[int] = (), *, whole: bool = False) -> list[int]:
