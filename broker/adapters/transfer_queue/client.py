@@ -202,8 +202,7 @@ class TransferQueueClient:
         ``delivery``, the leased rows they were read as, when given)."""
         if not rows:
             return
-        schema = tensors.field_schema(data)
-        columns = tensors.columns_of(data, len(rows))
+        columns, schema = tensors.put_columns(data, len(rows))  # nested fields unbound once, for both
         self._system.ensure_fields(list(columns))
         self._system.record_schema(partition, schema)
         self._system.dock.put_experience(columns, rows, delivery=delivery)
