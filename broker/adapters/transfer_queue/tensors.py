@@ -311,12 +311,14 @@ def put_columns(fields: TensorDictBase | Mapping[str, Any], rows: int) -> tuple[
 def nested_rows(value: torch.Tensor) -> list[torch.Tensor]:
     """The rows of a nested tensor, as views (``value.unbind()``); a jagged one whose rows lie back to back in
     its values (no holes, ragged along dim 1) is split at its offsets, without a check per row."""
-    if value.layout is torch.jagged and value.lengths() is None and getattr(value, "_ragged_idx", None) == 1:
-        offsets = value.offsets()
+    nested: Any = value  # torch's stubs type a NestedTensor's offsets() and lengths() nowhere
+    if nested.layout is torch.jagged and nested.lengths() is None and getattr(nested, "_ragged_idx", None) == 1:
+        offsets: torch.Tensor = nested.offsets()
         if offsets.numel() and bool((offsets[1:] >= offsets[:-1]).all()):
             start = int(offsets[0])
-            lengths = offsets.diff().tolist()
-            return list(value.values().narrow(0, start, int(offsets[-1]) - start).split(lengths))
+            lengths: list[int] = offsets.diff().tolist()
+            values: torch.Tensor = nested.values().narrow(0, start, int(offsets[-1]) - start)
+            return list(torch.split_with_sizes(values, lengths))
     return list(value.unbind())
 
 
