@@ -274,6 +274,12 @@ def test_tq_perftest_runs_the_wheels_benchmark_as_it_is_and_through_the_drop_in(
     # Read from the drop-in's embedded server, found through the run's Ray: the one the drop-in started.
     assert dropin["server"]["version"] and dropin["server"]["allocator"]
     assert dropin["memory_per_payload_byte"] > 0 and "reading_errors" not in dropin
+    # The actors' CPU, read from this run's Ray processes: perftest's two TQClientActors in both runs,
+    # TransferQueue's storage units in its own.
+    tq_roles = run["systems"]["transferqueue"]["actor_cpu_seconds"]
+    assert "TQClientActor put" in dropin["actor_cpu_seconds"] and "TQClientActor get" in tq_roles
+    assert any(role.startswith("SimpleStorageUnit") for role in tq_roles)
+    assert dropin["actor_cpu_put_seconds"] >= 0 and "client CPU s (medians)" in out
     assert run["systems"]["broker"]["checks_equal"]
     d, t, b = dropin, run["systems"]["transferqueue"], run["systems"]["broker"]
     assert run["ratios"]["dropin_get_speed_over_tq"] == t["get_seconds"] / d["get_seconds"]

@@ -163,8 +163,18 @@ def _perftest(p: dict[str, Any]) -> list[str]:
             lines.append(f"  {label:<16}{sy['first_put_seconds']:12.3f}"
                          f"{sy['put_seconds']:9.3f} ({sy['median_put_seconds']:6.3f}){sy['put_gb_per_s']:7.2f}"
                          f"{sy['get_seconds']:9.3f} ({sy['median_get_seconds']:6.3f}){sy['get_gb_per_s']:7.2f}{mem}")
+        native = run["systems"].get("broker", {})
+        clients = [f"{label} put {sy[put]:.2f}, get {sy[get]:.2f}"
+                   for label, sy, put, get in (
+                       ("transferqueue (its actors, storage units included)", run["systems"].get("transferqueue", {}),
+                        "actor_cpu_put_seconds", "actor_cpu_get_seconds"),
+                       ("drop-in", dropin, "actor_cpu_put_seconds", "actor_cpu_get_seconds"),
+                       ("native", native, "client_cpu_put_seconds", "client_cpu_get_seconds"))
+                   if put in sy and get in sy]
+        if clients:
+            lines.append("  client CPU s (medians): " + "; ".join(clients))
         cpu = [f"{label} put {sy['server_cpu_put_seconds']:.2f}, get {sy['server_cpu_get_seconds']:.2f}"
-               for label, sy in (("drop-in", dropin), ("native", run["systems"].get("broker", {})))
+               for label, sy in (("drop-in", dropin), ("native", native))
                if "server_cpu_put_seconds" in sy and "server_cpu_get_seconds" in sy]
         if cpu:
             lines.append("  Redis server CPU s (medians): " + "; ".join(cpu))

@@ -20,9 +20,10 @@ perftest around ``ray.get`` in its driver. Per variant (plain; complex with ``--
 Each perftest run makes ``--warmup`` + ``--repeat`` iterations (perftest's ``--num_test_iterations``); the
 first ``--warmup`` are not counted, as for the native system. perftest's own CSV gives the times. Both
 perftest runs are hosted by ``tq_perftest_launch.py``, which starts Ray with enough CPUs for
-TransferQueue's actors and, for the drop-in, reads the embedded server's ``used_memory`` and CPU seconds at
-perftest's "Starting ..." log lines (outside its timings): memory per payload byte with the batch stored
-is the reading after the put (perftest sleeps 2 s after it) less the one before, over the batch's bytes.
+TransferQueue's actors and reads, at perftest's "Starting ..." log lines (outside its timings), the CPU
+seconds of the run's actors and, for the drop-in, the embedded server's ``used_memory`` and CPU seconds: a
+loaded machine moves the wall times, not the work. Memory per payload byte with the batch stored is the
+reading after the put (perftest sleeps 2 s after it) less the one before, over the batch's bytes.
 """
 
 from __future__ import annotations
@@ -135,19 +136,27 @@ def run_perftest(python: str, script: Path, config: Path, w: LargeWorkload, iter
 
 
 def _server_figures(readings: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per iteration, from the launcher's readings: memory with the batch stored, server CPU in put and get."""
+    """Per iteration, from the launcher's readings: the actors' CPU seconds in put and get (by class, and
+    summed) and, where the Redis server was read, memory with the batch stored and its CPU in put and get."""
     server = next((r["server"] for r in readings if "server" in r), None)
     errors = [r["error"] for r in readings if "error" in r]
     steps = [r for r in readings if "step" in r and "error" not in r]
-    memory, cpu_put, cpu_get = [], [], []
+    out: dict[str, Any] = {"server": server, "errors": errors, "memory": [], "server_cpu_put": [],
+                           "server_cpu_get": [], "actor_cpu_put": [], "actor_cpu_get": [], "actor_roles": {}}
     for i in range(len(steps) - 3):
         a, b, c, d = steps[i : i + 4]
-        if [a["step"], b["step"], c["step"], d["step"]] == ["put", "list", "get", "delete"]:
-            memory.append(b["used_memory"] - a["used_memory"])
-            cpu_put.append(b["cpu"] - a["cpu"])
-            cpu_get.append(d["cpu"] - c["cpu"])
-    return {"server": server, "errors": errors, "memory": memory, "server_cpu_put": cpu_put,
-            "server_cpu_get": cpu_get}
+        if [a["step"], b["step"], c["step"], d["step"]] != ["put", "list", "get", "delete"]:
+            continue
+        for label, (start, end) in (("put", (a, b)), ("get", (c, d))):
+            spent = {role: end["actors"].get(role, 0.0) - start["actors"].get(role, 0.0) for role in end["actors"]}
+            out[f"actor_cpu_{label}"].append(sum(spent.values()))
+            for role, seconds in spent.items():
+                out["actor_roles"].setdefault(f"{role} {label}", []).append(seconds)
+        if "used_memory" in a:
+            out["memory"].append(b["used_memory"] - a["used_memory"])
+            out["server_cpu_put"].append(b["cpu"] - a["cpu"])
+            out["server_cpu_get"].append(d["cpu"] - c["cpu"])
+    return out
 
 
 def _summary(times: dict[str, list[float]], warmup: int, payload: int) -> dict[str, Any]:
@@ -189,18 +198,21 @@ def measure_variant(url: str, prefix: str, w: LargeWorkload, site: Path, tq_pyth
         got = run_perftest(python, script, site / CONFIG, w, iterations, folder, measure)
         entry = _summary(got, warmup, payload)
         entry["perftest_gb"] = got["gb"]
-        if measure:
-            figures = _server_figures(got["readings"])
+        figures = _server_figures(got["readings"])
+        if figures["server"]:
             entry["server"] = figures["server"]
-            if figures["errors"]:
-                entry["reading_errors"] = figures["errors"]
-            counted = {k: v[warmup:] or v for k, v in figures.items() if k in ("memory", "server_cpu_put",
-                                                                               "server_cpu_get")}
-            if counted["memory"]:
-                entry["memory_per_payload_byte"] = statistics.median(counted["memory"]) / payload
-            for key in ("server_cpu_put", "server_cpu_get"):
-                if counted[key]:
-                    entry[f"{key}_seconds"] = statistics.median(counted[key])
+        if figures["errors"]:
+            entry["reading_errors"] = figures["errors"]
+        # Medians of the counted iterations (all, if the readings of some were lost).
+        counted = {k: figures[k][warmup:] or figures[k]
+                   for k in ("memory", "server_cpu_put", "server_cpu_get", "actor_cpu_put", "actor_cpu_get")}
+        if counted["memory"]:
+            entry["memory_per_payload_byte"] = statistics.median(counted["memory"]) / payload
+        for key in ("server_cpu_put", "server_cpu_get", "actor_cpu_put", "actor_cpu_get"):
+            if counted[key]:
+                entry[f"{key}_seconds"] = statistics.median(counted[key])
+        entry["actor_cpu_seconds"] = {role: round(statistics.median(v[warmup:] or v), 4)
+                                      for role, v in figures["actor_roles"].items()}
         out["systems"][system] = entry
         _say(f"tq-perftest {w.label()}: {system} put {entry['put_seconds']:.3f} s, get {entry['get_seconds']:.3f} s "
              f"(best of {repeat})")

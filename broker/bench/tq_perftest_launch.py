@@ -11,14 +11,15 @@ perftest cannot do itself on a small machine:
 - perftest places its actors on ``node:<head_node_ip>``, the node's address as Ray sees it, which only
   Ray knows once it runs.
 
-With ``--measure`` (the drop-in's run) a logging handler on perftest's logger reads, at each of its
-"Starting ..." lines (logged before and after each timed call, outside the timings), ``used_memory``
-and the CPU seconds of the Redis server the drop-in's writer started, found as every other process of
-the run finds it (the ``TransferQueueController`` actor's conf). Each reading is printed on a line
-starting with ``@@perftest``. Nothing of perftest is changed or wrapped.
+A logging handler on perftest's logger reads, at each of its "Starting ..." lines (logged before and
+after each timed call, outside the timings), the CPU seconds of this run's Ray actors by class (this
+process's descendants only: other Ray sessions on the machine are not counted), and with ``--measure``
+(the drop-in's run) ``used_memory`` and the CPU seconds of the Redis server the drop-in's writer started,
+found as every other process of the run finds it (the ``TransferQueueController`` actor's conf). Each
+reading is printed on a line starting with ``@@perftest``. Nothing of perftest is changed or wrapped.
 
-Only the standard library, Ray and (with ``--measure``) redis-py are imported here: TransferQueue's run
-may use an interpreter without the broker.
+Only the standard library, Ray, psutil (Ray's) and (with ``--measure``) redis-py are imported here:
+TransferQueue's run may use an interpreter without the broker.
 """
 
 from __future__ import annotations
@@ -43,11 +44,38 @@ MARKS = {"Starting PUT": "put", "Starting LIST_KEYS": "list", "Starting GET_DATA
          "Starting DELETE": "delete"}
 
 
-class ServerReadings(logging.Handler):
-    """At each of perftest's "Starting ..." lines: the drop-in's server's ``used_memory`` and CPU seconds."""
+#: Ray's own processes, not the run's actors.
+_NOT_ACTORS = {"IDLE", "DashboardAgent", "RuntimeEnvAgent"}
 
-    def __init__(self) -> None:
+
+def actor_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process's Ray actors, summed by actor class (Ray titles
+    an actor's worker ``ray::CLASS``)."""
+    import psutil  # type: ignore[import-untyped]  # Ray's dependency; no stubs here
+
+    out: dict[str, float] = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            title = (proc.cmdline() or [""])[0]
+            if not title.startswith("ray::"):
+                continue
+            role = title[5:].split(".")[0].split()[0] if title[5:].strip() else "?"
+            if role in _NOT_ACTORS:
+                continue
+            times = proc.cpu_times()
+            out[role] = out.get(role, 0.0) + times.user + times.system
+        except (psutil.Error, IndexError):
+            continue  # a worker that ended, or whose title cannot be read
+    return out
+
+
+class ServerReadings(logging.Handler):
+    """At each of perftest's "Starting ..." lines: the run's actors' CPU seconds and, with ``redis``, the
+    drop-in's server's ``used_memory`` and CPU seconds."""
+
+    def __init__(self, redis: bool) -> None:
         super().__init__(logging.INFO)
+        self.redis = redis
         self.client: Any = None
 
     def _server(self) -> Any:
@@ -70,10 +98,13 @@ class ServerReadings(logging.Handler):
         if step is None:
             return
         try:
-            client = self._server()
-            cpu = client.info("cpu")
-            _say(step=step, used_memory=int(client.info("memory")["used_memory"]),
-                 cpu=float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]))
+            reading: dict[str, Any] = {"step": step, "actors": actor_cpu()}
+            if self.redis:
+                client = self._server()
+                cpu = client.info("cpu")
+                reading.update(used_memory=int(client.info("memory")["used_memory"]),
+                               cpu=float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]))
+            _say(**reading)
         except Exception as exc:  # noqa: BLE001 - a reading lost is reported, never a reason to stop perftest
             _say(step=step, error=f"{type(exc).__name__}: {exc}")
 
@@ -95,8 +126,7 @@ def main(argv: list[str]) -> int:
 
     ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
              logging_level=logging.ERROR)
-    if measure:
-        logging.getLogger("__main__").addHandler(ServerReadings())  # perftest's logger, run as __main__
+    logging.getLogger("__main__").addHandler(ServerReadings(measure))  # perftest's logger, run as __main__
     sys.argv = [script, *args, "--head_node_ip", ray.util.get_node_ip_address()]  # type: ignore[no-untyped-call]
     try:
         runpy.run_path(script, run_name="__main__")
