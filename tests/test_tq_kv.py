@@ -146,3 +146,17 @@ def test_a_get_sees_fields_another_process_added_after_it_attached(system):
             other.snapshot("p", keys=["a", "nope"]).rows_of_keys()
     finally:
         other.close()
+
+
+def test_rows_for_keys_in_chunks_keep_one_row_per_key(system):
+    """tq_rows.lua looks keys up and records new ones a thousand at a time: 2,500 keys, some twice, some
+    known already, each get one row, and each row maps back to its key. A new key asked twice in one call
+    gets its row both times (the second used to get -1)."""
+    rows_of = tq.get_client().system.rows_for_keys
+    first = rows_of("p", [f"k{i}" for i in range(700)])
+    keys = [f"k{i}" for i in range(2500)] + ["k5", "k1500", "k2499"]
+    rows = rows_of("p", keys)
+    assert rows[:700] == first and len(set(rows[:2500])) == 2500
+    assert rows[2500:] == [rows[5], rows[1500], rows[2499]]
+    assert tq.get_client().kv_retrieve_keys(rows[:2500], "p") == keys[:2500]
+    assert rows_of("p", ["k2499", "new", "new"]) == [rows[2499], max(rows) + 1, max(rows) + 1]
