@@ -164,15 +164,22 @@ def _perftest(p: dict[str, Any]) -> list[str]:
                          f"{sy['put_seconds']:9.3f} ({sy['median_put_seconds']:6.3f}){sy['put_gb_per_s']:7.2f}"
                          f"{sy['get_seconds']:9.3f} ({sy['median_get_seconds']:6.3f}){sy['get_gb_per_s']:7.2f}{mem}")
         native = run["systems"].get("broker", {})
+        tq = run["systems"].get("transferqueue", {})
         clients = [f"{label} put {sy[put]:.2f}, get {sy[get]:.2f}"
                    for label, sy, put, get in (
-                       ("transferqueue (its actors, storage units included)", run["systems"].get("transferqueue", {}),
-                        "actor_cpu_put_seconds", "actor_cpu_get_seconds"),
-                       ("drop-in", dropin, "actor_cpu_put_seconds", "actor_cpu_get_seconds"),
+                       ("transferqueue", tq, "caller_cpu_put_seconds", "caller_cpu_get_seconds"),
+                       ("drop-in", dropin, "caller_cpu_put_seconds", "caller_cpu_get_seconds"),
                        ("native", native, "client_cpu_put_seconds", "client_cpu_get_seconds"))
                    if put in sy and get in sy]
         if clients:
-            lines.append("  client CPU s (medians): " + "; ".join(clients))
+            lines.append("  caller's CPU s (medians; perftest's writer in a put, its reader in a get): "
+                         + "; ".join(clients))
+        actors = [f"{label} put {sy['actor_cpu_put_seconds']:.2f}, get {sy['actor_cpu_get_seconds']:.2f}"
+                  for label, sy in (("transferqueue", tq), ("drop-in", dropin))
+                  if "actor_cpu_put_seconds" in sy and "actor_cpu_get_seconds" in sy]
+        if actors:
+            lines.append("  every Ray actor's CPU s (medians; TransferQueue's storage units and controller "
+                         "included, and 2 s of idling): " + "; ".join(actors))
         cpu = [f"{label} put {sy['server_cpu_put_seconds']:.2f}, get {sy['server_cpu_get_seconds']:.2f}"
                for label, sy in (("drop-in", dropin), ("native", native))
                if "server_cpu_put_seconds" in sy and "server_cpu_get_seconds" in sy]

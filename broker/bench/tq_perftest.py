@@ -59,6 +59,9 @@ EDITS = [
     (re.compile(r"^(\s*)from transfer_queue(\.[\w.]+)? import", re.M), r"\1from broker.transfer_queue\2 import"),
 ]
 
+#: perftest's writer and reader actors' class.
+CALLER = "TQClientActor"
+
 #: Seconds perftest sleeps per iteration (2 s after the put, the list and the get; 10 s after each).
 SLEEPS_PER_ITERATION = 16
 
@@ -142,15 +145,23 @@ def _server_figures(readings: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [r["error"] for r in readings if "error" in r]
     steps = [r for r in readings if "step" in r and "error" not in r]
     out: dict[str, Any] = {"server": server, "errors": errors, "memory": [], "server_cpu_put": [],
-                           "server_cpu_get": [], "actor_cpu_put": [], "actor_cpu_get": [], "actor_roles": {}}
+                           "server_cpu_get": [], "actor_cpu_put": [], "actor_cpu_get": [], "caller_cpu_put": [],
+                           "caller_cpu_get": [], "actor_roles": {}}
     for i in range(len(steps) - 3):
         a, b, c, d = steps[i : i + 4]
         if [a["step"], b["step"], c["step"], d["step"]] != ["put", "list", "get", "delete"]:
             continue
         for label, (start, end) in (("put", (a, b)), ("get", (c, d))):
-            spent = {role: end["actors"].get(role, 0.0) - start["actors"].get(role, 0.0) for role in end["actors"]}
-            out[f"actor_cpu_{label}"].append(sum(spent.values()))
-            for role, seconds in spent.items():
+            spent = [(role, seconds - start["actors"].get(pid, (role, 0.0))[1])
+                     for pid, (role, seconds) in end["actors"].items()]
+            out[f"actor_cpu_{label}"].append(sum(s for _, s in spent))
+            # The caller: perftest's writer in a put, its reader in a get, the busier of its two actors
+            # (the other idles through the call).
+            out[f"caller_cpu_{label}"].append(max((s for role, s in spent if role == CALLER), default=0.0))
+            roles: dict[str, float] = {}
+            for role, seconds in spent:
+                roles[role] = roles.get(role, 0.0) + seconds
+            for role, seconds in roles.items():
                 out["actor_roles"].setdefault(f"{role} {label}", []).append(seconds)
         if "used_memory" in a:
             out["memory"].append(b["used_memory"] - a["used_memory"])
@@ -204,11 +215,12 @@ def measure_variant(url: str, prefix: str, w: LargeWorkload, site: Path, tq_pyth
         if figures["errors"]:
             entry["reading_errors"] = figures["errors"]
         # Medians of the counted iterations (all, if the readings of some were lost).
-        counted = {k: figures[k][warmup:] or figures[k]
-                   for k in ("memory", "server_cpu_put", "server_cpu_get", "actor_cpu_put", "actor_cpu_get")}
+        timed = ("server_cpu_put", "server_cpu_get", "actor_cpu_put", "actor_cpu_get", "caller_cpu_put",
+                 "caller_cpu_get")
+        counted = {k: figures[k][warmup:] or figures[k] for k in ("memory", *timed)}
         if counted["memory"]:
             entry["memory_per_payload_byte"] = statistics.median(counted["memory"]) / payload
-        for key in ("server_cpu_put", "server_cpu_get", "actor_cpu_put", "actor_cpu_get"):
+        for key in timed:
             if counted[key]:
                 entry[f"{key}_seconds"] = statistics.median(counted[key])
         entry["actor_cpu_seconds"] = {role: round(statistics.median(v[warmup:] or v), 4)

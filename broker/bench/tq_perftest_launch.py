@@ -48,12 +48,12 @@ MARKS = {"Starting PUT": "put", "Starting LIST_KEYS": "list", "Starting GET_DATA
 _NOT_ACTORS = {"IDLE", "DashboardAgent", "RuntimeEnvAgent"}
 
 
-def actor_cpu() -> dict[str, float]:
-    """CPU seconds (user + system) so far of this process's Ray actors, summed by actor class (Ray titles
-    an actor's worker ``ray::CLASS``)."""
+def actor_cpu() -> dict[str, tuple[str, float]]:
+    """``{pid: (actor class, CPU seconds so far, user + system)}`` of this process's Ray actors (Ray titles an
+    actor's worker ``ray::CLASS``)."""
     import psutil  # type: ignore[import-untyped]  # Ray's dependency; no stubs here
 
-    out: dict[str, float] = {}
+    out: dict[str, tuple[str, float]] = {}
     for proc in psutil.Process().children(recursive=True):
         try:
             title = (proc.cmdline() or [""])[0]
@@ -63,7 +63,7 @@ def actor_cpu() -> dict[str, float]:
             if role in _NOT_ACTORS:
                 continue
             times = proc.cpu_times()
-            out[role] = out.get(role, 0.0) + times.user + times.system
+            out[str(proc.pid)] = (role, times.user + times.system)
         except (psutil.Error, IndexError):
             continue  # a worker that ended, or whose title cannot be read
     return out
