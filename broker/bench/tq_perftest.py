@@ -42,7 +42,7 @@ from typing import Any
 
 from broker.bench.large_run import measure_one, server_facts
 from broker.bench.large_workload import GIB, LargeWorkload
-from broker.bench.servers import admin
+from broker.bench.servers import admin, is_cluster
 
 #: The systems of the mode, in the order they run within a variant.
 PERFTEST_SYSTEMS = ("transferqueue", "drop-in", "broker")
@@ -245,6 +245,9 @@ def run_tq_perftest(url: str, prefix: str, base: LargeWorkload, tq_python_reques
         _say(why)
         return None
     with admin(url) as client:
+        if is_cluster(client):
+            raise ValueError("--tq-perftest measures the native broker on one redis-server, as the drop-in's "
+                             "embedded server is one")
         native_server = server_facts(client)
     folder = Path(tempfile.mkdtemp(prefix="broker-tq-perftest-"))
     try:
