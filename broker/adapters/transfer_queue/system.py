@@ -263,6 +263,7 @@ class System:
         before each new choice (a sampler forgets the choice it cached)."""
         self.ensure_task(task)
         for _ in range(CLAIM_RETRIES):
+            self.dock.reclaim(task)  # rows of readers whose lease ran out are ready for the task again
             ready = self.ready_unconsumed(partition, fields, task)
             sampled, consumed = choose(ready)
             if not consumed:
