@@ -11,11 +11,11 @@ import pytest
 import torch
 
 pytest.importorskip("tensordict")
+from broker.transfer_queue.sampler import BaseSampler, GRPOGroupNSampler, SequentialSampler  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 import broker.transfer_queue as tq  # noqa: E402
 from broker import BrokerError, FencedError  # noqa: E402
-from broker.transfer_queue.sampler import BaseSampler, GRPOGroupNSampler, SequentialSampler  # noqa: E402
 from tests.helpers import worker_processes  # noqa: E402
 
 
