@@ -202,3 +202,22 @@ def test_bad_calls_are_clear_errors(client):
         client.get_meta(["x"], 0, "p", task_name="t")
     with pytest.raises(BrokerError, match="data has 2 rows, metadata 3"):
         client.put(rows(2), client.get_meta(["x"], 3, "p", mode="insert"))
+
+
+def test_metrics_enabled_serves_this_process_calls(url):
+    import urllib.request
+
+    from broker.api import metrics
+
+    namespace = "m" + uuid.uuid4().hex[:6]
+    tq.init({**conf(url, namespace), "metrics": {"enabled": True, "port": 0}})
+    try:
+        tq.kv_batch_put(["a"], "p", rows(1))
+        endpoint = tq.get_metrics_endpoint()
+        assert endpoint is not None
+        text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
+        assert f'broker_client_rows_total{{dock="tq.{namespace}",op="put"}} 1.0' in text
+    finally:
+        tq.get_client().system.delete()
+        tq.close()
+        metrics.disable()
