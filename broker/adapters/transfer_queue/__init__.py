@@ -8,6 +8,7 @@ pickle of anything read from Redis.
 """
 
 from broker.adapters.transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient
+from broker.adapters.transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
 from broker.adapters.transfer_queue.interface import (
     async_kv_batch_get,
     async_kv_batch_get_by_meta,

@@ -80,7 +80,9 @@ class TransferQueueClient:
         count = _count(batch_size)
         if not isinstance(task_name, str) or not task_name:
             raise InvalidExperienceError(f"get_meta(mode='fetch') needs a task_name, got {task_name!r}")
-        config = dict(sampling_config or {})
+        # TransferQueue's StreamingDataset puts task_name and partition_id into sampling_config too (its controller
+        # passes the config to the sampler as keywords): the arguments of this call name them here.
+        config = {k: v for k, v in (sampling_config or {}).items() if k not in ("task_name", "partition_id")}
         lease = self._lease if lease is None else lease
         rank, batch_index = config.get("dp_rank"), config.get("batch_index")
         label = f"{partition}|{task_name}|{rank}|{batch_index}"
@@ -94,7 +96,13 @@ class TransferQueueClient:
         def choose(ready: list[int]) -> tuple[list[int], list[int]]:
             before[:] = [entries()]
             if len(ready) < count and not self._cached(partition, task_name, config):
-                return [], []
+                # Another rank of this DP group, perhaps in another process, may have taken this batch already
+                # (its rows now consumed, so not among the ready ones): its record is this rank's batch.
+                recorded = system.recorded(label) if rank is not None else None
+                if not recorded:
+                    return [], []
+                sampler.remember(partition, task_name, rank, batch_index, recorded)
+                return recorded, recorded
             sampled, consumed = sampler(ready, count, task_name=task_name, partition_id=partition, **config)
             return list(sampled), list(consumed)
 

@@ -316,7 +316,7 @@ def _publish(conf: dict[str, Any]) -> None:
         def get_config(self) -> dict[str, Any]:
             return self.conf
 
-    plain = json.loads(json.dumps(conf, default=str))
+    plain = json.loads(_conf_json(conf))  # a sampler by its name, as in Redis: a StreamingDataset's conf names it
     try:
         _P.controller = TransferQueueController.options(  # type: ignore[attr-defined]
             name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE).remote(plain)
@@ -342,9 +342,14 @@ def _stored_conf(url: str, namespace: str) -> dict[str, Any] | None:
 
 
 def _store_conf(system: System, conf: dict[str, Any]) -> None:
-    text = json.dumps(conf, default=lambda o: o.__class__.__name__ if isinstance(o, BaseSampler) or
-                      isinstance(o, type) else str(o))
+    text = _conf_json(conf)
     system.run("store conf", lambda: system.client.set(system.keys.tq_conf, text, nx=True))
+
+
+def _conf_json(conf: dict[str, Any]) -> str:
+    """The conf as JSON: a sampler (an instance or a class) by its class's name, anything else as its str."""
+    return json.dumps(conf, default=lambda o: o.__class__.__name__ if isinstance(o, BaseSampler) else
+                      o.__name__ if isinstance(o, type) else str(o))
 
 
 def _sampler_of(given: Any, conf: dict[str, Any]) -> BaseSampler:
