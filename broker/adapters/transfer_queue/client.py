@@ -300,6 +300,8 @@ class TransferQueueClient:
 
     def _status(self, partition: str, fields: list[str], task: str) -> tuple[np.ndarray, np.ndarray]:
         if task not in self._system.dock.consumers:
+            self._system.dock.refresh()  # another process (a data loader's worker, say) may have added the task
+        if task not in self._system.dock.consumers:
             members = self._system.status(partition, [], None)[0]
             return members, np.zeros(len(members), dtype=bool)
         members, consumed = self._system.status(partition, [], task)

@@ -16,9 +16,15 @@ Each process opens its own client from the conf, which the dataset carries when 
 Where it differs from TransferQueue, and why:
 
 - ``num_workers=W``: worker ``w`` fetches batches ``w, w + W, w + 2W, ...`` (TransferQueue's workers each start at
-  batch 0, so under ``RankAwareSampler`` every worker of a rank yields the same rows: W copies of each batch).
-  The DataLoader takes the workers' items in turn, so batches come out in batch order, and ranks of one DP group
-  agree on batch ``k`` whatever their ``num_workers``.
+  batch 0, so under ``RankAwareSampler`` every worker of a rank yields the same rows: W copies of each batch),
+  and claims batch ``k`` only after batch ``k - 1`` was claimed (a counter the loader's workers share). So rows go
+  to batches in order, a prefetched batch waits only for the consumer (never, leased, behind an earlier batch
+  still waiting for rows), and the ranks of one DP group agree on every batch whatever their ``num_workers``.
+- A worker's item is a whole batch's micro-batches, which the loader's iterator hands out one at a time: the
+  DataLoader takes the workers' items in turn, so micro-batches come out in batch order, a batch's together
+  (TransferQueue's workers yield single micro-batches, interleaving those of different batches).
+  ``prefetch_factor`` therefore counts batches; a ``collate_fn`` is still applied to each micro-batch, in the
+  worker.
 - A micro-batch's ``BatchMeta`` is the meta of exactly the rows of its TensorDict (TransferQueue's cuts the meta
   with ``BatchMeta.chunk``, which puts the remainder first: 7 rows in micro-batches of 3 gave rows 0-2, 3-5, 6
   but metas of 3, 2, 2 rows).
@@ -26,26 +32,35 @@ Where it differs from TransferQueue, and why:
   pause that grows from 5 ms to 0.1 s (``$TQ_STREAMING_DATASET_EMPTY_BATCH_SLEEP_INTERVAL`` caps it; TransferQueue
   sleeps 1 s), so a batch is yielded soon after its rows are put.
 - A rank whose DP group's other rank took batch ``k`` already gets that batch even when no row is ready any more
-  (TransferQueue's controller only looks at its cache once enough rows are ready).
+  (TransferQueue's controller only looks at its cache once enough rows are ready), so a finite loader's ranks
+  end on the same batch.
+- Invalid arguments raise ``InvalidExperienceError``, a ``ValueError`` as TransferQueue's are.
 
-Beyond TransferQueue: ``lease=`` seconds (default: the conf's ``broker.lease``). Each batch is taken under a lease;
-its rows come back to the task, for any reader, if the lease runs out before they are acked, so a trainer that
-dies mid-batch loses nothing. A micro-batch is acked when the consumer asks for the next one (the loop body
-finished with it: that is the moment the DataLoader's consumer says so, wherever the batch was fetched), and at
-the end of the iteration. A loop left with ``break`` holds the last micro-batch's lease until ``ack()`` (or until
-it runs out and its rows go to another reader): leaving a loop does not say whether the body finished. With
-``auto_ack=False`` nothing is acked but by ``ack(meta)`` / ``ack()`` (all handed so far): for a trainer that counts
-a micro-batch done only after its optimizer step. The lease must cover the time a batch waits in the prefetch
-queue (``num_workers * prefetch_factor`` batches) as well as its step: a lease that runs out hands the rows to
-another reader as well (at-least-once), and the late ack releases nothing. The ranks of a DP group share the
-lease of the rank that took the batch first: its ack ends it. A finite loader stops once every row was handed
-out; rows whose lease runs out after that are left for the next pass or another reader.
+Beyond TransferQueue: ``lease=`` seconds (default: the conf's ``broker.lease``). Each batch is taken under a lease:
+rows not acked before it runs out go back to the task, for any reader, so a trainer that dies mid-batch loses
+nothing (neither the micro-batch it was on nor those of the batch it had not reached).
+
+When the ack comes: a micro-batch is acked when its consumer asks for the next one, and at the end of the
+iteration. That request is the one moment the consumer says it is done with a micro-batch: the loop body has
+finished with it. It is made in the consumer's process (the loader's iterator acks there, wherever a worker
+fetched the batch), and it needs no change to a training loop. Leaving a loop with ``break`` acks nothing (an
+exception leaves it the same way, and then the micro-batch was not done): call ``ack()`` after a ``break``, or
+the last micro-batch's rows go to another reader when the lease runs out. ``auto_ack=False`` leaves every ack to
+``ack(meta)`` / ``ack()`` (all handed so far), for a trainer that counts a micro-batch done only after its
+optimizer step. A ``put`` with a micro-batch's meta (results written back) is fenced by its lease and acks it.
+
+The lease must cover the time a batch waits in the prefetch queue (``num_workers * prefetch_factor`` batches)
+as well as its step: one that runs out hands the rows to another reader as well (at-least-once), and the late
+ack releases nothing. The ranks of a DP group share the lease of the rank that took the batch first: its ack
+ends it. A finite loader stops once every row was handed out; rows whose lease runs out after that are the
+next pass's or another reader's.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import multiprocessing
 import os
 import time
 import uuid
@@ -128,6 +143,8 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]  # yields (Te
         #: Set by a StreamingDataLoader wrapping it: each batch's micro-batches are one item (a ``_Bundle``),
         #: which the loader's iterator hands out one by one and acks.
         self._bundles = False
+        #: Set by a StreamingDataLoader with workers before it starts them: the turns they claim batches in.
+        self._turns: _Turns | None = None
         #: Leased micro-batches handed to this process's consumer and not acked yet.
         self._unacked: list[BatchMeta] = []
         self._tq_client: TransferQueueClient | None = None
@@ -140,6 +157,8 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]  # yields (Te
         """What a worker process gets: the conf to reconnect with, not this process's client or its leases."""
         state = dict(self.__dict__)
         state["_tq_client"], state["_client_pid"], state["_unacked"] = None, 0, []
+        if multiprocessing.context.get_spawning_popen() is None:
+            state["_turns"] = None  # shared memory crosses only into the processes a loader starts
         return state
 
     def _client(self) -> TransferQueueClient:
@@ -163,6 +182,7 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]  # yields (Te
         client = self._client()
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        turns = self._turns if workers > 1 else None
         cap = float(os.environ.get(SLEEP_ENV) or LONGEST_PAUSE)
         pause = FIRST_PAUSE
         while True:
@@ -172,19 +192,28 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]  # yields (Te
                 log.debug("StreamingDataset: batch %d of %d buffered", self.batch_index, len(self.buffer))
                 yield _Bundle(self.process_batch_fn(batch, meta, micro_batch_size=self.micro_batch_size))
                 continue
-            try:
-                batch, meta = self.fetch_batch_fn(
-                    tq_client=client, data_fields=self.data_fields, batch_size=self.batch_size,
-                    partition_id=self.partition_id, task_name=self.task_name, sampling_config=self.sampling_config,
-                    # this worker's share of the batches: w, w + W, ... (see the module's docstring)
-                    batch_index=worker + self.batch_index * workers)
-            except ExperienceTimeoutError:  # a fetch_batch_fn of its own that waited: nothing ready yet
-                batch = None
+            index = worker + self.batch_index * workers  # this worker's share: w, w + W, ... (module docstring)
+            turn = "claim" if turns is None else turns.turn(index)
+            if turn == "end":
+                return
+            batch = None
+            if turn == "claim":
+                try:
+                    batch, meta = self.fetch_batch_fn(
+                        tq_client=client, data_fields=self.data_fields, batch_size=self.batch_size,
+                        partition_id=self.partition_id, task_name=self.task_name,
+                        sampling_config=self.sampling_config, batch_index=index)
+                except ExperienceTimeoutError:  # a fetch_batch_fn of its own that waited: nothing ready yet
+                    batch = None
             if batch is not None:
                 self.buffer.append((batch, meta))
+                if turns is not None:
+                    turns.claimed(index)
                 pause = FIRST_PAUSE
                 continue
-            if self.should_check_consumption_status and self._consumed(client):
+            if turn == "claim" and self.should_check_consumption_status and self._consumed(client):
+                if turns is not None:
+                    turns.end_at(index)
                 return
             time.sleep(pause)
             pause = min(pause * 2, cap)
@@ -275,6 +304,12 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
             pin_memory_device=pin_memory_device)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # an iterator that also acks
+        if self.num_workers > 1:
+            if self.dataset._turns is None or not self.persistent_workers:  # new workers: their first batches
+                context = self.multiprocessing_context or torch.multiprocessing
+                self.dataset._turns = _Turns(context, self.dataset.batch_index * self.num_workers)
+            else:  # the same workers go on where they were: the batch they stopped at is to claim again
+                self.dataset._turns.restart()
         return _Acking(super().__iter__(), self.dataset)
 
     def ack(self, meta: BatchMeta | None = None) -> int:
@@ -292,6 +327,38 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
     def get_buffer(self) -> list[tuple[Any, BatchMeta]]:
         """The batches this process fetched (with ``num_workers`` they are in the workers' copies)."""
         return self.dataset.buffer
+
+
+class _Turns:
+    """The batch a loader's workers may claim next, in shared memory: batch ``k`` is claimed only after batch
+    ``k - 1``. Otherwise a worker would take rows for a later batch while its sibling still waits for rows for an
+    earlier one; that batch would then wait, leased, behind it in the DataLoader's order, and at the end of the
+    rows a gap would stay where a rank of the same DP group fetching in fewer workers stops."""
+
+    def __init__(self, context: Any, first: int):
+        self._shared = context.Array("q", [first, -1])  # the next batch to claim; the batch the rows ended at
+
+    def turn(self, index: int) -> str:
+        """``claim`` (batch ``index`` is next), ``wait`` (an earlier one is not claimed yet) or ``end``."""
+        with self._shared.get_lock():
+            following, end = self._shared[0], self._shared[1]
+        if 0 <= end <= index:
+            return "end"
+        return "claim" if following >= index else "wait"
+
+    def claimed(self, index: int) -> None:
+        with self._shared.get_lock():
+            self._shared[0] = max(self._shared[0], index + 1)
+
+    def end_at(self, index: int) -> None:
+        """Every row was handed out when batch ``index`` was to be claimed: no worker claims it or a later one."""
+        with self._shared.get_lock():
+            end = self._shared[1]
+            self._shared[1] = index if end < 0 else min(end, index)
+
+    def restart(self) -> None:
+        with self._shared.get_lock():
+            self._shared[1] = -1
 
 
 class _Bundle(list):  # type: ignore[type-arg]
