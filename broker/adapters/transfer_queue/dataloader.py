@@ -221,7 +221,8 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]  # yields (Te
     def _consumed(self, client: TransferQueueClient) -> bool:
         """Whether every row of the partition was handed to the task (rows whose lease ran out are given back
         first: they are not consumed)."""
-        client.system.give_back_expired(self.task_name)
+        if self.task_name in client.system.dock.consumers:
+            client.system.dock.reclaim(self.task_name)
         return client.check_consumption_status(self.task_name, self.partition_id)
 
     def _acking(self, items: Iterator[Any]) -> Iterator[Any]:

@@ -262,16 +262,11 @@ class System:
         is returned to every later one. ``refused`` runs
         before each new choice (a sampler forgets the choice it cached)."""
         self.ensure_task(task)
-        gave_back = False
         for _ in range(CLAIM_RETRIES):
             self.dock.reclaim(task)  # rows of readers whose lease ran out are ready for the task again
             ready = self.ready_unconsumed(partition, fields, task)
             sampled, consumed = choose(ready)
             if not consumed:
-                if not gave_back and self.give_back_expired(task):
-                    gave_back = True  # rows of a reader whose lease ran out are ready again: choose again
-                    refused()
-                    continue
                 return list(sampled), None
             label = name()
             try:
@@ -288,23 +283,6 @@ class System:
         raise InvalidExperienceError(
             f"partition {partition!r}, task {task!r}: other callers took the rows this one chose "
             f"{CLAIM_RETRIES} times in a row; is a sampler returning rows it was not offered?")
-
-    def give_back_expired(self, task: str) -> int:
-        """Give back ``task``'s rows whose lease ran out unacked (their reader died or stalled), so that they are
-        ready for it again; returns how many leases had run out. The take gives them back too, but a caller
-        reads the bitmaps before it takes, and would never choose them: this runs when it finds too few."""
-        if task not in self.dock.consumers:
-            return 0
-        leases = self.keys.leases(task)
-
-        def expired() -> int:
-            seconds, micros = self.client.time()  # the server's clock, as the leases' deadlines are
-            return int(self.client.zcount(leases, "-inf", f"({seconds * 1000 + micros // 1000}"))
-
-        count = int(self.run("expired leases", expired))
-        if count:
-            self.dock.all_consumed(task)  # gives back the expired leases (its answer is the dock's, not ours)
-        return count
 
     def recorded(self, label: str) -> list[int] | None:
         """The rows the named take ``label`` handed out (lua/take.lua's record), in its caller's order; None
