@@ -221,3 +221,26 @@ def test_metrics_enabled_serves_this_process_calls(url):
         tq.get_client().system.delete()
         tq.close()
         metrics.disable()
+
+
+def test_a_partition_made_again_does_not_hand_a_dp_group_the_batches_recorded_before(url):
+    namespace = "again" + uuid.uuid4().hex[:6]
+    tq.init(conf(url, namespace, sampler="RankAwareSampler"))
+    try:
+        c = tq.get_client()
+        config = {"dp_rank": 0, "batch_index": 0}
+        c.put(rows(2), partition_id="p")
+        first = c.get_meta(["x"], 2, "p", task_name="t", sampling_config=config)
+        c.clear_partition("p")
+        time.sleep(0.01)  # a new creation time
+        c.put(rows(2, start=20), partition_id="q")  # takes the rows p had: the old record names q's rows now
+        c.put(rows(2, start=10), partition_id="p")
+        from broker.adapters.transfer_queue.client import TransferQueueClient
+        from broker.transfer_queue import RankAwareSampler
+
+        fresh = TransferQueueClient(c.system, RankAwareSampler(), get_meta_timeout=0.5)  # no cache of its own
+        again = fresh.get_meta(["x"], 2, "p", task_name="t", sampling_config=config)
+        assert fresh.get_data(again)["x"].tolist() == [10, 11], (first.global_indexes, again.global_indexes)
+    finally:
+        tq.get_client().system.delete()
+        tq.close()

@@ -85,7 +85,9 @@ class TransferQueueClient:
         config = {k: v for k, v in (sampling_config or {}).items() if k not in ("task_name", "partition_id")}
         lease = self._lease if lease is None else lease
         rank, batch_index = config.get("dp_rank"), config.get("batch_index")
-        label = f"{partition}|{task_name}|{rank}|{batch_index}"
+        # The partition's creation time in the name: a partition cleared and made again under its name does not
+        # hand a DP group the batches recorded before the clear (the records outlive it, for a day).
+        label = f"{partition}@{system.created(partition)}|{task_name}|{rank}|{batch_index}"
 
         sampler = self._sampler
         before: list[set[Any]] = []

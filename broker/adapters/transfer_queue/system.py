@@ -284,6 +284,11 @@ class System:
             f"partition {partition!r}, task {task!r}: other callers took the rows this one chose "
             f"{CLAIM_RETRIES} times in a row; is a sampler returning rows it was not offered?")
 
+    def created(self, partition: str) -> str:
+        """When ``partition`` was made (ms, as tq_rows.lua stamps it); "0" if it does not exist."""
+        raw = self.run("partition", lambda: self.client.hget(self.keys.tq_partitions, partition))
+        return "0" if raw is None else raw.decode()
+
     def recorded(self, label: str) -> list[int] | None:
         """The rows the named take ``label`` handed out (lua/take.lua's record), in its caller's order; None
         if no take under that name happened (or its record expired)."""
