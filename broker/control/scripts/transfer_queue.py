@@ -50,7 +50,8 @@ class TransferQueueScripts(ScriptsBase):
         """Release ``rows`` of ``partition`` (or, ``whole``, all of them and the partition); those released."""
         k = self._keys
         reply = self._once("tq_release", [k.tq_free, k.tq_rows(partition), k.tq_keys(partition),
-                                          k.tq_rkeys(partition), k.tq_tags(partition), k.tq_partitions],
+                                          k.tq_rkeys(partition), k.tq_tags(partition), k.tq_partitions,
+                                          k.tq_fields(partition)],
                            [partition, int(whole), *rows])
         return [int(r) for r in reply]
 
