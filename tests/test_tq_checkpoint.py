@@ -37,6 +37,8 @@ from broker.adapters.transfer_queue.errors import (  # noqa: E402
 )
 from broker.adapters.transfer_queue.sampler import RankAwareSampler, SequentialSampler  # noqa: E402
 from broker.adapters.transfer_queue.system import System  # noqa: E402
+from broker.ops.acl import worker_rules  # noqa: E402
+from broker.ops.local_redis import RedisServer  # noqa: E402
 from tests.helpers import empty_cluster, server_keys, worker_processes  # noqa: E402
 
 
@@ -177,6 +179,22 @@ def test_the_keys_a_checkpoint_names_are_every_key_the_system_has(system, tmp_pa
     tq.save_checkpoint(tmp_path / "ck")
     document = json.loads((tmp_path / "ck" / "metadata.json").read_text())
     assert document["keys"] == len(found) - 1  # each but the meta, which metadata.json holds
+
+
+@pytest.mark.real
+def test_a_worker_confined_to_its_system_by_acl_saves_and_loads(tmp_path):
+    """No SCAN, no server-wide command: ``broker acl``'s rules for the system's dock are enough."""
+    with RedisServer() as server:
+        server.client().execute_command("ACL", "SETUSER", "worker", "on", ">pw", *worker_rules("tq.confined"))
+        tq.init(conf(f"redis://worker:pw@127.0.0.1:{server.port}/0", "confined"))
+        try:
+            tq.kv_batch_put(["a", "b"], "p", batch(["a", "b"]), [{"t": 1}, {"t": 2}])
+            tq.save_checkpoint(tmp_path / "ck")
+            tq.kv_clear(["a"], "p")
+            tq.load_checkpoint(tmp_path / "ck")
+            assert tq.kv_list() == {"p": {"a": {"t": 1}, "b": {"t": 2}}}
+        finally:
+            tq.close()
 
 
 # -- consistency while the system changes ---------------------------------------------------------------------
