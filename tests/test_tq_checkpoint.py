@@ -528,8 +528,14 @@ def test_other_processes_go_on_after_a_restore(system, tmp_path):
 
 # -- TransferQueue's verl-style loop, killed and resumed ----------------------------------------------------------
 
-PRODUCERS, PER_PRODUCER, BATCH = 3, 120, 4
-SAVE_AT, MORE_AFTER = 90, 60  # rows consumed before the checkpoint, and at least this many more before the kill
+PRODUCERS, PER_PRODUCER, BATCH = 3, 80, 4
+#: The trainer's batch: at most this many finished rows per step.
+TRAIN_BATCH = 8
+#: Finished rows a producer lets wait for the trainer before it pauses (as verl's rollout waits for its trainer).
+AHEAD = 8
+#: The first run: the checkpoint once this many rows are consumed, the kill once this many more are. No
+#: producer can be done by then (each is at most AHEAD + BATCH rows ahead of what was consumed of it).
+SAVE_AT, MORE_AFTER = 30, 20
 
 
 def _write_json(file: Path, value: Any) -> None:
@@ -558,6 +564,10 @@ def _producer(url: str, namespace: str, producer: int) -> None:
     tq.init(conf(url, namespace))
     n = _progress(tq.kv_list("train")["train"], producer)
     while n < PER_PRODUCER:
+        listing = tq.kv_list("train")["train"]
+        if sum(tag.get("status") == "done" and tag["producer"] == producer for tag in listing.values()) >= AHEAD:
+            time.sleep(0.01)
+            continue
         count = min(BATCH, PER_PRODUCER - n)
         keys = [f"p{producer}-{n + j}" for j in range(count)] + [f"progress-{producer}"]
         tokens = torch.tensor([[producer, n + j, (n + j) * 7] for j in range(count)] + [[producer, -1, 0]])
@@ -565,20 +575,24 @@ def _producer(url: str, namespace: str, producer: int) -> None:
         tags = [{"producer": producer, "n": n + j, "status": "done"} for j in range(count)]
         n += count
         tq.kv_batch_put(keys, "train", fields, tags + [{"status": "progress", "next": n}])
-        time.sleep(0.005)
     tq.close()
 
 
-def _consumer(url: str, namespace: str, folder: str, ledger: list[str], save_at: int | None) -> None:
-    """The trainer: poll kv_list, kv_batch_get the finished rows, kv_clear them; save a checkpoint once
-    ``save_at`` rows are consumed, its ledger (its progress) in the metadata. It stops when every row is
-    consumed, or when the producers are done and rows are missing (then ``missing.json`` says which)."""
+def _consumer(url: str, namespace: str, folder: str, ledger: list[str], save_at: int | None,
+              stop_at: int | None) -> None:
+    """The trainer: poll kv_list, kv_batch_get finished rows, kv_clear them; save a checkpoint once
+    ``save_at`` rows are consumed, its ledger (its progress) in the metadata, and idle from ``stop_at`` on
+    (till it is killed). It returns when every row is consumed, or when the producers are done and rows
+    are missing (then ``missing.json`` says which)."""
     tq.init(conf(url, namespace))
     here = Path(folder)
     expected = {f"p{p}-{n}" for p in range(PRODUCERS) for n in range(PER_PRODUCER)}
     while len(ledger) < len(expected):
+        if stop_at is not None and len(ledger) >= stop_at:
+            time.sleep(0.01)
+            continue
         listing = tq.kv_list("train")["train"]
-        done = [key for key, tag in listing.items() if tag.get("status") == "done"]
+        done = [key for key, tag in listing.items() if tag.get("status") == "done"][:TRAIN_BATCH]
         if not done:
             if all(_progress(listing, p) == PER_PRODUCER for p in range(PRODUCERS)):
                 _write_json(here / "missing.json", sorted(expected - set(ledger)))
@@ -619,22 +633,23 @@ def test_a_verl_style_run_killed_after_a_checkpoint_resumes_with_every_row_consu
         return process
 
     # The first run: producers and the trainer; the trainer saves a checkpoint mid-run and goes on.
-    first = [start(_producer, p) for p in range(PRODUCERS)] + [start(_consumer, str(tmp_path), [], SAVE_AT)]
+    first = [start(_producer, p) for p in range(PRODUCERS)]
+    first.append(start(_consumer, str(tmp_path), [], SAVE_AT, SAVE_AT + MORE_AFTER))
     try:
         _wait_for("the checkpoint", lambda: (tmp_path / "saved.json").exists(), first)
         saved_at = _read_json(tmp_path / "saved.json")["consumed"]
         _wait_for("more consumption after the checkpoint",
-                  lambda: _read_json(tmp_path / "consumer.json")["consumed"] >= saved_at + MORE_AFTER, first)
+                  lambda: _read_json(tmp_path / "consumer.json")["consumed"] >= SAVE_AT + MORE_AFTER, first)
     finally:
         for process in first:  # every process of the run dies at once, mid-call or not
-            if process.pid is not None:
+            if process.is_alive():
                 os.kill(process.pid, signal.SIGKILL)
         for process in first:
             process.join(30)
     assert all(p.exitcode == -signal.SIGKILL for p in first), [p.exitcode for p in first]
     # Rows were consumed after the checkpoint: the restore must offer them again, and the trainer's ledger
     # goes back to the checkpoint's.
-    assert _read_json(tmp_path / "consumer.json")["consumed"] >= saved_at + MORE_AFTER
+    assert _read_json(tmp_path / "consumer.json")["consumed"] > saved_at
 
     tq.init(conf(store, namespace))
     try:
@@ -645,7 +660,8 @@ def test_a_verl_style_run_killed_after_a_checkpoint_resumes_with_every_row_consu
         for p in range(PRODUCERS):  # each producer's rows below its progress are in, or consumed
             below = {f"p{p}-{n}" for n in range(_progress(listing, p))}
             assert below <= set(ledger) | {k for k, tag in listing.items() if tag.get("status") == "done"}
-        second = [start(_producer, p) for p in range(PRODUCERS)] + [start(_consumer, str(tmp_path), ledger, None)]
+        second = [start(_producer, p) for p in range(PRODUCERS)]
+        second.append(start(_consumer, str(tmp_path), ledger, None, None))
         try:
             for process in second:
                 process.join(120)
