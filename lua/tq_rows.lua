@@ -48,13 +48,14 @@ local rows, wanted, new_keys = {}, 0, {}
 if anonymous > 0 then
   wanted = anonymous
 else
+  local asked = {}
+  for i = 5, #ARGV do asked[#asked + 1] = ARGV[i] end
+  local known = hmget_in_chunks(KEYS[5], asked)  -- one HMGET per thousand keys, not one HGET per key
   for i = 5, #ARGV do
-    local row = redis.call('HGET', KEYS[5], ARGV[i])
+    local row = known[i - 4]
     if row then
       rows[i - 4] = tonumber(row)
-    elseif new_keys[ARGV[i]] then
-      rows[i - 4] = new_keys[ARGV[i]]  -- the same new key twice in one call: one row
-    else
+    elseif not new_keys[ARGV[i]] then  -- a new key asked twice in one call gets one row, for both, below
       wanted = wanted + 1
       new_keys[ARGV[i]] = -1
     end
@@ -75,7 +76,8 @@ if reused > 0 then
   local popped = redis.call('LPOP', KEYS[2], reused)
   if type(popped) ~= 'table' then popped = {popped} end  -- Redis 6.2 returns a list for a count too
   for i = 1, #popped do given[#given + 1] = tonumber(popped[i]) end
-  for k = 8, #KEYS do set_bits(KEYS[k], given, 0) end
+  local starts, lengths = runs_of(given)  -- sorted into runs once, for every status key
+  for k = 8, #KEYS do set_runs(KEYS[k], starts, lengths, 0) end
 end
 for r = next_row, next_row + (wanted - reused) - 1 do given[#given + 1] = r end
 if wanted > reused then redis.call('SET', KEYS[1], next_row + wanted - reused) end
@@ -88,17 +90,23 @@ local g = 0
 if anonymous > 0 then
   rows = given
 else
+  local key_rows, row_keys = {}, {}  -- field, value pairs of the two hashes, each set in chunks below
   for i = 5, #ARGV do
     if not rows[i - 4] then
       local key = ARGV[i]
       if new_keys[key] == -1 then
         g = g + 1
         new_keys[key] = given[g]
-        redis.call('HSET', KEYS[5], key, int_text(given[g]))
-        redis.call('HSET', KEYS[6], int_text(given[g]), key)
+        local row = int_text(given[g])
+        key_rows[#key_rows + 1] = key; key_rows[#key_rows + 1] = row
+        row_keys[#row_keys + 1] = row; row_keys[#row_keys + 1] = key
       end
       rows[i - 4] = new_keys[key]
     end
+  end
+  if #key_rows > 0 then  -- chunks of an even count: pairs stay whole
+    call_in_chunks('HSET', KEYS[5], key_rows)
+    call_in_chunks('HSET', KEYS[6], row_keys)
   end
 end
 set_bits(KEYS[4], given, 1)

@@ -228,3 +228,63 @@ def test_the_raw_floor_frames_commands_around_views_of_the_payload(real_url):
         assert conn.call([b"DEL", b"bench:{raw}:x"]) == 1
     finally:
         conn.close()
+
+
+PERFTEST_TINY = ["--tq-perftest", "--batch", "16", "--fields", "3", "--seq-len", "64", "--repeat", "1",
+                 "--warmup", "0"]
+
+
+def test_tq_perftest_edits_only_the_package_name():
+    from broker.bench.tq_perftest import renamed
+
+    script = "import ray\nimport transfer_queue as tq\nfrom transfer_queue.metadata import BatchMeta\nx = 1\n"
+    assert renamed(script) == ("import ray\nimport broker.transfer_queue as tq\n"
+                               "from broker.transfer_queue.metadata import BatchMeta\nx = 1\n")
+
+
+def test_tq_perftest_is_skipped_saying_why_without_the_wheel(real_url, capsys, tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'No module named transfer_queue' >&2\nexit 1\n")
+    python.chmod(0o755)
+    assert main(["bench", "--url", real_url, *PERFTEST_TINY, "--tq-python", str(python)]) == 0
+    captured = capsys.readouterr()
+    assert "cannot import transfer_queue (No module named transfer_queue): skipping --tq-perftest" in captured.err
+    report = _json_line(captured.out)
+    assert "tq_perftest" not in report and not report["targets"]
+
+
+@pytest.mark.slow
+def test_tq_perftest_runs_the_wheels_benchmark_as_it_is_and_through_the_drop_in(real_url, capsys):
+    pytest.importorskip("transfer_queue")
+    pytest.importorskip("ray")
+    client = redis.Redis.from_url(real_url)
+    client.flushdb()
+    assert main(["bench", "--url", real_url, *PERFTEST_TINY]) == 0
+    out = capsys.readouterr().out
+    report = _json_line(out)
+    perftest = report["tq_perftest"]
+    assert perftest["edits"] == ["import transfer_queue as tq -> import broker.transfer_queue as tq"]
+    assert perftest["perftest"].endswith("scripts/performance_test/perftest.py")
+    (run,) = perftest["runs"]
+    assert run["variant"] == "plain" and run["batch"] == 16
+    assert set(run["systems"]) == {"transferqueue", "drop-in", "broker"}
+    for s in run["systems"].values():
+        assert s["put_seconds"] > 0 and s["get_seconds"] > 0
+    dropin = run["systems"]["drop-in"]
+    # Read from the drop-in's embedded server, found through the run's Ray: the one the drop-in started.
+    assert dropin["server"]["version"] and dropin["server"]["allocator"]
+    assert dropin["memory_per_payload_byte"] > 0 and "reading_errors" not in dropin
+    # The actors' CPU, read from this run's Ray processes: perftest's two TQClientActors in both runs,
+    # TransferQueue's storage units in its own.
+    tq_roles = run["systems"]["transferqueue"]["actor_cpu_seconds"]
+    assert "TQClientActor put" in dropin["actor_cpu_seconds"] and "TQClientActor get" in tq_roles
+    assert any(role.startswith("SimpleStorageUnit") for role in tq_roles)
+    assert dropin["actor_cpu_put_seconds"] >= 0 and "client CPU s (medians)" in out
+    assert run["systems"]["broker"]["checks_equal"]
+    d, t, b = dropin, run["systems"]["transferqueue"], run["systems"]["broker"]
+    assert run["ratios"]["dropin_get_speed_over_tq"] == t["get_seconds"] / d["get_seconds"]
+    assert run["ratios"]["dropin_put_speed_over_native"] == b["put_seconds"] / d["put_seconds"]
+    assert set(report["targets"]) == {"tq_perftest_get_over_tq", "tq_perftest_put_over_native",
+                                      "tq_perftest_memory_per_payload_byte"}
+    assert "TransferQueue's perftest" in out and "drop-in" in out
+    assert client.dbsize() == 0  # the native system's dock is gone; the drop-in's data was on its own server

@@ -122,3 +122,41 @@ def test_the_async_twins_do_the_same(system):
 
     got, listed, after = asyncio.run(run())
     assert got["input_ids"].tolist() == [[0, 1, 2]] and listed == {"p": {"a": {"t": 1}}} and after == {"p": {}}
+
+
+def test_a_get_sees_fields_another_process_added_after_it_attached(system):
+    from broker.adapters.transfer_queue.client import TransferQueueClient
+    from broker.adapters.transfer_queue.sampler import SequentialSampler
+    from broker.adapters.transfer_queue.system import System
+
+    tq.kv_batch_put(["a", "b"], "p", batch(2), [{"t": 1}, None])
+    mine = tq.get_client().system
+    other = System(mine.url, mine.namespace, 1 << 10, 5.0)  # another process's attachment, opened before the field
+    try:
+        tq.kv_batch_put(["b"], "p", TensorDict({"late": torch.tensor([4.0])}, batch_size=1))
+        assert "late" not in other.dock.columns
+        state = other.snapshot("p", keys=["b", "a"], tag_rows=mine.rows_of_keys("p", ["a", "b"]))
+        assert state.tags == [{"t": 1}, {}]
+        rows = state.rows_of_keys()
+        assert state.common_fields(rows) == ["input_ids", "mask"]  # "late" is b's alone
+        assert state.common_fields(rows[:1]) == ["input_ids", "late", "mask"]
+        got = TransferQueueClient(other, SequentialSampler()).read("p", rows[:1], ["late"], state)
+        assert got["late"].tolist() == [4.0]
+        with pytest.raises(KeyError, match="'nope'"):
+            other.snapshot("p", keys=["a", "nope"]).rows_of_keys()
+    finally:
+        other.close()
+
+
+def test_rows_for_keys_in_chunks_keep_one_row_per_key(system):
+    """tq_rows.lua looks keys up and records new ones a thousand at a time: 2,500 keys, some twice, some
+    known already, each get one row, and each row maps back to its key. A new key asked twice in one call
+    gets its row both times (the second used to get -1)."""
+    rows_of = tq.get_client().system.rows_for_keys
+    first = rows_of("p", [f"k{i}" for i in range(700)])
+    keys = [f"k{i}" for i in range(2500)] + ["k5", "k1500", "k2499"]
+    rows = rows_of("p", keys)
+    assert rows[:700] == first and len(set(rows[:2500])) == 2500
+    assert rows[2500:] == [rows[5], rows[1500], rows[2499]]
+    assert tq.get_client().kv_retrieve_keys(rows[:2500], "p") == keys[:2500]
+    assert rows_of("p", ["k2499", "new", "new"]) == [rows[2499], max(rows) + 1, max(rows) + 1]

@@ -306,6 +306,50 @@ def test_field_schema_equals_transfer_queues_own():
         assert field_schema(td) == metadata.extract_field_schema(td)
 
 
+def test_a_puts_columns_and_schema_in_one_pass_equal_the_two_functions_apart():
+    cases = [*schema_cases()[:2], *comparison_cases().values()]
+    for td in cases:
+        rows = td.batch_size[0]
+        columns, schema = tensors.put_columns(td, rows)
+        assert schema == {name: {k: v for k, v in s.items() if k != "per_sample_shapes"}
+                          for name, s in field_schema(td).items()}
+        apart = columns_of(td, rows)
+        assert list(columns) == list(apart)
+        for name, column in columns.items():
+            if isinstance(column, torch.Tensor):
+                assert column is apart[name]
+            elif all(isinstance(r, torch.Tensor) for r in column) and column:  # a nested field's rows: views
+                assert [(r.shape, r.data_ptr()) for r in column] == [(r.shape, r.data_ptr()) for r in apart[name]]
+                assert all(torch.equal(a, b) for a, b in zip(column, apart[name]))
+            else:
+                assert column == apart[name]
+    sample = {"ids": torch.arange(4), "s": "x"}
+    columns, schema = tensors.put_columns(sample, 1)
+    assert schema == {"ids": field_schema(sample)["ids"], "s": field_schema(sample)["s"]}
+    assert torch.equal(columns["ids"], torch.arange(4).unsqueeze(0)) and columns["s"] == ["x"]
+    with pytest.raises(InvalidExperienceError, match="batch size 3, for 4 keys"):
+        tensors.put_columns(schema_cases()[0], 4)
+
+
+def test_nested_rows_are_unbinds_views_with_or_without_holes():
+    values = torch.arange(20.0)
+    cases = [
+        jagged(torch.ones(2, 5), torch.ones(0, 5), torch.arange(15.0).reshape(3, 5)),
+        jagged(*(torch.arange(n, dtype=torch.int32) for n in (1, 4, 7, 10))),
+        torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 5, 10, 15]), lengths=torch.tensor([2, 3, 4])),
+        strided(torch.ones(2, 3), torch.ones(3, 4)),
+    ]
+    for nt in cases:
+        ours, theirs = tensors.nested_rows(nt), nt.unbind()
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) and a.data_ptr() == b.data_ptr()
+    # Rows that start past the values' first element (a narrowed batch): split from there.
+    later = torch.nested.nested_tensor_from_jagged(values, torch.tensor([2, 5, 9, 15]))
+    assert [r.tolist() for r in tensors.nested_rows(later)] == [[2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0],
+                                                                 [9.0, 10.0, 11.0, 12.0, 13.0, 14.0]]
+
+
 # -- errors ---------------------------------------------------------------------------------------------------------
 
 

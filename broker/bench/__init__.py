@@ -44,6 +44,12 @@ Modes (all four by default; naming any runs only those):
                   passes after ``--warmup``, alternated; best, median and each system's first put;
                   ``used_memory`` per payload byte with the batch stored; the server's build, allocator
                   and ``io-threads`` (``large.py``, ``large_run.py``, ``large_tq.py``)
+``--tq-perftest`` only when named: TransferQueue's ``perftest.py`` itself, from the wheel, run as it is
+                  and through ``broker.transfer_queue`` with only the package name changed (Ray actors,
+                  the drop-in's embedded redis-server), beside the native put and get on the same batch
+                  shape; its put and get times, the actors' and the servers' CPU seconds, the embedded
+                  server's ``used_memory`` per payload byte; skipped, saying why, without the wheel
+                  (``tq_perftest.py``, ``tq_perftest_launch.py``)
 
 Other options: ``--url`` (default: a private ``redis-server`` started on a free port, which the
 run says on stderr; ``--unix`` puts it on a unix socket; a URL naming any node of a Redis Cluster

@@ -87,8 +87,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "(only when named; uses --repeat, --warmup and the workload)")
     g.add_argument("--exporter-docks", type=int, default=1000, help="docks the exporter scrapes (default: 1000)")
     g.add_argument("--exporter-scrapes", type=int, default=30, help="timed scrapes (default: %(default)s)")
-    g = p.add_argument_group("large batches (--large, only when named): TransferQueue's perftest workload; "
-                             "uses --repeat, --warmup and --seed")
+    g = p.add_argument_group("large batches (--large and --tq-perftest, only when named): TransferQueue's perftest "
+                             "workload; uses --repeat, --warmup and --seed")
     g.add_argument("--large", action="store_true",
                    help="a writer process puts one batch, a reader process gets all of it, timed from the driver, "
                         "for each of --large-systems; passes alternated")
@@ -103,6 +103,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--large-systems", type=_large_systems, default=LARGE_SYSTEMS,
                    help=f"systems, comma-separated (default: {','.join(LARGE_SYSTEMS)}; transferqueue only where it "
                         "imports)")
+    g.add_argument("--tq-perftest", action="store_true",
+                   help="TransferQueue's own benchmark (perftest.py from the transferqueue wheel) on --batch x "
+                        "--fields x --seq-len (and its --use_complex_case with --complex): as it is, and through "
+                        "broker.transfer_queue with only the package name changed, beside the broker's native "
+                        "put and get; skipped, saying why, without the wheel")
     g.add_argument("--tq-python", default=None, metavar="PATH",
                    help="interpreter to run TransferQueue 0.1.11 in (default: this one, if it imports "
                         "transfer_queue)")

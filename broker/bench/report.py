@@ -33,6 +33,12 @@ TARGETS = {
     "large_get_over_tq": "large batch: the broker's get >= 1 x as fast as TransferQueue's (aim: 1.5 x)",
     "large_complex_get_over_tq": "large batch, complex: the broker's get >= 1 x as fast as TransferQueue's",
     "large_memory_per_payload_byte": "large batch: Redis memory <= 1.15 x payload bytes (the embedded server)",
+    "tq_perftest_get_over_tq": "perftest: the drop-in's get >= 1 x as fast as TransferQueue's",
+    "tq_perftest_put_over_native": "perftest: the drop-in's put >= 0.9 x as fast as the native put",
+    "tq_perftest_complex_put_over_tq": "perftest, complex: the drop-in's put >= 1 x as fast as TransferQueue's",
+    "tq_perftest_complex_get_over_tq": "perftest, complex: the drop-in's get >= 1 x as fast as TransferQueue's",
+    "tq_perftest_memory_per_payload_byte": "perftest: Redis memory <= 1.15 x payload bytes (the drop-in's embedded "
+                                           "server)",
 }
 
 
@@ -80,6 +86,7 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         value = fencing["leased_over_unfenced"]
         out["fencing_cost"] = {"value": value, "met": value <= 1.05}
     out.update(large_targets(report.get("large")))
+    out.update(perftest_targets(report.get("tq_perftest")))
     memory = report.get("memory", {}).get("systems", {})
     if "broker" in memory:
         value = memory["broker"]["per_payload_byte"]
@@ -113,6 +120,69 @@ def large_targets(large: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
             value = broker["memory_per_payload_byte"]
             out["large_memory_per_payload_byte"] = {"value": value, "rows": run["batch"], "met": value <= 1.15}
     return out
+
+
+def perftest_targets(perftest: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The drop-in's targets on TransferQueue's perftest (speeds: above 1, the drop-in is faster)."""
+    out: dict[str, dict[str, Any]] = {}
+    #: (target, variant, ratio, threshold)
+    wanted = [("tq_perftest_get_over_tq", "plain", "dropin_get_speed_over_tq", 1.0),
+              ("tq_perftest_put_over_native", "plain", "dropin_put_speed_over_native", 0.9),
+              ("tq_perftest_complex_put_over_tq", "complex", "dropin_put_speed_over_tq", 1.0),
+              ("tq_perftest_complex_get_over_tq", "complex", "dropin_get_speed_over_tq", 1.0)]
+    runs = {r["variant"]: r for r in (perftest or {}).get("runs", [])}
+    for key, variant, ratio, threshold in wanted:
+        value = runs.get(variant, {}).get("ratios", {}).get(ratio)
+        if value is not None:
+            out[key] = {"value": value, "rows": runs[variant]["batch"], "met": value >= threshold}
+    memory = runs.get("plain", {}).get("systems", {}).get("drop-in", {}).get("memory_per_payload_byte")
+    if memory is not None:
+        out["tq_perftest_memory_per_payload_byte"] = {"value": memory, "rows": runs["plain"]["batch"],
+                                                      "met": memory <= 1.15}
+    return out
+
+
+def _perftest(p: dict[str, Any]) -> list[str]:
+    native = p["native_server"]
+    lines = ["", f"TransferQueue's perftest ({p['perftest']}), timed by itself around ray.get of its writer and "
+                 f"reader actors; best of {p['repeat']} after {p['warmup']} (median in brackets); GB = 2^30 bytes",
+             "  drop-in: the same script with " + "; ".join(p["edits"]),
+             f"  native broker: put_experience / read_rows from two processes, on Redis {native['version']} "
+             f"({native['allocator']}, {native.get('executable') or 'redis-server'})"]
+    for run in p["runs"]:
+        dropin = run["systems"].get("drop-in", {})
+        srv = dropin.get("server") or {}
+        lines += ["", f"  {run['variant']}: {run['batch']} rows x {run['fields']} columns x {run['seq_len']}, "
+                      f"{run['payload_bytes'] / GIB_BYTES:.4f} GB; the drop-in on its embedded Redis "
+                      f"{srv.get('version', '?')} ({srv.get('allocator', '?')}, {srv.get('executable') or '?'})",
+                  f"  {'system':<16}{'first put s':>12}{'put s':>18}{'GB/s':>7}{'get s':>18}{'GB/s':>7}"
+                  f"{'mem/byte':>10}"]
+        for name, sy in run["systems"].items():
+            mem = f"{sy['memory_per_payload_byte']:10.3f}" if "memory_per_payload_byte" in sy else f"{'-':>10}"
+            label = {"drop-in": "drop-in", "broker": "broker (native)"}.get(name, LABELS.get(name, name))
+            lines.append(f"  {label:<16}{sy['first_put_seconds']:12.3f}"
+                         f"{sy['put_seconds']:9.3f} ({sy['median_put_seconds']:6.3f}){sy['put_gb_per_s']:7.2f}"
+                         f"{sy['get_seconds']:9.3f} ({sy['median_get_seconds']:6.3f}){sy['get_gb_per_s']:7.2f}{mem}")
+        native = run["systems"].get("broker", {})
+        clients = [f"{label} put {sy[put]:.2f}, get {sy[get]:.2f}"
+                   for label, sy, put, get in (
+                       ("transferqueue (its actors, storage units included)", run["systems"].get("transferqueue", {}),
+                        "actor_cpu_put_seconds", "actor_cpu_get_seconds"),
+                       ("drop-in", dropin, "actor_cpu_put_seconds", "actor_cpu_get_seconds"),
+                       ("native", native, "client_cpu_put_seconds", "client_cpu_get_seconds"))
+                   if put in sy and get in sy]
+        if clients:
+            lines.append("  client CPU s (medians): " + "; ".join(clients))
+        cpu = [f"{label} put {sy['server_cpu_put_seconds']:.2f}, get {sy['server_cpu_get_seconds']:.2f}"
+               for label, sy in (("drop-in", dropin), ("native", native))
+               if "server_cpu_put_seconds" in sy and "server_cpu_get_seconds" in sy]
+        if cpu:
+            lines.append("  Redis server CPU s (medians): " + "; ".join(cpu))
+        if run["ratios"]:
+            lines.append("  speed ratios (above 1: the drop-in is faster): " + ", ".join(
+                f"{k.replace('dropin_', '').replace('_speed_over_', ' over ').replace('_', ' ')} {v:.2f}"
+                for k, v in run["ratios"].items()))
+    return lines
 
 
 def _large(large: dict[str, Any]) -> list[str]:
@@ -361,7 +431,7 @@ def table(report: dict[str, Any]) -> str:
     lines = _header(report)
     sections = {"pipeline": _pipeline, "concurrent": _concurrent, "balance": _balance, "sampling": _sampling,
                 "memory": _memory, "exporter": _exporter, "fencing": _fencing, "soak": _soak, "cluster": _cluster,
-                "large": _large}
+                "large": _large, "tq_perftest": _perftest}
     for key, section in sections.items():
         if report.get(key):
             lines += section(report[key])

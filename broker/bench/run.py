@@ -164,11 +164,11 @@ def run(args: argparse.Namespace) -> int:
               "--unix or --soak", file=sys.stderr)
         return 2
     workload = Workload(prompts=args.prompts, n=args.n, seed=args.seed, groups_per_call=args.groups_per_call)
-    named_alone = args.exporter or args.fencing or args.large  # modes that run only when named
+    named_alone = args.exporter or args.fencing or args.large or args.tq_perftest  # modes run only when named
     selected = [m for m in MODES if getattr(args, m)] or ([] if named_alone else list(MODES))
     prefix = f"bench-{secrets.token_hex(4)}"
     report: dict[str, Any] = {"bench": "broker", "version": __version__}
-    if not args.soak and not (args.large and not selected):
+    if not args.soak and not ((args.large or args.tq_perftest) and not selected):
         report["workload"] = {"prompts": workload.prompts, "n": workload.n, "rows": workload.capacity,
                               "seed": workload.seed, "rows_per_call": workload.call_rows,
                               "payload_bytes": workload.payload_bytes()}
@@ -283,6 +283,16 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
         report["large"] = run_large(url, prefix, base, args.large_sizes or (args.batch,), args.large_systems,
                                     args.tq_python, args.repeat, args.warmup)
         ok = ok and report["large"]["checks_equal"]
+    if args.tq_perftest:
+        from broker.bench.large_workload import LargeWorkload
+        from broker.bench.tq_perftest import run_tq_perftest
+
+        base = LargeWorkload(batch=args.batch, fields=args.fields, seq_len=args.seq_len, complex=args.complex,
+                             seed=args.seed)
+        perftest = run_tq_perftest(url, prefix, base, args.tq_python, args.repeat, args.warmup)
+        if perftest is not None:
+            report["tq_perftest"] = perftest
+            ok = ok and perftest["checks_equal"]
     if args.exporter:
         from broker.bench.exporter import scrape_cost
 

@@ -19,7 +19,7 @@ import torch
 from broker.adapters.transfer_queue import tensors
 from broker.adapters.transfer_queue.metadata import BatchMeta
 from broker.adapters.transfer_queue.sampler import BaseSampler
-from broker.adapters.transfer_queue.system import SampleNotFoundError, System
+from broker.adapters.transfer_queue.system import SampleNotFoundError, Snapshot, System
 from broker.api.delivery import HandedRows, LeasedRows
 from broker.errors import ExperienceTimeoutError, InvalidExperienceError
 
@@ -212,8 +212,7 @@ class TransferQueueClient:
         ``delivery``, the leased rows they were read as, when given)."""
         if not rows:
             return
-        schema = tensors.field_schema(data)
-        columns = tensors.columns_of(data, len(rows))
+        columns, schema = tensors.put_columns(data, len(rows))  # nested fields unbound once, for both
         self._system.ensure_fields(list(columns))
         self._system.record_schema(partition, schema)
         self._system.dock.put_experience(columns, rows, delivery=delivery)
@@ -225,14 +224,17 @@ class TransferQueueClient:
         partition = _partition(metadata.partition_ids[0])
         return self.read(partition, list(metadata.global_indexes), list(metadata.field_names))
 
-    def read(self, partition: str, rows: list[int], fields: list[str]) -> Any:
+    def read(self, partition: str, rows: list[int], fields: list[str], state: Snapshot | None = None) -> Any:
+        """The rows' fields as a TensorDict, checked first against ``state`` (the partition's snapshot; read
+        here, in one round trip, when not given)."""
         system = self._system
-        schema = system.field_schema(partition, fields)
+        state = system.snapshot(partition) if state is None else state
+        schema = {f: state.schema[f] for f in fields if f in state.schema}
         missing = [f for f in fields if f not in schema]
         if missing:
             raise SampleNotFoundError(f"partition {partition!r} has no field {missing} (it has "
-                                      f"{sorted(system.field_schema(partition))})")
-        for field, ok in zip(fields, system.produced_each(partition, rows, fields)):
+                                      f"{sorted(state.schema)})")
+        for field, ok in zip(fields, state.produced_each(rows, fields)):
             if not ok.all():
                 unready = [r for r, o in zip(rows, ok) if not o]
                 raise SampleNotFoundError(f"partition {partition!r}: field {field!r} is not produced for "

@@ -158,8 +158,8 @@ def kv_batch_put(keys: list[str], partition_id: str, fields: Any = None, tags: l
         client.write(partition, rows, fields)
     if tags is not None:  # after the data: a reader that polls the tags finds the data there
         system.set_tags(partition, rows, tags)
-    return KVBatchMeta(keys=list(keys), tags=system.tags(partition, rows), partition_id=partition,
-                       fields=system.common_fields(partition, rows))
+    after = system.snapshot(partition, tag_rows=rows)  # the tags and the fields now produced: one round trip
+    return KVBatchMeta(keys=list(keys), tags=after.tags, partition_id=partition, fields=after.common_fields(rows))
 
 
 def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> Any:
@@ -167,15 +167,16 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[s
     client = get_client()
     keys = _keys(keys)
     partition = _partition(partition_id)
-    rows = client.system.rows_of_keys(partition, keys)
+    state = client.system.snapshot(partition, keys=keys)  # rows, schemas and ready bits: one round trip
+    rows = state.rows_of_keys()
     if select_fields is None:  # the fields every one of the keys has, as TransferQueue gives them
-        fields = client.system.common_fields(partition, rows)
+        fields = state.common_fields(rows)
         if not fields:
             raise SampleNotFoundError(f"partition {partition!r}: no field is produced for every one of the keys "
                                       f"{keys[:5]!r}{'...' if len(keys) > 5 else ''} (TransferQueue: empty fields)")
     else:
         fields = [select_fields] if isinstance(select_fields, str) else list(select_fields)
-    return client.read(partition, rows, fields)
+    return client.read(partition, rows, fields, state)
 
 
 def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> Any:

@@ -216,6 +216,39 @@ class System:
         values = self.run("field schema", lambda: self.client.hmget(key, list(fields)))
         return {f: _schema_in(_unpack(v, "field schema")) for f, v in zip(fields, values) if v is not None}
 
+    def snapshot(self, partition: str, *, keys: Sequence[str] = (), tag_rows: Sequence[int] = ()) -> Snapshot:
+        """The partition's field schemas and their ready bits, with the rows of ``keys`` and the tags of
+        ``tag_rows`` if asked, in one transaction (one round trip): what a get checks before it reads, and
+        what a put's KVBatchMeta reports after it wrote. The ready bits of every column of the dock are read,
+        since which are the partition's is in the same reply."""
+        for attempt in range(2):
+            columns = [c for c in self.dock.columns if c != PLACEHOLDER]
+
+            def read() -> list[Any]:
+                pipe = self.client.pipeline(transaction=True)
+                pipe.hgetall(self.keys.tq_fields(partition))
+                for column in columns:  # noqa: B023 (run at once)
+                    pipe.get(self.keys.ready(column))
+                if keys:
+                    pipe.hmget(self.keys.tq_keys(partition), list(keys))
+                if tag_rows:
+                    pipe.hmget(self.keys.tq_tags(partition), [str(r) for r in tag_rows])
+                return list(pipe.execute())
+
+            raw = self.run("partition state", read)
+            schema = {f.decode(): _schema_in(_unpack(v, "field schema")) for f, v in sorted(raw[0].items())}
+            if attempt == 0 and any(f not in columns for f in schema):
+                self.dock.refresh()  # another process added a field since this one looked: read its bits too
+                continue
+            ready = {c: _bits(r) for c, r in zip(columns, raw[1 : 1 + len(columns)])}
+            rest = raw[1 + len(columns):]
+            found: list[int | None] | None = None
+            if keys:
+                found = [None if r is None else int(r) for r in rest.pop(0)]
+            tags = [{} if t is None else _unpack(t, "tags") for t in rest.pop(0)] if tag_rows else []
+            return Snapshot(partition, schema, ready, list(keys), found, tags)
+        raise AssertionError("unreachable")
+
     # -- status ------------------------------------------------------------------------------------------------
 
     def status(self, partition: str, fields: Sequence[str], task: str | None) -> tuple[np.ndarray, ...]:
@@ -346,6 +379,45 @@ class System:
 
         self.run("delete", drop)
         self.dock.delete()
+
+
+class Snapshot:
+    """A partition's state read in one transaction (``System.snapshot``): its fields' schemas, their ready
+    bits, and the rows of the keys and the tags (of ``tag_rows``; none if not asked) asked for."""
+
+    def __init__(self, partition: str, schema: dict[str, dict[str, Any]], ready: dict[str, np.ndarray],
+                 keys: list[str], found: list[int | None] | None, tags: list[dict[str, Any]]):
+        self.partition, self.schema, self.tags = partition, schema, tags
+        self._ready, self._keys, self._found = ready, keys, found
+
+    def rows_of_keys(self) -> list[int]:
+        """The rows of the keys asked for; SampleNotFoundError names those the partition lacks (as
+        ``System.rows_of_keys``)."""
+        found = self._found or []
+        missing = [k for k, r in zip(self._keys, found) if r is None]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise SampleNotFoundError(f"partition {self.partition!r} holds no key {missing[:5]!r}{more}")
+        return [r for r in found if r is not None]
+
+    def produced_each(self, rows: Sequence[int], fields: Sequence[str]) -> list[np.ndarray]:
+        """Per field, per row: whether it is produced (as ``System.produced_each``)."""
+        index = np.asarray(rows, dtype=np.int64)
+        out = []
+        for field in fields:
+            bits = self._ready.get(field, np.zeros(0, dtype=bool))
+            has = np.zeros(len(index), dtype=bool)
+            inside = index < len(bits)
+            has[inside] = bits[index[inside]]
+            out.append(has)
+        return out
+
+    def common_fields(self, rows: Sequence[int]) -> list[str]:
+        """The partition's fields produced for every one of ``rows`` (as ``System.common_fields``)."""
+        if not rows:
+            return []
+        fields = list(self.schema)
+        return [f for f, ok in zip(fields, self.produced_each(rows, fields)) if ok.all()]
 
 
 def _open(url: str, name: str, capacity: int, call_timeout: float) -> TransferDock:

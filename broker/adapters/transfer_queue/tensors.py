@@ -273,6 +273,55 @@ def _tensor_payload(value: torch.Tensor) -> list[Any]:
     return [name, list(dense.shape), raw]
 
 
+def put_columns(fields: TensorDictBase | Mapping[str, Any], rows: int) -> tuple[dict[str, Column], FieldSchema]:
+    """``columns_of`` and ``field_schema`` of one put in one pass, the schema as a partition records it
+    (without ``per_sample_shapes``, which belong to the put, not to the field).
+
+    A nested field is unbound once, for both (they would each unbind it), and a contiguous jagged one by
+    splitting its values at its offsets: the same views ``unbind()`` gives, without torch's checks of every
+    row, which cost more than the rest of the put's Python work on a ragged column of a thousand rows.
+    """
+    if not isinstance(fields, TensorDictBase):
+        schema = {name: {k: v for k, v in s.items() if k != "per_sample_shapes"}
+                  for name, s in field_schema(fields).items()}
+        return columns_of(fields, rows), schema
+    batch = _batch_size(fields)
+    if batch != rows:
+        raise InvalidExperienceError(f"the TensorDict has batch size {batch}, for {rows} keys")
+    columns: dict[str, Column] = {}
+    schema = {}
+    for name, value in fields.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            unbound = nested_rows(value)
+            if len(unbound) != rows:
+                raise InvalidExperienceError(f"field {name!r}: a nested tensor of {len(unbound)} rows, for {rows} keys")
+            columns[name] = unbound
+            schema[name] = {"dtype": value.dtype, "shape": unbound[0].shape if unbound else None, "is_nested": True,
+                            "is_non_tensor": False}
+        else:
+            columns[name] = _column(name, value, rows)  # checks the rows, as extract_field_schema does
+            if isinstance(value, torch.Tensor):  # extract_field_schema's entries (the tests hold them equal)
+                shape = torch.Size([1]) if value.dim() == 1 else value.shape[1:]
+                schema[name] = {"dtype": value.dtype, "shape": shape, "is_nested": False, "is_non_tensor": False}
+            else:
+                schema[name] = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
+    return columns, schema if rows else {}
+
+
+def nested_rows(value: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of a nested tensor, as views (``value.unbind()``); a jagged one whose rows lie back to back in
+    its values (no holes, ragged along dim 1) is split at its offsets, without a check per row."""
+    nested: Any = value  # torch's stubs type a NestedTensor's offsets() and lengths() nowhere
+    if nested.layout is torch.jagged and nested.lengths() is None and getattr(nested, "_ragged_idx", None) == 1:
+        offsets: torch.Tensor = nested.offsets()
+        if offsets.numel() and bool((offsets[1:] >= offsets[:-1]).all()):
+            start = int(offsets[0])
+            lengths: list[int] = offsets.diff().tolist()
+            values: torch.Tensor = nested.values().narrow(0, start, int(offsets[-1]) - start)
+            return list(torch.split_with_sizes(values, lengths))
+    return list(value.unbind())
+
+
 # -- the metadata of a put: TransferQueue's field schema -----------------------------------------------
 
 
