@@ -464,6 +464,7 @@ def _fresh_clusters(url: str) -> Iterator[Store]:
 # -- tests --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_random_sequences_agree_with_model(fresh_store: Store, backend: str) -> None:
     """Random put / sample / take / clear sequences: the dock behaves like DockModel."""
     examples = SHORT_SEARCH_BACKENDS.get(backend, MACHINE_SETTINGS.max_examples)
