@@ -42,7 +42,10 @@ _POLL = 0.002
 def context() -> Any:
     """A forkserver with the heavy imports done once: a new process costs a fork, not a torch import."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "broker.bench.concurrent", "broker.bench.soak", "broker.bench.pipeline_soak"])
+    ctx.set_forkserver_preload([
+        "torch", "broker.bench.concurrent", "broker.bench.soak", "broker.bench.pipeline_soak",
+        "broker.bench.adapter",  # the MindSpeed adapter and tensordict: seconds of imports per adapter process
+    ])
     return ctx
 
 
