@@ -35,6 +35,7 @@ last            how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_I
                 (include/once.lua): a resend after a lost reply must not find the staged keys gone
 ]]
 -- @include schema
+-- @include system_keys
 -- @include once
 
 local reply_key, reply_ttl = once_args()
@@ -45,16 +46,8 @@ local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
 
 local current, staged = tonumber(ARGV[2]), tonumber(ARGV[3])
-local partitions = tonumber(ARGV[4])
-if redis.call('HLEN', KEYS[2]) ~= partitions then return {0} end
-for i = 5, 4 + partitions do
-  if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then return {0} end
-end
-local records = tonumber(ARGV[5 + partitions])
-if redis.call('ZCARD', KEYS[3]) ~= records then return {0} end
-for i = 6 + partitions, 5 + partitions + records do
-  if not redis.call('ZSCORE', KEYS[3], ARGV[i]) then return {0} end
-end
+local current_keys, deadlines = listed_keys_current(KEYS[2], KEYS[3], 4)
+if not current_keys then return {0} end
 local first_stage = 4 + current
 for i = first_stage, 3 + current + staged do  -- before the first write: a script is not rolled back
   if redis.call('EXISTS', KEYS[i]) == 0 then
@@ -64,7 +57,6 @@ for i = first_stage, 3 + current + staged do  -- before the first write: a scrip
 end
 
 for i = 4, 3 + current do redis.call('DEL', KEYS[i]) end
-local deadlines = 6 + partitions + records
 for j = 0, staged - 1 do
   local target = KEYS[first_stage + staged + j]
   redis.call('RENAME', KEYS[first_stage + j], target)

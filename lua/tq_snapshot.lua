@@ -29,22 +29,14 @@ Returns {1, now, type_1, pttl_1, ..., type_N, pttl_N}: the server's time (ms), t
 partitions or the records are not those the client read.
 ]]
 -- @include schema
+-- @include system_keys
 -- @include leases
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
 
 local n, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
-local partitions = tonumber(ARGV[4])
-if redis.call('HLEN', KEYS[2]) ~= partitions then return {0} end
-for i = 5, 4 + partitions do
-  if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then return {0} end
-end
-local records = tonumber(ARGV[5 + partitions])
-if redis.call('ZCARD', KEYS[3]) ~= records then return {0} end
-for i = 6 + partitions, 5 + partitions + records do
-  if not redis.call('ZSCORE', KEYS[3], ARGV[i]) then return {0} end
-end
+if not listed_keys_current(KEYS[2], KEYS[3], 4) then return {0} end
 
 for i = 4 + n, 3 + 2 * n do  -- before the first write: a script is not rolled back
   if redis.call('EXISTS', KEYS[i]) == 1 then
