@@ -17,7 +17,9 @@ KEYS[6]     td:{NAME}:redelivered:CONSUMER
 KEYS[7]     td:{NAME}:epoch
 KEYS[8]     td:{NAME}:gen
 KEYS[9]     td:{NAME}:named:LABEL, the record of a named take (unused when ARGV[6] is 0)
-KEYS[10..]  td:{NAME}:ready:COLUMN for each requested column
+KEYS[10]    td:{NAME}:named, the index of the records: member = a record's key, score = when it expires
+            (ms of server time); what finds every record of the dock without SCAN (a checkpoint)
+KEYS[11..]  td:{NAME}:ready:COLUMN for each requested column
 ARGV[1]     the schema the client expects (see include/schema.lua)
 ARGV[2]     n_samples_per_prompt
 ARGV[3]     lease in ms; 0 hands rows out for good
@@ -29,7 +31,7 @@ ARGV[8..]   the rows as runs: start, length, ... (ascending, disjoint)
 
 Returns {1, epoch, generations, "row,row,..."} when the rows were all written (they are now marked
 consumed; see sample.lua for the generations; the list names the rows this call handed out that were
-not handed out before, which a call that cannot deliver gives back), else {0, column position (1 = KEYS[10]), row, column position,
+not handed out before, which a call that cannot deliver gives back), else {0, column position (1 = KEYS[11]), row, column position,
 row, ...} naming every missing cell.
 
 An exclusive take hands out only rows nobody has been handed: if one of them was handed to the consumer
@@ -60,7 +62,7 @@ if kept then return kept end
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
 local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type(5, 5, 'hash')
-  or wrong_type(6, #KEYS, 'string')
+  or wrong_type(6, 9, 'string') or wrong_type(10, 10, 'zset') or wrong_type(11, #KEYS, 'string')
 if bad then return redis.error_reply(bad) end
 
 local n, lease_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -87,11 +89,11 @@ end
 local starts, lengths = runs_from(8)
 local rows = rows_of_runs(starts, lengths)
 local missing = {0}
-for k = 10, #KEYS do
+for k = 11, #KEYS do
   local bits = get_bits(KEYS[k], rows)
   for i = 1, #rows do
     if bits[i] == 0 then
-      missing[#missing + 1] = k - 9; missing[#missing + 1] = rows[i]
+      missing[#missing + 1] = k - 10; missing[#missing + 1] = rows[i]
     end
   end
 end
@@ -106,6 +108,10 @@ if record_ms > 0 then
   local runs = {}
   for i = 1, #starts do runs[#runs + 1] = starts[i] .. ',' .. lengths[i] end
   redis.call('SET', KEYS[9], table.concat(runs, ',') .. '|' .. ARGV[7], 'PX', record_ms)
+  -- Indexed with its expiry, and the index rid of the records gone since: it stays as small as the
+  -- records alive.
+  redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', now)
+  redis.call('ZADD', KEYS[10], now + record_ms, KEYS[9])
 end
 if lease_ms > 0 then
   lease_rows(KEYS[4], KEYS[5], rows, now + lease_ms, ARGV[4])

@@ -12,6 +12,7 @@ KEYS[3]     td:{NAME}:tq:keys:P     key -> row, a hash
 KEYS[4]     td:{NAME}:tq:rkeys:P    row -> key, a hash
 KEYS[5]     td:{NAME}:tq:tags:P     row -> the sample's tags (msgpack), a hash
 KEYS[6]     td:{NAME}:tq:partitions partition -> when it was created, a hash
+KEYS[7]     td:{NAME}:tq:fields:P   field -> its schema in P, a hash (deleted with the partition)
 ARGV[1]     the partition P
 ARGV[2]     1: release every row of the partition and forget the partition (clear_partition); 0: keep it
 ARGV[3..]   rows, decimal (with ARGV[2] = 1: none; the partition's bitmap says which)
@@ -62,6 +63,6 @@ for _, row in ipairs(rows) do
 end
 if ARGV[2] == '1' then
   redis.call('HDEL', KEYS[6], ARGV[1])
-  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
 end
 return keep_reply(reply_key, reply_ttl, released)

@@ -5,6 +5,10 @@ Redis Cluster of 3 primaries (redis-server on PATH) through a ``RedisCluster`` c
 The real server is one this suite starts on a free port, or the one at ``$REDIS_URL`` (which must be an
 empty database: the suite flushes it between tests). Without redis-server the real half skips
 locally and fails in CI, where a skipped half would hide a broken set-up.
+
+Under pytest-xdist (``-n 2 --dist loadfile``, the README's command) each worker process starts its own
+servers and clusters on free ports; test files holding a slow test are handed out first (see
+``pytest_collection_modifyitems``).
 """
 
 from __future__ import annotations
@@ -24,10 +28,21 @@ from broker.ops.local_redis import RedisServer
 from tests.helpers import empty_cluster, redis62_binary, redis_server_binary, required, small_dock
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a test marked ``slow`` run first, each file's tests in their order: under
+    ``--dist loadfile`` a file is one worker's unit, and the few files of long runs (Ray pipelines,
+    demos, failovers, soaks) handed out last would leave one worker alone with them at the end."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the order within each group is kept
+
+
 @pytest.fixture(scope="session")
 def real_url():
     """URL of a real Redis for the whole session."""
     url = os.environ.get("REDIS_URL")
+    if url and os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.exit(f"REDIS_URL {url} would be one database for every pytest-xdist worker, each flushing it "
+                    "under the others' tests: run the suite without -n, or unset REDIS_URL.")
     if url:
         client = redis.Redis.from_url(url)
         if client.dbsize():

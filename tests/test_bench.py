@@ -30,6 +30,7 @@ def _json_line(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_every_mode_and_every_system_agree_and_no_key_is_left(real_url, capsys):
     client = redis.Redis.from_url(real_url)
     client.flushdb()
@@ -159,6 +160,7 @@ def test_sampling_with_ages_walks_the_emptied_oldest_ages_and_cleans_up(real_url
 LARGE_TINY = ["--large", "--batch", "16", "--fields", "3", "--seq-len", "64", "--repeat", "1", "--warmup", "0"]
 
 
+@pytest.mark.slow
 def test_large_mode_moves_every_kind_of_column_intact_and_cleans_up(real_url, capsys):
     client = redis.Redis.from_url(real_url)
     client.flushdb()

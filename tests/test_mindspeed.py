@@ -345,6 +345,7 @@ def run_stage(url: str, name: str, stage: str, out: multiprocessing.Queue) -> No
     out.put((stage, seen, bad))
 
 
+@pytest.mark.slow
 def test_mindspeeds_worker_loop_runs_through_the_adapter_in_many_processes(url):
     name = f"ms{next(_names)}"
     driver = GRPOTransferDock(8, 2, url=url, name=name)

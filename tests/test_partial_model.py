@@ -412,6 +412,7 @@ class PartialMachine(RuleBasedStateMachine):
         self.client.close()
 
 
+@pytest.mark.slow
 def test_random_partial_rollout_sequences_agree_with_model() -> None:
     run_state_machine_as_test(PartialMachine, settings=MACHINE_SETTINGS)
 

@@ -24,7 +24,9 @@ import ray  # noqa: E402
 from broker.control.keys import DockKeys  # noqa: E402
 from workers.algorithms.grpo import GRPO  # noqa: E402
 from workers.config import Layout, RunConfig, with_layouts  # noqa: E402
+from workers.demo import iteration_line  # noqa: E402
 from workers.runtime.pipeline import Pipeline, create_dock  # noqa: E402
+from workers.runtime.report import MetricsLog, plot, read_metrics  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -69,6 +71,27 @@ def check_tp_ranks_agree(results: list[dict], role: str, dp: int) -> None:
 
 def checksums(pipeline: Pipeline, role: str) -> list[int]:
     return ray.get([a.weights_checksum.remote() for a in pipeline.groups[role].actors])
+
+
+def check_the_demo_reports(cfg: RunConfig, records: list[dict], folder, line_says: str) -> None:
+    """What ``broker demo --algo ALGO`` writes of these iterations: its JSONL records (every role busy, the
+    rows, a reward), its progress line (``line_says``: the algorithm's own figure) and its picture with the
+    algorithm's panel. The demo itself runs once in tests/test_demo_smoke.py (GRPO); a demo run per
+    algorithm would start Ray and every worker again for the same pipeline this test already ran."""
+    log = MetricsLog(folder / "metrics.jsonl")
+    for metrics in records:
+        log.write(metrics)
+    log.close()
+    written = read_metrics(folder / "metrics.jsonl")
+    assert [r["iteration"] for r in written] == [1, 2]
+    for r in written:
+        assert r["algo"] == cfg.algo and r["rows"] == cfg.capacity and r["samples_per_s"] > 0
+        assert 0.0 <= r["reward"] <= 1.0
+        assert {role for role, *_ in r["busy"]} == set(cfg.roles)
+        assert line_says in iteration_line(cfg, r)
+    picture = folder / f"{cfg.algo}.png"
+    plot(written, picture)
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_rows_flow_through_every_stage_once(local_ray, real_url):
@@ -137,9 +160,10 @@ def received(results: list[dict], role: str) -> list[int]:
     return sorted(i for r in leaders(results, role) for batch in r["trace"] for i in batch["indexes"])
 
 
-def test_ppo_rows_flow_once_through_every_stage_and_the_critic(local_ray, real_url):
+def test_ppo_rows_flow_once_through_every_stage_and_the_critic(local_ray, real_url, tmp_path):
     """PPO: one sample per prompt, rows handed out one by one; a TP=2 critic writes values, GAE writes
-    advantages and returns, and both trainers step; the critic's weights reach its value stage."""
+    advantages and returns, and both trainers step; the critic's weights reach its value stage. The
+    demo's report of the run shows the critic's loss."""
     small = {"actor_rollout": 8, "ref_log_prob": 8, "actor_log_prob": 8, "critic_value": 4, "rule_reward": 8,
              "compute_advantage": 8, "actor_train": 4, "critic_train": 4}
     cfg = make_config({"critic_value": Layout(1, 2), "critic_train": Layout(1, 2)}, algo="ppo", n=1, prompts=16,
@@ -150,8 +174,10 @@ def test_ppo_rows_flow_once_through_every_stage_and_the_critic(local_ray, real_u
     try:
         keys = DockKeys(dock.name)
         critic: list[int] = []
+        records = []
         for iteration in (1, 2):
             metrics, results = pipeline.run_iteration(iteration)
+            records.append(metrics)
             for role in cfg.roles:
                 assert received(results, role) == list(range(16)), role
                 assert client.bitcount(keys.consumed(role)) == 16, role
@@ -164,15 +190,17 @@ def test_ppo_rows_flow_once_through_every_stage_and_the_critic(local_ray, real_u
             critic = checksums(pipeline, "critic_train")
             pipeline.clear()
         assert critic != checksums(pipeline, "actor_train")  # a critic of its own, not the actor
+        check_the_demo_reports(cfg, records, tmp_path, "value loss")
     finally:
         pipeline.shutdown()
         dock.delete()
 
 
-def test_dapo_drops_equal_reward_groups_and_trains_only_a_full_batch_of_kept_ones(local_ray, real_url):
+def test_dapo_drops_equal_reward_groups_and_trains_only_a_full_batch_of_kept_ones(local_ray, real_url, tmp_path):
     """DAPO with n=2 (an untrained policy often scores both samples alike, so groups are dropped): the
     driver refills dropped groups, the stages after the filter see exactly the kept rows once, and the
-    dock, the workers and the driver agree on how many groups were dropped."""
+    dock, the workers and the driver agree on how many groups were dropped. The demo's report of the run
+    counts the filtered groups."""
     cfg = make_config({}, algo="dapo", n=2, batch_rows={"actor_rollout": 8, "rule_reward": 4,
                                                         "compute_advantage": 4, "actor_log_prob": 4,
                                                         "actor_train": 4})
@@ -181,10 +209,12 @@ def test_dapo_drops_equal_reward_groups_and_trains_only_a_full_batch_of_kept_one
     pipeline = Pipeline(dock, cfg, cluster_cpus=2)
     capacity = cfg.capacity
     dropped_in_all = 0
+    records = []
     try:
         keys = DockKeys(dock.name)
         for iteration in (1, 2):
             metrics, results = pipeline.run_iteration(iteration)
+            records.append(metrics)
             dropped = metrics["filtered_groups"]
             dropped_in_all += dropped
             assert metrics["dropped_by_dock"] == dropped and metrics["prompts_put"] == PROMPTS + dropped
@@ -202,6 +232,7 @@ def test_dapo_drops_equal_reward_groups_and_trains_only_a_full_batch_of_kept_one
                 assert client.bitcount(keys.consumed(role)) == capacity, role
             pipeline.clear()
         assert dropped_in_all > 0, "no group was dropped: the test did not exercise dynamic sampling"
+        check_the_demo_reports(cfg, records, tmp_path, "filtered groups")
     finally:
         pipeline.shutdown()
         dock.delete()

@@ -11,8 +11,9 @@ import argparse
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from .config import Layout, RunConfig, with_layouts
 from .options import TUNABLES, build_demo_parser
@@ -37,6 +38,23 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     cfg = with_layouts(base, args.dp, args.tp, overrides)
     cfg.validate()
     return cfg
+
+
+def iteration_line(cfg: RunConfig, metrics: Mapping[str, Any]) -> str:
+    """One iteration's summary on the progress bar: reward and speed, and what the run's settings add."""
+    line = (f"reward {metrics['reward']:.3f} | {metrics['samples_per_s']:.0f} samples/s | "
+            f"{metrics['tokens_per_s']:.0f} tok/s | {metrics['seconds']:.1f} s")
+    if cfg.partial:
+        ages = ", ".join(f"{a}:{c}" for a, c in metrics["groups_by_age"].items())
+        line += f" | groups by age {ages}"
+    if "value_loss" in metrics:
+        line += f" | value loss {metrics['value_loss']:.4f}"
+    if cfg.algorithm.dynamic_sampling:
+        line += f" | filtered groups {metrics['filtered_groups']}"
+    if cfg.asynchronous:
+        line += (f" | version lag {metrics.get('version_lag', 0.0):.2f} | "
+                 f"stale dropped {metrics['stale_dropped']}")
+    return line
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,18 +124,7 @@ def run(args: argparse.Namespace) -> int:
                 pipeline.clear()
                 log.write(metrics)
                 records.append(metrics)
-                line = (f"reward {metrics['reward']:.3f} | {metrics['samples_per_s']:.0f} samples/s | "
-                        f"{metrics['tokens_per_s']:.0f} tok/s | {metrics['seconds']:.1f} s")
-                if cfg.partial:
-                    ages = ", ".join(f"{a}:{c}" for a, c in metrics["groups_by_age"].items())
-                    line += f" | groups by age {ages}"
-                if "value_loss" in metrics:
-                    line += f" | value loss {metrics['value_loss']:.4f}"
-                if cfg.algorithm.dynamic_sampling:
-                    line += f" | filtered groups {metrics['filtered_groups']}"
-                if cfg.asynchronous:
-                    line += (f" | version lag {metrics.get('version_lag', 0.0):.2f} | "
-                             f"stale dropped {metrics['stale_dropped']}")
+                line = iteration_line(cfg, metrics)
                 bar.set_postfix_str(line, refresh=False)
                 bar.update(1)
                 if args.no_progress:

@@ -394,6 +394,12 @@ class TransferDock:
         """
         return self._handouts.take(consumer, indexes, columns, lease, exclusive, name, name_ttl)
 
+    def reclaim(self, consumer: str) -> int:
+        """Give back ``consumer``'s rows whose lease ran out, so they are offered to it again; returns how many
+        of its rows are still leased. Sampling and takes do this themselves: a reader that chooses rows from
+        the status bitmaps (``consumed_rows``) calls it before reading them."""
+        return self._handouts.reclaim(consumer)
+
     def ack(self, consumer: str, indexes: Sequence[int], token: str | None = None) -> int:
         """Confirm that ``consumer`` is done with leased rows; returns how many this released.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import queue
 import time
 from typing import Any
@@ -41,14 +42,18 @@ _POLL = 0.002
 def context() -> Any:
     """A forkserver with the heavy imports done once: a new process costs a fork, not a torch import."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "broker.bench.concurrent", "broker.bench.soak", "broker.bench.pipeline_soak"])
+    ctx.set_forkserver_preload([
+        "torch", "broker.bench.concurrent", "broker.bench.soak", "broker.bench.pipeline_soak",
+        "broker.bench.adapter",  # the MindSpeed adapter and tensordict: seconds of imports per adapter process
+    ])
     return ctx
 
 
 class _Client:
     """What a stage process calls, the same for every system: get (None if nothing), put, all_consumed."""
 
-    def __init__(self, system: str, url: str, name: str, workload: Workload, ray_address: str | None):
+    def __init__(self, system: str, url: str, name: str, workload: Workload, ray_address: str | None,
+                 ray_env: dict[str, str]):
         self.workload = workload
         self.dock: TransferDock | None = None
         self.calls: MindSpeedCalls
@@ -59,6 +64,9 @@ class _Client:
 
             self.calls = AdapterDock(url, name, workload)
         else:
+            # Before Ray is imported: how to join the driver's Ray (its token auth mode) is read from the
+            # environment, which a process forked from the forkserver did not inherit from the driver.
+            os.environ.update(ray_env)
             import ray
 
             ray.init(address=ray_address, log_to_driver=False, logging_level=logging.ERROR,
@@ -91,12 +99,12 @@ class _Client:
 
 
 def _stage_process(system: str, url: str, name: str, params: dict[str, Any], stage_name: str, barrier: Any,
-                   out: Any, ray_address: str | None) -> None:
+                   out: Any, ray_address: str | None, ray_env: dict[str, str]) -> None:
     torch.set_num_threads(1)  # a dozen processes on a few cores: intra-op threads would only fight
     workload = Workload(**params)
     stage = workload.stage(stage_name)
     workload.response_length(0)  # draw the batch before the clock starts
-    dock = _Client(system, url, name, workload, ray_address)
+    dock = _Client(system, url, name, workload, ray_address, ray_env)
     results, busy, calls = [], 0.0, 0
     barrier.wait()
     last = time.monotonic()
@@ -184,14 +192,17 @@ def run_concurrent(
 ) -> dict[str, Any]:
     """Run the batch with all stages at once; returns wall seconds, per-stage figures and checksums."""
     driver = _Driver(system, url, name, workload)
-    # Ray's stage processes are spawned: a forkserver started before Ray lacks what Ray put in the
-    # driver's environment to join its cluster (its auth token). Start-up is not timed either way.
-    ctx = mp.get_context("spawn") if driver.ray_address else context()
+    # Every stage process is forked from the forkserver, the Ray systems' too: a forkserver started before
+    # Ray lacks what Ray put in the driver's environment to join its cluster (its auth mode), so they are
+    # handed the driver's RAY_ variables, as a spawned process would inherit them, without each importing
+    # torch again. Start-up is not timed either way.
+    ctx = context()
+    ray_env = {k: v for k, v in os.environ.items() if k.startswith("RAY_")} if driver.ray_address else {}
     out = ctx.Queue()
     barrier = ctx.Barrier(1 + per_stage * len(workload.stages))
     params = dataclasses.asdict(workload)
     procs = [ctx.Process(target=_stage_process, daemon=True,
-                         args=(system, url, name, params, s.name, barrier, out, driver.ray_address))
+                         args=(system, url, name, params, s.name, barrier, out, driver.ray_address, ray_env))
              for s in workload.stages for _ in range(per_stage)]
     for p in procs:
         p.start()

@@ -16,7 +16,6 @@ TransferQueue runs in a child interpreter of its own (``large_tq.py``).
 from __future__ import annotations
 
 import inspect
-import multiprocessing
 import time
 import traceback
 from collections.abc import Callable
@@ -194,11 +193,17 @@ def _serve(conn: Connection, role: str, args: tuple[Any, ...]) -> None:
 
 
 class ProcessActor:
-    """A role in a process of its own (spawned: no state inherited); ``call`` runs a method and waits."""
+    """A role in a process of its own; ``call`` runs a method and waits.
+
+    The process is forked from the benchmark's forkserver (``concurrent.context``), as the other modes'
+    processes are: it inherits none of the driver's state, only the server's imports, so a sweep's
+    writer and reader for each size cost a fork each, not a torch import (seconds on a small machine)."""
 
     def __init__(self, role: str, *args: Any):
+        from broker.bench.concurrent import context
+
         self.role = role
-        ctx = multiprocessing.get_context("spawn")
+        ctx = context()
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, role, args), daemon=True, name=f"bench-large-{role}")
         self.proc.start()

@@ -7,8 +7,10 @@ here they are awaited, so each put's cost lands in the stage that made it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 from broker.bench.docks import ActorCalls
 from broker.bench.mindspeed import MindSpeedGRPOTransferDock
@@ -32,6 +34,26 @@ def start_ray() -> bool:
     ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
              logging_level=logging.ERROR, object_store_memory=1 << 30, _node_ip_address="127.0.0.1")
     return True
+
+
+@contextlib.contextmanager
+def ray_for_modes(needed: bool) -> Iterator[None]:
+    """One private Ray for every mode and system of a run that needs it (``needed``), stopped at the end.
+
+    Each Ray system starts Ray itself when none runs, and stops it when done: run one after another,
+    the pipeline mode's and the concurrent mode's two Ray systems started and stopped it three times,
+    seconds each on a small machine, for nothing the figures show (start-up is never timed)."""
+    if not needed:
+        yield
+        return
+    import ray
+
+    started = start_ray()
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 class RayDock(ActorCalls):

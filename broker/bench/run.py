@@ -225,28 +225,42 @@ def _measure(args: argparse.Namespace, selected: list[str], prefix: str, workloa
         return _modes(args, selected, url, prefix, workload, report)
 
 
+def _ray_needed(selected: list[str], systems: tuple[str, ...]) -> bool:
+    """Whether the pipeline or the concurrent mode will run a Ray system (and Ray imports)."""
+    if not {"pipeline", "concurrent"} & set(selected) or not {"ray", "adapter-ray"} & set(systems):
+        return False
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False  # pipeline_mode says so and skips them
+    return True
+
+
 def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str, workload: Workload,
            report: dict[str, Any]) -> bool:
-    ok = True
-    if "pipeline" in selected:
-        report["pipeline"] = pipeline_mode(url, prefix, workload, args.systems, args.repeat, args.warmup)
-        ok = report["pipeline"]["checksums_equal"]
-    if "concurrent" in selected:
-        from broker.bench.concurrent import CONCURRENT_SYSTEMS, run_concurrent
+    from broker.bench.ray_dock import ray_for_modes
 
-        reference = reference_checksums(workload)
-        systems = [s for s in CONCURRENT_SYSTEMS if s in args.systems]
-        report["concurrent"] = {"per_stage": args.per_stage, "processes": args.per_stage * len(workload.stages),
-                                "systems": {}}
-        for system in systems:
-            _say(f"concurrent: {system}, {args.per_stage * len(workload.stages)} stage processes")
-            conc = run_concurrent(url, f"{prefix}-concurrent-{system}", workload, per_stage=args.per_stage,
-                                  system=system)
-            checks = conc.pop("checksums")
-            conc["checksum"] = checks.total()
-            conc["checksums_equal"] = conc["checksum"] == reference.total()
-            report["concurrent"]["systems"][system] = conc
-            ok = ok and conc["checksums_equal"]
+    ok = True
+    with ray_for_modes(_ray_needed(selected, args.systems)):
+        if "pipeline" in selected:
+            report["pipeline"] = pipeline_mode(url, prefix, workload, args.systems, args.repeat, args.warmup)
+            ok = report["pipeline"]["checksums_equal"]
+        if "concurrent" in selected:
+            from broker.bench.concurrent import CONCURRENT_SYSTEMS, run_concurrent
+
+            reference = reference_checksums(workload)
+            systems = [s for s in CONCURRENT_SYSTEMS if s in args.systems]
+            report["concurrent"] = {"per_stage": args.per_stage,
+                                    "processes": args.per_stage * len(workload.stages), "systems": {}}
+            for system in systems:
+                _say(f"concurrent: {system}, {args.per_stage * len(workload.stages)} stage processes")
+                conc = run_concurrent(url, f"{prefix}-concurrent-{system}", workload, per_stage=args.per_stage,
+                                      system=system)
+                checks = conc.pop("checksums")
+                conc["checksum"] = checks.total()
+                conc["checksums_equal"] = conc["checksum"] == reference.total()
+                report["concurrent"]["systems"][system] = conc
+                ok = ok and conc["checksums_equal"]
     if "sampling" in selected:
         from broker.bench.sampling import sampling_latency
 

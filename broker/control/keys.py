@@ -276,6 +276,31 @@ class DockKeys:
         return f"{self.base}named:{label}"
 
     @property
+    def named_index(self) -> str:
+        """Every record of a named take (``named``) alive, with when it expires: how they are found without SCAN."""
+        return self.base + "named"
+
+    def staged(self, run: str, key: str) -> str:
+        """Where a checkpoint (broker/adapters/transfer_queue/checkpoint.py) keeps its copy of the dock's
+        ``key`` during run ``run``: in the dock's slot, under a prefix nothing else of the dock uses."""
+        if not key.startswith(self.base):
+            raise SchemaError(f"{key!r} is not a key of dock {self.name!r}")
+        check_name("checkpoint run", run)
+        return f"{self.base}ckpt:{run}:{key[len(self.base):]}"
+
+    def tq_system(self, columns: Sequence[str], consumers: Sequence[str], age_buckets: int,
+                  partitions: Sequence[str], named: Sequence[str]) -> list[str]:
+        """Every key a TransferQueue system on this dock may have (but reply keys, which expire by themselves,
+        and keys that live only inside one script or MULTI): the dock's, the adapter's for ``partitions``,
+        and the records of named takes ``named`` (the members of ``named_index``). What a checkpoint copies
+        and what restoring one replaces."""
+        keys = self.every_key(columns, consumers, age_buckets)
+        keys += [self.tq_next, self.tq_free, self.tq_partitions, self.tq_conf]
+        for p in partitions:
+            keys += [self.tq_rows(p), self.tq_keys(p), self.tq_rkeys(p), self.tq_tags(p), self.tq_fields(p)]
+        return keys + list(named)
+
+    @property
     def reply_pattern(self) -> str:
         """SCAN pattern of the replies the dock's sampling calls keep for retries."""
         return self.base + "reply:*"
@@ -289,7 +314,7 @@ class DockKeys:
         keys += [kind(c) for kind in per_consumer for c in consumers]
         return keys + [self.meta, self.scratch, self.scratch2, self.scratch3, self.epoch, self.generations,
                        *self.batch_keys, self.consumer_columns, *self.rollout_keys(age_buckets), self.version,
-                       self.admitted, self.replicated]
+                       self.admitted, self.replicated, self.named_index]
 
     @property
     def batch_keys(self) -> list[str]:
@@ -359,6 +384,10 @@ def key_layout() -> list[KeyRow]:
                "resend gets it instead of applying twice"),
         KeyRow(k.named("LABEL"), "string", "a named `take`'s rows (`start,length,...|row,row,...`), kept until its "
                "time to live (a day by default): what later takes under LABEL get"),
+        KeyRow(k.named_index, "sorted set", "member = the key of a named take's record, score = when it expires (ms "
+               "of server time); records gone are dropped at the next named take"),
+        KeyRow(k.staged("RUN", k.base + "KEY"), "any", "a TransferQueue checkpoint's copy of td:{NAME}:KEY while run "
+               "RUN saves or loads it (expires within the hour if the run dies)"),
         KeyRow(k.tq_next, "string", "TransferQueue adapter: rows below it have held samples"),
         KeyRow(k.tq_free, "list", "TransferQueue adapter: rows released by clears, oldest first; new samples take "
                "them first"),

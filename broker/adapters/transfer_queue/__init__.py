@@ -7,7 +7,9 @@ data loader (a reader that dies loses nothing), checkpoints that are consistent 
 pickle of anything read from Redis.
 """
 
+from broker.adapters.transfer_queue.checkpoint import load_checkpoint, save_checkpoint
 from broker.adapters.transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient
+from broker.adapters.transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
 from broker.adapters.transfer_queue.interface import (
     async_kv_batch_get,
     async_kv_batch_get_by_meta,

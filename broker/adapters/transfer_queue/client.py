@@ -80,10 +80,14 @@ class TransferQueueClient:
         count = _count(batch_size)
         if not isinstance(task_name, str) or not task_name:
             raise InvalidExperienceError(f"get_meta(mode='fetch') needs a task_name, got {task_name!r}")
-        config = dict(sampling_config or {})
+        # TransferQueue's StreamingDataset puts task_name and partition_id into sampling_config too (its controller
+        # passes the config to the sampler as keywords): the arguments of this call name them here.
+        config = {k: v for k, v in (sampling_config or {}).items() if k not in ("task_name", "partition_id")}
         lease = self._lease if lease is None else lease
         rank, batch_index = config.get("dp_rank"), config.get("batch_index")
-        label = f"{partition}|{task_name}|{rank}|{batch_index}"
+        # The partition's creation time in the name: a partition cleared and made again under its name does not
+        # hand a DP group the batches recorded before the clear (the records outlive it, for a day).
+        label = f"{partition}@{system.created(partition)}|{task_name}|{rank}|{batch_index}"
 
         sampler = self._sampler
         before: list[set[Any]] = []
@@ -94,7 +98,13 @@ class TransferQueueClient:
         def choose(ready: list[int]) -> tuple[list[int], list[int]]:
             before[:] = [entries()]
             if len(ready) < count and not self._cached(partition, task_name, config):
-                return [], []
+                # Another rank of this DP group, perhaps in another process, may have taken this batch already
+                # (its rows now consumed, so not among the ready ones): its record is this rank's batch.
+                recorded = system.recorded(label) if rank is not None else None
+                if not recorded:
+                    return [], []
+                sampler.remember(partition, task_name, rank, batch_index, recorded)
+                return recorded, recorded
             sampled, consumed = sampler(ready, count, task_name=task_name, partition_id=partition, **config)
             return list(sampled), list(consumed)
 
@@ -293,6 +303,8 @@ class TransferQueueClient:
         return True
 
     def _status(self, partition: str, fields: list[str], task: str) -> tuple[np.ndarray, np.ndarray]:
+        if task not in self._system.dock.consumers:
+            self._system.dock.refresh()  # another process (a data loader's worker, say) may have added the task
         if task not in self._system.dock.consumers:
             members = self._system.status(partition, [], None)[0]
             return members, np.zeros(len(members), dtype=bool)

@@ -17,6 +17,7 @@ import fcntl
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -54,6 +55,7 @@ class _Process:
         self.server: RedisServer | None = None
         self.published: Path | None = None
         self.controller: Any = None
+        self.metrics_server: Any = None
 
 
 _P = _Process()
@@ -100,6 +102,8 @@ def close() -> None:
             _P.published.unlink(missing_ok=True)
         if _P.server is not None:
             _P.server.stop()
+        if _P.metrics_server is not None:
+            _P.metrics_server.shutdown()
         _P.__init__()  # type: ignore[misc]
 
 
@@ -286,11 +290,8 @@ def _published_url(path: Path) -> str | None:
 
 def _ray_conf() -> dict[str, Any] | None:
     """The conf the ``TransferQueueController`` actor holds, when Ray runs here and it exists."""
-    try:
-        import ray
-    except ImportError:
-        return None
-    if not ray.is_initialized():
+    ray = sys.modules.get("ray")  # not imported: not running here either (and importing it takes seconds)
+    if ray is None or not ray.is_initialized():
         return None
     try:
         actor = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
@@ -302,11 +303,8 @@ def _ray_conf() -> dict[str, Any] | None:
 
 def _publish(conf: dict[str, Any]) -> None:
     """Make the conf findable by other processes: a Ray actor when Ray runs (its tutorials read its conf)."""
-    try:
-        import ray
-    except ImportError:
-        return
-    if not ray.is_initialized():
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
         return
 
     @ray.remote(num_cpus=0)
@@ -319,7 +317,7 @@ def _publish(conf: dict[str, Any]) -> None:
         def get_config(self) -> dict[str, Any]:
             return self.conf
 
-    plain = json.loads(json.dumps(conf, default=str))
+    plain = json.loads(_conf_json(conf))  # a sampler by its name, as in Redis: a StreamingDataset's conf names it
     try:
         _P.controller = TransferQueueController.options(  # type: ignore[attr-defined]
             name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE).remote(plain)
@@ -345,9 +343,14 @@ def _stored_conf(url: str, namespace: str) -> dict[str, Any] | None:
 
 
 def _store_conf(system: System, conf: dict[str, Any]) -> None:
-    text = json.dumps(conf, default=lambda o: o.__class__.__name__ if isinstance(o, BaseSampler) or
-                      isinstance(o, type) else str(o))
+    text = _conf_json(conf)
     system.run("store conf", lambda: system.client.set(system.keys.tq_conf, text, nx=True))
+
+
+def _conf_json(conf: dict[str, Any]) -> str:
+    """The conf as JSON: a sampler (an instance or a class) by its class's name, anything else as its str."""
+    return json.dumps(conf, default=lambda o: o.__class__.__name__ if isinstance(o, BaseSampler) else
+                      o.__name__ if isinstance(o, type) else str(o))
 
 
 def _sampler_of(given: Any, conf: dict[str, Any]) -> BaseSampler:
@@ -368,13 +371,13 @@ def _sampler_of(given: Any, conf: dict[str, Any]) -> BaseSampler:
 
 
 def _start_metrics(conf: dict[str, Any]) -> None:
-    from prometheus_client import start_http_server
+    """Serve this process's dock calls (the broker's call metrics: seconds, rows, bytes per operation of the
+    system's dock) on ``metrics.port``; the dock's own counts are the exporter's (``broker exporter``)."""
+    from broker.api import metrics
 
-    from broker import metrics
-
-    metrics.enable()
     port = int(conf["metrics"].get("port") or 0)
-    server, _ = start_http_server(port, addr="127.0.0.1")
+    server = metrics.start_http_server(port, addr="127.0.0.1")
+    _P.metrics_server = server
     conf["metrics"]["endpoint"] = f"127.0.0.1:{server.server_port}"
 
 

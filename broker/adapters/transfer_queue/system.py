@@ -296,6 +296,7 @@ class System:
         before each new choice (a sampler forgets the choice it cached)."""
         self.ensure_task(task)
         for _ in range(CLAIM_RETRIES):
+            self.dock.reclaim(task)  # rows of readers whose lease ran out are ready for the task again
             ready = self.ready_unconsumed(partition, fields, task)
             sampled, consumed = choose(ready)
             if not consumed:
@@ -315,6 +316,20 @@ class System:
         raise InvalidExperienceError(
             f"partition {partition!r}, task {task!r}: other callers took the rows this one chose "
             f"{CLAIM_RETRIES} times in a row; is a sampler returning rows it was not offered?")
+
+    def created(self, partition: str) -> str:
+        """When ``partition`` was made (ms, as tq_rows.lua stamps it); "0" if it does not exist."""
+        raw = self.run("partition", lambda: self.client.hget(self.keys.tq_partitions, partition))
+        return "0" if raw is None else raw.decode()
+
+    def recorded(self, label: str) -> list[int] | None:
+        """The rows the named take ``label`` handed out (lua/take.lua's record), in its caller's order; None
+        if no take under that name happened (or its record expired)."""
+        raw = self.run("named take", lambda: self.client.get(self.keys.named(label)))
+        if raw is None:
+            return None
+        _, _, order = raw.decode().partition("|")
+        return [int(r) for r in order.split(",") if r]
 
     def produced_each(self, partition: str, rows: Sequence[int], fields: Sequence[str]) -> list[np.ndarray]:
         """Per field, per row: whether it is produced (bool arrays)."""

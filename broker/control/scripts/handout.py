@@ -65,7 +65,7 @@ class HandOutScripts(ScriptsBase):
         """
         k = self._keys
         keys = [k.meta, *self._consumer_keys(consumer), k.redelivered(consumer), k.epoch, k.generations,
-                k.named(name), *(k.ready(c) for c in columns)]
+                k.named(name), k.named_index, *(k.ready(c) for c in columns)]
         reply = self._once("take", keys, [self._expected, self._n, lease_ms, token, int(exclusive),
                                           name_ms if name else 0, ",".join(map(str, order)) if name else "",
                                           *runs])

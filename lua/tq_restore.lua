@@ -1,0 +1,75 @@
+--[[ tq_restore: replace a TransferQueue system by the one a checkpoint holds, in one step (the adapter
+broker.transfer_queue: load_checkpoint).
+
+The client has written the checkpoint's keys beside the system first (DockKeys.staged: in the dock's
+slot, expiring if it dies), in as many parts as their size needs; this script then deletes every key the
+system has and renames the staged keys to their names, and writes the meta: nobody sees a system half
+restored. The meta comes in ARGV rather than staged: it is the checkpoint's, grown by the columns and
+tasks the system has now, so a process that knows those finds its schema inside the restored one and
+goes on (a dock adopts a grown schema at its next call).
+
+Which keys the system has is what the client read (its schema, partitions and named takes' records): keys
+are named by the client, never built here. The script checks that this is still so and answers {0} when
+it is not, so the client reads again and retries; a grown schema fails the schema check, and the client
+adopts it and retries.
+
+KEYS[1]             td:{NAME}:meta
+KEYS[2]             td:{NAME}:tq:partitions
+KEYS[3]             td:{NAME}:named
+KEYS[4..3+C]        every key the system may have now (DockKeys.tq_system): all deleted
+KEYS[4+C..3+C+S]    the staged keys (DockKeys.staged)
+KEYS[4+C+S..3+C+2S] the name each takes, in the same order
+ARGV[1]             the schema the client expects (see include/schema.lua)
+ARGV[2]             C
+ARGV[3]             S
+ARGV[4]             P, the number of partitions the client read; ARGV[5..4+P] the partitions
+ARGV[5+P]           R, the number of named takes' records the client read; then their keys
+then S values       when each restored key expires, ms of server time (-1: never); a time passed deletes it
+then M              twice the number of meta fields; then M values: field, value, ...
+
+Returns {1, S}: the keys restored; {0} if the partitions or records are not those the client read; an
+error naming a staged key that is gone (its time ran out: the load took longer than the staging lasts),
+before anything changed.
+
+last            how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
+                (include/once.lua): a resend after a lost reply must not find the staged keys gone
+]]
+-- @include schema
+-- @include system_keys
+-- @include once
+
+local reply_key, reply_ttl = once_args()
+local kept = kept_reply(reply_key)
+if kept then return kept end
+
+local wrong_schema = schema_error(KEYS[1], ARGV[1])
+if wrong_schema then return redis.error_reply(wrong_schema) end
+
+local current, staged = tonumber(ARGV[2]), tonumber(ARGV[3])
+local current_keys, deadlines = listed_keys_current(KEYS[2], KEYS[3], 4)
+if not current_keys then return {0} end
+local first_stage = 4 + current
+for i = first_stage, 3 + current + staged do  -- before the first write: a script is not rolled back
+  if redis.call('EXISTS', KEYS[i]) == 0 then
+    return redis.error_reply('ERR ' .. KEYS[i] .. ' is gone: the checkpoint load took longer than its staged '
+      .. 'keys live, or another process deleted them; load it again')
+  end
+end
+
+for i = 4, 3 + current do redis.call('DEL', KEYS[i]) end
+for j = 0, staged - 1 do
+  local target = KEYS[first_stage + staged + j]
+  redis.call('RENAME', KEYS[first_stage + j], target)
+  local deadline = tonumber(ARGV[deadlines + j])
+  if deadline < 0 then
+    redis.call('PERSIST', target)
+  else
+    redis.call('PEXPIREAT', target, deadline)
+  end
+end
+local meta_at = deadlines + staged
+local fields = tonumber(ARGV[meta_at])
+for i = meta_at + 1, meta_at + fields, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+return keep_reply(reply_key, reply_ttl, {1, staged})
