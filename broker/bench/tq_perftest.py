@@ -112,7 +112,8 @@ def run_perftest(python: str, script: Path, config: Path, w: LargeWorkload, iter
            "--backend_config", str(config), "--global_batch_size", str(w.batch), "--field_num", str(w.fields),
            "--seq_len", str(w.seq_len), "--num_test_iterations", str(iterations), "--output_csv", str(csv_path),
            *(["--use_complex_case"] if w.complex else [])]
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the drop-in starts its embedded server
+    # No REDIS_URL: the drop-in starts its embedded server; no RAY_ADDRESS: the launcher starts a Ray of its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RAY_ADDRESS")}
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_UV_RUN_RUNTIME_ENV="0", BROKER_TQ_DIR=str(folder))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_broker_root(), env.get("PYTHONPATH", "")) if p)
     # perftest sleeps 16 s per iteration; Ray starts in seconds; a GiB moves in well under a minute here.

@@ -124,7 +124,8 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+    # A Ray of its own ("local"), never one the benchmark or another job on the machine runs.
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
              logging_level=logging.ERROR)
     logging.getLogger("__main__").addHandler(ServerReadings(measure))  # perftest's logger, run as __main__
     sys.argv = [script, *args, "--head_node_ip", ray.util.get_node_ip_address()]  # type: ignore[no-untyped-call]
