@@ -9,8 +9,8 @@ writing nothing. unbar.lua, the put's last step, puts everything back. Keep it s
 with every put.
 
 KEYS[1]       td:{NAME}:gate               "go" from put.lua lets the bytes through
-KEYS[2i]      td:{NAME}:data:COLUMN_i      data hash of the i-th column written
-KEYS[2i+1]    td:{NAME}:aside:COLUMN_i     where it is set aside
+KEYS[2i]      a hash the put's HSETs write: td:{NAME}:data:COLUMN and td:{NAME}:tail:COLUMN per column
+KEYS[2i+1]    where it is set aside: td:{NAME}:aside:COLUMN, td:{NAME}:tailaside:COLUMN
 
 Returns 1 if the put's bytes may land, 0 if barred.
 ]]

@@ -21,10 +21,11 @@ KEYS[3]       td:{NAME}:epoch
 KEYS[4]       td:{NAME}:gen
 KEYS[5]       td:{NAME}:tokens:CONSUMER    of the delivery's lease (td:{NAME}:meta without one)
 KEYS[6]       td:{NAME}:leases:CONSUMER    (td:{NAME}:meta without a lease)
-KEYS[3i+4]    td:{NAME}:data:COLUMN_i      data hash of the i-th column written (its type is checked)
-KEYS[3i+5]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
-KEYS[3i+6]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
-then, for each of the L length columns written (after the k columns' triples):
+KEYS[4i+3]    td:{NAME}:data:COLUMN_i      data hash of the i-th column written (its type is checked)
+KEYS[4i+4]    td:{NAME}:tail:COLUMN_i      the tails of its cut rows (broker/data/fit.py; type checked)
+KEYS[4i+5]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
+KEYS[4i+6]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
+then, for each of the L length columns written (after the k columns' quadruples):
               td:{NAME}:len:COLUMN         u32 per row: the rows' values (see include/bits.lua set_u32)
 then, if ARGV[6] is not "-":  the keys of include/finish.lua
 last          td:{NAME}:reply:REQUEST_ID   the put's request id (include/once.lua)
@@ -74,8 +75,8 @@ end
 local verdict = schema_error(KEYS[1], ARGV[1])
 if not verdict then
   verdict = wrong_type(2, 4, 'string') or (leased and (wrong_type(5, 5, 'hash') or wrong_type(6, 6, 'zset')))
-  for k = 7, first_len - 1, 3 do
-    verdict = verdict or wrong_type(k, k, 'hash') or wrong_type(k + 1, k + 2, 'string')
+  for k = 7, first_len - 1, 4 do
+    verdict = verdict or wrong_type(k, k + 1, 'hash') or wrong_type(k + 2, k + 3, 'string')
   end
   verdict = verdict or wrong_type(first_len, first_finish - 1, 'string')
   if finishing ~= '-' then verdict = verdict or finish_wrong_type(first_finish) end
@@ -90,8 +91,8 @@ end
 redis.call('SET', KEYS[2], 'go')
 
 local ready_keys, gready_keys, len_keys = {}, {}, {}
-for k = 7, first_len - 1, 3 do
-  ready_keys[#ready_keys + 1] = KEYS[k + 1]; gready_keys[#gready_keys + 1] = KEYS[k + 2]
+for k = 7, first_len - 1, 4 do
+  ready_keys[#ready_keys + 1] = KEYS[k + 2]; gready_keys[#gready_keys + 1] = KEYS[k + 3]
 end
 for j = 1, nlen do len_keys[j] = KEYS[first_len + j - 1] end
 local n = tonumber(ARGV[2])

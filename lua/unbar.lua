@@ -4,8 +4,8 @@ Sent as text (EVAL) for the reason bar.lua is: it must run whatever scripts the 
 barred put would leave its data hashes aside. Keep it small: its text is sent with every put.
 
 KEYS[1]       td:{NAME}:gate
-KEYS[2i]      td:{NAME}:data:COLUMN_i
-KEYS[2i+1]    td:{NAME}:aside:COLUMN_i
+KEYS[2i]      a hash the put's HSETs write: td:{NAME}:data:COLUMN and td:{NAME}:tail:COLUMN per column
+KEYS[2i+1]    where it is set aside: td:{NAME}:aside:COLUMN, td:{NAME}:tailaside:COLUMN
 
 Returns 1.
 ]]

@@ -152,6 +152,19 @@ class RespReader:
         return bytes(out)
 
 
+def transaction(reader: RespReader, queued: int) -> int:
+    """Read the replies of MULTI and of the ``queued`` commands it queued, up to the length of EXEC's array,
+    whose ``queued`` replies follow; an error queuing a command (the transaction then not run) raises."""
+    first: ResponseError | None = None
+    for _ in range(queued + 1):
+        reply = reader.reply()
+        if isinstance(reply, ResponseError) and first is None:
+            first = reply
+    if first is not None:
+        raise first
+    return reader.array_length()
+
+
 def _error(message: bytes) -> ResponseError:
     text = message.decode("utf-8", "replace")
     return NoScriptError(text) if text.startswith("NOSCRIPT") else ResponseError(text)

@@ -88,6 +88,10 @@ class DockKeys:
     def aside(self, column: str) -> str:
         return f"{self.base}aside:{column}"
 
+    def tail_aside(self, column: str) -> str:
+        """Where lua/bar.lua sets ``tail(column)`` aside, as ``aside`` is for the data hash."""
+        return f"{self.base}tailaside:{column}"
+
     @property
     def scratch(self) -> str:
         return self.base + "scratch"
@@ -115,6 +119,11 @@ class DockKeys:
 
     def data(self, column: str) -> str:
         return f"{self.base}data:{column}"
+
+    def tail(self, column: str) -> str:
+        """The rest of the rows of ``column`` whose head in ``data(column)`` was cut to fit the server
+        allocator's size classes (``data/fit.py``), under the same fields."""
+        return f"{self.base}tail:{column}"
 
     @property
     def replicated(self) -> str:
@@ -307,7 +316,7 @@ class DockKeys:
 
     def every_key(self, columns: Sequence[str], consumers: Sequence[str], age_buckets: int = 0) -> list[str]:
         """Every key the dock has (but reply keys, which expire by themselves): what ``delete`` removes."""
-        per_column = (self.data, self.ready, self.group_ready, self.lengths)
+        per_column = (self.data, self.tail, self.ready, self.group_ready, self.lengths)
         per_consumer = (self.consumed, self.group_taken, self.leases, self.tokens, self.redelivered, self.failures,
                         self.dead)
         keys = [kind(c) for kind in per_column for c in columns]
@@ -364,6 +373,9 @@ def key_layout() -> list[KeyRow]:
         KeyRow(k.data(column), "hash", "field = row index in decimal, value = one encoded row; in a group column "
                f"(meta `group_columns`) field = `{group_field(_Placeholder('G'))}` (G = group), value = the group's "
                "one encoded value, read by its n rows"),
+        KeyRow(k.tail(column), "hash", "field = row index, value = the rest of a row whose value in "
+               "td:{NAME}:data:COLUMN was cut to fit the server allocator's size classes (`data/fit.py`); no field "
+               "for a row stored whole, nor in a group column or a sharded dock"),
         KeyRow(k.ready(column), "bitmap", "bit i set when row i of COLUMN is written"),
         KeyRow(k.group_ready(column), "bitmap", "bit g set when all n rows of group g are written in COLUMN (kept by "
                "`put`)"),
@@ -403,6 +415,7 @@ def key_layout() -> list[KeyRow]:
         KeyRow(k.gate, "string", "a put's verdict (`put` to `bar`); exists only inside the put's MULTI/EXEC"),
         KeyRow(k.aside(column), "hash", "a data hash `bar` sets aside while a refused put's HSETs fail; exists "
                "only inside the put's MULTI/EXEC"),
+        KeyRow(k.tail_aside(column), "hash", "the same for td:{NAME}:tail:COLUMN"),
         KeyRow(k.scratch, "string", "work space of the `sample` script, deleted before it returns"),
         KeyRow(k.scratch2, "string", "more of it: the tiers of oldest-first sampling"),
         KeyRow(k.scratch3, "string", "more of it: the iteration's batch"),

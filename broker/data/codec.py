@@ -429,6 +429,35 @@ def _checked(data: Any, size: int, where: Any) -> tuple[torch.dtype, tuple[int, 
     return known
 
 
+def declared_length(data: bytes | bytearray | memoryview) -> int | None:
+    """The length of the whole row whose first bytes ``data`` are, as its prefix declares it (a tensor's
+    header and payload, a value's msgpack); None when those bytes declare nothing readable (too short,
+    another magic or version, a bad header): ``decode`` then says what is wrong. Reads only the prefix."""
+    if len(data) >= _PREFIX.size and data[2] == KIND_VERSION and data[3] == KIND_VALUE and data[:2] == MAGIC:
+        return 8 + int(_PREFIX.unpack_from(data, 0)[3])
+    layout = prefix_layout(data)
+    return None if layout is None else layout[3]
+
+
+def prefix_layout(data: bytes | bytearray | memoryview) -> tuple[int, torch.dtype, tuple[int, ...], int] | None:
+    """(payload offset, dtype, shape, whole length) that the prefix of a tensor row declares, whatever follows
+    it (a cut row's head: data/fit.py); None for a value or a prefix that is not readable. Checks the
+    prefix as ``decode`` does, and nothing of the payload."""
+    if len(data) < _PREFIX.size:
+        return None
+    magic, version, kind, header_len = _PREFIX.unpack_from(data, 0)
+    if magic != MAGIC or version not in (VERSION, KIND_VERSION) or (version == KIND_VERSION and kind != KIND_TENSOR):
+        return None
+    if 8 + header_len > len(data):
+        return None
+    header = bytes(data[8 : 8 + header_len])
+    try:
+        dtype, shape, start, expected = _DECODED_HEADERS.get(header) or _parse_header(header, "value")
+    except DecodeError:
+        return None
+    return start, dtype, shape, start + expected
+
+
 def tensor_layout(value: bytes, guess: int, where: str, field: str) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
     """(payload offset, dtype, shape) of one encoded tensor, after every check ``decode`` makes (a bool
     payload's bytes too), or None for a value (a row that is not a tensor; its msgpack is not read here).

@@ -25,10 +25,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import redis
 import torch
 
 from broker.connection.replies import RespReader
-from broker.data import codec
+from broker.data import codec, fit
 from broker.errors import DecodeError
 
 
@@ -130,65 +131,119 @@ def gathered(rows: Sequence[InBuffer]) -> torch.Tensor:
     return torch.stack([r.tensor[r.position] for r in rows])
 
 
-def receive_column(reader: RespReader, *, where: str, fields: Sequence[str]) -> torch.Tensor | list[bytes | None]:
+def receive_column(
+    reader: RespReader, *, where: str, fields: Sequence[str], tails: bool = False,
+) -> torch.Tensor | list[bytes | None]:
     """One HMGET reply read off the socket: rows that stack (one dtype and shape, a prefix ``decode``
     accepted before) received straight into one tensor allocated once, each row's payload into its
     slice; else (a nil, a row of another layout, a value, a row that fails a check) the values as
-    ``bytes``, as a Redis client gives them, for the usual decoding to judge. Reads the whole reply."""
+    ``bytes``, as a Redis client gives them, for the usual decoding to judge. Reads the whole reply.
+
+    With ``tails``, the HMGET of the data hash is followed by the HMGET of the same fields in the column's
+    tail hash (data/fit.py), and a row may come in two: its head into the start of its slice, its tail
+    into the rest. A head whose tail is missing, or of another length, makes the column ``bytes``."""
     count = reader.array_length()
     out: torch.Tensor | None = None
     target: memoryview | None = None
     size = 0
     prefix = b""
     values: list[bytes | None] | None = None  # once rows do not stack: every value as bytes
+    filled: list[int] = []  # payload bytes of each row received into ``out`` so far
     head = bytearray(_HEAD)
     for i in range(count):
         length = reader.bulk_length()
         if values is not None or length < 0:
             if values is None:
-                values = _as_values(out, prefix, i)
+                values = _as_values(out, prefix, i, filled)
             values.append(None if length < 0 else _rest(reader, b"", length))
             continue
-        if out is not None and length == len(prefix) + size:
+        whole = length == len(prefix) + size
+        if out is not None and (whole or (tails and len(prefix) < length < len(prefix) + size)):
             reader.exactly(memoryview(head)[: len(prefix)])
             if head[: len(prefix)] == prefix:  # the same prefix as row 0's, which decode's checks accepted
-                reader.exactly(target[i * size : (i + 1) * size])  # type: ignore[index]
+                got = length - len(prefix)
+                reader.exactly(target[i * size : i * size + got])  # type: ignore[index]
                 reader.crlf()
+                filled.append(got)
                 continue
-            values = _as_values(out, prefix, i)
+            values = _as_values(out, prefix, i, filled)
             values.append(_rest(reader, bytes(head[: len(prefix)]), length))
             continue
         value = _rest(reader, b"", length)
         if out is None and i == 0:
-            layout = _stacking_layout(value, where, fields[0])
+            layout = _stacking_layout(value, where, fields[0], tails)
             if layout is not None:
                 start, dtype, shape = layout
                 out = torch.empty((count, *shape), dtype=dtype)
-                size, prefix = length - start, value[:start]
+                size, prefix = out[0].nbytes, value[:start]
                 target = _bytes_of(out)
-                target[:size] = memoryview(value)[start:]
+                target[: length - start] = memoryview(value)[start:]
+                filled.append(length - start)
                 continue
-        values = _as_values(out, prefix, i)
+        values = _as_values(out, prefix, i, filled)
         values.append(value)
+    if tails:
+        values = _receive_tails(reader, count, out, prefix, size, filled, values)
     if values is not None:
         return values
     return out if out is not None else []
+
+
+def _receive_tails(
+    reader: RespReader, count: int, out: torch.Tensor | None, prefix: bytes, size: int, filled: list[int],
+    values: list[bytes | None] | None,
+) -> list[bytes | None] | None:
+    """The tails' HMGET reply (see ``receive_column``): each into the rest of its row's slice of ``out``
+    while rows stack; else as bytes joined to their heads in ``values``. Returns ``values`` (None: every
+    row is whole in ``out``)."""
+    if reader.array_length() != count:
+        raise redis.ConnectionError("protocol error: the tails' reply has another length than the heads'")
+    target = _bytes_of(out) if out is not None else None
+    rest: list[bytes | None] = [None] * count  # tails kept as bytes, once rows do not stack
+    for i in range(count):
+        length = reader.bulk_length()
+        if values is None and target is not None:
+            missing = size - filled[i]
+            if missing and length == missing:
+                reader.exactly(target[i * size + filled[i] : (i + 1) * size])
+                reader.crlf()
+                filled[i] = size
+                continue
+            if not missing:  # stored whole: a tail beside it is left from an older value of the row
+                if length >= 0:
+                    _rest(reader, b"", length)
+                continue
+            values = _as_values(out, prefix, count, filled)  # rows before i are whole in it
+        if length >= 0:
+            rest[i] = _rest(reader, b"", length)
+    if values is None:
+        return None
+    return fit.joined(values, rest)
 
 
 #: Bytes read ahead of a row's payload: its prefix (magic, header, padding), 32 for most tensors.
 _HEAD = 256
 
 
-def _stacking_layout(value: bytes, where: str, field: str) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+def _stacking_layout(
+    value: bytes, where: str, field: str, head: bool = False,
+) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
     """(payload offset, dtype, shape) of a row whose like can be received straight into a tensor: a tensor
-    ``decode`` accepts, not empty, not bool (a bool payload is checked byte by byte); else None."""
+    ``decode`` accepts, not empty, not bool (a bool payload is checked byte by byte); else None. With
+    ``head``, ``value`` may also be a cut row's head (data/fit.py), whose prefix alone is checked here:
+    its payload is checked whole once its tail is in."""
+    if head:
+        layout = codec.prefix_layout(value)
+        if layout is not None and len(value) < layout[3]:
+            start, dtype, shape, whole = layout
+            return None if dtype is torch.bool or start > _HEAD or start == whole else (start, dtype, shape)
     try:
-        layout = codec.tensor_layout(value, 32, where, field)
+        found = codec.tensor_layout(value, 32, where, field)
     except DecodeError:
         return None  # the usual decoding names it
-    if layout is None or layout[1] is torch.bool or len(value) == layout[0] or layout[0] > _HEAD:
+    if found is None or found[1] is torch.bool or len(value) == found[0] or found[0] > _HEAD:
         return None
-    return layout
+    return found
 
 
 def _rest(reader: RespReader, head: bytes, length: int) -> bytes:
@@ -200,13 +255,13 @@ def _rest(reader: RespReader, head: bytes, length: int) -> bytes:
     return bytes(out)
 
 
-def _as_values(out: torch.Tensor | None, prefix: bytes, count: int) -> list[bytes | None]:
-    """The first ``count`` rows received into ``out``, as the bytes they were sent as."""
+def _as_values(out: torch.Tensor | None, prefix: bytes, count: int, filled: Sequence[int]) -> list[bytes | None]:
+    """The first ``count`` rows received into ``out`` (``filled`` bytes of each), as the bytes they were sent as."""
     if out is None or not count:
         return []
     raw = _bytes_of(out)
     size = raw.nbytes // len(out)
-    return [prefix + bytes(raw[i * size : (i + 1) * size]) for i in range(count)]
+    return [prefix + bytes(raw[i * size : i * size + filled[i]]) for i in range(count)]
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

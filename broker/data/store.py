@@ -70,7 +70,7 @@ from redis.cluster import RedisCluster
 from broker.connection import Client, fanout, frames
 from broker.connection.deadlines import in_thread
 from broker.connection.replication import Replication
-from broker.connection.replies import RespReader, exchange
+from broker.connection.replies import RespReader, exchange, transaction
 from broker.control.keys import DockKeys, shard_pattern, shard_tag
 from broker.control.scripts import (
     DockScripts,
@@ -82,7 +82,7 @@ from broker.control.scripts import (
     run_pipeline,
     runs_of,
 )
-from broker.data import groups, stacking
+from broker.data import fit, groups, stacking
 from broker.data.requests import Encoded, PutRequest
 from broker.data.slices import slices
 from broker.errors import BrokerError, DecodeError, FencedError
@@ -144,6 +144,13 @@ class SlotStore:
         #: Whether reads may receive rows straight into tensors (connection/replies.py): one server, and
         #: connections opened by broker.connection.
         self._receives = isinstance(client, redis.Redis) and frames(client)
+        #: Whether a put cuts rows to the server allocator's size classes (data/fit.py): on connections
+        #: opened by broker.connection, which send both halves from the rows' own memory. fakeredis
+        #: stores every row whole.
+        self._cuts = frames(client)
+        #: Columns known to hold cut rows (cut by a put here, or a head seen in a read): their reads fetch
+        #: heads and tails in one transaction. Only ever grows; a set's add is atomic under the GIL.
+        self._cut: set[str] = set()
 
     def _hmgets(self, pipe: Pipeline, columns: Sequence[str], rows: Sequence[int]) -> list[list[int] | None]:
         """Queue one HMGET per column; per column, the positions to expand a group column's reply by."""
@@ -221,16 +228,18 @@ class SlotStore:
     ) -> None:
         """The slices ``todo`` back to back on one connection: one pipeline of MULTI ... EXEC per slice."""
         for attempt in range(2):
-            def build(pipe: Pipeline, todo: list[int] = todo) -> None:
+            sizes: dict[int, int] = {}
+
+            def build(pipe: Pipeline, todo: list[int] = todo, sizes: dict[int, int] = sizes) -> None:
                 for i in todo:
                     pipe.execute_command("MULTI")
-                    self._queue(pipe, parts[i], request_ids[i])
+                    sizes[i] = self._queue(pipe, parts[i], request_ids[i])
                     pipe.execute_command("EXEC")
 
             replies = run_pipeline(self._client, self._scripts.load_all, build, transaction=False)
             lost: list[int] = []
             for i in todo:  # per slice: MULTI's OK, a QUEUED per command, EXEC's array
-                size = len(parts[i].encoded) + 3
+                size = sizes[i]
                 queued, replies = replies[: size + 2], replies[size + 2 :]
                 executed = queued[-1]
                 if isinstance(executed, Exception) or not isinstance(executed, list):
@@ -248,79 +257,141 @@ class SlotStore:
     def _put_one(self, put: PutRequest, request_id: str) -> BaseException | None:
         """``put`` as one MULTI (``request_id`` the same in the client's resends of it); its error, if it did
         not land (see ``_outcome``)."""
-        return _outcome(run_pipeline(self._client, self._scripts.load_all,
-                                     lambda pipe: self._queue(pipe, put, request_id), transaction=True))
+        def build(pipe: Pipeline) -> None:
+            self._queue(pipe, put, request_id)
 
-    def _queue(self, pipe: Pipeline, put: PutRequest, request_id: str) -> None:
-        """Queue one put on one slot: put.lua, bar.lua, the HSETs, unbar.lua (see lua/put.lua)."""
+        return _outcome(run_pipeline(self._client, self._scripts.load_all, build, transaction=True))
+
+    def _queue(self, pipe: Pipeline, put: PutRequest, request_id: str) -> int:
+        """Queue one put on one slot: put.lua, bar.lua, the HSETs, unbar.lua (see lua/put.lua); returns how
+        many commands. A column's rows cut to the allocator's size classes (data/fit.py) are two HSETs, of
+        the heads and of the tails, in the same MULTI: a reader never finds one without the other."""
         columns = list(put.encoded)
         self._scripts.put(pipe, columns, put.runs, put.lengths, put.finish, request_id, put.fence, put.ack)
+        queued = 3
         for col, mapping in put.encoded.items():
-            pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
+            heads, tails = fit.cut_rows(mapping) if self._cuts and col not in self._groups else (mapping, {})
+            pipe.hset(self._keys.data(col), mapping=heads)  # type: ignore[arg-type]  # str keys are fine
+            queued += 1
+            if tails:
+                self._cut.add(col)
+                pipe.hset(self._keys.tail(col), mapping=tails)  # type: ignore[arg-type]
+                queued += 1
         self._scripts.unbar(pipe, columns)
+        return queued
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         # One round trip: the HMGETs, then the fence script in the same pipeline, after them (see
         # DockScripts.fence and lua/include/generations.lua). A group's field is deleted only by a clear
         # that forgot each ready row of the group (lua/include/forget.lua), so the fence vouches for it too.
-        expansions: list[list[int] | None] = []
+        return self._fetch(columns, rows, handout)
 
-        def reads(pipe: Pipeline) -> None:
-            expansions[:] = self._hmgets(pipe, columns, rows)
-            self._scripts.fence(pipe, handout.runs)  # after the HMGETs: it vouches for what they read
+    def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
+        got = self._fetch(columns, rows, None)
+        assert got is not None  # no fence to fail
+        return got
 
-        *values, fence = read_pipeline(self._client, self._scripts.load_all, reads)
-        if not self._scripts.fence_holds(fence, handout):
-            return None
-        return [v if at is None else groups.expand(v, at) for v, at in zip(values, expansions)]
+    def _fetch(
+        self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
+    ) -> list[list[bytes | None]] | None:
+        """``read`` (with ``handout``) or ``read_now``. The HMGETs of the tails of columns known to hold cut
+        rows go with the heads' in one MULTI (data/fit.py: a put rewriting a row between two HMGETs would
+        join one put's head to another's tail). A head found in another column teaches the store that it
+        holds cut rows, and the read is made again, with its tails: once per column and process."""
+        fields = [str(r) for r in rows]
+        shared = [c for c in columns if c in self._groups] if handout is None else []
+        while True:
+            tails = [c for c in columns if c in self._cut]
+            expansions: list[list[int] | None] = []
+
+            def reads(pipe: Pipeline, tails: list[str] = tails, expansions: list[Any] = expansions) -> None:
+                expansions[:] = self._hmgets(pipe, columns, rows)
+                for col in tails:
+                    pipe.hmget(self._keys.tail(col), fields)
+                if handout is not None:
+                    self._scripts.fence(pipe, handout.runs)  # after the HMGETs: it vouches for what they read
+                for col in shared:  # a row not ready has no value, though its group's field may be there for others
+                    bits = (x for r in rows for x in ("GET", "u1", r))
+                    pipe.execute_command("BITFIELD", self._keys.ready(col), *bits)
+
+            replies = read_pipeline(self._client, self._scripts.load_all, reads, transaction=bool(tails))
+            values, rest = replies[: len(columns)], replies[len(columns) :]
+            tail_values, rest = dict(zip(tails, rest[: len(tails)])), rest[len(tails) :]
+            if handout is not None:
+                if not self._scripts.fence_holds(rest[0], handout):
+                    return None
+                rest = rest[1:]
+            if self._learned(columns, values, tails):
+                continue
+            ready = dict(zip(shared, rest))
+            out: list[list[bytes | None]] = []
+            for col, v, at in zip(columns, values, expansions):
+                if col in tail_values:
+                    v = fit.joined(v, tail_values[col])
+                elif at is not None:
+                    v = groups.expand(v, at)
+                    if handout is None:
+                        v = [b if bit else None for b, bit in zip(v, ready[col])]
+                out.append(v)
+            return out
+
+    def _learned(self, columns: Sequence[str], values: Sequence[Any], tails: Sequence[str]) -> bool:
+        """Whether the values read of ``columns`` (bytes, or tensors received whole) hold a head whose tail
+        was not asked for: the column is then known to hold cut rows (and the caller reads again)."""
+        found = [c for c, v in zip(columns, values)
+                 if c not in tails and c not in self._groups and isinstance(v, list) and fit.any_heads(v)]
+        self._cut.update(found)
+        return bool(found)
 
     def received(
         self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
     ) -> list[torch.Tensor | list[bytes | None]] | None:
         """As ``read`` (with ``handout``) or ``read_now`` (without), but each column whose rows stack comes as
-        one tensor, received straight off the socket into it (``stacking.receive_column``); the rest as
-        ``bytes``. On a client that cannot (not opened here) or for a group column, the same as those."""
+        one tensor, received straight off the socket into it (``stacking.receive_column``, a cut row's head
+        and tail each into its part of the row); the rest as ``bytes``. On a client that cannot (not opened
+        here) or for a group column, the same as those."""
         if not self._receives or any(c in self._groups for c in columns):
             return self._read_either(columns, rows, handout)
         fields = [str(r) for r in rows]
-        commands: list[tuple[Any, ...]] = [("HMGET", self._keys.data(col), *fields) for col in columns]
-        if handout is not None:
-            commands.append(self._scripts.fence_command(handout.runs))  # after the HMGETs: it vouches for them
-
-        def read(reader: RespReader) -> tuple[list[torch.Tensor | list[bytes | None]], Any]:
-            values = [stacking.receive_column(reader, where=self._keys.data(col), fields=fields) for col in columns]
-            return values, reader.reply() if handout is not None else None
-
         assert isinstance(self._client, redis.Redis)  # _receives
-        values, fence = exchange(self._client, commands, read)
-        if handout is None:
-            return values
-        if isinstance(fence, redis.exceptions.NoScriptError):  # the server lost the scripts: the usual path
-            self._scripts.load_all(self._client)
-            return self._read_either(columns, rows, handout)
-        if isinstance(fence, Exception):
-            raise fence
-        return values if self._scripts.fence_holds(fence, handout) else None
+        while True:
+            tails = {c for c in columns if c in self._cut}
+            commands: list[tuple[Any, ...]] = []
+            for col in columns:
+                commands.append(("HMGET", self._keys.data(col), *fields))
+                if col in tails:
+                    commands.append(("HMGET", self._keys.tail(col), *fields))
+            if tails:  # heads and tails in one transaction, as in _fetch
+                commands = [("MULTI",), *commands, ("EXEC",)]
+            if handout is not None:
+                commands.append(self._scripts.fence_command(handout.runs))  # after the HMGETs: it vouches for them
+
+            def read(
+                reader: RespReader, tails: set[str] = tails, queued: int = len(commands),
+            ) -> tuple[list[torch.Tensor | list[bytes | None]], Any]:
+                if tails:
+                    transaction(reader, queued - 2 - (handout is not None))
+                values = [stacking.receive_column(reader, where=self._keys.data(col), fields=fields, tails=col in tails)
+                          for col in columns]
+                return values, reader.reply() if handout is not None else None
+
+            values, fence = exchange(self._client, commands, read)
+            if handout is not None:
+                if isinstance(fence, redis.exceptions.NoScriptError):  # the server lost the scripts: the usual path
+                    self._scripts.load_all(self._client)
+                    return self._read_either(columns, rows, handout)
+                if isinstance(fence, Exception):
+                    raise fence
+                if not self._scripts.fence_holds(fence, handout):
+                    return None
+            if not self._learned(columns, values, list(tails)):
+                return values
 
     def _read_either(
         self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
     ) -> list[torch.Tensor | list[bytes | None]] | None:
         got = self.read(columns, rows, handout) if handout is not None else self.read_now(columns, rows)
         return None if got is None else list(got)
-
-    def read_now(self, columns: Sequence[str], rows: Sequence[int]) -> list[list[bytes | None]]:
-        expansions: list[list[int] | None] = []
-        shared = [c for c in columns if c in self._groups]
-
-        def reads(pipe: Pipeline) -> None:
-            expansions[:] = self._hmgets(pipe, columns, rows)
-            for col in shared:  # a row not ready has no value, though its group's field may be there for others
-                pipe.execute_command("BITFIELD", self._keys.ready(col), *(x for r in rows for x in ("GET", "u1", r)))
-
-        replies = read_pipeline(self._client, self._scripts.load_all, reads)
-        values, ready = replies[: len(columns)], dict(zip(shared, replies[len(columns):]))
-        return [v if at is None else [b if bit else None for b, bit in zip(groups.expand(v, at), ready[col])]
-                for col, v, at in zip(columns, values, expansions)]
 
     def forget(self, forgot: Forgot, *, whole: bool = False) -> tuple[int, list[str]]:
         return forgot.value, []

@@ -5,8 +5,8 @@ Both scripts take the dock's keys in one layout, which `forget_layout` reads fro
 KEYS[1]           td:{NAME}:meta
 KEYS[2]           td:{NAME}:epoch                bumped by a whole clear
 KEYS[3]           td:{NAME}:gen                  bumped for each row forgotten
-then k keys of each kind, for every column: td:{NAME}:data:COLUMN, td:{NAME}:ready:COLUMN,
-                  td:{NAME}:gready:COLUMN
+then k keys of each kind, for every column: td:{NAME}:data:COLUMN, td:{NAME}:tail:COLUMN (the tails of
+                  its cut rows, broker/data/fit.py), td:{NAME}:ready:COLUMN, td:{NAME}:gready:COLUMN
 then m keys of each kind, for every consumer: td:{NAME}:consumed:CONSUMER, td:{NAME}:gtaken:CONSUMER,
                   td:{NAME}:leases:CONSUMER, td:{NAME}:tokens:CONSUMER, td:{NAME}:redelivered:CONSUMER,
                   td:{NAME}:failures:CONSUMER, td:{NAME}:dead:CONSUMER
@@ -52,11 +52,12 @@ local function forget_layout()
   local k, m, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
   local nlen, nages = tonumber(ARGV[5]), tonumber(ARGV[6])
   local L = {k = k, m = m, n = n, nlen = nlen, nages = nages}
-  L.data, L.ready, L.gready = 3, 3 + k, 3 + 2 * k           -- KEYS[L.data + c] is column c's data hash
-  L.consumed, L.gtaken = 3 + 3 * k, 3 + 3 * k + m
-  L.leases, L.tokens, L.redelivered = 3 + 3 * k + 2 * m, 3 + 3 * k + 3 * m, 3 + 3 * k + 4 * m
-  L.failures, L.dead = 3 + 3 * k + 5 * m, 3 + 3 * k + 6 * m
-  L.lengths = 3 + 3 * k + 7 * m                             -- KEYS[L.lengths + j]: j-th length array
+  L.data, L.tail = 3, 3 + k                                 -- KEYS[L.data + c] is column c's data hash
+  L.ready, L.gready = 3 + 2 * k, 3 + 3 * k
+  L.consumed, L.gtaken = 3 + 4 * k, 3 + 4 * k + m
+  L.leases, L.tokens, L.redelivered = 3 + 4 * k + 2 * m, 3 + 4 * k + 3 * m, 3 + 4 * k + 4 * m
+  L.failures, L.dead = 3 + 4 * k + 5 * m, 3 + 4 * k + 6 * m
+  L.lengths = 3 + 4 * k + 7 * m                             -- KEYS[L.lengths + j]: j-th length array
   L.cursor, L.metrics, L.discarded = L.lengths + nlen + 1, L.lengths + nlen + 2, L.lengths + nlen + 3
   L.finished, L.gfinished, L.rfinished = L.discarded + 1, L.discarded + 2, L.discarded + 3
   L.grolled, L.claimed, L.gversions = L.discarded + 4, L.discarded + 5, L.discarded + 6
@@ -94,7 +95,7 @@ end
 
 -- A CORRUPT message for the first key of the layout holding the wrong type, or nil.
 local function forget_wrong_type(L)
-  return wrong_type(2, 3, 'string') or wrong_type(L.data + 1, L.data + L.k, 'hash')
+  return wrong_type(2, 3, 'string') or wrong_type(L.data + 1, L.tail + L.k, 'hash')
     or wrong_type(L.ready + 1, L.gtaken + L.m, 'string') or wrong_type(L.leases + 1, L.leases + L.m, 'zset')
     or wrong_type(L.tokens + 1, L.tokens + L.m, 'hash') or wrong_type(L.redelivered + 1, L.redelivered + L.m, 'string')
     or wrong_type(L.failures + 1, L.dead + L.m, 'hash') or wrong_type(L.lengths + 1, L.lengths + L.nlen, 'string')
@@ -128,7 +129,10 @@ local function forget_rows(L, rows, keep, keep_age)
   bump_generations(KEYS[3], rows)
   for c = 1, L.k do
     if not keep[c] then
-      if not L.group[c] then cells = cells + call_in_chunks('HDEL', KEYS[L.data + c], fields) end
+      if not L.group[c] then
+        cells = cells + call_in_chunks('HDEL', KEYS[L.data + c], fields)
+        call_in_chunks('HDEL', KEYS[L.tail + c], fields)   -- a cut row's tail; not a cell of its own
+      end
       set_bits(KEYS[L.ready + c], rows, 0)
       set_bits(KEYS[L.gready + c], groups, 0)   -- a group missing a row is no longer complete
       if L.group[c] then cells = cells + forget_group_fields(L, c, groups) end   -- after the ready bits

