@@ -458,11 +458,14 @@ def prefix_layout(data: bytes | bytearray | memoryview) -> tuple[int, torch.dtyp
     return start, dtype, shape, start + expected
 
 
-def tensor_layout(value: bytes, guess: int, where: str, field: str) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+def tensor_layout(
+    value: bytes | bytearray, guess: int, where: str, field: str,
+) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
     """(payload offset, dtype, shape) of one encoded tensor, after every check ``decode`` makes (a bool
     payload's bytes too), or None for a value (a row that is not a tensor; its msgpack is not read here).
     ``guess`` is the prefix length to look up among the prefixes already accepted (the last row's)."""
-    hit = _DECODED_PREFIXES.get(value[:guess])
+    key = value[:guess]
+    hit = _DECODED_PREFIXES.get(key if type(key) is bytes else bytes(key))
     if hit is not None and len(value) == hit[0]:
         return guess, hit[1], hit[2]
     checked = _checked(value, len(value), _Place(where, field))
@@ -495,7 +498,7 @@ def _encoded_prefix(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
     return prefix
 
 
-def _remember_prefix(value: bytes) -> int:
+def _remember_prefix(value: bytes | bytearray) -> int:
     """Cache the prefix of a value ``decode`` just accepted; returns the prefix's length."""
     header = bytes(value[8 : 8 + _PREFIX.unpack_from(value, 0)[3]])
     # Another thread may have emptied the cache since decode filled it.

@@ -90,7 +90,7 @@ def cut_rows(rows: Mapping[str, Value]) -> tuple[dict[str, Value], dict[str, Val
     return heads, tails
 
 
-def is_head(value: bytes | None) -> bool:
+def is_head(value: bytes | bytearray | None) -> bool:
     """Whether ``value`` is the head of a cut row: shorter than its prefix says the row is."""
     if value is None or len(value) < _MIN_HEAD:
         return False
@@ -98,12 +98,14 @@ def is_head(value: bytes | None) -> bool:
     return whole is not None and whole > len(value)
 
 
-def any_heads(values: Sequence[bytes | None]) -> bool:
+def any_heads(values: Sequence[bytes | bytearray | None]) -> bool:
     """Whether any of a column's values read from its data hash is a head."""
     return any(is_head(v) for v in values)
 
 
-def joined(heads: Sequence[bytes | None], tails: Sequence[bytes | None]) -> list[bytes | None]:
+def joined(
+    heads: Sequence[bytes | bytearray | None], tails: Sequence[bytes | bytearray | None],
+) -> list[bytes | bytearray | None]:
     """Each row whole: a head followed by its tail; a value stored whole as it is (a tail beside it is
     left from an older value of the row). A head without a tail stays short, for decoding to name."""
     return [head + tail if tail is not None and is_head(head) else head  # type: ignore[operator]

@@ -36,7 +36,7 @@ from broker.errors import DecodeError
 class Checked(NamedTuple):
     """One row checked for stacking: its bytes, where its payload starts, its dtype and shape."""
 
-    value: bytes
+    value: bytes | bytearray
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -46,7 +46,7 @@ def checked_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) ->
     """Every value checked as ``decode`` would (DecodeError naming the first bad one), as rows that stack
     (see the module docstring); None if they do not, which does not say they are readable: decode those
     with ``codec.decode_rows``, which checks them all (a value row, for one, is not read here)."""
-    if not values or not all(type(v) is bytes for v in values):
+    if not values or not all(type(v) is bytes or type(v) is bytearray for v in values):
         return None
     out: list[Checked] = []
     guess = 32  # the prefix length of the last row; the common one for 1-d tensors
@@ -133,7 +133,7 @@ def gathered(rows: Sequence[InBuffer]) -> torch.Tensor:
 
 def receive_column(
     reader: RespReader, *, where: str, fields: Sequence[str], tails: bool = False,
-) -> torch.Tensor | list[bytes | None]:
+) -> torch.Tensor | list[bytes | bytearray | None]:
     """One HMGET reply read off the socket: rows that stack (one dtype and shape, a prefix ``decode``
     accepted before) received straight into one tensor allocated once, each row's payload into its
     slice; else (a nil, a row of another layout, a value, a row that fails a check) the values as
@@ -147,15 +147,25 @@ def receive_column(
     target: memoryview | None = None
     size = 0
     prefix = b""
-    values: list[bytes | None] | None = None  # once rows do not stack: every value as bytes
+    values: list[bytes | bytearray | None] | None = None  # once rows do not stack: every value as bytes
     filled: list[int] = []  # payload bytes of each row received into ``out`` so far
+    short: dict[int, int] = {}  # row -> bytes of its head, of the values sized for their tails (``tails``)
     head = bytearray(_HEAD)
     for i in range(count):
         length = reader.bulk_length()
         if values is not None or length < 0:
             if values is None:
                 values = _as_values(out, prefix, i, filled)
-            values.append(None if length < 0 else _rest(reader, b"", length))
+            if length < 0:
+                values.append(None)
+            elif tails:  # a cut head is received into a buffer with room for its tail, which follows into it
+                first = _first(reader, length)
+                whole = codec.declared_length(first) or 0
+                values.append(_rest(reader, first, length, whole))
+                if whole > length:
+                    short[i] = length
+            else:
+                values.append(_rest(reader, b"", length))
             continue
         whole = length == len(prefix) + size
         if out is not None and (whole or (tails and len(prefix) < length < len(prefix) + size)):
@@ -169,13 +179,13 @@ def receive_column(
             values = _as_values(out, prefix, i, filled)
             values.append(_rest(reader, bytes(head[: len(prefix)]), length))
             continue
-        value = _rest(reader, b"", length)
+        value: bytes | bytearray = _rest(reader, b"", length)
         if out is None and i == 0:
             layout = _stacking_layout(value, where, fields[0], tails)
             if layout is not None:
                 start, dtype, shape = layout
                 out = torch.empty((count, *shape), dtype=dtype)
-                size, prefix = out[0].nbytes, value[:start]
+                size, prefix = out[0].nbytes, bytes(value[:start])
                 target = _bytes_of(out)
                 target[: length - start] = memoryview(value)[start:]
                 filled.append(length - start)
@@ -183,7 +193,7 @@ def receive_column(
         values = _as_values(out, prefix, i, filled)
         values.append(value)
     if tails:
-        values = _receive_tails(reader, count, out, prefix, size, filled, values)
+        values = _receive_tails(reader, count, out, prefix, size, filled, values, short)
     if values is not None:
         return values
     return out if out is not None else []
@@ -191,15 +201,17 @@ def receive_column(
 
 def _receive_tails(
     reader: RespReader, count: int, out: torch.Tensor | None, prefix: bytes, size: int, filled: list[int],
-    values: list[bytes | None] | None,
-) -> list[bytes | None] | None:
-    """The tails' HMGET reply (see ``receive_column``): each into the rest of its row's slice of ``out``
-    while rows stack; else as bytes joined to their heads in ``values``. Returns ``values`` (None: every
-    row is whole in ``out``)."""
+    values: list[bytes | bytearray | None] | None, short: dict[int, int],
+) -> list[bytes | bytearray | None] | None:
+    """The tails' HMGET reply (see ``receive_column``): each into the rest of its row, in its slice of
+    ``out`` while rows stack, else in the buffer its head was received into with room for it (``short``:
+    row -> head's length), else joined to its head. Returns ``values`` (None: every row is whole in ``out``).
+    A tail of another length than its head lacks is not the row's: the head stays short, for decoding to
+    name; a tail beside a row stored whole is left from an older value of the row, and skipped."""
     if reader.array_length() != count:
         raise redis.ConnectionError("protocol error: the tails' reply has another length than the heads'")
     target = _bytes_of(out) if out is not None else None
-    rest: list[bytes | None] = [None] * count  # tails kept as bytes, once rows do not stack
+    rest: list[bytes | bytearray | None] = [None] * count  # tails to join to heads received before them
     for i in range(count):
         length = reader.bulk_length()
         if values is None and target is not None:
@@ -209,11 +221,19 @@ def _receive_tails(
                 reader.crlf()
                 filled[i] = size
                 continue
-            if not missing:  # stored whole: a tail beside it is left from an older value of the row
+            if not missing:
                 if length >= 0:
                     _rest(reader, b"", length)
                 continue
             values = _as_values(out, prefix, count, filled)  # rows before i are whole in it
+        if i in short:
+            row = values[i]  # type: ignore[index]
+            assert isinstance(row, bytearray)
+            if length == len(row) - short[i]:
+                reader.exactly(memoryview(row)[short[i] :])
+                reader.crlf()
+                continue
+            del row[short[i] :]  # not its tail: the head alone, as stored
         if length >= 0:
             rest[i] = _rest(reader, b"", length)
     if values is None:
@@ -226,7 +246,7 @@ _HEAD = 256
 
 
 def _stacking_layout(
-    value: bytes, where: str, field: str, head: bool = False,
+    value: bytes | bytearray, where: str, field: str, head: bool = False,
 ) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
     """(payload offset, dtype, shape) of a row whose like can be received straight into a tensor: a tensor
     ``decode`` accepts, not empty, not bool (a bool payload is checked byte by byte); else None. With
@@ -246,16 +266,27 @@ def _stacking_layout(
     return found
 
 
-def _rest(reader: RespReader, head: bytes, length: int) -> bytes:
-    """A bulk string of ``length`` bytes whose first ``head`` bytes were read already, then its CRLF."""
-    out = bytearray(length)
+def _first(reader: RespReader, length: int) -> bytearray:
+    """The first bytes of a bulk string of ``length`` bytes: enough for a row's prefix (``_HEAD``)."""
+    first = bytearray(min(length, _HEAD))
+    reader.exactly(memoryview(first))
+    return first
+
+
+def _rest(reader: RespReader, head: bytes | bytearray, length: int, room: int = 0) -> bytearray:
+    """A bulk string of ``length`` bytes whose first ``head`` bytes were read already, then its CRLF; in a
+    buffer of ``room`` bytes where that is more (the rest left for a cut row's tail). A bytearray: the
+    decoding reads it as it would bytes, and a copy to bytes cost as much as receiving it."""
+    out = bytearray(max(length, room))
     out[: len(head)] = head
-    reader.exactly(memoryview(out)[len(head) :])
+    reader.exactly(memoryview(out)[len(head) : length])
     reader.crlf()
-    return bytes(out)
+    return out
 
 
-def _as_values(out: torch.Tensor | None, prefix: bytes, count: int, filled: Sequence[int]) -> list[bytes | None]:
+def _as_values(
+    out: torch.Tensor | None, prefix: bytes, count: int, filled: Sequence[int],
+) -> list[bytes | bytearray | None]:
     """The first ``count`` rows received into ``out`` (``filled`` bytes of each), as the bytes they were sent as."""
     if out is None or not count:
         return []

@@ -117,7 +117,7 @@ class DataStore(Protocol):
 
     def received(
         self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
-    ) -> list[torch.Tensor | list[bytes | None]] | None:
+    ) -> list[torch.Tensor | Sequence[bytes | bytearray | None]] | None:
         """As ``read`` (with ``handout``) or ``read_now``, a column whose rows stack as one tensor where the
         store can receive them straight into it (see ``SlotStore.received``)."""
 
@@ -345,7 +345,7 @@ class SlotStore:
 
     def received(
         self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
-    ) -> list[torch.Tensor | list[bytes | None]] | None:
+    ) -> list[torch.Tensor | Sequence[bytes | bytearray | None]] | None:
         """As ``read`` (with ``handout``) or ``read_now`` (without), but each column whose rows stack comes as
         one tensor, received straight off the socket into it (``stacking.receive_column``, a cut row's head
         and tail each into its part of the row); the rest as ``bytes``. On a client that cannot (not opened
@@ -368,11 +368,12 @@ class SlotStore:
 
             def read(
                 reader: RespReader, tails: set[str] = tails, queued: int = len(commands),
-            ) -> tuple[list[torch.Tensor | list[bytes | None]], Any]:
+            ) -> tuple[list[torch.Tensor | Sequence[bytes | bytearray | None]], Any]:
                 if tails:
                     transaction(reader, queued - 2 - (handout is not None))
-                values = [stacking.receive_column(reader, where=self._keys.data(col), fields=fields, tails=col in tails)
-                          for col in columns]
+                values: list[torch.Tensor | Sequence[bytes | bytearray | None]] = [
+                    stacking.receive_column(reader, where=self._keys.data(col), fields=fields, tails=col in tails)
+                    for col in columns]
                 return values, reader.reply() if handout is not None else None
 
             values, fence = exchange(self._client, commands, read)
@@ -389,7 +390,7 @@ class SlotStore:
 
     def _read_either(
         self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
-    ) -> list[torch.Tensor | list[bytes | None]] | None:
+    ) -> list[torch.Tensor | Sequence[bytes | bytearray | None]] | None:
         got = self.read(columns, rows, handout) if handout is not None else self.read_now(columns, rows)
         return None if got is None else list(got)
 
@@ -524,7 +525,7 @@ class ShardedStore:
 
     def received(
         self, columns: Sequence[str], rows: Sequence[int], handout: Handout | None,
-    ) -> list[torch.Tensor | list[bytes | None]] | None:
+    ) -> list[torch.Tensor | Sequence[bytes | bytearray | None]] | None:
         got = self.read(columns, rows, handout) if handout is not None else self.read_now(columns, rows)
         return None if got is None else list(got)  # bytes: the shards' replies come through fanout
 
