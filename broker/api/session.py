@@ -78,6 +78,10 @@ class DockSession:
                 self.client, self.keys, self.server, wait_replicas=self.durability[0],
                 allow_volatile=self.allow_volatile))
         self.scripts = DockScripts(self.client, self.keys, allow_oom=found.script_flags, publish=found.publish)
+        #: Whether puts cut rows to the allocator's size classes (data/fit.py): where they are sent uncopied,
+        #: and unless the server says it allocates otherwise than jemalloc (Redis's default on Linux), whose
+        #: classes they fit. On the C allocator a cut row only costs its tail.
+        self.cuts = self.frames and found.allocator.split("-")[0] in ("", "jemalloc")
         self.listener = PutListener(self.client, self.keys.events, sharded=found.publish == "SPUBLISH")
         self.seed = seed
         self.seeds = Seeds(seed)
@@ -139,7 +143,7 @@ class DockSession:
                          schema.n_samples_per_prompt, self.replication)
             if schema.shards
             else SlotStore(self.client, self.keys, self.scripts, schema.columns, schema.group_columns,
-                           schema.n_samples_per_prompt)
+                           schema.n_samples_per_prompt, cuts=self.cuts)
         )
 
     def stored(self) -> tuple[Schema, str]:

@@ -54,6 +54,7 @@ log = logging.getLogger("broker")
 VOLATILE_POLICIES = frozenset({"volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl"})
 
 _INFO_POLICY = re.compile(r"^maxmemory_policy:(\S+)", re.MULTILINE)
+_INFO_ALLOCATOR = re.compile(r"^mem_allocator:(\S+)", re.MULTILINE)
 
 _RETURN_1 = "return 1"
 _RETURN_1_SHA = hashlib.sha1(_RETURN_1.encode()).hexdigest()
@@ -80,6 +81,8 @@ class ServerFacts:
     #: How puts announce themselves: PUBLISH, or on a Redis 7 cluster SPUBLISH, which stays on the shard of
     #: the dock's slot instead of being broadcast to every node (see put_listener.py).
     publish: str
+    #: The server's allocator as INFO memory names it (``jemalloc-5.3.0``, ``libc``), "" if not told.
+    allocator: str = ""
 
 
 def check_server(
@@ -118,7 +121,7 @@ def check_server(
         publish = "PUBLISH"  # Redis 6.2: not tried here; the scripts ignore a refusal all the same
     elif isinstance(published, Exception):
         _tell_publish_refused(server, where, keys, publish, published)
-    return ServerFacts(script_flags, publish)
+    return ServerFacts(script_flags, publish, _allocator(info))
 
 
 def _probe(pipe: Pipeline, keys: DockKeys, publish: str, wait_replicas: int) -> None:
@@ -211,6 +214,12 @@ def _policy(config: Any, info: Any) -> str | None:
         if found:
             return found.group(1)
     return None
+
+
+def _allocator(info: Any) -> str:
+    """The allocator INFO memory names, "" if it was refused or names none."""
+    found = _INFO_ALLOCATOR.search(_text(info)) if isinstance(info, (bytes, str)) else None
+    return found.group(1) if found else ""
 
 
 def _on_dock_node(client: Client, key: str, build: Callable[[Pipeline], None]) -> tuple[list[Any], str]:

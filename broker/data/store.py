@@ -137,17 +137,17 @@ class SlotStore:
 
     def __init__(
         self, client: Client, keys: DockKeys, scripts: DockScripts, columns: Sequence[str],
-        group_columns: Sequence[str] = (), n_samples_per_prompt: int = 1,
+        group_columns: Sequence[str] = (), n_samples_per_prompt: int = 1, cuts: bool = True,
     ):
         self._client, self._keys, self._scripts, self._columns = client, keys, scripts, tuple(columns)
         self._groups, self._n = frozenset(group_columns), n_samples_per_prompt
         #: Whether reads may receive rows straight into tensors (connection/replies.py): one server, and
         #: connections opened by broker.connection.
         self._receives = isinstance(client, redis.Redis) and frames(client)
-        #: Whether a put cuts rows to the server allocator's size classes (data/fit.py): on connections
-        #: opened by broker.connection, which send both halves from the rows' own memory. fakeredis
-        #: stores every row whole.
-        self._cuts = frames(client)
+        #: Whether a put cuts rows to the server allocator's size classes (data/fit.py): when asked to (not
+        #: on a server that says it allocates otherwise, see DockSession.cuts), on connections opened by
+        #: broker.connection, which send both halves from the rows' own memory. fakeredis stores rows whole.
+        self._cuts = cuts and frames(client)
         #: Columns known to hold cut rows (cut by a put here, or a head seen in a read): their reads fetch
         #: heads and tails in one transaction. Only ever grows; a set's add is atomic under the GIL.
         self._cut: set[str] = set()
@@ -398,7 +398,7 @@ class SlotStore:
         return forgot.value, []
 
     def data_keys(self) -> list[str]:
-        return [self._keys.data(c) for c in self._columns]
+        return [kind(c) for kind in (self._keys.data, self._keys.tail) for c in self._columns]
 
 
 class ShardedStore:
