@@ -37,12 +37,18 @@ _REBOUND = 0.05
 class RespReader:
     """RESP2 replies from a socket, buffered for the small parts; large bulks received into given buffers."""
 
-    def __init__(self, sock: Any):
+    def __init__(self, sock: Any, advance: Callable[[], None] = lambda: None):
         self._sock = sock
+        self._advance = advance
         self._buf = bytearray(_CHUNK)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self._bounded_at = -math.inf
+
+    def advance(self) -> None:
+        """The caller starts on the replies of the next unit of commands: send one more (see ``exchange``)."""
+        self._advance()
+        self._bounded_at = -math.inf  # the send restored the socket's own timeout: bound the next read again
 
     def _recv(self, into: memoryview) -> int:
         now = time.monotonic()
@@ -175,17 +181,38 @@ def _error(message: bytes) -> ResponseError:
     return NoScriptError(text) if text.startswith("NOSCRIPT") else ResponseError(text)
 
 
-def exchange(client: redis.Redis, commands: Sequence[Sequence[Any]], read: Callable[[RespReader], T]) -> T:
-    """Send ``commands`` on one pooled connection of ``client`` (one server, connections opened here) and
-    return what ``read`` makes of their replies, which it must read, all of them, from the reader."""
+def exchange(
+    client: redis.Redis, units: Sequence[Sequence[Sequence[Any]]], read: Callable[[RespReader], T], *, ahead: int = 0,
+) -> T:
+    """Send ``units`` (each a few commands) on one pooled connection of ``client`` (one server, connections
+    opened here) and return what ``read`` makes of their replies, which it must read, all of them, from
+    the reader, calling ``RespReader.advance`` as it starts on each unit's replies.
+
+    The first ``1 + ahead`` units are sent at once, then one more at each ``advance``: with ``ahead`` 0, unit
+    k+1 is sent as the caller starts on unit k's replies, and the server makes the next column of a get
+    while the client receives this one. Sent all at once, every command of a large read reached the server
+    in one read of its socket and it made every reply before the first was sent: the client waited, then
+    the server did. A 0.3 GiB get of 10 columns took 0.36 s so against 0.45 s (7.0.15; 0.34 against 0.43 s
+    on 6.2), and ``ahead`` 1 gave 0.43 / 0.36 s: more units in flight only make the server compete with the
+    client for the cores."""
     pool = client.connection_pool
     conn: Any = pool.get_connection()
     done = False
+    packed = [conn.pack_commands(unit) for unit in units]
+    sent = 0
+
+    def send_next() -> None:
+        nonlocal sent
+        if sent < len(packed):
+            conn.send_packed_command(packed[sent], check_health=sent == 0)
+            sent += 1
+
     try:
-        conn.send_packed_command(conn.pack_commands(commands))
+        for _ in range(1 + ahead):
+            send_next()
         sock = conn._sock
         try:
-            out = read(RespReader(sock))
+            out = read(RespReader(sock, send_next))
         except TimeoutError as exc:  # socket.timeout: the call's time, or the socket's own, ran out
             if _expired():
                 raise _passed(f"reading a reply ({exc})") from exc

@@ -15,6 +15,8 @@ apart from it by one of two stores with one small interface:
     (its delivery taken over explicitly, the server gone) may leave earlier slices' rows written and
     ready, and says which; a clear landing between two slices clears the rows of those before it only.
     With a lease, claim.lua first holds it for the put's time bound, so it cannot run out between slices.
+    A row just past one of the server allocator's size classes is cut in two, its tail kept in
+    ``td:{NAME}:tail:COLUMN`` and read in one transaction with its head (``fit.py`` says why and how).
 
 ``ShardedStore``
     the bytes spread over data shards ``{NAME~S}`` chosen to land on distinct cluster primaries
@@ -356,27 +358,32 @@ class SlotStore:
         assert isinstance(self._client, redis.Redis)  # _receives
         while True:
             tails = {c for c in columns if c in self._cut}
-            commands: list[tuple[Any, ...]] = []
+            # One unit per column, sent one ahead of the replies read (``exchange``): the server makes the
+            # next column's reply while this one is received. A column holding cut rows reads its heads and
+            # tails in one MULTI, as in _fetch; each row's two halves are then of the same put.
+            units: list[list[tuple[Any, ...]]] = []
             for col in columns:
-                commands.append(("HMGET", self._keys.data(col), *fields))
+                unit: list[tuple[Any, ...]] = [("HMGET", self._keys.data(col), *fields)]
                 if col in tails:
-                    commands.append(("HMGET", self._keys.tail(col), *fields))
-            if tails:  # heads and tails in one transaction, as in _fetch
-                commands = [("MULTI",), *commands, ("EXEC",)]
+                    unit = [("MULTI",), *unit, ("HMGET", self._keys.tail(col), *fields), ("EXEC",)]
+                units.append(unit)
             if handout is not None:
-                commands.append(self._scripts.fence_command(handout.runs))  # after the HMGETs: it vouches for them
+                units.append([self._scripts.fence_command(handout.runs)])  # after the HMGETs: it vouches for them
 
             def read(
-                reader: RespReader, tails: set[str] = tails, queued: int = len(commands),
+                reader: RespReader, tails: set[str] = tails,
             ) -> tuple[list[torch.Tensor | Sequence[bytes | bytearray | None]], Any]:
-                if tails:
-                    transaction(reader, queued - 2 - (handout is not None))
-                values: list[torch.Tensor | Sequence[bytes | bytearray | None]] = [
-                    stacking.receive_column(reader, where=self._keys.data(col), fields=fields, tails=col in tails)
-                    for col in columns]
+                values: list[torch.Tensor | Sequence[bytes | bytearray | None]] = []
+                for col in columns:
+                    reader.advance()
+                    if col in tails:
+                        transaction(reader, 2)
+                    values.append(stacking.receive_column(reader, where=self._keys.data(col), fields=fields,
+                                                          tails=col in tails))
+                reader.advance()
                 return values, reader.reply() if handout is not None else None
 
-            values, fence = exchange(self._client, commands, read)
+            values, fence = exchange(self._client, units, read)
             if handout is not None:
                 if isinstance(fence, redis.exceptions.NoScriptError):  # the server lost the scripts: the usual path
                     self._scripts.load_all(self._client)
