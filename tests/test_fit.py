@@ -94,15 +94,29 @@ def test_a_head_fills_its_class_and_a_row_wasting_little_is_whole(length):
     assert head + fit.overhead(head) == fit.class_below(need)  # the head takes a class, with nothing to spare
 
 
-def test_cut_gives_views_whose_join_is_the_value():
+def test_a_cut_row_is_its_head_and_tail_and_the_put_is_left_as_it_was():
     row = torch.randn(S)
-    for value in (codec.encode(row), codec.encode_rows([row], framed=True)[0]):
-        parts = fit.cut(value)
-        assert parts is not None
-        head, tail = parts
-        assert isinstance(head, Framed) and bytes(head) + bytes(tail) == bytes(value)
-        assert fit.is_head(bytes(head)) and not fit.is_head(bytes(value))
-    assert fit.cut(codec.encode(torch.randn(100))) is None
+    values = {"0": codec.encode(row), "1": codec.encode_rows([row, row], framed=True)[1],
+              "2": codec.encode(torch.randn(100))}
+    framed_before = values["1"].pieces
+    heads, tails = fit.cut(values)
+    for field in ("0", "1"):
+        head = heads[field]
+        assert isinstance(head, Framed) and len(head) == fit.head_length(len(values[field]))
+        assert bytes(head) + tails[field] == bytes(values[field])
+        assert fit.is_head(bytes(head)) and not fit.is_head(bytes(values[field]))
+    assert heads["2"] is values["2"] and "2" not in tails  # 1,632 bytes: stored whole
+    assert values["1"].pieces is framed_before and len(values["1"]) == len(codec.encode(row))  # resent: cut again
+
+
+def test_a_head_is_framed_on_the_wire_as_the_first_bytes_of_its_row():
+    from broker.connection.framing import pack
+
+    payload = memoryview(bytes(range(256)) * 200)
+    head = Framed((b"ab", payload), 20_000)
+    wire = b"".join(bytes(chunk) for chunk in pack(["HSET", "k", "f", head], lambda v: v.encode()))
+    assert wire == b"*4\r\n$4\r\nHSET\r\n$1\r\nk\r\n$1\r\nf\r\n$20000\r\n" + b"ab" + bytes(payload[:19_998]) + b"\r\n"
+    assert bytes(head) == b"ab" + bytes(payload[:19_998])
 
 
 # -- memory ------------------------------------------------------------------------------------------------

@@ -36,7 +36,9 @@ class Framed:
     __slots__ = ("pieces", "nbytes")
 
     def __init__(self, pieces: tuple[bytes | memoryview, ...], nbytes: int | None = None):
-        """``pieces``: bytes and byte-format (``"B"``) memoryviews; ``nbytes``, their total length, if known."""
+        """``pieces``: bytes and byte-format (``"B"``) memoryviews; ``nbytes``, their total length, if known,
+        or less: the value is then the first ``nbytes`` of them (a row's head, data/fit.py, shares its row's
+        pieces rather than making views of its own)."""
         self.pieces = pieces
         self.nbytes = sum(len(p) for p in pieces) if nbytes is None else nbytes
 
@@ -44,7 +46,8 @@ class Framed:
         return self.nbytes
 
     def __bytes__(self) -> bytes:
-        return b"".join(self.pieces)
+        joined = b"".join(self.pieces)
+        return joined if len(joined) == self.nbytes else joined[: self.nbytes]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Framed):
@@ -70,7 +73,14 @@ def pack(args: Sequence[Any], encode: Any) -> list[bytes | memoryview]:
     for arg in args:
         if type(arg) is Framed:
             small.append(b"$%d\r\n" % arg.nbytes)
+            left = arg.nbytes
             for piece in arg.pieces:
+                if len(piece) >= left:  # the last piece sent: the value may end inside it
+                    if not left:
+                        break
+                    if len(piece) > left:
+                        piece = memoryview(piece)[:left]
+                left -= len(piece)
                 if len(piece) < LARGE:
                     small.append(piece)
                 else:

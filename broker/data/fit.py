@@ -80,27 +80,34 @@ def head_length(length: int) -> int | None:
     return head if 0 < head < length else None
 
 
-def cut(value: Value) -> tuple[Framed, Framed] | None:
-    """``value`` as (head, tail), views of its bytes sent uncopied; None when it is stored whole."""
-    head = head_length(len(value))
-    if head is None:
-        return None
-    pieces = value.pieces if isinstance(value, Framed) else (memoryview(value),)
-    first, rest = _split(pieces, head)
-    return Framed(first, head), Framed(rest, len(value) - head)
-
-
-def cut_rows(rows: Mapping[str, Value]) -> tuple[dict[str, Value], dict[str, Value]]:
-    """A column's rows of a put (field -> value) as what goes into its data hash, and the tails."""
-    heads: dict[str, Value] = {}
-    tails: dict[str, Value] = {}
+def cut(rows: Mapping[str, Value]) -> tuple[dict[str, Value], dict[str, bytes]]:
+    """A column's rows of a put (field -> value) as what goes into its data hash, a head for each row that
+    wastes too much whole, and the tails (copies of the few bytes after each head). A head is a ``Framed``
+    of its row's own pieces, cut short by its length: a put makes rows by the thousand, and every object
+    more per row set off more of the garbage collector's passes over a large heap, which cost more than the
+    cut (a 0.3 GiB put spent 0.17 s more CPU with a view and a tuple of its own per head)."""
+    heads: dict[str, Value] = dict(rows)
+    tails: dict[str, bytes] = {}
     for field, value in rows.items():
-        parts = cut(value)
-        if parts is None:
-            heads[field] = value
-        else:
-            heads[field], tails[field] = parts
+        head = head_length(len(value))
+        if head is None:
+            continue
+        pieces = value.pieces if isinstance(value, Framed) else (value,)
+        heads[field] = Framed(pieces, head)
+        tails[field] = _after(pieces, head)
     return heads, tails
+
+
+def _after(pieces: Sequence[bytes | memoryview], at: int) -> bytes:
+    """The bytes of ``pieces`` from offset ``at`` on (a tail: a few dozen bytes, in the last piece or two)."""
+    out: list[bytes] = []
+    offset = 0
+    for piece in pieces:
+        end = offset + len(piece)
+        if end > at:
+            out.append(bytes(memoryview(piece)[max(at - offset, 0) :]))
+        offset = end
+    return b"".join(out)
 
 
 def is_head(value: bytes | bytearray | None) -> bool:
@@ -123,22 +130,3 @@ def joined(
     left from an older value of the row). A head without a tail stays short, for decoding to name."""
     return [head + tail if tail is not None and is_head(head) else head  # type: ignore[operator]
             for head, tail in zip(heads, tails)]
-
-
-def _split(pieces: Sequence[bytes | memoryview], at: int) -> tuple[tuple[memoryview, ...], tuple[memoryview, ...]]:
-    """Byte pieces cut in two at offset ``at``, as views."""
-    first: list[memoryview] = []
-    rest: list[memoryview] = []
-    offset = 0
-    for piece in pieces:
-        view = piece if isinstance(piece, memoryview) else memoryview(piece)
-        end = offset + len(view)
-        if end <= at:
-            first.append(view)
-        elif offset >= at:
-            rest.append(view)
-        else:
-            first.append(view[: at - offset])
-            rest.append(view[at - offset :])
-        offset = end
-    return tuple(first), tuple(rest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,5 +37,8 @@ class PutRequest:
     ack: bool = False
     #: How long a sharded put holds the lease of a leased ``fence`` while its bytes travel (claim.lua).
     hold_ms: int = HOLD_MS
+    #: Per column, field -> the tail of a row cut to the allocator's size classes (data/fit.py), whose head
+    #: is the field's value in ``encoded``; set by the store, once per put.
+    tails: dict[str, dict[str, bytes]] = dataclasses.field(default_factory=dict)
 
 

@@ -97,6 +97,7 @@ def _part(put: PutRequest, rows: list[int], first: int, end: int, n: int) -> Put
     return dataclasses.replace(
         put,
         encoded={c: {f: mapping[f] for f in fields if f in mapping} for c, mapping in put.encoded.items()},
+        tails={c: {f: mapping[f] for f in fields if f in mapping} for c, mapping in put.tails.items()},
         runs=runs_of(rows[first:end]),
         lengths={c: values[first:end] for c, values in put.lengths.items()},
         finish=finish,

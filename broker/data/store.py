@@ -59,6 +59,7 @@ then mark ready (lua/mark.lua). The interleavings that matter, and why each is s
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -169,6 +170,8 @@ class SlotStore:
         return expansions
 
     def put(self, put: PutRequest) -> None:
+        if self._cuts:
+            put = self._cut_rows(put)
         parts = slices(put, self._n)
         if len(parts) == 1:
             error = self._put_one(put, new_request_id())
@@ -264,6 +267,18 @@ class SlotStore:
 
         return _outcome(run_pipeline(self._client, self._scripts.load_all, build, transaction=True))
 
+    def _cut_rows(self, put: PutRequest) -> PutRequest:
+        """``put`` with its rows that waste too much whole cut to the allocator's size classes (data/fit.py):
+        their heads in ``encoded``, their tails in ``tails``. Once per put, before it is sliced; the request
+        itself is left as it is (a call resent after a lost connection cuts it again, the same way)."""
+        encoded, tails = dict(put.encoded), {}
+        for col, rows in put.encoded.items():
+            if col not in self._groups:
+                heads, cut = fit.cut(rows)
+                if cut:
+                    encoded[col], tails[col] = heads, cut
+        return dataclasses.replace(put, encoded=encoded, tails=tails) if tails else put
+
     def _queue(self, pipe: Pipeline, put: PutRequest, request_id: str) -> int:
         """Queue one put on one slot: put.lua, bar.lua, the HSETs, unbar.lua (see lua/put.lua); returns how
         many commands. A column's rows cut to the allocator's size classes (data/fit.py) are two HSETs, of
@@ -272,9 +287,9 @@ class SlotStore:
         self._scripts.put(pipe, columns, put.runs, put.lengths, put.finish, request_id, put.fence, put.ack)
         queued = 3
         for col, mapping in put.encoded.items():
-            heads, tails = fit.cut_rows(mapping) if self._cuts and col not in self._groups else (mapping, {})
-            pipe.hset(self._keys.data(col), mapping=heads)  # type: ignore[arg-type]  # str keys are fine
+            pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
             queued += 1
+            tails = put.tails.get(col)
             if tails:
                 self._cut.add(col)
                 pipe.hset(self._keys.tail(col), mapping=tails)  # type: ignore[arg-type]
