@@ -61,11 +61,16 @@ def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[str, An
 
 def kv_batch_get(keys: list[str], partition_id: str) -> dict[str, Any]:
     dock = _attached()
-    return dock.read_rows(dock.columns, [int(k.split(":")[1]) for k in keys], stack=True)
+    return dock.read_rows(dock.columns, _rows(keys), stack=True)
 
 
 def kv_clear(keys: list[str], partition_id: str) -> None:
-    _attached().clear([int(k.split(":")[1]) for k in keys] if keys and keys[0].startswith("row:") else None)
+    _attached().clear(_rows(keys) if keys and keys[0].startswith("row:") else None)
+
+
+def _rows(keys: list[str]) -> list[int]:
+    """The rows ``kv_list`` named ``row:I``."""
+    return [int(k.split(":")[1]) for k in keys]
 
 
 def close() -> None:

@@ -181,20 +181,17 @@ def _error(message: bytes) -> ResponseError:
     return NoScriptError(text) if text.startswith("NOSCRIPT") else ResponseError(text)
 
 
-def exchange(
-    client: redis.Redis, units: Sequence[Sequence[Sequence[Any]]], read: Callable[[RespReader], T], *, ahead: int = 0,
-) -> T:
+def exchange(client: redis.Redis, units: Sequence[Sequence[Sequence[Any]]], read: Callable[[RespReader], T]) -> T:
     """Send ``units`` (each a few commands) on one pooled connection of ``client`` (one server, connections
     opened here) and return what ``read`` makes of their replies, which it must read, all of them, from
     the reader, calling ``RespReader.advance`` as it starts on each unit's replies.
 
-    The first ``1 + ahead`` units are sent at once, then one more at each ``advance``: with ``ahead`` 0, unit
-    k+1 is sent as the caller starts on unit k's replies, and the server makes the next column of a get
-    while the client receives this one. Sent all at once, every command of a large read reached the server
-    in one read of its socket and it made every reply before the first was sent: the client waited, then
-    the server did. A 0.3 GiB get of 10 columns took 0.36 s so against 0.45 s (7.0.15; 0.34 against 0.43 s
-    on 6.2), and ``ahead`` 1 gave 0.43 / 0.36 s: more units in flight only make the server compete with the
-    client for the cores."""
+    The first unit is sent at once, then one more at each ``advance``: unit k+1 is sent as the caller starts
+    on unit k's replies, and the server makes the next column of a get while the client receives this one.
+    Sent all at once, every command of a large read reached the server in one read of its socket and it
+    made every reply before the first was sent: the client waited, then the server did. A 0.3 GiB get of 10
+    columns took 0.36 s so against 0.45 s (7.0.15; 0.34 against 0.43 s on 6.2); two units in flight gave
+    0.43 / 0.36 s: more only make the server compete with the client for the cores."""
     pool = client.connection_pool
     conn: Any = pool.get_connection()
     done = False
@@ -208,8 +205,7 @@ def exchange(
             sent += 1
 
     try:
-        for _ in range(1 + ahead):
-            send_next()
+        send_next()
         sock = conn._sock
         try:
             out = read(RespReader(sock, send_next))

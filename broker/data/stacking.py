@@ -160,9 +160,9 @@ def receive_column(
                 values.append(None)
             elif tails:  # a cut head is received into a buffer with room for its tail, which follows into it
                 first = _first(reader, length)
-                whole = codec.declared_length(first) or 0
-                values.append(_rest(reader, first, length, whole))
-                if whole > length:
+                declared = codec.declared_length(first) or 0
+                values.append(_rest(reader, first, length, declared))
+                if declared > length:
                     short[i] = length
             else:
                 values.append(_rest(reader, b"", length))
