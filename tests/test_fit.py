@@ -109,6 +109,17 @@ def test_a_cut_row_is_its_head_and_tail_and_the_put_is_left_as_it_was():
     assert values["1"].pieces is framed_before and len(values["1"]) == len(codec.encode(row))  # resent: cut again
 
 
+@pytest.mark.parametrize("pieces", [
+    (b"p" * 40, memoryview(bytes(range(256)) * 64)),  # a tensor row: the tail in its storage
+    (bytes(range(256)) * 64 + b"p" * 40,),  # a string row: one piece
+    (b"p" * 32, memoryview(bytes(range(256)) * 64), b"ab"),  # the tail across two pieces
+], ids=["tensor", "bytes", "across"])
+def test_a_tail_is_the_rows_bytes_after_its_head_wherever_its_pieces_end(pieces):
+    value = Framed(pieces)
+    heads, tails = fit.cut({"0": value})
+    assert bytes(heads["0"]) + tails["0"] == b"".join(pieces) and type(tails["0"]) is bytes
+
+
 def test_a_head_is_framed_on_the_wire_as_the_first_bytes_of_its_row():
     from broker.connection.framing import pack
 

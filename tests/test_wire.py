@@ -230,6 +230,23 @@ def test_send_gathered_resumes_after_partial_writes():
     assert bytes(received) == b"head" + payload.tobytes() + b"tail"
 
 
+def test_framed_commands_are_the_bytes_redis_py_packs():
+    """A put's pipeline framed here is byte for byte what redis-py would send of the joined values (field
+    names encoded once for all commands, bytes, ints and floats as redis-py encodes them)."""
+    from redis._parsers.encoders import Encoder
+    from redis.connection import PythonRespSerializer
+
+    from broker.connection.framing import pack_many
+
+    encoder = Encoder("utf-8", "strict", False)
+    row = memoryview(bytes(range(256)) * 100)
+    commands = [("HSET", f"k{c}", "0", Framed((b"p" * 32, row)), "1", b"small", "2", Framed((b"x" * 9,)), 3, 1.5)
+                for c in range(3)]
+    joined = [tuple(bytes(a) if isinstance(a, Framed) else a for a in command) for command in commands]
+    theirs = b"".join(b"".join(PythonRespSerializer(1 << 16, encoder.encode).pack(*command)) for command in joined)
+    assert b"".join(bytes(chunk) for chunk in pack_many(commands, encoder.encode)) == theirs
+
+
 def test_framed_compares_and_joins_as_its_bytes():
     f = Framed((b"ab", memoryview(b"cd")))
     assert len(f) == 4 and bytes(f) == b"abcd" and f == b"abcd" and f == Framed((b"abcd",)) and f != b"abce"

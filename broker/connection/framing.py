@@ -65,14 +65,17 @@ def has_framed(args: Iterable[Any]) -> bool:
     return any(type(a) is Framed for a in args)
 
 
-def pack(args: Sequence[Any], encode: Any) -> list[bytes | memoryview]:
+def pack(args: Sequence[Any], encode: Any, names: dict[str, bytes] | None = None) -> list[bytes | memoryview]:
     """RESP of one command whose arguments may be ``Framed``: small parts joined, large pieces left as they
-    are. ``encode`` turns any other argument into bytes (the connection's encoder)."""
+    are. ``encode`` turns any other argument into bytes (the connection's encoder); ``names``, if given, keeps
+    what it made of each string (a put names the same row fields in every column's HSET)."""
     out: list[bytes | memoryview] = []
     small: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
+    add = small.append
     for arg in args:
-        if type(arg) is Framed:
-            small.append(b"$%d\r\n" % arg.nbytes)
+        kind = type(arg)
+        if kind is Framed:
+            add(b"$%d\r\n" % arg.nbytes)
             left = arg.nbytes
             for piece in arg.pieces:
                 if len(piece) >= left:  # the last piece sent: the value may end inside it
@@ -82,15 +85,25 @@ def pack(args: Sequence[Any], encode: Any) -> list[bytes | memoryview]:
                         piece = memoryview(piece)[:left]
                 left -= len(piece)
                 if len(piece) < LARGE:
-                    small.append(piece)
+                    add(piece)
                 else:
                     out.append(b"".join(small))
                     out.append(piece)
                     small = []
-            small.append(_CRLF)
+                    add = small.append
+            add(_CRLF)
+            continue
+        if kind is bytes:
+            value = arg
+        elif kind is str and names is not None:
+            value = names.get(arg)
+            if value is None:
+                value = names[arg] = encode(arg)
         else:
             value = encode(arg)
-            small += (b"$%d\r\n" % len(value), value, _CRLF)
+        add(b"$%d\r\n" % len(value))
+        add(value)
+        add(_CRLF)
     out.append(b"".join(small))
     return out
 
@@ -98,8 +111,9 @@ def pack(args: Sequence[Any], encode: Any) -> list[bytes | memoryview]:
 def pack_many(commands: Iterable[Sequence[Any]], encode: Any) -> list[bytes | memoryview]:
     """RESP of several commands, each as ``pack`` frames it (its small parts already joined)."""
     out: list[bytes | memoryview] = []
+    names: dict[str, bytes] = {}
     for command in commands:
-        out += pack(command, encode)
+        out += pack(command, encode, names)
     return out
 
 

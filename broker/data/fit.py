@@ -36,6 +36,7 @@ Group columns and sharded docks store rows whole.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 from broker.connection.framing import Framed
@@ -68,8 +69,10 @@ def overhead(length: int) -> int:
     return (3 if length < 1 << 8 else 5 if length < 1 << 16 else 9) + 1
 
 
+@functools.lru_cache(maxsize=4096)
 def head_length(length: int) -> int | None:
-    """How many bytes of a row of ``length`` bytes go into its head; None to store it whole."""
+    """How many bytes of a row of ``length`` bytes go into its head; None to store it whole. Cached: a put
+    asks it for every row, and a column's rows mostly share a handful of lengths."""
     if length < MIN_CUT:
         return None
     need = length + overhead(length)
@@ -89,25 +92,25 @@ def cut(rows: Mapping[str, Value]) -> tuple[dict[str, Value], dict[str, bytes]]:
     heads: dict[str, Value] = dict(rows)
     tails: dict[str, bytes] = {}
     for field, value in rows.items():
-        head = head_length(len(value))
+        length = len(value)
+        head = head_length(length)
         if head is None:
             continue
-        pieces = value.pieces if isinstance(value, Framed) else (value,)
+        pieces = value.pieces if type(value) is Framed else (value,)
         heads[field] = Framed(pieces, head)
-        tails[field] = _after(pieces, head)
+        tails[field] = _after(pieces, head, length)
     return heads, tails
 
 
-def _after(pieces: Sequence[bytes | memoryview], at: int) -> bytes:
-    """The bytes of ``pieces`` from offset ``at`` on (a tail: a few dozen bytes, in the last piece or two)."""
-    out: list[bytes] = []
-    offset = 0
-    for piece in pieces:
-        end = offset + len(piece)
-        if end > at:
-            out.append(bytes(memoryview(piece)[max(at - offset, 0) :]))
-        offset = end
-    return b"".join(out)
+def _after(pieces: Sequence[bytes | memoryview], at: int, length: int) -> bytes:
+    """Bytes ``at`` to ``length`` of the value made of ``pieces`` (a tail: a few dozen bytes, nearly always
+    in the last piece)."""
+    last = pieces[-1]
+    start = at - (sum(map(len, pieces)) - len(last))
+    if start >= 0:  # in the last piece: one copy of its end
+        tail = last[start : start + length - at]
+        return tail if type(tail) is bytes else bytes(tail)
+    return b"".join(pieces)[at:length]
 
 
 def is_head(value: bytes | bytearray | None) -> bool:
