@@ -96,7 +96,7 @@ def cut(rows: Mapping[str, Value]) -> tuple[dict[str, Value], dict[str, bytes]]:
         head = head_length(length)
         if head is None:
             continue
-        pieces = value.pieces if type(value) is Framed else (value,)
+        pieces = value.pieces if isinstance(value, Framed) else (value,)
         heads[field] = Framed(pieces, head)
         tails[field] = _after(pieces, head, length)
     return heads, tails
