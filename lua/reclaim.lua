@@ -11,6 +11,8 @@ KEYS[5]     td:{NAME}:tokens:CONSUMER
 KEYS[6]     td:{NAME}:redelivered:CONSUMER
 ARGV[1]     the schema the client expects (see include/schema.lua)
 ARGV[2]     n_samples_per_prompt
+ARGV[3]     optional: "all" gives back every leased row, expired or not (the caller knows every holder is
+            gone: a driver that restarted the consumer's whole worker group)
 
 Returns {rows handed to the consumer, rows of those still leased}.
 ]]
@@ -24,6 +26,8 @@ local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type
   or wrong_type(6, 6, 'string')
 if bad then return redis.error_reply(bad) end
 
-local _, corrupt = reclaim_expired(KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[2]), now_ms())
+-- Every lease's score is a time in ms: one past the largest a double holds exactly is after all of them.
+local now = ARGV[3] == 'all' and 9007199254740992 or now_ms()
+local _, corrupt = reclaim_expired(KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[2]), now)
 if corrupt then return redis.error_reply(corrupt) end
 return {redis.call('BITCOUNT', KEYS[2]), redis.call('ZCARD', KEYS[4])}

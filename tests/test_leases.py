@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from broker import InvalidExperienceError, LeasedRows, TransferDock, UnknownConsumerError
+from broker import FencedError, InvalidExperienceError, LeasedRows, TransferDock, UnknownConsumerError
 from tests.helpers import fill, held_rows, worker_processes
 
 
@@ -154,6 +154,24 @@ def test_expired_explicit_rows_are_reclaimed_without_any_sampling_call(make_dock
     _, rows = dock.get_experience("actor_train", ["prompts"], indexes=[0, 1], lease=30)
     dock.ack("actor_train", rows)
     assert dock.all_consumed("actor_train")
+
+
+def test_reclaiming_all_leases_gives_back_live_ones_at_once_and_fences_their_holder(make_dock):
+    """A driver that restarted a consumer's whole worker group gives back its rows without waiting out the
+    leases; the old holder, if it was alive after all, acks nothing and writes nothing."""
+    dock = make_dock(prompts_num=3, n=2, columns=("prompts", "responses"))
+    fill(dock, columns=["prompts"])
+    _, dead = dock.get_experience("actor_rollout", ["prompts"], 4, lease=300)
+    _, acked = dock.get_experience("actor_rollout", ["prompts"], 2, lease=300)
+    dock.ack("actor_rollout", acked)
+    assert dock.reclaim("actor_rollout") == 4  # nothing expired yet
+    assert dock.reclaim("actor_rollout", all_leases=True) == 0
+    assert dock.status()["consumers"]["actor_rollout"] == {"consumed": 2, "leased": 0, "redelivered": 4, "dead": 0}
+    assert dock.ack("actor_rollout", dead) == 0
+    with pytest.raises(FencedError):
+        dock.put_experience({"responses": [torch.tensor([1])] * 4}, list(dead), delivery=dead)
+    _, again = dock.get_experience("actor_rollout", ["prompts"], 4, lease=300)
+    assert sorted(again) == [0, 1, 2, 3]
 
 
 def test_retaking_explicit_rows_moves_their_lease_to_the_new_call(make_dock):

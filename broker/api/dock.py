@@ -394,11 +394,16 @@ class TransferDock:
         """
         return self._handouts.take(consumer, indexes, columns, lease, exclusive, name, name_ttl)
 
-    def reclaim(self, consumer: str) -> int:
+    def reclaim(self, consumer: str, *, all_leases: bool = False) -> int:
         """Give back ``consumer``'s rows whose lease ran out, so they are offered to it again; returns how many
         of its rows are still leased. Sampling and takes do this themselves: a reader that chooses rows from
-        the status bitmaps (``consumed_rows``) calls it before reading them."""
-        return self._handouts.reclaim(consumer)
+        the status bitmaps (``consumed_rows``) calls it before reading them.
+
+        ``all_leases=True`` gives back every row still out on a lease, expired or not, at once: for a caller
+        who knows that every holder is gone (a driver that restarted the consumer's whole worker group), so
+        the rows need not wait out their leases. A holder that was not gone after all loses them as if its
+        lease had expired: its ack releases nothing and its fenced write is refused."""
+        return self._handouts.reclaim(consumer, all_leases)
 
     def ack(self, consumer: str, indexes: Sequence[int], token: str | None = None) -> int:
         """Confirm that ``consumer`` is done with leased rows; returns how many this released.

@@ -324,10 +324,11 @@ class Handouts:
             call.rows = len(got)
             return got
 
-    def reclaim(self, consumer: str) -> int:
-        """Give back ``consumer``'s rows whose lease ran out; how many of its rows are still leased."""
+    def reclaim(self, consumer: str, all_leases: bool = False) -> int:
+        """Give back ``consumer``'s rows whose lease ran out (all leased rows with ``all_leases``); how many of
+        its rows are still leased."""
         self._s.check.consumer(consumer)
-        return self._s.write("reclaim", lambda: self._s.scripts.reclaim(consumer)[1])
+        return self._s.write("reclaim", lambda: self._s.scripts.reclaim(consumer, all_leases)[1])
 
     def all_consumed(self, consumer: str) -> bool:
         """Whether ``consumer`` was handed every row and acked every lease, after giving back expired ones."""

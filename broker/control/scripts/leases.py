@@ -74,10 +74,11 @@ class LeaseScripts(ScriptsBase):
         k = self._keys
         return int(self._once("ack", [k.meta, k.leases(consumer), k.tokens(consumer)], [self._expected, token, *rows]))
 
-    def reclaim(self, consumer: str) -> tuple[int, int]:
-        """Give back ``consumer``'s expired leases; returns (rows consumed, rows still leased)."""
+    def reclaim(self, consumer: str, all_leases: bool = False) -> tuple[int, int]:
+        """Give back ``consumer``'s expired leases (every lease with ``all_leases``); returns (rows consumed,
+        rows still leased)."""
         keys = [self._keys.meta, *self._consumer_keys(consumer), self._keys.redelivered(consumer)]
-        consumed, leased = self._call("reclaim", keys, [self._expected, self._n])
+        consumed, leased = self._call("reclaim", keys, [self._expected, self._n, *(["all"] if all_leases else [])])
         return int(consumed), int(leased)
 
     def reset(self, consumer: str, rows: Sequence[int]) -> int:
