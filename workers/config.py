@@ -59,6 +59,12 @@ class RunConfig:
     poll_seconds: float = 2.0
     #: A role that gets no rows for this long while rows are still owed raises instead of hanging.
     stall_seconds: float = 300.0
+    #: Rows a worker takes are leased for this long and acked once its result is written (the write fenced
+    #: by the lease): rows of a worker that died go back to its role, at once when the driver restarts the
+    #: role's group, else when the lease runs out. 0: rows are taken for good (a dead worker's are lost).
+    lease_seconds: float = 120.0
+    #: Worker groups the driver restarts in one run after a worker died, before it gives up and raises.
+    max_restarts: int = 3
     #: Record what every rank received (indexes and checksums), for tests.
     trace: bool = False
     #: Role -> layout; a role not named runs as 1x1 (``with_layouts`` fills them in).
@@ -181,6 +187,10 @@ class RunConfig:
             raise ValueError("--prompts must be >= 1")
         if self.max_age < 1:
             raise ValueError("--max-age must be >= 1")
+        if not self.lease_seconds >= 0 or self.lease_seconds == float("inf"):
+            raise ValueError(f"--lease-seconds must be a finite number >= 0, got {self.lease_seconds}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("--max-staleness must be >= 0")
         if self.partial and self.asynchronous:

@@ -51,6 +51,8 @@ def iteration_line(cfg: RunConfig, metrics: Mapping[str, Any]) -> str:
         line += f" | value loss {metrics['value_loss']:.4f}"
     if cfg.algorithm.dynamic_sampling:
         line += f" | filtered groups {metrics['filtered_groups']}"
+    if metrics.get("restarts"):
+        line += f" | worker groups restarted {metrics['restarts']}"
     if cfg.asynchronous:
         line += (f" | version lag {metrics.get('version_lag', 0.0):.2f} | "
                  f"stale dropped {metrics['stale_dropped']}")

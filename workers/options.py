@@ -79,6 +79,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="asynchronous rollout: generation runs ahead of training with weights up to K "
                              "versions old, overlapping across iterations; the dock drops groups older than "
                              "that (default: off, synchronous)")
+    parser.add_argument("--lease-seconds", type=float, default=None, metavar="S",
+                        help="each batch a worker takes is leased for S seconds and acked once its result is "
+                             "written; a worker that dies has its group restarted and its rows redone "
+                             "(default: 120; 0: no leases, a dead worker ends the run)")
+    parser.add_argument("--max-restarts", type=int, default=None, metavar="K",
+                        help="worker groups restarted in one run before it gives up (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
     parser.add_argument("--out", default=None,
                         help="folder for metrics.jsonl and ALGO.png (default: ALGO-demo)")
@@ -95,7 +101,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 #: RunConfig fields set from options that default to None (None: the algorithm's own default).
-TUNABLES = ("prompts", "n", "epochs", "clip_high", "kl_coef", "max_gen_batches", "overlong_buffer", "overlong_factor")
+TUNABLES = ("prompts", "n", "epochs", "clip_high", "kl_coef", "max_gen_batches", "overlong_buffer", "overlong_factor",
+            "lease_seconds", "max_restarts")
 
 
 def build_demo_parser(prog: str = "python -m workers.demo") -> argparse.ArgumentParser:

@@ -11,8 +11,10 @@ Shared as they are: the rollout, the reference and actor log-probs. Shared as ba
 
 from __future__ import annotations
 
+import copy
 import zlib
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -297,6 +299,18 @@ class Trainer(ModelRole):
         grad_norm = clip_grad_norm_tp(self.model, 1.0, self.state.tp_group)
         self.optimizer.step()
         self.add(steps=1, grad_norm=grad_norm, **sums)
+
+    def export_state(self) -> dict[str, Any]:
+        """This rank's shard of the model and its optimizer's state, copied: what a rank restarted in the same
+        place of the group loads (``load_state``) to redo an iteration from where this one began it."""
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """The model shard and optimizer state ``export_state`` took, on a rank of the same layout."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._held = []
 
     def export_weights(self) -> dict[str, Tensor] | None:
         """Full weights on TP rank 0 of DP replica 0 (a collective over that TP group), else None."""

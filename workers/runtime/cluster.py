@@ -75,10 +75,17 @@ class WorkerGroup:
         # never through the driver.
         return [a.run_iteration.remote(iteration, weights) for a in self.actors]
 
-    def export_weights(self) -> ray.ObjectRef:
-        """Ref to the full weights; every rank takes part (it is a TP collective), rank 0 returns them."""
-        refs = [a.export_weights.remote() for a in self.actors]
-        return refs[0]
+    def export_state(self) -> list[ray.ObjectRef]:
+        """Refs to every rank's trainer state, in rank order (what a restarted group loads)."""
+        return [a.export_state.remote() for a in self.actors]
+
+    def load_state(self, states: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """Every rank loads the state its predecessor in the same place exported."""
+        return [a.load_state.remote(state) for a, state in zip(self.actors, states)]
+
+    def export_weights(self) -> list[ray.ObjectRef]:
+        """Every rank's part of the weights export (it is a TP collective); rank 0's ref holds the weights."""
+        return [a.export_weights.remote() for a in self.actors]
 
     def shutdown(self) -> None:
         for actor in self.actors:

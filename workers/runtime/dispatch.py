@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from broker import ExperienceTimeoutError, FencedError, HandedRows, TransferDock
+from broker import ExperienceTimeoutError, FencedError, HandedRows, LeasedRows, TransferDock
 from broker.api.batches import pack_experience_columns, unpack_pad_experience
 
 from ..model.parallel_state import ParallelState
@@ -32,11 +32,15 @@ log = logging.getLogger(__name__)
 class Dispatcher:
     """``all_consumed`` / ``dispatch`` / ``collect`` for one consumer, shared by the ranks of a TP group."""
 
-    def __init__(self, dock: TransferDock, consumer: str, state: ParallelState, pad_id: int) -> None:
+    def __init__(self, dock: TransferDock, consumer: str, state: ParallelState, pad_id: int,
+                 lease: float = 0.0) -> None:
         self.dock = dock
         self.consumer = consumer
         self.state = state
         self.pad_id = pad_id
+        #: Seconds each batch is leased for (0: taken for good). A leased batch is acked by the fenced put
+        #: of its result (``collect``), or, for a role that writes nothing (a trainer), by ``collect`` too.
+        self.lease = lease
         #: On rank 0, the delivery of the batch dispatched last: the rows travel the group as a tensor,
         #: and the writes of their results name it (see ``collect``).
         self.delivery: HandedRows | None = None
@@ -111,11 +115,14 @@ class Dispatcher:
         self, columns: list[str], count: int, indexes: Sequence[int] | None, timeout: float | None,
         get_kwargs: Mapping[str, Any],
     ) -> tuple[dict[str, list[Tensor]], list[int]] | None:
+        lease = {"lease": self.lease} if self.lease else {}
         if indexes is None:
-            batch, rows = self.dock.get_experience(self.consumer, columns, count, timeout=timeout, **get_kwargs)
+            batch, rows = self.dock.get_experience(self.consumer, columns, count, timeout=timeout, **lease,
+                                                   **get_kwargs)
             return None if batch is None else (_one_dtype(batch), rows)
         try:
-            batch, rows = self.dock.get_experience(self.consumer, columns, indexes=list(indexes), timeout=timeout)
+            batch, rows = self.dock.get_experience(self.consumer, columns, indexes=list(indexes), timeout=timeout,
+                                                   **lease)
         except ExperienceTimeoutError:
             return None
         return batch, rows
@@ -124,13 +131,19 @@ class Dispatcher:
         """Rank 0 writes the group's result back; the other ranks computed the same and drop theirs.
 
         The put names the batch's delivery: if the rows were cleared or dropped meanwhile (they may hold
-        other prompts now), it writes nothing, and the result is dropped with a warning.
+        other prompts now), or its lease ran out and they went to another worker, it writes nothing, and the
+        result is dropped with a warning. Under a lease the put acks the rows it writes; a role that writes
+        nothing (a trainer, whose result is its model) acks them here, once its step is done.
         """
-        if output and self.state.is_tp_src:
+        if not self.state.is_tp_src:
+            return
+        if output:
             try:
                 self.dock.put_experience(dict(output), list(indexes), delivery=self.delivery, **put_kwargs)
             except FencedError as exc:
                 log.warning("%s: result of rows %s dropped: %s", self.consumer, list(indexes)[:8], exc)
+        elif isinstance(self.delivery, LeasedRows):
+            self.dock.ack(self.consumer, list(indexes), token=self.delivery.token)
 
 
 def _one_dtype(batch: dict[str, list[Tensor]]) -> dict[str, list[Tensor]]:

@@ -16,6 +16,7 @@ itself, while in the dock they would need a column no consumer drains and would 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -28,6 +29,8 @@ from broker.api.batches import put_prompts_experience
 from ..config import RunConfig
 from ..model import task
 from .cluster import WorkerGroup, cpus_per_rank, wait_all
+
+log = logging.getLogger(__name__)
 
 
 def dock_rollout(cfg: RunConfig) -> Rollout | None:
@@ -68,12 +71,20 @@ class Pipeline:
             for role in cfg.roles:
                 self.groups[role] = WorkerGroup(role, cfg, dock, self.cpus_per_rank)
             # All groups rendezvous at once: their set-ups are independent.
-            self.hosts = wait_all([ref for g in self.groups.values() for ref in g.setup()], timeout=300)
+            setups = {role: g.setup() for role, g in self.groups.items()}
+            done = iter(wait_all([ref for refs in setups.values() for ref in refs], timeout=300))
+            #: Role -> each rank's set-up answer (its pid and host), kept current across restarts.
+            self.hosts: dict[str, list[dict[str, Any]]] = {role: [next(done) for _ in refs]
+                                                           for role, refs in setups.items()}
         except BaseException:
             self.shutdown()
             raise
-        #: Trainer -> its latest weights; none yet: every rank still has the seed's initial weights.
-        self.weights: dict[str, ray.ObjectRef] = {}
+        #: Worker groups restarted in this run (see ``_restart``).
+        self.restarts = 0
+        #: Trainer -> each rank's state (model and optimizer) when the current iteration began: what a trainer
+        #: group restarted during it starts again from (see ``_restart``); None before the first iteration.
+        self._begun: dict[str, list[ray.ObjectRef]] | None = None
+        self.weights: dict[str, list[ray.ObjectRef]] = {}
         self._prompt_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self._dropped = 0  # stale groups the dock had dropped by the end of the last iteration
 
@@ -117,25 +128,67 @@ class Pipeline:
             put += 1
         return put
 
-    def _wait(self, refs: list[ray.ObjectRef]) -> tuple[list[dict[str, Any]], int]:
-        """Every rank's result; under dynamic sampling, refilling dropped groups meanwhile (returns how many)."""
+    def _wait(self, refs: dict[str, list[ray.ObjectRef]], iteration: int) -> tuple[list[dict[str, Any]], int]:
+        """Every rank's result, in role order; a group whose worker died restarted on the way (``_restart``),
+        and under dynamic sampling, dropped groups refilled meanwhile (returns how many)."""
         timeout = self.cfg.stall_seconds + 60
-        if not self.cfg.algorithm.dynamic_sampling:
-            return wait_all(refs, timeout=timeout), 0
+        dynamic = self.cfg.algorithm.dynamic_sampling
         refilled = 0
-        pending = list(refs)
+        owner = {ref: role for role, role_refs in refs.items() for ref in role_refs}
+        pending = list(owner)
         deadline = time.monotonic() + timeout
         while pending:
             # Every rank's task is a loop on the dock: done, it is done for good, so polling ray.wait is safe.
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.05)
-            ray.get(ready)  # a failed rank raises now, not after the others stall
-            added = self.refill()
+            ready, pending = ray.wait(pending, num_returns=1, timeout=0.05 if dynamic else timeout)
+            for ref in ready:
+                try:
+                    ray.get(ref)  # a failed rank raises now, not after the others stall
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                    role = owner[ref]
+                    gone = set(refs[role])
+                    pending = [r for r in pending if r not in gone]
+                    refs[role] = self._restart(role, iteration, exc)
+                    owner.update({r: role for r in refs[role]})
+                    pending += refs[role]
+                    deadline = time.monotonic() + timeout
+            added = self.refill() if dynamic else 0
             refilled += added
-            if added:
+            if ready or added:
                 deadline = time.monotonic() + timeout
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"{len(pending)} worker tasks made no progress for {timeout:.0f} s")
-        return ray.get(refs), refilled  # every one is done: this only fetches them
+        return ray.get([ref for role_refs in refs.values() for ref in role_refs]), refilled
+
+    def _restart(self, role: str, iteration: int, error: BaseException) -> list[ray.ObjectRef]:
+        """Replace ``role``'s whole group after one of its workers died (or failed), and start the iteration
+        again on it; returns the new ranks' tasks.
+
+        The whole group, not the one rank: its ranks share torch.distributed groups, which cannot take in a
+        new process, and a rank blocked in a collective with the dead one never returns. So the driver kills
+        every rank and places a new group (Ray's own actor restarts would bring back one process into
+        collectives that no longer exist). Then:
+
+        - its rows go back to the role at once (``reclaim(all_leases=True)``): every holder is dead, and a
+          rank that was not is fenced, its late result refused;
+        - a trainer starts the iteration again from the state its group had when the iteration began
+          (model and optimizer, exported then), and every row is offered to it again (``reset_consumer``):
+          the updates of the dead group are gone with it, so each row is trained once in what remains;
+        - a role that follows a trainer gets the weights the iteration began with; the others their seed's.
+        """
+        cfg = self.cfg
+        if not cfg.lease_seconds or self.restarts >= cfg.max_restarts:
+            raise error
+        self.restarts += 1
+        log.warning("%s: a worker failed in iteration %d (%s); restarting the group (%d of at most %d restarts)",
+                    role, iteration, str(error).splitlines()[0][:200], self.restarts, cfg.max_restarts)
+        self.groups[role].shutdown()
+        group = self.groups[role] = WorkerGroup(role, cfg, self.dock, self.cpus_per_rank)
+        self.hosts[role] = wait_all(group.setup(), timeout=300)
+        if self._begun and self._begun.get(role):
+            wait_all(group.load_state(self._begun[role]), timeout=300)
+            self.dock.reset_consumer(role)
+        self.dock.reclaim(role, all_leases=True)
+        return group.run_iteration(iteration, self._weights_of(cfg.algorithm.follows.get(role, "")))
 
     def run_iteration(self, iteration: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Put a global batch, let every role drain it, fetch the new weights; returns (metrics, per-rank results).
@@ -144,14 +197,31 @@ class Pipeline:
         """
         prompts_put = self.put_prompts()
         start = time.time()
-        refs = []
+        if self._begun is None:  # the trainers' state before their first step (later: after each iteration)
+            states, failed = self._trainer_states()
+            if failed:
+                raise next(iter(failed.values()))  # nothing trained yet: nothing to restart from
+            self._begun = states
         follows = self.cfg.algorithm.follows
-        for role, group in self.groups.items():
-            refs += group.run_iteration(iteration, self.weights.get(follows.get(role, "")))
-        results, refilled = self._wait(refs)
+        refs = {role: group.run_iteration(iteration, self._weights_of(follows.get(role, "")))
+                for role, group in self.groups.items()}
+        results, refilled = self._wait(refs, iteration)
+        # The trainers' new weights (for the roles that follow them) and state (for a restart in the next
+        # iteration), both checked: a trainer that died after its last step, before these, lost the
+        # iteration's updates with it, and trains the iteration again.
+        while True:
+            weights = {t: self.groups[t].export_weights() for t in self.cfg.algorithm.trainers}
+            states, failed = self._trainer_states(weights)
+            if not failed:
+                break
+            for role, error in failed.items():
+                refs[role] = self._restart(role, iteration, error)
+            results, more = self._wait(refs, iteration)
+            refilled += more
         seconds = time.time() - start
-        # Submitted now, resolved inside the following actors when the next iteration starts.
-        self.weights = {t: self.groups[t].export_weights() for t in self.cfg.algorithm.trainers}
+        # Resolved inside the following actors when the next iteration starts.
+        self.weights = weights
+        self._begun = states
         metrics = summarize(iteration, start, seconds, results, self.cfg)
         if self.cfg.algorithm.dynamic_sampling:
             metrics["prompts_put"] = prompts_put + refilled
@@ -159,7 +229,28 @@ class Pipeline:
             metrics["dropped_by_dock"] = int(self.dock.status()["discarded"].get(filter_role, 0))
         if self.cfg.tracked:
             metrics.update(self._dock_metrics(prompts_put))
+        metrics["restarts"] = self.restarts
         return metrics, results
+
+    def _weights_of(self, trainer: str) -> ray.ObjectRef | None:
+        """The latest weights of ``trainer`` (its first rank's export), or None before its first iteration."""
+        refs = self.weights.get(trainer)
+        return refs[0] if refs else None
+
+    def _trainer_states(
+        self, weights: dict[str, list[ray.ObjectRef]] | None = None,
+    ) -> tuple[dict[str, list[ray.ObjectRef]], dict[str, BaseException]]:
+        """Every trainer rank's state (none when leases are off: no restarts then), with the exports of
+        ``weights``, waited for; and the error of each trainer whose group could not give them."""
+        leases = bool(self.cfg.lease_seconds)
+        states = {t: self.groups[t].export_state() if leases else [] for t in self.cfg.algorithm.trainers}
+        failed: dict[str, BaseException] = {}
+        for trainer, refs in states.items():
+            try:
+                wait_all([*refs, *(weights or {}).get(trainer, [])], timeout=300)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                failed[trainer] = exc
+        return states, failed
 
     def _dock_metrics(self, prompts_put: int) -> dict[str, Any]:
         """What the dock holds at the end of an iteration, before ``clear`` forgets the trained groups."""

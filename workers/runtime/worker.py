@@ -62,7 +62,8 @@ class RoleWorker:
         """Join the group's process groups (blocks until every rank has called it) and build the role."""
         self.state = ParallelState(self.layout, self.rank, master_addr, master_port)
         self.role = make_role(self.role_name, self.cfg, self.state)
-        self.dispatcher = Dispatcher(self.dock, self.role_name, self.state, pad_id=task.EOS)
+        self.dispatcher = Dispatcher(self.dock, self.role_name, self.state, pad_id=task.EOS,
+                                     lease=self.cfg.lease_seconds)
         return {"role": self.role_name, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
 
     def run_iteration(self, iteration: int, weights: Mapping[str, Tensor] | None = None) -> dict[str, Any]:
@@ -234,6 +235,18 @@ class RoleWorker:
             rows_done += len(rows)
             last_progress = time.monotonic()
         return self._result(rows_done, busy, trace)
+
+    def export_state(self) -> dict[str, Any]:
+        """A trainer rank's model shard and optimizer state (see ``Trainer.export_state``)."""
+        if not isinstance(self.role, Trainer):
+            raise TypeError(f"{self.role_name} does not train; only a trainer's state is kept for restarts")
+        return self.role.export_state()
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Load what ``export_state`` took on the rank this one replaces."""
+        if not isinstance(self.role, Trainer):
+            raise TypeError(f"{self.role_name} does not train")
+        self.role.load_state(state)
 
     def export_weights(self) -> dict[str, Tensor] | None:
         """The trainer's full weights from its first TP group's rank 0; None on every other rank."""
