@@ -8,6 +8,8 @@ batches with a progress bar, and writes ``metrics.jsonl`` and ``ALGO.png`` into 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 import time
 import uuid
@@ -59,10 +61,59 @@ def iteration_line(cfg: RunConfig, metrics: Mapping[str, Any]) -> str:
     return line
 
 
+#: The file in a run's folder holding the options it was started with (what ``--resume DIR`` starts from).
+RUN_FILE = "run.json"
+#: Options that say where and how a run is run and watched, not what it computes: ``--resume`` takes them as
+#: typed (``--iterations`` may grow the run); every other option must be the run's own.
+SETTING_OPTIONS = {"iterations", "no_progress", "ray_address", "cpus", "redis_url", "resume", "out"}
+
+
+def _saved_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The demo's own options of ``args`` (not what the ``broker`` command adds), as JSON values."""
+    from .options import build_demo_parser
+
+    names = {a.dest for a in build_demo_parser()._actions if a.dest != "help"}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` of ``--resume DIR``: the options DIR's run was started with, and those of ``args`` that
+    ``SETTING_OPTIONS`` name where given; ValueError if another option given differs from the run's."""
+    from .options import build_demo_parser
+
+    folder = Path(args.resume)
+    try:
+        saved = json.loads((folder / RUN_FILE).read_text(encoding="utf-8"))["options"]
+    except FileNotFoundError:
+        raise ValueError(f"--resume {folder}: no {RUN_FILE} there; is it the folder (--out) of a run?") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--resume {folder}: {RUN_FILE} is unreadable ({exc})") from None
+    defaults = vars(build_demo_parser().parse_args([]))
+    merged = vars(args).copy()
+    for key, value in _saved_options(args).items():
+        if key not in saved:
+            continue
+        if key in SETTING_OPTIONS:
+            merged[key] = value if value != defaults.get(key) else saved[key]
+        elif value != defaults.get(key) and value != saved[key]:
+            option = "--" + key.replace("_", "-")
+            raise ValueError(f"--resume {folder}: the run was started with {option} {saved[key]!r}, not {value!r}; "
+                             f"resume it with the options it has (or --resume {folder} alone)")
+        else:
+            merged[key] = saved[key]
+    merged["out"], merged["resume"] = str(folder), str(folder)
+    return argparse.Namespace(**merged)
+
+
 def run(args: argparse.Namespace) -> int:
     """The demo; returns the exit status."""
     try:
+        if args.resume:
+            args = resumed_args(args)
         cfg = config_from_args(args)
+        if args.resume and (cfg.partial or cfg.asynchronous):
+            raise ValueError("--resume: a run with --max-age or --max-staleness keeps groups in the dock across "
+                             "iterations, which its checkpoint does not hold yet; it cannot be resumed")
     except ValueError as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 2
@@ -74,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from broker.ops.local_redis import redis_for_run
 
     from .model import task
+    from .runtime import checkpoint as checkpoints
     from .runtime.cluster import start_ray, wait_for_cpus
     from .runtime.pipeline import Pipeline, create_dock
     from .runtime.report import MetricsLog, first_last, plot
@@ -82,13 +134,34 @@ def run(args: argparse.Namespace) -> int:
     picture = out / f"{cfg.algo}.png"
     began = time.monotonic()
     records: list[dict] = []
-    with redis_for_run(args.redis_url) as target:
+    resume: checkpoints.Checkpoint | None = None
+    if args.resume:
+        try:
+            resume = checkpoints.load(out)
+        except checkpoints.CheckpointError as exc:
+            print(f"demo: --resume: {exc}", file=sys.stderr)
+            return 2
+        records = resume.records
+        if resume.iteration >= args.iterations:
+            print(f"demo: --resume {out}: the run already did its {resume.iteration} iterations (give --iterations "
+                  "to run more)", file=sys.stderr)
+            return 2
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        # A new run in the folder of an earlier one: nothing of that one may be resumed as this one's.
+        for leftover in (*checkpoints.FOLDERS, "redis"):
+            shutil.rmtree(out / leftover, ignore_errors=True)
+        (out / RUN_FILE).write_text(json.dumps({"options": _saved_options(args)}, indent=1), encoding="utf-8")
+    # A private Redis keeps its data in the run's folder (an append-only file): a resumed run starts it again
+    # from there. The checkpoint of a synchronous run needs none of it (its dock is empty at every
+    # checkpoint), but the dock's name and schema are checked against it.
+    with redis_for_run(args.redis_url, folder=None if args.redis_url else out / "redis") as target:
         print(f"redis: {target.description}", flush=True)
         print(f"ray: {start_ray(args.ray_address, None if args.ray_address else args.cpus)}", flush=True)
         if args.ray_address and not args.redis_url:
             print("redis: the private Redis listens on 127.0.0.1 only; Ray nodes on other machines cannot reach it "
                   "(pass --redis-url)", flush=True)
-        name = args.dock or f"{cfg.algo}-demo-{uuid.uuid4().hex[:8]}"
+        name = resume.dock if resume else args.dock or f"{cfg.algo}-demo-{uuid.uuid4().hex[:8]}"
         dock = pipeline = log = None
         try:
             cluster_cpus = wait_for_cpus(args.cpus or 1)
@@ -96,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"ray: only {cluster_cpus:g} of the {args.cpus} CPUs asked for joined; going on with those",
                       flush=True)
             dock = create_dock(target.url, name, cfg)
+            if resume and dock.fingerprint != resume.fingerprint:
+                raise checkpoints.CheckpointError(
+                    f"{out}: the checkpoint is of dock {name!r} with schema {resume.fingerprint}, the dock now has "
+                    f"{dock.fingerprint}: it belongs to another run, or the run's options changed")
             print(f"dock: {name}, {cfg.dock_groups} prompts x {cfg.n} samples = {cfg.dock_groups * cfg.n} rows "
                   f"(watch: broker status --url {redact(target.url)} {name})", flush=True)
             if cfg.partial:
@@ -117,15 +194,25 @@ def run(args: argparse.Namespace) -> int:
             print(f"roles (DPxTP): {layout}; {pipeline.cpus_per_rank:g} CPU per rank; model roles "
                   f"{', '.join(cfg.algorithm.model_roles)}; set up in {time.monotonic() - began:.1f} s", flush=True)
             print(f"batches: {cfg.epochs} epoch(s) per iteration; {sizes}", flush=True)
+            start_at = 1
+            if resume:
+                restore_began = time.monotonic()
+                pipeline.restore(resume)
+                start_at = resume.iteration + 1
+                print(f"resumed: {resume.iteration} iterations done, going on from iteration {start_at} "
+                      f"(restored in {time.monotonic() - restore_began:.1f} s)", flush=True)
             log = MetricsLog(out / "metrics.jsonl")
-            bar = tqdm(total=args.iterations, desc=cfg.algo.upper(), unit="iter", disable=args.no_progress,
-                       dynamic_ncols=True)
+            for record in records:  # a resumed run's metrics file again as its checkpoint has them
+                log.write(record)
+            bar = tqdm(total=args.iterations, initial=start_at - 1, desc=cfg.algo.upper(), unit="iter",
+                       disable=args.no_progress, dynamic_ncols=True)
             train_began = time.monotonic()
-            for iteration in range(1, args.iterations + 1):
+            for iteration in range(start_at, args.iterations + 1):
                 metrics, _ = pipeline.run_iteration(iteration)
                 pipeline.clear()
                 log.write(metrics)
                 records.append(metrics)
+                checkpoints.save(out, pipeline.checkpoint(iteration, records))
                 line = iteration_line(cfg, metrics)
                 bar.set_postfix_str(line, refresh=False)
                 bar.update(1)
@@ -145,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
     first, last = first_last([r["reward"] for r in records])
     k = min(3, len(records))
     print(f"mean reward: first {k} iterations {first:.3f}, last {k} iterations {last:.3f}")
-    print(f"time: {train_seconds:.1f} s for {len(records)} iterations, {time.monotonic() - began:.1f} s in all "
+    print(f"time: {train_seconds:.1f} s for {args.iterations - start_at + 1} iterations, "
+          f"{time.monotonic() - began:.1f} s in all "
           f"(Ray, Redis and worker start-up included)")
     print(f"wrote {out / 'metrics.jsonl'} and {picture}")
     return 0

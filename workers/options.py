@@ -97,6 +97,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="CPUs for a local Ray, or CPUs to wait for in a joined cluster "
                              "(default: this machine's cores / whatever the cluster has)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar; one line per iteration")
+    parser.add_argument("--resume", default=None, metavar="DIR",
+                        help="continue the run whose folder (its --out) is DIR from its last checkpoint, alone "
+                             "or added to the command that started it (its options are kept in DIR/run.json; "
+                             "--iterations may grow the run)")
     return parser
 
 

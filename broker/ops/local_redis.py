@@ -255,28 +255,37 @@ def _stop_all() -> None:
 
 
 @contextmanager
-def private_redis(timeout: float = 15.0, unix: bool = False) -> Iterator[RedisTarget]:
-    """Start a redis-server for the duration of the block and yield its URL (a unix socket's if ``unix``)."""
+def private_redis(timeout: float = 15.0, unix: bool = False, folder: Path | None = None) -> Iterator[RedisTarget]:
+    """Start a redis-server for the duration of the block and yield its URL (a unix socket's if ``unix``).
+
+    With ``folder`` the server keeps its data there, in an append-only file (flushed every second), and the
+    folder stays: a server started again on it (a resumed run) finds the data where the last one left it.
+    """
     binary, source = require_redis_server("no Redis URL given and no redis-server to start")
     # Started from another thread, the server would die with that thread: there it relies on the exit handler.
     owned = threading.current_thread() is threading.main_thread()
-    server = RedisServer(binary=binary, unix=unix, dies_with_owner=owned)
+    persistence = ("--appendonly", "yes", "--appendfsync", "everysec") if folder is not None else ()
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    server = RedisServer(*persistence, binary=binary, unix=unix, dies_with_owner=owned, folder=folder)
     try:
         server.start(timeout)
         url = server.url
-        yield RedisTarget(url, f"private Redis {server.version} at {url} ({binary}, from {source}), stopped at the end")
+        kept = f", its data kept in {folder}" if folder is not None else ""
+        yield RedisTarget(url, f"private Redis {server.version} at {url} ({binary}, from {source}){kept}, "
+                               "stopped at the end")
     finally:
         server.stop()  # SIGTERM: a clean shutdown, as the run ends normally
         server.close()
 
 
 @contextmanager
-def redis_for_run(url: str | None) -> Iterator[RedisTarget]:
-    """The Redis at ``url`` if given (left running), else a private one."""
+def redis_for_run(url: str | None, folder: Path | None = None) -> Iterator[RedisTarget]:
+    """The Redis at ``url`` if given (left running), else a private one (persistent in ``folder``, if given)."""
     if url:
         from broker.connection import redact
 
         yield RedisTarget(url, f"Redis at {redact(url)}")
         return
-    with private_redis() as target:
+    with private_redis(folder=folder) as target:
         yield target

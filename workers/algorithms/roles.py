@@ -255,6 +255,10 @@ class Trainer(ModelRole):
         return response_log_probs(self.model, mb["prompts"], mb["responses"])
 
     def compute(self, batch: Mapping[str, Tensor], indexes: list[int], iteration: int) -> Output:
+        if "prompts" in batch:  # the ledger: which prompts this step trains (see pipeline.summarize)
+            prompts = prompts_of(batch)
+            self.add(ledger_rows=float(len(indexes)), ledger_sum=float(sum(
+                zlib.crc32(prompts[i].contiguous().numpy().tobytes(), row) for i, row in enumerate(indexes))))
         minibatch = self.minibatch(batch)
         if "versions" in batch:
             # How many updates behind the trained weights (iteration - 1 so far) each row's generator was.

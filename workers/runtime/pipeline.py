@@ -28,6 +28,7 @@ from broker.api.batches import put_prompts_experience
 
 from ..config import RunConfig
 from ..model import task
+from .checkpoint import Checkpoint, CheckpointError
 from .cluster import WorkerGroup, cpus_per_rank, wait_all
 
 log = logging.getLogger(__name__)
@@ -252,6 +253,31 @@ class Pipeline:
                 failed[trainer] = exc
         return states, failed
 
+    def checkpoint(self, iteration: int, records: list[dict[str, Any]]) -> Checkpoint:
+        """What a run resumes from after ``iteration`` (see ``workers/runtime/checkpoint.py``): call it after
+        ``run_iteration`` and ``clear``, with every iteration's metrics so far."""
+        assert self._begun is not None, "run_iteration first"
+        trainers = {t: ray.get(refs) for t, refs in self._begun.items()}
+        return Checkpoint(iteration=iteration, records=list(records), dock=self.dock.name,
+                          fingerprint=self.dock.fingerprint, restarts=self.restarts, trainers=trainers,
+                          prompt_generator=self._prompt_gen.get_state())
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Take up a run where ``checkpoint`` left it: the trainers' models and optimizers, the weights the
+        roles that follow them get, the prompts still to come; the next iteration is checkpoint's + 1."""
+        missing = set(self.cfg.algorithm.trainers) - set(checkpoint.trainers)
+        ranks = {t: len(self.groups[t].actors) for t in checkpoint.trainers if t in self.groups}
+        if missing or any(len(checkpoint.trainers[t]) != n for t, n in ranks.items()):
+            raise CheckpointError(
+                f"the checkpoint holds trainers {sorted((t, len(s)) for t, s in checkpoint.trainers.items())} "
+                f"(name, ranks); this run has {sorted(ranks.items())}: resume with the layout the run had")
+        self._begun = {t: [ray.put(state) for state in states] for t, states in checkpoint.trainers.items()}
+        wait_all([ref for t, refs in self._begun.items() for ref in self.groups[t].load_state(refs)], timeout=300)
+        self.weights = {t: self.groups[t].export_weights() for t in self.cfg.algorithm.trainers}
+        wait_all([ref for refs in self.weights.values() for ref in refs], timeout=300)
+        self._prompt_gen.set_state(checkpoint.prompt_generator)
+        self.restarts = checkpoint.restarts
+
     def _dock_metrics(self, prompts_put: int) -> dict[str, Any]:
         """What the dock holds at the end of an iteration, before ``clear`` forgets the trained groups."""
         status = self.dock.status()
@@ -322,6 +348,10 @@ def summarize(iteration: int, start: float, seconds: float, results: list[dict[s
         **per_step("actor_train", ("kl", "clip_frac", "pg_loss", "ratio", "grad_norm")),
         # Optimizer steps of the model: DP replicas step together, each counted its own.
         "train_steps": int(total("actor_train", "steps")) // cfg.layout("actor_train").dp,
+        # What the trainer took in this iteration: rows, and a sum over them of a CRC of (row, prompt), the
+        # same for a run that was killed and resumed as for one that was not (tests/test_resume.py).
+        "ledger": {"rows": int(total("actor_train", "ledger_rows")),
+                   "prompts": int(total("actor_train", "ledger_sum"))},
         "busy_seconds": busy_seconds,
         **({"version_lag": total("actor_train", "version_lag") / trained,
             "version_lag_max": max((r["stats"].get("version_lag_max", 0.0) for r in leaders
