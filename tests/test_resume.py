@@ -72,15 +72,16 @@ def uninterrupted(tmp_path_factory) -> list[tuple[int, dict, float, float]]:
 
 @pytest.mark.slow
 @pytest.mark.real
-@pytest.mark.parametrize("point", [0, 1])
-def test_a_run_killed_whole_resumes_without_skipping_or_repeating_a_prompt(uninterrupted, tmp_path, point):
+@pytest.mark.parametrize("point, leases", [(0, []), (1, ["--lease-seconds", "0"])], ids=["leases", "no-leases"])
+def test_a_run_killed_whole_resumes_without_skipping_or_repeating_a_prompt(uninterrupted, tmp_path, point, leases):
+    """Twice, at other random points; the second run without leases (checkpoints do not depend on them)."""
     seed = int(os.environ.get("BROKER_KILL_SEED", random.randrange(1 << 30))) + point
     pick = random.Random(seed)
     # An iteration of this run takes some 0.2-0.5 s: the kill lands in the iteration after checkpoint `after`,
     # or in that checkpoint's write.
     after, delay = pick.randrange(1, ITERATIONS // 2 + 1), pick.uniform(0.0, 0.3)
     folder = tmp_path / "run"
-    run = demo("--iterations", str(ITERATIONS), "--out", str(folder), *RUN, start_new_session=True)
+    run = demo("--iterations", str(ITERATIONS), "--out", str(folder), *RUN, *leases, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while done_iterations(folder) < after and run.poll() is None and time.monotonic() < deadline:

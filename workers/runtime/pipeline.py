@@ -241,10 +241,9 @@ class Pipeline:
     def _trainer_states(
         self, weights: dict[str, list[ray.ObjectRef]] | None = None,
     ) -> tuple[dict[str, list[ray.ObjectRef]], dict[str, BaseException]]:
-        """Every trainer rank's state (none when leases are off: no restarts then), with the exports of
+        """Every trainer rank's state (what a restart and a checkpoint start from), with the exports of
         ``weights``, waited for; and the error of each trainer whose group could not give them."""
-        leases = bool(self.cfg.lease_seconds)
-        states = {t: self.groups[t].export_state() if leases else [] for t in self.cfg.algorithm.trainers}
+        states = {t: self.groups[t].export_state() for t in self.cfg.algorithm.trainers}
         failed: dict[str, BaseException] = {}
         for trainer, refs in states.items():
             try:
