@@ -99,3 +99,36 @@ def test_a_killed_worker_is_replaced_and_every_row_is_trained_once(local_ray, re
     finally:
         pipeline.shutdown()
         dock.delete()
+
+
+@pytest.mark.parametrize("algo, role, settings", [
+    ("grpo", "actor_rollout", {"max_age": 2}),  # partial rollout: unfinished responses kept across passes
+    ("dapo", "compute_advantage", {}),  # the filter: its drops and the driver's refills
+], ids=["partial-rollout", "dapo-filter"])
+def test_a_worker_killed_at_its_first_row_in_other_algorithms(local_ray, real_url, algo, role, settings):
+    """The restart in the runs whose roles hold more than rows: partial responses across passes, groups dropped
+    and refilled. Killed as soon as the role has taken a row of iteration 2 of 3; each iteration trains a full
+    batch, each row once."""
+    base = RunConfig.for_algorithm(algo, prompts=PROMPTS, n=N, trace=True, poll_seconds=0.5, stall_seconds=60.0,
+                                   lease_seconds=30.0, **settings)
+    cfg = with_layouts(base, 1, 1, {})
+    client = redis.Redis.from_url(real_url)
+    dock = create_dock(real_url, f"loss-{uuid.uuid4().hex[:6]}", cfg)
+    pipeline = Pipeline(dock, cfg, cluster_cpus=2)
+    try:
+        for iteration in (1, 2, 3):
+            killer = None
+            if iteration == 2:
+                killer = kill_when(client, DockKeys(dock.name).consumed(role), 1, pipeline.hosts[role][0]["pid"], 0.0)
+            metrics, results = pipeline.run_iteration(iteration)
+            if killer is not None:
+                killer.join()
+            trained = trained_rows(results)
+            assert len(trained) == len(set(trained)) == CAPACITY, (iteration, trained)
+            assert metrics["ledger"]["rows"] == CAPACITY
+            assert all(s["leased"] == 0 for s in dock.status()["consumers"].values())
+            pipeline.clear()
+        assert pipeline.restarts == 1
+    finally:
+        pipeline.shutdown()
+        dock.delete()
