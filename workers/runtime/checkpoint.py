@@ -16,7 +16,7 @@ last), then swapped in by two renames (``checkpoint`` -> ``checkpoint.old``, ``c
 What a checkpoint does not hold: the rows in the dock. The demo checkpoints at the end of an iteration,
 when a synchronous run's dock is empty; the iteration running when the run died is redone from its start,
 with the same prompts (the generator's state), by the trainers as they were when it began. A run whose dock
-keeps groups across iterations (partial or asynchronous rollout) is refused for now (``resumable``).
+keeps groups across iterations (partial or asynchronous rollout) is refused for now (``workers/demo.py``).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class WorkerGroup:
         """Refs to every rank's trainer state, in rank order (what a restarted group loads)."""
         return [a.export_state.remote() for a in self.actors]
 
-    def load_state(self, states: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+    def load_state(self, states: list[dict[str, Any]]) -> list[ray.ObjectRef]:
         """Every rank loads the state its predecessor in the same place exported."""
         return [a.load_state.remote(state) for a, state in zip(self.actors, states)]
 

@@ -82,9 +82,10 @@ class Pipeline:
             raise
         #: Worker groups restarted in this run (see ``_restart``).
         self.restarts = 0
-        #: Trainer -> each rank's state (model and optimizer) when the current iteration began: what a trainer
-        #: group restarted during it starts again from (see ``_restart``); None before the first iteration.
-        self._begun: dict[str, list[ray.ObjectRef]] | None = None
+        #: Trainer -> each rank's state (model and optimizer) when the current iteration began, held by the
+        #: driver: what a trainer group restarted during it starts again from (see ``_restart``), and what a
+        #: checkpoint holds; None before the first iteration.
+        self._begun: dict[str, list[dict[str, Any]]] | None = None
         self.weights: dict[str, list[ray.ObjectRef]] = {}
         self._prompt_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self._dropped = 0  # stale groups the dock had dropped by the end of the last iteration
@@ -151,7 +152,6 @@ class Pipeline:
                     refs[role] = self._restart(role, iteration, exc)
                     owner.update({r: role for r in refs[role]})
                     pending += refs[role]
-                    deadline = time.monotonic() + timeout
             added = self.refill() if dynamic else 0
             refilled += added
             if ready or added:
@@ -240,14 +240,15 @@ class Pipeline:
 
     def _trainer_states(
         self, weights: dict[str, list[ray.ObjectRef]] | None = None,
-    ) -> tuple[dict[str, list[ray.ObjectRef]], dict[str, BaseException]]:
-        """Every trainer rank's state (what a restart and a checkpoint start from), with the exports of
-        ``weights``, waited for; and the error of each trainer whose group could not give them."""
-        states = {t: self.groups[t].export_state() for t in self.cfg.algorithm.trainers}
+    ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, BaseException]]:
+        """Every trainer rank's state (what a restart and a checkpoint start from), fetched, with the exports of
+        ``weights`` waited for; and the error of each trainer whose group could not give them."""
+        refs = {t: self.groups[t].export_state() for t in self.cfg.algorithm.trainers}
+        states: dict[str, list[dict[str, Any]]] = {}
         failed: dict[str, BaseException] = {}
-        for trainer, refs in states.items():
+        for trainer, ranks in refs.items():
             try:
-                wait_all([*refs, *(weights or {}).get(trainer, [])], timeout=300)
+                states[trainer] = wait_all([*ranks, *(weights or {}).get(trainer, [])], timeout=300)[:len(ranks)]
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
                 failed[trainer] = exc
         return states, failed
@@ -256,9 +257,8 @@ class Pipeline:
         """What a run resumes from after ``iteration`` (see ``workers/runtime/checkpoint.py``): call it after
         ``run_iteration`` and ``clear``, with every iteration's metrics so far."""
         assert self._begun is not None, "run_iteration first"
-        trainers = {t: ray.get(refs) for t, refs in self._begun.items()}
         return Checkpoint(iteration=iteration, records=list(records), dock=self.dock.name,
-                          fingerprint=self.dock.fingerprint, restarts=self.restarts, trainers=trainers,
+                          fingerprint=self.dock.fingerprint, restarts=self.restarts, trainers=self._begun,
                           prompt_generator=self._prompt_gen.get_state())
 
     def restore(self, checkpoint: Checkpoint) -> None:
@@ -270,8 +270,8 @@ class Pipeline:
             raise CheckpointError(
                 f"the checkpoint holds trainers {sorted((t, len(s)) for t, s in checkpoint.trainers.items())} "
                 f"(name, ranks); this run has {sorted(ranks.items())}: resume with the layout the run had")
-        self._begun = {t: [ray.put(state) for state in states] for t, states in checkpoint.trainers.items()}
-        wait_all([ref for t, refs in self._begun.items() for ref in self.groups[t].load_state(refs)], timeout=300)
+        self._begun = checkpoint.trainers
+        wait_all([ref for t, states in self._begun.items() for ref in self.groups[t].load_state(states)], timeout=300)
         self.weights = {t: self.groups[t].export_weights() for t in self.cfg.algorithm.trainers}
         wait_all([ref for refs in self.weights.values() for ref in refs], timeout=300)
         self._prompt_gen.set_state(checkpoint.prompt_generator)
