@@ -15,10 +15,13 @@ to be handed out again.
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar
 
 from broker.control.keys import group_field
 from broker.control.scripts import Finish, rows_of, runs_of
 from broker.data.requests import PutRequest
+
+V = TypeVar("V")
 
 #: Bytes of row values above which a put on one slot is written in slices (see the module docstring).
 #: 8 MiB: the server writes one in a few ms, a pause other clients barely see, and a put of 20-80 MB
@@ -96,10 +99,15 @@ def _part(put: PutRequest, rows: list[int], first: int, end: int, n: int) -> Put
         fence = dataclasses.replace(fence, generations=fence.generations[4 * first : 4 * end])
     return dataclasses.replace(
         put,
-        encoded={c: {f: mapping[f] for f in fields if f in mapping} for c, mapping in put.encoded.items()},
-        tails={c: {f: mapping[f] for f in fields if f in mapping} for c, mapping in put.tails.items()},
+        encoded=_only(put.encoded, fields),
+        tails=_only(put.tails, fields),
         runs=runs_of(rows[first:end]),
         lengths={c: values[first:end] for c, values in put.lengths.items()},
         finish=finish,
         fence=fence,
     )
+
+
+def _only(per_column: dict[str, dict[str, V]], fields: list[str]) -> dict[str, dict[str, V]]:
+    """Each column's values of ``fields`` (those it has)."""
+    return {c: {f: mapping[f] for f in fields if f in mapping} for c, mapping in per_column.items()}
