@@ -9,12 +9,14 @@ before the kill is trained once in what the run keeps.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -64,41 +66,55 @@ def kill_when(client: redis.Redis, consumed_key: str, rows: int, pid: int, delay
     return thread
 
 
+@contextlib.contextmanager
+def pipeline_on(url: str, cfg: RunConfig) -> Iterator[Pipeline]:
+    """The run's worker groups on a dock of its own, both gone at the end."""
+    dock = create_dock(url, f"loss-{uuid.uuid4().hex[:6]}", cfg)
+    pipeline = Pipeline(dock, cfg, cluster_cpus=2)
+    try:
+        yield pipeline
+    finally:
+        pipeline.shutdown()
+        dock.delete()
+
+
+def iterations_with_a_kill(pipeline: Pipeline, kill: Callable[[], threading.Thread]) -> Iterator[tuple[dict, list]]:
+    """Iterations 1 to 3's metrics and results, ``kill()`` started as iteration 2 starts; the dock is cleared
+    after each iteration has been checked."""
+    for iteration in (1, 2, 3):
+        killer = kill() if iteration == 2 else None
+        metrics, results = pipeline.run_iteration(iteration)
+        if killer is not None:
+            killer.join()
+        yield metrics, results
+        pipeline.clear()
+
+
 @pytest.mark.parametrize("victim", ["actor_train", "actor_rollout", "any"])
 def test_a_killed_worker_is_replaced_and_every_row_is_trained_once(local_ray, real_url, victim):
     seed = int(os.environ.get("BROKER_KILL_SEED", random.randrange(1 << 30)))
     pick = random.Random(seed)
     cfg = make_config()
     client = redis.Redis.from_url(real_url)
-    dock = create_dock(real_url, f"loss-{uuid.uuid4().hex[:6]}", cfg)
-    pipeline = Pipeline(dock, cfg, cluster_cpus=2)
-    try:
-        for iteration in (1, 2, 3):
-            killer = None
-            if iteration == 2:
-                role = pick.choice(GRPO.roles) if victim == "any" else victim
-                rank = pick.randrange(len(pipeline.hosts[role]))
-                rows, delay = pick.randrange(1, CAPACITY), pick.uniform(0.0, 0.3)
-                print(f"seed {seed}: SIGKILL {role} rank {rank} {delay:.2f} s after it took row {rows} "
-                      "of iteration 2")
-                killer = kill_when(client, DockKeys(dock.name).consumed(role), rows,
-                                   pipeline.hosts[role][rank]["pid"], delay)
-            metrics, results = pipeline.run_iteration(iteration)
-            if killer is not None:
-                killer.join()
+    with pipeline_on(real_url, cfg) as pipeline:
+        def kill() -> threading.Thread:
+            role = pick.choice(GRPO.roles) if victim == "any" else victim
+            rank = pick.randrange(len(pipeline.hosts[role]))
+            rows, delay = pick.randrange(1, CAPACITY), pick.uniform(0.0, 0.3)
+            print(f"seed {seed}: SIGKILL {role} rank {rank} {delay:.2f} s after it took row {rows} of iteration 2")
+            return kill_when(client, DockKeys(pipeline.dock.name).consumed(role), rows,
+                             pipeline.hosts[role][rank]["pid"], delay)
+
+        for iteration, (metrics, results) in enumerate(iterations_with_a_kill(pipeline, kill), 1):
             assert trained_rows(results) == list(range(CAPACITY)), f"seed {seed}, iteration {iteration}"
-            keys = DockKeys(dock.name)
+            keys = DockKeys(pipeline.dock.name)
             for role in GRPO.roles:  # every stage consumed every row, and no lease is left out
                 assert client.bitcount(keys.consumed(role)) == CAPACITY, (seed, iteration, role)
-            assert all(s["leased"] == 0 for s in dock.status()["consumers"].values()), seed
-            assert metrics["train_steps"] == CAPACITY // SMALL["actor_train"] // 1, seed
-            pipeline.clear()
+            assert all(s["leased"] == 0 for s in pipeline.dock.status()["consumers"].values()), seed
+            assert metrics["train_steps"] == CAPACITY // SMALL["actor_train"], seed
         # The kill may land after the victim's last batch of the iteration (it then dies idle, and is found
         # dead by the next iteration's call): either way the group was restarted, once.
         assert pipeline.restarts == 1, seed
-    finally:
-        pipeline.shutdown()
-        dock.delete()
 
 
 @pytest.mark.parametrize("algo, role, settings", [
@@ -113,22 +129,14 @@ def test_a_worker_killed_at_its_first_row_in_other_algorithms(local_ray, real_ur
                                    lease_seconds=30.0, **settings)
     cfg = with_layouts(base, 1, 1, {})
     client = redis.Redis.from_url(real_url)
-    dock = create_dock(real_url, f"loss-{uuid.uuid4().hex[:6]}", cfg)
-    pipeline = Pipeline(dock, cfg, cluster_cpus=2)
-    try:
-        for iteration in (1, 2, 3):
-            killer = None
-            if iteration == 2:
-                killer = kill_when(client, DockKeys(dock.name).consumed(role), 1, pipeline.hosts[role][0]["pid"], 0.0)
-            metrics, results = pipeline.run_iteration(iteration)
-            if killer is not None:
-                killer.join()
+    with pipeline_on(real_url, cfg) as pipeline:
+        def kill() -> threading.Thread:
+            return kill_when(client, DockKeys(pipeline.dock.name).consumed(role), 1, pipeline.hosts[role][0]["pid"],
+                             0.0)
+
+        for iteration, (metrics, results) in enumerate(iterations_with_a_kill(pipeline, kill), 1):
             trained = trained_rows(results)
             assert len(trained) == len(set(trained)) == CAPACITY, (iteration, trained)
             assert metrics["ledger"]["rows"] == CAPACITY
-            assert all(s["leased"] == 0 for s in dock.status()["consumers"].values())
-            pipeline.clear()
+            assert all(s["leased"] == 0 for s in pipeline.dock.status()["consumers"].values())
         assert pipeline.restarts == 1
-    finally:
-        pipeline.shutdown()
-        dock.delete()
