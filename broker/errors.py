@@ -116,3 +116,28 @@ class FencedError(BrokerError):
 
 class VersionError(InvalidExperienceError):
     """A policy version that would move the dock's version backwards."""
+
+
+class CheckpointError(BrokerError):
+    """A checkpoint could not be saved or loaded (a dock's keys: ``broker/api/snapshot.py``; a run's:
+    ``workers/runtime/checkpoint.py``; broker.transfer_queue's ``save_checkpoint`` / ``load_checkpoint``);
+    the subclasses say why."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory, or a file it must hold, does not exist (TransferQueue: FileNotFoundError)."""
+
+
+class CheckpointCorruptError(CheckpointError, ValueError):
+    """A checkpoint's files are not what its save wrote: unreadable, truncated, or their checksum differs.
+    Nothing in Redis was changed."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A checkpoint of something else: another namespace or dock, another dock size, or another checkpoint
+    format. Nothing in Redis was changed."""
+
+
+class CheckpointRestoreError(CheckpointError, RuntimeError):
+    """The server refused to restore a checkpoint's keys (an older Redis than the one that saved it cannot
+    read its RDB payloads), or the staged keys went away before the swap. Nothing of the dock changed."""

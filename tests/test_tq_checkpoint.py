@@ -27,6 +27,7 @@ from tensordict import NonTensorStack, TensorDict  # noqa: E402
 import broker.transfer_queue as tq  # noqa: E402
 from broker import BrokerError  # noqa: E402
 from broker.adapters.transfer_queue import checkpoint  # noqa: E402
+from broker.api import snapshot  # noqa: E402
 from broker.adapters.transfer_queue.client import TransferQueueClient  # noqa: E402
 from broker.adapters.transfer_queue.errors import (  # noqa: E402
     CheckpointCorruptError,
@@ -296,7 +297,7 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(system, tmp_p
     tq.kv_batch_put(["c", "d", "e"], "p", batch(["c", "d", "e"], 10), [{"v": 2}] * 3)
     tq.kv_batch_put(["f"], "q", batch(["f"]))
     written = []
-    real_write = checkpoint._Writer.write
+    real_write = snapshot._Writer.write
 
     def write_then_crash(self, record):
         if len(written) == 3:
@@ -305,7 +306,7 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(system, tmp_p
         written.append(record["k"])
         real_write(self, record)
 
-    monkeypatch.setattr(checkpoint._Writer, "write", write_then_crash)
+    monkeypatch.setattr(snapshot._Writer, "write", write_then_crash)
     with pytest.raises(_Crash):
         tq.save_checkpoint(ck, metadata={"v": 2})
     monkeypatch.undo()
@@ -322,7 +323,7 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(system, tmp_p
 def _save_and_die(url: str, namespace: str, folder: str, records: int) -> None:
     """Save a checkpoint and be SIGKILLed after writing ``records`` records of it: no handler runs."""
     tq.init(conf(url, namespace))
-    real_write = checkpoint._Writer.write
+    real_write = snapshot._Writer.write
 
     def write(self, record):
         real_write(self, record)
@@ -330,7 +331,7 @@ def _save_and_die(url: str, namespace: str, folder: str, records: int) -> None:
             self.out.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint._Writer.write = write  # type: ignore[method-assign]
+    snapshot._Writer.write = write  # type: ignore[method-assign]
     tq.save_checkpoint(Path(folder) / "ck", metadata={"v": 2})
 
 
@@ -349,7 +350,7 @@ def test_a_saver_killed_half_way_leaves_the_previous_checkpoint(system, tmp_path
     assert partial.exists() and partial.stat().st_size > 0
     assert not (tmp_path / "ck.tmp" / checkpoint.METADATA_FILE).exists()
     left = staging_keys(system)  # the dead saver's copies: they expire by themselves
-    assert left and all(0 < system.client.pttl(key) <= checkpoint.STAGING_TTL_MS for key in left)
+    assert left and all(0 < system.client.pttl(key) <= snapshot.STAGING_TTL_MS for key in left)
     system.client.unlink(*left)
     assert tq.load_checkpoint(ck) == {"v": 1}
     assert tq.kv_list() == {"p": {"a": {"v": 1}, "b": {"v": 1}}}

@@ -1,5 +1,5 @@
---[[ system_keys: whether the keys a client listed for a TransferQueue system are still all of them, pasted in
-by `-- @include system_keys` (tq_snapshot.lua, tq_restore.lua).
+--[[ system_keys: whether the keys a client listed for a dock (and a TransferQueue system on it) are still all of
+them, pasted in by `-- @include system_keys` (snapshot.lua, restore.lua).
 
 The client names every key of the system (the dock's from its schema, the partitions' from their hash, the
 named takes' records from their index) rather than a script scanning the keyspace (workers are not granted

@@ -19,6 +19,10 @@ module          lua/ files                                              class
 ``status``      status (for many docks at once, outside any dock)       ``StatusScript``
 ==============  ======================================================  ===================
 
+Outside ``DockScripts``: ``snapshot`` (snapshot, restore: a dock's checkpoints, ``SnapshotScripts``, used by
+``broker/api/snapshot.py``) and ``transfer_queue`` (tq_rows, tq_release: ``TransferQueueScripts``, the
+TransferQueue adapter's).
+
 Beside them: ``loader`` (which file each script is, where ``lua/`` is, includes, request ids), ``base`` (the
 loaded scripts and how a wrapper runs one), ``pipelines`` (running queued scripts when the server lost
 them) and ``results`` (the values the wrappers return, and row runs).

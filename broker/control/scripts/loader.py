@@ -49,8 +49,8 @@ SCRIPT_FILES = {
     "mark": "mark.lua",
     "tq_rows": "tq_rows.lua",
     "tq_release": "tq_release.lua",
-    "tq_snapshot": "tq_snapshot.lua",
-    "tq_restore": "tq_restore.lua",
+    "snapshot": "snapshot.lua",
+    "restore": "restore.lua",
 }
 
 #: How long a script keeps its reply for a resend of the same call (lua/include/once.lua). A resend

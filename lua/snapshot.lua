@@ -1,7 +1,7 @@
---[[ tq_snapshot: copy every key of a TransferQueue system, in one step, for a checkpoint (the adapter
-broker.transfer_queue: save_checkpoint).
+--[[ snapshot: copy every key of a dock, in one step, for a checkpoint (broker/api/snapshot.py: a run's
+checkpoint in workers/, and broker.transfer_queue's save_checkpoint).
 
-The system is one dock whose bytes stay in its slot (shards=0) and the adapter's keys beside it, so every
+The dock keeps its bytes in its slot (shards=0), and a TransferQueue system's keys are beside it, so every
 key is in this slot and one script sees all of them at one moment: no row half put, half cleared or half
 taken. The copies (COPY, in the same slot) are what the client then reads at leisure, in parts of bounded
 size, while writers and readers go on with the originals; it deletes them when done, and they expire by
@@ -15,7 +15,7 @@ again and retries; a grown schema fails the schema check, and the client adopts 
 KEYS[1]         td:{NAME}:meta
 KEYS[2]         td:{NAME}:tq:partitions   partition -> when created, a hash
 KEYS[3]         td:{NAME}:named           the named takes' records, a sorted set
-KEYS[4..3+N]    every key the system may have (DockKeys.tq_system), the meta and the two above included
+KEYS[4..3+N]    every key the system may have (DockKeys.tq_system: the dock's, and the adapter's if any), the meta and the two above included
 KEYS[4+N..3+2N] where to copy each (DockKeys.staged), in the same order
 ARGV[1]         the schema the client expects (see include/schema.lua)
 ARGV[2]         N

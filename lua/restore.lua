@@ -1,5 +1,5 @@
---[[ tq_restore: replace a TransferQueue system by the one a checkpoint holds, in one step (the adapter
-broker.transfer_queue: load_checkpoint).
+--[[ restore: replace every key of a dock (and of a TransferQueue system on it) by those a checkpoint holds, in
+one step (broker/api/snapshot.py: a resumed run in workers/, and broker.transfer_queue's load_checkpoint).
 
 The client has written the checkpoint's keys beside the system first (DockKeys.staged: in the dock's
 slot, expiring if it dies), in as many parts as their size needs; this script then deletes every key the
