@@ -84,6 +84,29 @@ def server_keys(client: Any, pattern: str = "*") -> list[bytes]:
     return sorted(client.keys(pattern))
 
 
+def raw_state(owner: Any) -> dict[str, Any]:
+    """Every key of a dock (or a TransferQueue system: anything with ``client`` and ``keys``) and its value, but
+    the replies calls keep for their resends and a checkpoint's copies."""
+    c, base = owner.client, owner.keys.base
+    out: dict[str, Any] = {}
+    for raw in server_keys(c, base + "*"):
+        key = raw.decode()
+        if key.startswith((base + "reply:", base + "ckpt:")):
+            continue
+        kind = c.type(key).decode()
+        if kind == "hash":
+            out[key] = c.hgetall(key)
+        elif kind == "string":
+            out[key] = c.get(key)
+        elif kind == "list":
+            out[key] = c.lrange(key, 0, -1)
+        elif kind == "zset":
+            out[key] = c.zrange(key, 0, -1, withscores=True)
+        else:
+            out[key] = (kind, c.dump(key))
+    return out
+
+
 def data_cell(dock: TransferDock, column: str, row: int) -> tuple[str, str]:
     """(key, field) where row ``row`` of ``column`` keeps its bytes now: ``td:{NAME}:data:COLUMN`` field ROW,
     or on a sharded dock (a cluster's default) its data shard's hash of this epoch, field ``ROW:GENERATION``."""

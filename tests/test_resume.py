@@ -61,10 +61,16 @@ def processes_using(path: Path) -> list[int]:
     return found
 
 
+#: The runs killed: a synchronous one (its dock is empty at every checkpoint), and a partial-rollout one
+#: without leases (checkpoints depend on neither), whose checkpoints hold the dock's groups, their partial
+#: responses and ages. Asynchronous rollout (--max-staleness) resumes through the same dock snapshot.
+CASES = {"synchronous": [], "partial-no-leases": ["--max-age", "2", "--lease-seconds", "0"]}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[tuple[int, dict, float, float]]:
+def uninterrupted(tmp_path_factory, request) -> list[tuple[int, dict, float, float]]:
     folder = tmp_path_factory.mktemp("uninterrupted")
-    run = demo("--iterations", str(ITERATIONS), "--out", str(folder), *RUN)
+    run = demo("--iterations", str(ITERATIONS), "--out", str(folder), *RUN, *CASES[request.param])
     output, _ = run.communicate(timeout=600)
     assert run.returncode == 0, output
     return ledgers(folder)
@@ -72,22 +78,24 @@ def uninterrupted(tmp_path_factory) -> list[tuple[int, dict, float, float]]:
 
 @pytest.mark.slow
 @pytest.mark.real
-@pytest.mark.parametrize("point, leases", [(0, []), (1, ["--lease-seconds", "0"])], ids=["leases", "no-leases"])
-def test_a_run_killed_whole_resumes_without_skipping_or_repeating_a_prompt(uninterrupted, tmp_path, point, leases):
-    """Twice, at other random points; the second run without leases (checkpoints do not depend on them)."""
-    seed = int(os.environ.get("BROKER_KILL_SEED", random.randrange(1 << 30))) + point
+@pytest.mark.parametrize("uninterrupted", list(CASES), indirect=True)
+def test_a_run_killed_whole_resumes_without_skipping_or_repeating_a_prompt(uninterrupted, tmp_path, request):
+    """Once per case, at a random point of each."""
+    case = request.node.callspec.params["uninterrupted"]
+    seed = int(os.environ.get("BROKER_KILL_SEED", random.randrange(1 << 30))) + list(CASES).index(case)
     pick = random.Random(seed)
     # An iteration of this run takes some 0.2-0.5 s: the kill lands in the iteration after checkpoint `after`,
     # or in that checkpoint's write.
     after, delay = pick.randrange(1, ITERATIONS // 2 + 1), pick.uniform(0.0, 0.3)
     folder = tmp_path / "run"
-    run = demo("--iterations", str(ITERATIONS), "--out", str(folder), *RUN, *leases, start_new_session=True)
+    run = demo("--iterations", str(ITERATIONS), "--out", str(folder), *RUN, *CASES[case], start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while done_iterations(folder) < after and run.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(delay)
-        print(f"seed {seed}: SIGKILL of Redis, the driver and its workers {delay:.2f} s after checkpoint {after}")
+        print(f"{case}, seed {seed}: SIGKILL of Redis, the driver and its workers {delay:.2f} s after checkpoint "
+              f"{after}")
         for pid in processes_using(folder / "redis"):  # the server first: it crashes, it is not shut down
             os.kill(pid, signal.SIGKILL)
         os.killpg(run.pid, signal.SIGKILL)
@@ -142,6 +150,39 @@ def test_no_damaged_or_foreign_checkpoint_is_resumed_from(tmp_path):
     (tmp_path / checkpoints.CURRENT / checkpoints.TRAINERS).write_bytes(b"not a checkpoint")
     with pytest.raises(checkpoints.CheckpointError, match="unreadable checkpoint"):
         checkpoints.load(tmp_path)
+
+
+@pytest.mark.real
+def test_a_checkpoint_holds_the_docks_keys_and_puts_them_back(url, tmp_path):
+    """What a partial-rollout run's checkpoint holds of its dock: the keys as they were when it was saved,
+    back in place whatever the dock held since; a checkpoint without them is refused for such a run."""
+    from broker import TransferDock
+    from tests.helpers import raw_state
+    from tests.test_partial_rollout import COLUMNS, CONSUMERS, ROLLOUT_COLUMNS, partial, prompts, respond
+
+    def make(prompts_num, n, columns, consumers, name=None, **kwargs):
+        return TransferDock(url, name or f"resume-{os.getpid()}", prompts_num=prompts_num, n_samples_per_prompt=n,
+                            columns=columns, consumers=consumers, **kwargs)
+
+    dock = partial(make)
+    try:
+        prompts(dock, [0, 1])
+        _, rows = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 4, get_n_samples=False)
+        respond(dock, rows, [1, 1, 0, 0])
+        dock.clear(consumer="actor_train")
+        saved = raw_state(dock)
+        checkpoints.save(tmp_path, sample(), dock=dock)
+        _, rows = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 4, get_n_samples=False)
+        respond(dock, rows, [1] * len(rows))  # the iteration the kill interrupted
+        dock.get_experience("actor_train", list(COLUMNS), 2)
+        assert raw_state(dock) != saved
+        checkpoints.restore_dock(checkpoints.load(tmp_path), dock)
+        assert raw_state(dock) == saved and tuple(dock.consumers) == CONSUMERS
+        checkpoints.save(tmp_path, sample())  # a synchronous run's: no rows
+        with pytest.raises(checkpoints.CheckpointError, match="holds no rows"):
+            checkpoints.restore_dock(checkpoints.load(tmp_path), dock)
+    finally:
+        dock.delete()
 
 
 def test_resume_takes_the_runs_options_and_refuses_other_ones(tmp_path):

@@ -27,7 +27,6 @@ from tensordict import NonTensorStack, TensorDict  # noqa: E402
 import broker.transfer_queue as tq  # noqa: E402
 from broker import BrokerError  # noqa: E402
 from broker.adapters.transfer_queue import checkpoint  # noqa: E402
-from broker.api import snapshot  # noqa: E402
 from broker.adapters.transfer_queue.client import TransferQueueClient  # noqa: E402
 from broker.adapters.transfer_queue.errors import (  # noqa: E402
     CheckpointCorruptError,
@@ -38,9 +37,10 @@ from broker.adapters.transfer_queue.errors import (  # noqa: E402
 )
 from broker.adapters.transfer_queue.sampler import RankAwareSampler, SequentialSampler  # noqa: E402
 from broker.adapters.transfer_queue.system import System  # noqa: E402
+from broker.api import snapshot  # noqa: E402
 from broker.ops.acl import worker_rules  # noqa: E402
 from broker.ops.local_redis import RedisServer  # noqa: E402
-from tests.helpers import empty_cluster, server_keys, worker_processes  # noqa: E402
+from tests.helpers import empty_cluster, raw_state, server_keys, worker_processes  # noqa: E402
 
 
 def conf(url: str, namespace: str, **broker: Any) -> dict[str, Any]:
@@ -74,28 +74,6 @@ def batch(keys: list[str], base: int = 0) -> TensorDict:
     n = len(keys)
     ids = torch.arange(base, base + 3 * n).reshape(n, 3)
     return TensorDict({"input_ids": ids, "text": NonTensorStack(*[f"t{k}" for k in keys])}, batch_size=n)
-
-
-def raw_state(system: System) -> dict[str, Any]:
-    """Every key of the system and its value, but the replies calls keep for their resends."""
-    c, base = system.client, system.keys.base
-    out: dict[str, Any] = {}
-    for raw in server_keys(c, base + "*"):
-        key = raw.decode()
-        if key.startswith((base + "reply:", base + "ckpt:")):
-            continue
-        kind = c.type(key).decode()
-        if kind == "hash":
-            out[key] = c.hgetall(key)
-        elif kind == "string":
-            out[key] = c.get(key)
-        elif kind == "list":
-            out[key] = c.lrange(key, 0, -1)
-        elif kind == "zset":
-            out[key] = c.zrange(key, 0, -1, withscores=True)
-        else:
-            out[key] = (kind, c.dump(key))
-    return out
 
 
 def staging_keys(system: System) -> list[bytes]:

@@ -111,9 +111,6 @@ def run(args: argparse.Namespace) -> int:
         if args.resume:
             args = resumed_args(args)
         cfg = config_from_args(args)
-        if args.resume and (cfg.partial or cfg.asynchronous):
-            raise ValueError("--resume: a run with --max-age or --max-staleness keeps groups in the dock across "
-                             "iterations, which its checkpoint does not hold yet; it cannot be resumed")
     except ValueError as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 2
@@ -153,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(out / leftover, ignore_errors=True)
         (out / RUN_FILE).write_text(json.dumps({"options": _saved_options(args)}, indent=1), encoding="utf-8")
     # A private Redis keeps its data in the run's folder (an append-only file): a resumed run starts it again
-    # from there. The checkpoint of a synchronous run needs none of it (its dock is empty at every
-    # checkpoint), but the dock's name and schema are checked against it.
+    # from there. A checkpoint needs none of it (a synchronous run's dock is empty at every checkpoint, and
+    # one that keeps rows across iterations holds them), but the dock's name and schema are checked against it.
     with redis_for_run(args.redis_url, folder=None if args.redis_url else out / "redis") as target:
         print(f"redis: {target.description}", flush=True)
         print(f"ray: {start_ray(args.ray_address, None if args.ray_address else args.cpus)}", flush=True)
@@ -214,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
                 log.write(metrics)
                 records.append(metrics)
                 saving = time.monotonic()
-                checkpoints.save(out, pipeline.checkpoint(iteration, records))
+                pipeline.save_checkpoint(out, iteration, records)
                 saved_seconds += time.monotonic() - saving
                 line = iteration_line(cfg, metrics)
                 bar.set_postfix_str(line, refresh=False)
@@ -244,7 +241,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_demo_parser().parse_args(argv))
+    from broker.errors import BrokerError
+
+    try:
+        return run(build_demo_parser().parse_args(argv))
+    except BrokerError as exc:  # a checkpoint that cannot be resumed, a Redis that went away: what, not where
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

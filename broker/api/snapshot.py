@@ -37,7 +37,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any
 
 import msgpack
 
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from broker.api.dock import TransferDock
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 #: How long the snapshot's copies and a restore's staged keys live if their process dies (ms).
 STAGING_TTL_MS = 3_600_000
@@ -84,9 +83,10 @@ class DockSnapshot:
         self._partitions = partitions
         self._run = run
 
-    def run(self, what: str, call: Callable[[], T]) -> T:
+    def run(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call`` as ``run`` was given (the dock's own bounds and error translation by default)."""
         if self._run is not None:
-            return self._run(what, call)  # type: ignore[no-any-return]
+            return self._run(what, call)
         return self.dock._session.run(call)
 
     # -- saving ------------------------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ class DockSnapshot:
         for _ in range(RETRIES):
             partitions, records = self._enumerate()
             try:
-                got = self.run("checkpoint snapshot", lambda: self.scripts.snapshot(
+                got: tuple[int, list[Copied]] | None = self.run("checkpoint snapshot", lambda: self.scripts.snapshot(
                     run, partitions, records, STAGING_TTL_MS))  # noqa: B023 (run at once)
             except SchemaError:
                 self.dock.refresh()  # a column or consumer was added: its keys too
@@ -165,16 +165,18 @@ class DockSnapshot:
 
     # -- restoring ---------------------------------------------------------------------------------------------
 
-    def restore(self, file: Path, saved_meta: Mapping[str, str], *, rdb: int | None = None) -> None:
-        """Replace every key of the dock by those ``save`` wrote to ``file`` (check it with ``verify_file``
-        first), in one step; ``saved_meta`` is the saved ``schema``, ``rdb`` its ``rdb_version``. Raises
-        CheckpointCorruptError for a file that is not what the save wrote, CheckpointRestoreError when the
-        server refuses its keys; either way the dock is left as it was."""
+    def restore(self, file: Path, info: Mapping[str, Any]) -> None:
+        """Replace every key of the dock by those ``save`` wrote to ``file``, in one step; ``info`` is what the
+        save returned (its ``schema``, ``rdb_version`` and ``file``, checked first). Raises
+        CheckpointNotFoundError or CheckpointCorruptError for a file that is not what the save wrote,
+        CheckpointRestoreError when the server refuses its keys; either way the dock is left as it was."""
+        verify_file(file, info["file"])
+        saved_meta = info["schema"]
         saved = saved_schema(saved_meta, where=str(file))
         run = uuid.uuid4().hex
         deadlines: dict[str, int] = {}
         try:
-            self._stage(file, run, rdb, deadlines)
+            self._stage(file, run, info.get("rdb_version"), deadlines)
             self._swap(run, deadlines, saved_meta, saved)
         except BaseException:
             self._drop([self.keys.staged(run, k) for k in deadlines])
@@ -228,6 +230,11 @@ class DockSnapshot:
                         size = 0
             except (msgpack.UnpackException, ValueError) as exc:
                 raise CheckpointCorruptError(f"{file} is not what the save wrote: {exc}") from exc
+            # The unpacker stops quietly at a record cut short: a file that ends in one lost its last keys,
+            # which the swap would delete from the dock.
+            if unpacker.tell() != os.fstat(f.fileno()).st_size:
+                raise CheckpointCorruptError(f"{file} ends in the middle of a record, at byte {unpacker.tell()}: "
+                                             "it is not what the save wrote")
         flush()
         for staged, count in hashes.items():
             got = self.run("checkpoint check", lambda: self.client.hlen(staged))  # noqa: B023

@@ -31,7 +31,7 @@ CLIENT_COMMANDS = (
     "unsubscribe", "hdel", "unlink", "incr", "wait",  # the data shards' puts and clears, wait_replicas
     "info",  # opening a dock reads maxmemory_policy (control/server_checks.py); wait_replicas, the replicas' state
     "hkeys",  # the TransferQueue adapter's partition list
-    "zrange", "dump", "restore", "pexpire",  # its checkpoints: the named takes' records, reading and staging keys
+    "zrange", "dump", "restore", "pexpire",  # a dock's checkpoints: the named takes' records, reading and staging keys
 )
 
 #: Commands the Lua scripts in lua/ call.
@@ -41,7 +41,7 @@ SCRIPT_COMMANDS = (
     "zrangebyscore", "publish", "getbit", "setbit", "hincrby", "rename", "zcount", "zscore",
     "hexists", "llen", "lpop", "rpush",  # the TransferQueue adapter's free rows (tq_rows, tq_release)
     "zremrangebyscore",  # take: the index of named takes' records
-    "copy", "pttl", "pexpire", "pexpireat", "persist",  # the adapter's checkpoints (tq_snapshot, tq_restore)
+    "copy", "pttl", "pexpire", "pexpireat", "persist",  # a dock's checkpoints (snapshot, restore)
 )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -28,6 +29,7 @@ from broker.api.batches import put_prompts_experience
 
 from ..config import RunConfig
 from ..model import task
+from . import checkpoint as checkpoints
 from .checkpoint import Checkpoint, CheckpointError
 from .cluster import WorkerGroup, cpus_per_rank, wait_all
 
@@ -254,16 +256,23 @@ class Pipeline:
         return states, failed
 
     def checkpoint(self, iteration: int, records: list[dict[str, Any]]) -> Checkpoint:
-        """What a run resumes from after ``iteration`` (see ``workers/runtime/checkpoint.py``): call it after
-        ``run_iteration`` and ``clear``, with every iteration's metrics so far."""
+        """What a run resumes from after ``iteration``, but the dock's rows (see ``save_checkpoint``)."""
         assert self._begun is not None, "run_iteration first"
         return Checkpoint(iteration=iteration, records=list(records), dock=self.dock.name,
                           fingerprint=self.dock.fingerprint, restarts=self.restarts, trainers=self._begun,
                           prompt_generator=self._prompt_gen.get_state())
 
+    def save_checkpoint(self, folder: Path, iteration: int, records: list[dict[str, Any]]) -> None:
+        """Write what a run resumes from after ``iteration`` into ``folder`` (``workers/runtime/checkpoint.py``):
+        call it after ``run_iteration`` and ``clear``, with every iteration's metrics so far. The dock's keys
+        go with it when its rows outlive an iteration; no worker runs then, so they are the rows the next
+        iteration starts from."""
+        checkpoints.save(folder, self.checkpoint(iteration, records), dock=self.dock if self.cfg.tracked else None)
+
     def restore(self, checkpoint: Checkpoint) -> None:
         """Take up a run where ``checkpoint`` left it: the trainers' models and optimizers, the weights the
-        roles that follow them get, the prompts still to come; the next iteration is checkpoint's + 1."""
+        roles that follow them get, the prompts still to come, and the dock's rows when they outlive an
+        iteration; the next iteration is checkpoint's + 1."""
         missing = set(self.cfg.algorithm.trainers) - set(checkpoint.trainers)
         ranks = {t: len(self.groups[t].actors) for t in checkpoint.trainers if t in self.groups}
         if missing or any(len(checkpoint.trainers[t]) != n for t, n in ranks.items()):
@@ -276,6 +285,11 @@ class Pipeline:
         wait_all([ref for refs in self.weights.values() for ref in refs], timeout=300)
         self._prompt_gen.set_state(checkpoint.prompt_generator)
         self.restarts = checkpoint.restarts
+        if self.cfg.tracked:
+            # Whatever the dock held when the run died (groups of the iteration lost, trained or not) goes:
+            # the rows, ages, version and admission count come back as the next iteration must find them.
+            checkpoints.restore_dock(checkpoint, self.dock)
+            self._dropped = int(self.dock.status()["discarded"].get("stale", 0))
 
     def _dock_metrics(self, prompts_put: int) -> dict[str, Any]:
         """What the dock holds at the end of an iteration, before ``clear`` forgets the trained groups."""

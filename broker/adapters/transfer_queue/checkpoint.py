@@ -47,17 +47,17 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from broker.adapters.transfer_queue.errors import (
+from broker.adapters.transfer_queue.sampler import BaseSampler
+from broker.adapters.transfer_queue.system import System
+from broker.api.snapshot import DockSnapshot, fsync_dir, saved_schema, verify_file, write_file
+from broker.control.schema import Schema
+from broker.errors import (
+    BrokerError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
-from broker.adapters.transfer_queue.sampler import BaseSampler
-from broker.adapters.transfer_queue.system import System
-from broker.api.snapshot import DockSnapshot, fsync_dir, saved_schema, verify_file, write_file
-from broker.control.schema import Schema
-from broker.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,8 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
     current = system.dock.refresh()
     _check_fits(path, saved, current)
     state = _read_sampler(path, document)
-    verify_file(path / KEYS_FILE, document["files"][KEYS_FILE])
-    _snapshot(system).restore(path / KEYS_FILE, document["schema"], rdb=document.get("rdb_version"))
+    _snapshot(system).restore(path / KEYS_FILE, {"schema": document["schema"], "file": document["files"][KEYS_FILE],
+                                                 "rdb_version": document.get("rdb_version")})
     sampler = _sampler_of(client)
     if document.get("sampler") not in (None, type(sampler).__name__):
         log.warning("checkpoint %s was saved with a %s; its state goes to this process's %s", path,

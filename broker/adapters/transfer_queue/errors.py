@@ -8,7 +8,7 @@ the broker's own classes (``InvalidExperienceError`` is a ``ValueError``, ``RowI
 
 from __future__ import annotations
 
-from broker.errors import (  # noqa: F401 - TransferQueue's checkpoint errors are the broker's own
+from broker.errors import (  # TransferQueue's checkpoint errors are the broker's own
     BrokerError,
     CheckpointCorruptError,
     CheckpointError,
@@ -16,6 +16,9 @@ from broker.errors import (  # noqa: F401 - TransferQueue's checkpoint errors ar
     CheckpointNotFoundError,
     CheckpointRestoreError,
 )
+
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError",
+           "CheckpointRestoreError", "MetaIndexTypeError", "MissingKeysError"]
 
 
 class MetaIndexTypeError(BrokerError, TypeError):

@@ -1,0 +1,117 @@
+"""A dock's keys to a file and back (broker/api/snapshot.py), on a dock with partial rollout: what a run's
+checkpoint holds of the dock when its rows outlive an iteration. The TransferQueue adapter's checkpoints
+(tests/test_tq_checkpoint.py) run on the same code with the adapter's keys added."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from broker import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointRestoreError
+from broker.api.snapshot import DockSnapshot, verify_file, write_file
+from tests.helpers import raw_state, server_keys
+from tests.test_partial_rollout import CONSUMERS, ROLLOUT_COLUMNS, partial, prompts, respond
+
+
+@pytest.fixture(params=["real", "redis62", "cluster"])
+def backend(request) -> str:
+    """COPY, DUMP and RESTORE on every real server (fakeredis has no COPY)."""
+    return request.param
+
+
+def mid_run(dock) -> None:
+    """A dock as a partial-rollout run leaves it between iterations: groups of two ages, partial responses,
+    rows consumed by some stages, a version and a dropped group."""
+    prompts(dock, [0, 1, 2])
+    _, rows = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 6, get_n_samples=False)
+    respond(dock, rows, [1, 1, 1, 0, 0, 1], tokens=(5, 6))
+    dock.get_experience("reward", ["prompts", "responses"], 2)
+    dock.set_version(3)
+    dock.clear(consumer="actor_train")  # ages the groups kept
+    prompts(dock, [3])
+
+
+def staged(dock) -> list[bytes]:
+    return server_keys(dock.client, dock.keys.base + "ckpt:*")
+
+
+def test_a_restore_brings_back_the_dock_as_it_was_saved(make_dock, tmp_path):
+    dock = partial(make_dock)
+    mid_run(dock)
+    before, status = raw_state(dock), dock.status()
+    info = DockSnapshot(dock).save(tmp_path / "dock.msgpack")
+    assert raw_state(dock) == before and staged(dock) == []  # the save changed nothing, and left no copies
+    assert info["keys"] == len(before) - 1  # every key but the meta, which goes in the info
+    verify_file(tmp_path / "dock.msgpack", info["file"])
+    # What a run does after the checkpoint, undone by the restore: more generated, trained, cleared.
+    _, rows = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 8, get_n_samples=False)
+    respond(dock, rows, [1] * len(rows))
+    dock.get_experience("actor_train", ["responses"], 2)
+    dock.set_version(4)
+    dock.clear(consumer="actor_train")
+
+    DockSnapshot(dock).restore(tmp_path / "dock.msgpack", info)
+
+    assert raw_state(dock) == before and staged(dock) == []
+    again = dock.status()
+    assert (again["rollout"], again["version"], again["columns"]) == (status["rollout"], status["version"],
+                                                                      status["columns"])
+    # The dock goes on from there: the rollout gets the unfinished rows with their partial responses.
+    batch, rows = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 8, get_n_samples=False)
+    unfinished = {r: t.tolist() for r, t in zip(rows, batch["responses"])}
+    assert unfinished and all(t in ([5, 6], [-1]) for t in unfinished.values())
+
+
+def test_a_file_that_is_not_the_saves_changes_nothing(make_dock, tmp_path):
+    dock = partial(make_dock)
+    mid_run(dock)
+    file = tmp_path / "dock.msgpack"
+    info = DockSnapshot(dock).save(file)
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointCorruptError, match="not the file the save wrote"):
+        verify_file(file, info["file"])
+    with pytest.raises(CheckpointNotFoundError):
+        verify_file(tmp_path / "gone", info["file"])
+    before = raw_state(dock)
+    with pytest.raises(CheckpointCorruptError, match="not the file the save wrote"):
+        DockSnapshot(dock).restore(file, info)
+    # Files that pass the check (their own size and hash given) but are not a save's: refused, nothing changed.
+    # Another dock's keys:
+    other = partial(make_dock)
+    foreign = msgpack.packb({"k": other.keys.meta + "x", "t": "string", "at": -1, "dump": b"x"})
+    # A file cut in the middle of a record, after whole ones were staged (the staged keys go):
+    cut = data[: len(data) // 2]
+    for bad, message in ((foreign, "not one of the dock's"), (cut, "middle of a record")):
+        file.write_bytes(bad)
+        with pytest.raises(CheckpointCorruptError, match=message):
+            DockSnapshot(dock).restore(file, {**info, "file": write_file(file, bad)})
+        assert raw_state(dock) == before and staged(dock) == []
+
+
+def test_a_dock_with_data_shards_is_refused(make_dock, tmp_path):
+    dock = make_dock(2, 2, ("prompts",), CONSUMERS, shards=2)
+    with pytest.raises(CheckpointError, match="data shards"):
+        DockSnapshot(dock).save(tmp_path / "dock.msgpack")
+
+
+def test_an_older_server_refuses_a_newer_ones_payloads_and_keeps_its_dock(url, redis62_url, tmp_path):
+    from tests.helpers import small_dock
+
+    name = "snap-old"
+    newer = small_dock(url, name, 2, 2, ("prompts",), CONSUMERS)
+    older = small_dock(redis62_url, name, 2, 2, ("prompts",), CONSUMERS)
+    try:
+        newer.put_experience({"prompts": [torch.tensor([1])] * 2}, [0, 1])
+        newer.get_experience("reward", ["prompts"], 2)  # a bitmap: a DUMP payload, in 7.0's RDB format
+        info = DockSnapshot(newer).save(tmp_path / "dock.msgpack")
+        if info["rdb_version"] is None or info["rdb_version"] <= 9:
+            pytest.skip(f"the newer server dumps RDB format {info['rdb_version']}, which 6.2 reads")
+        before = raw_state(older)
+        with pytest.raises(CheckpointRestoreError, match="RDB format"):
+            DockSnapshot(older).restore(tmp_path / "dock.msgpack", info)
+        assert raw_state(older) == before and staged(older) == []
+    finally:
+        newer.delete()
+        older.delete()
