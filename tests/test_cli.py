@@ -60,6 +60,22 @@ def test_status_reports_a_broken_dock_and_lists_the_others(url, capsys):
     assert "DecodeError" in reports[0]["error"] and "td:{bad}:meta" in reports[0]["error"]
 
 
+def test_status_reports_a_tenants_garbage_meta_and_a_stray_key_and_lists_the_others(url, capsys):
+    make(url, "good")
+    make(url, "deep")
+    admin = redis.Redis.from_url(url)
+    admin.hset("td:{deep}:meta", "columns", "[" * 100_000)  # nested past Python's recursion limit
+    admin.hset("td:{a b}:meta", "format_version", "1")  # a name no dock may have
+    assert main(["status", "--url", url, "--json"]) == 1
+    reports = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert sorted(reports) == ["a b", "deep", "good"] and "error" not in reports["good"]
+    assert "DecodeError" in reports["deep"]["error"] and "td:{deep}:meta" in reports["deep"]["error"]
+    assert "td:{a b}:meta" in reports["a b"]["error"]
+    assert main(["status", "--url", url]) == 1
+    out = capsys.readouterr()
+    assert "dock good:" in out.out and "deep" in out.out + out.err and "a b" in out.out + out.err
+
+
 def test_clear_needs_yes(url, capsys):
     dock = make(url, "grpo")
     assert main(["clear", "grpo", "--url", url]) == 2

@@ -166,6 +166,24 @@ def test_a_dock_holding_garbage_is_an_error_counter_not_a_crash(url, exporter):
         assert value(samples, "broker_column_ready_rows", dock="bitmap", column="prompts") is None
 
 
+def test_one_tenants_garbage_meta_or_stray_key_is_that_dock_down_and_the_rest_as_usual(url, exporter):
+    """A tenant may write anything into its own dock's keys: a meta nested past Python's recursion limit, or a
+    meta key under a name no dock may have, shows as that dock down, not as Redis down for every dock."""
+    make(url, "good").put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
+    make(url, "deep")
+    admin = redis.Redis.from_url(url)
+    admin.hset("td:{deep}:meta", "columns", "[" * 100_000)
+    admin.hset("td:{a b}:meta", "format_version", "1")
+    server = exporter()
+    samples = scrape(server)
+    assert value(samples, "broker_up") == 1
+    assert value(samples, "broker_dock_up", dock="good") == 1
+    assert value(samples, "broker_column_ready_rows", dock="good", column="prompts") == 2
+    assert value(samples, "broker_dock_up", dock="deep") == 0
+    assert value(samples, "broker_dock_up", dock="a b") == 0
+    assert value(samples, "broker_dock_errors_total", dock="deep", error="DecodeError") == 1
+
+
 def test_named_docks_only_and_a_missing_one(url, exporter):
     make(url, "a")
     make(url, "b")

@@ -195,6 +195,30 @@ def test_garbage_in_keys_is_reported_by_reads_and_status_not_crashed_on(client, 
     assert any(o != "ok" for o in outcomes), outcomes
 
 
+DEEP = "[" * 100_000  # JSON nested past Python's recursion limit
+
+
+def test_json_nested_past_the_recursion_limit_is_a_decode_error_wherever_it_is_read(client):
+    """A tenant may write anything into its own dock's keys; what the broker reads back as JSON (the meta's
+    columns, the metrics, a consumer's registered columns) raised RecursionError, and crashed every reader."""
+    dock = TransferDock(client, "deep", prompts_num=2, n_samples_per_prompt=2, columns=["prompts"],
+                        consumers=["train"])
+    dock.put_experience({"prompts": torch.arange(8).reshape(4, 2)}, indexes=[0, 1, 2, 3])
+    k = DockKeys("deep")
+    client.hset(k.metrics, "loss", DEEP)
+    with pytest.raises(DecodeError, match=r"td:\{deep\}:metrics"):
+        dock.get_metrics()
+    client.hset(k.consumer_columns, "train", DEEP)
+    with pytest.raises(DecodeError, match=r"td:\{deep\}:columns_of"):
+        dock.get_experience("train", None, 2)
+    client.hset(k.meta, "columns", DEEP)
+    with pytest.raises(DecodeError, match=r"td:\{deep\}:meta.*RecursionError"):
+        TransferDock.attach(client, "deep")
+    client.hset(k.meta, "columns", "[" + '"x",' * 300_000 + '"x"]')  # longer than any meta a broker writes
+    with pytest.raises(DecodeError, match="more than"):
+        TransferDock.attach(client, "deep")
+
+
 @pytest.mark.real
 @pytest.mark.parametrize(
     "kind", ["meta field", "data type", "consumed type", "redelivered junk", "ready past capacity"]

@@ -45,7 +45,7 @@ class Admin:
         for name, text in raw.items():
             try:
                 out[name.decode()] = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past the limit, by another client
                 raise DecodeError(f"{self._s.keys.metrics} field {name!r}: not a JSON number or list") from None
         return out
 

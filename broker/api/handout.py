@@ -394,7 +394,7 @@ class Handouts:
             )
         try:
             columns = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the limit, by another client
             raise DecodeError(f"{self._s.keys.consumer_columns} field {consumer}: not a JSON list") from None
         if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
             raise DecodeError(f"{self._s.keys.consumer_columns} field {consumer}: not a list of column names")

@@ -24,6 +24,10 @@ CHECKED_FIELDS = ("format_version", "prompts_num", "n_samples_per_prompt", "colu
 #: Bitmaps of more rows than this would be slow to scan and big to hold; raise it deliberately.
 MAX_CAPACITY = 1 << 26
 
+#: Longest meta field a reader parses (a JSON list of thousands of 128-character names fits); a longer one
+#: is garbage another client wrote.
+MAX_META_FIELD = 1 << 20
+
 
 @dataclass(frozen=True)
 class Schema:
@@ -132,7 +136,16 @@ class Schema:
 
     @classmethod
     def from_meta(cls, meta: dict[bytes, bytes], *, where: str) -> Schema:
-        """Parse a meta hash read from Redis; anything malformed raises DecodeError naming ``where``."""
+        """Parse a meta hash read from Redis; anything malformed raises DecodeError naming ``where``.
+
+        Any client allowed to write the dock's keys may write anything here, so nothing in it may crash the
+        reader (``broker status`` and the exporter read every dock's): a field longer than any broker
+        writes is refused unparsed, and JSON nested past Python's recursion limit is malformed like the rest.
+        """
+        long = [k for k, v in meta.items() if len(v) > MAX_META_FIELD]
+        if long:
+            raise DecodeError(f"{where}: field {long[0]!r:.40} holds more than {MAX_META_FIELD} bytes, which no "
+                              "broker writes")
         try:
             fields = {k.decode(): v.decode() for k, v in meta.items()}
             version = int(fields["format_version"])
@@ -151,8 +164,8 @@ class Schema:
                 tuple(json.loads(fields.get("shards", "[]"))),  # likewise
                 tuple(json.loads(fields.get("group_columns", "[]"))),  # likewise, and in docks without any
             )
-        except (KeyError, ValueError, TypeError, SchemaError) as exc:
-            raise DecodeError(f"{where}: malformed dock meta ({exc})") from None
+        except (KeyError, ValueError, TypeError, SchemaError, RecursionError) as exc:
+            raise DecodeError(f"{where}: malformed dock meta ({type(exc).__name__}: {str(exc)[:200]})") from None
         return schema
 
     def differences(self, other: Schema) -> list[str]:

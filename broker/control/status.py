@@ -36,13 +36,25 @@ class DockRef:
 
 
 def read_metas(client: Client, names: Sequence[str]) -> list[DockRef | BrokerError]:
-    """The schema of each named dock, in one round trip; a missing or broken meta is that dock's error."""
+    """The schema of each named dock, in one round trip; a missing or broken meta is that dock's error, and so
+    is a name no dock may have (a meta key another client wrote, ``td:{a b}:meta``): the others are read."""
     pipe = client.pipeline(transaction=False)
-    keys = [DockKeys(name) for name in names]
+    keys: list[DockKeys | BrokerError] = []
+    for name in names:
+        try:
+            keys.append(DockKeys(name))
+        except SchemaError as exc:
+            keys.append(DecodeError(f"{META_PATTERN.replace('*', name)}: not a dock's meta key ({exc})"))
     for k in keys:
-        pipe.hgetall(k.meta)
+        if isinstance(k, DockKeys):
+            pipe.hgetall(k.meta)
+    replies = iter(pipe.execute(raise_on_error=False))
     out: list[DockRef | BrokerError] = []
-    for k, meta in zip(keys, pipe.execute(raise_on_error=False)):
+    for k in keys:
+        if isinstance(k, BrokerError):
+            out.append(k)
+            continue
+        meta = next(replies)
         if isinstance(meta, redis.ResponseError):
             out.append(DecodeError(f"{k.meta}: not a dock meta hash ({meta})"))
         elif not meta:

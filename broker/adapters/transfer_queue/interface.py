@@ -337,8 +337,9 @@ def _stored_conf(url: str, namespace: str) -> dict[str, Any] | None:
         return None
     try:
         conf = json.loads(raw)
-    except ValueError as exc:
-        raise SchemaError(f"the stored conf of TransferQueue system {namespace!r} is not JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the limit, by another client
+        raise SchemaError(f"the stored conf of TransferQueue system {namespace!r} is not JSON: "
+                          f"{type(exc).__name__}: {str(exc)[:200]}") from exc
     return merged(conf)
 
 
