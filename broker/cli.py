@@ -34,10 +34,14 @@ def _status(args: argparse.Namespace) -> int:
     with bounded(where, args.timeout):  # opening asks the server whether it is a cluster
         client, _ = connect(args.url)
     try:
-        survey = Survey(client, [args.name] if args.name else ())
         if args.watch is not None:
-            return watch(survey, args.watch, sys.stdout, where=where, as_lines=args.json,
-                         guard=lambda: bounded(where, args.timeout))
+            # Every frame rescans for new docks (as often as scans stay cheap), and a reading gives up
+            # within two frames (at most --timeout): during an outage the view says so every frame or two
+            # instead of hanging in the client's reconnect attempts.
+            reading = min(args.timeout, max(2 * args.watch, 1.0))
+            return watch(Survey(client, [args.name] if args.name else (), rescan_seconds=None), args.watch,
+                         sys.stdout, where=where, as_lines=args.json, guard=lambda: bounded(where, reading))
+        survey = Survey(client, [args.name] if args.name else ())
         return _report(survey, args, where)
     finally:
         disconnect(args.url)
@@ -208,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="redraw every SECONDS (default 2) with rows per second filling and draining, until Ctrl-C",
     )
     status.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_CALL_TIMEOUT, metavar="SECONDS",
-                        help="give up on a server that does not answer within SECONDS (default: %(default)g)")
+                        help="give up on a server that does not answer within SECONDS (default: %(default)g; with "
+                             "--watch, a reading gives up within two frames or 1 s, if sooner)")
     status.set_defaults(run=_status)
 
     clear = commands.add_parser("clear", parents=[url], help="delete every row and status bit of a dock")

@@ -95,6 +95,64 @@ def test_an_outage_is_shown_and_the_view_goes_on():
     assert out.getvalue().count("ERROR Redis at") == 2
 
 
+def json_watch(url: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "broker", "status", "--url", url, "--watch", "0.2", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=interruptible)
+
+
+def test_a_dock_made_while_it_watches_shows_at_its_next_frame(url):
+    """The watch rescanned for new docks every 60 s: a dock made meanwhile was missing for a minute."""
+    small_dock(url, "first")
+    proc = json_watch(url)
+    try:
+        assert [d["name"] for d in json.loads(proc.stdout.readline())["docks"]] == ["first"]
+        small_dock(url, "second")
+        proc.stdout.readline()  # a frame possibly read before the dock was made
+        names = [d["name"] for d in json.loads(proc.stdout.readline())["docks"]]
+        assert names == ["first", "second"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_json_lines_say_so_during_an_outage_and_go_on_after_it():
+    """Killed or hung, the server left the JSON stream silent for the reading's reconnect attempts (its
+    --timeout, 30 s): no line said Redis was gone."""
+    from broker.ops.local_redis import RedisServer
+
+    port = free_port()
+    server = RedisServer(port=port).start()
+    small_dock(server.url, "grpo")
+    proc = json_watch(server.url)
+    lines: list[tuple[float, dict]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), json.loads(line))
+                                                          for line in proc.stdout), daemon=True)
+    reader.start()
+    try:
+        while not lines:
+            time.sleep(0.05)
+        for outage in ("hung", "killed"):
+            if outage == "hung":
+                os.kill(server.proc.pid, signal.SIGSTOP)
+            else:
+                server.stop(kill=True)
+            began = time.monotonic()
+            time.sleep(6)
+            # A reading gives up within two frames, or 1 s: several lines saying so, not silence.
+            errors = [line for at, line in lines if at > began and "Redis at" in line.get("error", "")]
+            assert len(errors) >= 2, (outage, lines[-3:])
+            if outage == "hung":
+                os.kill(server.proc.pid, signal.SIGCONT)
+        server = RedisServer(port=port).start()  # back, empty: the view goes on
+        began = time.monotonic()
+        time.sleep(3)
+        assert any(at > began and line.get("docks") == [] for at, line in lines), lines[-3:]
+    finally:
+        proc.kill()
+        proc.wait()
+        server.stop(kill=True)
+
+
 def test_under_a_terminal_it_redraws_in_place_and_ends_cleanly_on_ctrl_c(url):
     dock = small_dock(url, "grpo")
     parent, child = pty.openpty()

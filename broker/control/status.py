@@ -203,16 +203,22 @@ class Survey:
     once are kept, so a reading is one round trip (a status script call per dock, in one pipeline),
 whatever the number of docks.
     The server is scanned for new docks at most every ``rescan_seconds`` (a SCAN costs a round trip
-    per 1,000 keys); a dock whose meta vanished or changed since is read afresh within the same
-    reading, so a dock deleted and created again with another schema shows its new counts at once.
-    Not thread-safe: one reader at a time.
+    per 1,000 keys); with None, at every reading, unless scans grow slow: then as often as keeps
+    scanning to 1/``SCAN_SHARE`` of the time (``broker status --watch`` shows a new dock at its next
+    frame on any keyspace a scan reads in a few milliseconds). A dock whose meta vanished or changed
+    since is read afresh within the same reading, so a dock deleted and created again with another
+    schema shows its new counts at once. Not thread-safe: one reader at a time.
     """
 
-    def __init__(self, client: Client, names: Sequence[str] = (), *, rescan_seconds: float = 60.0):
+    #: With ``rescan_seconds=None``, a scan again once ``SCAN_SHARE`` times the last scan's duration passed.
+    SCAN_SHARE = 20
+
+    def __init__(self, client: Client, names: Sequence[str] = (), *, rescan_seconds: float | None = 60.0):
         self._client = client
         self._fixed = list(names)
         self._rescan_seconds = rescan_seconds
         self._scanned_at: float | None = None
+        self._scan_took = 0.0
         self._found: list[str] = []
         self._refs: dict[str, DockRef] = {}
 
@@ -242,9 +248,10 @@ whatever the number of docks.
 
     def _discover(self) -> list[str]:
         now = time.monotonic()
-        if self._scanned_at is None or now - self._scanned_at >= self._rescan_seconds:
+        every = self.SCAN_SHARE * self._scan_took if self._rescan_seconds is None else self._rescan_seconds
+        if self._scanned_at is None or now - self._scanned_at >= every:
             self._found = dock_names(self._client)
-            self._scanned_at = now
+            self._scanned_at, self._scan_took = now, time.monotonic() - now
             for name in set(self._refs) - set(self._found):
                 del self._refs[name]
         return self._found
