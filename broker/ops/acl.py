@@ -8,9 +8,10 @@ server-wide commands. ``worker_rules("A")`` gives the rules for ``ACL SETUSER``:
 Keys: only ``td:{A}:*`` and the data shards ``td:{A~*}:*`` (no other dock's keys match: ``~`` is not
 allowed in names). Channels: only ``td:{A}:*`` (the dock's put notifications). Commands: only what the
 client and the Lua scripts call. Redis checks the keys that scripts touch against the same patterns, so
-a script cannot reach another dock either. Server-wide commands (FLUSHDB, KEYS, CONFIG, SCAN, ...) are
-not granted; INFO is (it shows the server's counters and settings, no key's contents): opening a dock
-reads the server's eviction policy from it, and CONFIG GET would show every setting, passwords included.
+a script cannot reach another dock either. Nor another database: SELECT is granted for the database the
+user's URL names only. Server-wide commands (FLUSHDB, KEYS, CONFIG, SCAN, ...) are not granted; INFO is
+(it shows the server's counters and settings, no key's contents): opening a dock reads the server's
+eviction policy from it, and CONFIG GET would show every setting, passwords included.
 ``reader_rules()`` gives the exporter's: every dock, reading only.
 
 On a Redis Cluster every node checks its own users: the user must be created on every node, primaries
@@ -26,7 +27,7 @@ from broker.control.keys import PREFIX, DockKeys, shard_pattern
 
 #: Commands sent by the client (dock methods and redis-py's connection set-up).
 CLIENT_COMMANDS = (
-    "ping", "select", "multi", "exec", "discard", "evalsha", "eval", "script|load", "script|exists",
+    "ping", "multi", "exec", "discard", "evalsha", "eval", "script|load", "script|exists",
     "hset", "hget", "hmget", "hgetall", "hlen", "bitcount", "bitfield", "zcard", "get", "del", "subscribe",
     "unsubscribe", "hdel", "unlink", "incr", "wait",  # the data shards' puts and clears, wait_replicas
     "info",  # opening a dock reads maxmemory_policy (control/server_checks.py); wait_replicas, the replicas' state
@@ -54,23 +55,26 @@ SHARDED_PUBSUB_COMMANDS = ("ssubscribe", "sunsubscribe", "spublish")
 
 #: Commands the exporter and ``broker status`` send, and those lua/status.lua calls: reads only.
 READER_COMMANDS = (
-    "ping", "select", "scan", "hgetall", "evalsha", "script|load", "memory|usage",
+    "ping", "scan", "hgetall", "evalsha", "script|load", "memory|usage",
     "type", "hmget", "bitcount", "strlen", "zcard", "get", "zcount", "hlen",
 )
 
 
-def reader_rules(*, cluster: bool = False) -> list[str]:
+def reader_rules(*, db: int = 0, cluster: bool = False) -> list[str]:
     """ACL SETUSER rules for ``broker exporter`` and ``broker status``: every dock's keys, reads only.
 
     Scripts run with the user's permissions, so granting EVALSHA grants no write: the only commands a
-    script may call are the read commands listed here. ``cluster``: for a Redis Cluster node (see above).
+    script may call are the read commands listed here. ``db``: the database its URL names (see
+    ``select_rules``). ``cluster``: for a Redis Cluster node (see above).
     """
     commands = set(READER_COMMANDS) | (set(CLUSTER_COMMANDS) if cluster else set())
-    return ["resetkeys", f"~{PREFIX}:*", "resetchannels", "-@all", *(f"+{c}" for c in sorted(commands))]
+    return ["resetkeys", f"~{PREFIX}:*", "resetchannels", "-@all", *(f"+{c}" for c in sorted(commands)),
+            *select_rules(db, cluster)]
 
 
-def worker_rules(dock: str, *, cluster: bool = False, sharded_pubsub: bool = True) -> list[str]:
-    """ACL SETUSER rules (without ``on`` and the password) letting a user work on dock ``dock`` only.
+def worker_rules(dock: str, *, db: int = 0, cluster: bool = False, sharded_pubsub: bool = True) -> list[str]:
+    """ACL SETUSER rules (without ``on`` and the password) letting a user work on dock ``dock`` only, in
+    database ``db`` only (the one its URL names, see ``select_rules``).
 
     ``cluster``: for a Redis Cluster node, of Redis 7 unless ``sharded_pubsub`` is False (see above).
     """
@@ -79,4 +83,16 @@ def worker_rules(dock: str, *, cluster: bool = False, sharded_pubsub: bool = Tru
     if cluster:
         commands |= set(CLUSTER_COMMANDS) | (set(SHARDED_PUBSUB_COMMANDS) if sharded_pubsub else set())
     return ["resetkeys", f"~{keys.base}*", f"~{shard_pattern(dock)}", "resetchannels", f"&{keys.base}*", "-@all",
-            *(f"+{c}" for c in sorted(commands))]
+            *(f"+{c}" for c in sorted(commands)), *select_rules(db, cluster)]
+
+
+def select_rules(db: int, cluster: bool = False) -> list[str]:
+    """The SELECT a user may send: none for database 0 (a client of a URL naming no database never sends one),
+    else only ``SELECT db`` (``+select|N``: a first argument, which Redis 6.2 and 7 both take), which
+    redis-py sends when it connects. Key patterns are the same in every database, so a user granted SELECT
+    of any database could write its dock's keys into another tenant's database. A cluster has database 0
+    only."""
+    if not isinstance(db, int) or db < 0 or (cluster and db):
+        raise ValueError(f"database {db!r}: " + ("a Redis Cluster has database 0 only" if cluster and db
+                                                 else "a database number is an int >= 0"))
+    return [f"+select|{db}"] if db else []
