@@ -132,20 +132,26 @@ def _acl(args: argparse.Namespace) -> int:
         return 2
     if args.apply:
         return _apply_acl(args)
-    print(f"ACL SETUSER {args.user} on >{args.password} {' '.join(rules)}")
+    # A reader's selectors are one argument each: quoted, as redis-cli takes them ("(~KEYS +COMMANDS)").
+    quoted = [f'"{rule}"' if " " in rule else rule for rule in rules]
+    print(f"ACL SETUSER {args.user} on >{args.password} {' '.join(quoted)}")
     if args.cluster:
         # On stderr: stdout stays one command, to paste or pipe into redis-cli.
         print("broker: run it on every node of the cluster, primaries and replicas (on Redis 6.2 nodes without "
               f"{' '.join('+' + c for c in SHARDED_PUBSUB_COMMANDS)}), or let broker acl ... --apply --url URL "
               "do it", file=sys.stderr)
+    if args.reader:
+        print("broker: these are Redis 7's rules; Redis 6.2 has no ACL selectors and refuses them: let broker acl "
+              "--reader --apply --url URL give a 6.2 server its own", file=sys.stderr)
     return 0
 
 
-def _acl_rules(args: argparse.Namespace, *, cluster: bool, sharded_pubsub: bool = True) -> list[str]:
+def _acl_rules(args: argparse.Namespace, *, cluster: bool, redis7: bool = True) -> list[str]:
+    """The rules ``args`` ask for, for a node of Redis 7 or later (``redis7``: sharded pub/sub, selectors)."""
     db = args.db if args.db is not None else int(parse_url(args.url).get("db", 0) or 0) if args.url else 0
     if args.reader:
-        return reader_rules(db=db, cluster=cluster)
-    return worker_rules(args.name, db=db, cluster=cluster, sharded_pubsub=sharded_pubsub)
+        return reader_rules(db=db, cluster=cluster, selectors=redis7)
+    return worker_rules(args.name, db=db, cluster=cluster, sharded_pubsub=redis7)
 
 
 def _apply_acl(args: argparse.Namespace) -> int:
@@ -167,7 +173,7 @@ def _apply_acl(args: argparse.Namespace) -> int:
                     if node is None:
                         raise BrokerError(f"Redis Cluster at {where}: no connection to node {name}")
                     major = int(str(node.info("server")["redis_version"]).split(".")[0])
-                    rules = _acl_rules(args, cluster=isinstance(client, RedisCluster), sharded_pubsub=major >= 7)
+                    rules = _acl_rules(args, cluster=isinstance(client, RedisCluster), redis7=major >= 7)
                     node.execute_command("ACL", "SETUSER", args.user, "on", f">{args.password}", *rules)
             except BrokerError as exc:
                 before = ", ".join(done) or "no node"

@@ -67,7 +67,7 @@ OLD_CLI = {
     "clear": ["--delete", "--help", "--url", "--yes", "-h"],
     "dead": ["--consumer", "--drop", "--help", "--url", "--yes", "-h"],
     "exporter": ["--addr", "--help", "--memory-keys", "--port", "--rescan-seconds", "--url", "-h"],
-    "acl": ["--apply", "--cluster", "--help", "--password", "--reader", "--url", "--user", "-h"],
+    "acl": ["--apply", "--cluster", "--db", "--help", "--password", "--reader", "--url", "--user", "-h"],
     "demo": ["--algo", "--clip-high", "--cpus", "--dock", "--dp", "--guarantee-order", "--help", "--iterations",
              "--kl-coef", "--layout", "--max-age", "--max-gen-batches", "--max-staleness", "--micro-batch-size",
              "--mini-batch-size", "--n", "--no-progress", "--out", "--overlong-buffer", "--overlong-factor",

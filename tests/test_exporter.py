@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from broker.cli import main
+from broker.control.status import Survey
 from broker.ops.exporter import serve
 from broker.ops.local_redis import RedisServer, free_port
 from tests.helpers import cli_output, interruptible, small_dock
@@ -268,7 +271,7 @@ def test_the_reader_acl_user_gets_every_metric_and_can_write_nothing():
     with RedisServer() as server:
         make(server.url, "grpo").put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
         admin = server.client()
-        admin.execute_command(*cli_output(["acl", "--reader", "--user", "watcher", "--password", "pw"]).split())
+        admin.execute_command(*shlex.split(cli_output(["acl", "--reader", "--user", "watcher", "--password", "pw"])))
         client = redis.Redis.from_url(f"redis://watcher:pw@127.0.0.1:{server.port}/0")
         http = serve(client, where=server.url, port=0, addr="127.0.0.1", memory_keys=1000)
         try:
@@ -284,14 +287,42 @@ def test_the_reader_acl_user_gets_every_metric_and_can_write_nothing():
         with pytest.raises(redis.exceptions.ResponseError, match="(?i)no permission|NOPERM|ACL"):
             client.eval("return redis.call('DEL', KEYS[1])", 1, "td:{grpo}:meta")
         assert admin.exists("td:{grpo}:meta")
+        # Counts, not payloads: the rows' bytes, the shared metrics and a script reading them are refused.
+        make(server.url, "grpo").update_metrics("loss", 0.5)
+        for command in (("HGETALL", "td:{grpo}:data:prompts"), ("HMGET", "td:{grpo}:data:prompts", "0"),
+                        ("HGETALL", "td:{grpo}:metrics"), ("HGETALL", "td:{grpo}:tail:prompts")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.execute_command(*command)
+        sha = client.script_load("return redis.call('HGETALL', KEYS[1])")
+        with pytest.raises(redis.exceptions.ResponseError, match="(?i)no permission|NOPERM|ACL"):
+            client.evalsha(sha, 1, "td:{grpo}:data:prompts")
+        assert client.hlen("td:{grpo}:data:prompts") == 2  # what status counts: allowed
+
+
+def test_on_redis_62_the_reader_gets_its_rules_from_apply_and_every_count(redis62_url):
+    """Redis 6.2 has no ACL selectors (it refuses Redis 7's reader rules): ``--apply`` gives it rules it takes,
+    with every dock key, and status reads every count, partial rollout's included."""
+    from broker import Rollout
+
+    dock = small_dock(redis62_url, "pr6", columns=("prompts", "responses"), consumers=("actor_rollout", "actor_train"),
+                      rollout=Rollout(response_columns=("responses",), max_age=2, gbs_train=1))
+    dock.put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1], is_prompt=True)
+    try:
+        assert main(["acl", "--reader", "--user", "watcher62", "--password", "pw", "--apply", "--url",
+                     redis62_url]) == 0
+        client = redis.Redis.from_url(redis62_url.replace("redis://", "redis://watcher62:pw@"))
+        ((name, got),) = Survey(client, ["pr6"]).read().docks
+        assert got == dock.status()
+    finally:
+        dock.delete()
 
 
 def test_a_user_without_memory_usage_still_gets_the_counts():
     with RedisServer() as server:
         make(server.url, "grpo").put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
         admin = server.client()
-        rules = cli_output(["acl", "--reader", "--user", "watcher", "--password", "pw"]).split()
-        admin.execute_command(*rules, "-memory")
+        rules = shlex.split(cli_output(["acl", "--reader", "--user", "watcher", "--password", "pw"]))
+        admin.execute_command(*(r for r in rules if "memory" not in r))
         client = redis.Redis.from_url(f"redis://watcher:pw@127.0.0.1:{server.port}/0")
         http = serve(client, where=server.url, port=0, addr="127.0.0.1")
         try:

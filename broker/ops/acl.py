@@ -12,7 +12,7 @@ a script cannot reach another dock either. Nor another database: SELECT is grant
 user's URL names only. Server-wide commands (FLUSHDB, KEYS, CONFIG, SCAN, ...) are not granted; INFO is
 (it shows the server's counters and settings, no key's contents): opening a dock reads the server's
 eviction policy from it, and CONFIG GET would show every setting, passwords included.
-``reader_rules()`` gives the exporter's: every dock, reading only.
+``reader_rules()`` gives the exporter's: every dock's counts and settings, reading only, not the rows.
 
 On a Redis Cluster every node checks its own users: the user must be created on every node, primaries
 and replicas (a replica promoted by a failover serves the same clients), with ``cluster=True``: the
@@ -53,22 +53,44 @@ CLUSTER_COMMANDS = ("info", "cluster|slots", "command")
 #: Sharded pub/sub: put notifications on a Redis 7 cluster (unknown to Redis 6.2).
 SHARDED_PUBSUB_COMMANDS = ("ssubscribe", "sunsubscribe", "spublish")
 
-#: Commands the exporter and ``broker status`` send, and those lua/status.lua calls: reads only.
+#: Commands the exporter and ``broker status`` send, and those lua/status.lua (and its includes) calls: reads
+#: only, and on keys of the kinds ``reader_key_patterns`` names.
 READER_COMMANDS = (
-    "ping", "scan", "hgetall", "evalsha", "script|load", "memory|usage",
-    "type", "hmget", "bitcount", "strlen", "zcard", "get", "zcount", "hlen",
+    "ping", "scan", "hgetall", "evalsha", "script|load",
+    "type", "hmget", "bitcount", "strlen", "zcard", "get", "zcount", "hlen", "getrange", "bitfield",
 )
 
 
-def reader_rules(*, db: int = 0, cluster: bool = False) -> list[str]:
-    """ACL SETUSER rules for ``broker exporter`` and ``broker status``: every dock's keys, reads only.
+def reader_key_patterns() -> list[str]:
+    """Every kind of key a reader reads, as ACL patterns: the meta, the status bitmaps and counters, the
+    leases and dead letters (counted), the epoch (the exporter's shard memory); never a row's bytes (data,
+    tail, set-aside hashes), a row's tags, the shared metrics or the TransferQueue adapter's keys."""
+    k = DockKeys("x")
+    kinds = [k.meta, k.ready("*"), k.group_ready("*"), k.consumed("*"), k.group_taken("*"), k.finished,
+             k.group_finished, k.group_age(0)[:-1] + "*", k.group_wait(0)[:-1] + "*", k.leases("*"),
+             k.redelivered("*"), k.dead("*"), k.version, k.discarded, k.group_versions, k.epoch]
+    return [f"~{PREFIX}:{{*}}:" + key.removeprefix(k.base) for key in kinds]
+
+
+def reader_rules(*, db: int = 0, cluster: bool = False, selectors: bool = True) -> list[str]:
+    """ACL SETUSER rules for ``broker exporter`` and ``broker status``: counts and settings of every dock, read
+    commands only; not the rows' bytes.
 
     Scripts run with the user's permissions, so granting EVALSHA grants no write: the only commands a
-    script may call are the read commands listed here. ``db``: the database its URL names (see
+    script may call are the read commands listed here, on the keys listed. Two things a reader does touch
+    a dock's data hashes: the status script counts the rows holding a response (HLEN), and the exporter
+    measures every key's memory (MEMORY USAGE). Redis 7's ACL selectors grant exactly those two commands on
+    those keys (``selectors``); Redis 6.2 has none, and there the reader gets every dock key (so it could
+    read the rows: on 6.2, a reader is trusted with them). ``db``: the database its URL names (see
     ``select_rules``). ``cluster``: for a Redis Cluster node (see above).
     """
     commands = set(READER_COMMANDS) | (set(CLUSTER_COMMANDS) if cluster else set())
-    return ["resetkeys", f"~{PREFIX}:*", "resetchannels", "-@all", *(f"+{c}" for c in sorted(commands)),
+    every_key = f"~{PREFIX}:*"
+    if selectors:
+        keys = [*reader_key_patterns(), f"({every_key} +memory|usage)", f"(~{PREFIX}:{{*}}:data:* +hlen)"]
+    else:
+        keys, commands = [every_key], commands | {"memory|usage"}
+    return ["resetkeys", *keys, "resetchannels", "-@all", *(f"+{c}" for c in sorted(commands)),
             *select_rules(db, cluster)]
 
 
