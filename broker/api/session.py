@@ -26,6 +26,7 @@ from broker.api.checks import DockChecks, check_call_timeout, check_durability, 
 from broker.connection import (
     DEFAULT_CALL_TIMEOUT,
     Client,
+    busy_retried,
     call_deadline,
     connect,
     disconnect,
@@ -196,7 +197,7 @@ class DockSession:
         with call_deadline(self.call_timeout):
             try:
                 with redis_errors(self.where):
-                    return call()
+                    return busy_retried(call)  # another client's long script: wait it out, within the deadline
             except SchemaError:
                 # Every script refuses to run on a schema other than the one this object knows, and runs
                 # nothing before it checks. If another process only grew the dock, adopt the grown schema
@@ -204,7 +205,7 @@ class DockSession:
                 if not self._follow_growth():
                     raise
             with redis_errors(self.where):
-                return call()
+                return busy_retried(call)
 
     def write(
         self, what: str, call: Callable[[], T], *, hands_out: bool = False, repeat: str = REPEAT_SAFE,

@@ -59,7 +59,7 @@ from broker.connection.deadlines import (
     waiting_call,
 )
 from broker.connection.framing import Framed
-from broker.connection.retries import default_retry
+from broker.connection.retries import busy_retried, default_retry
 from broker.connection.shared import connect, default_url, disconnect
 from broker.connection.sizes import MIN_VALUE_LIMIT, ValueLimit, sizes_unchecked, value_limit
 from broker.connection.sockets import frames
@@ -77,6 +77,7 @@ __all__ = [
     "bounded",
     "call_deadline",
     "connect",
+    "busy_retried",
     "default_retry",
     "default_url",
     "disconnect",

@@ -1,9 +1,11 @@
 """Retries and the pauses between them: a backoff ending at the call's deadline (``_BACKOFF``, one for every
-retry loop), and the reconnect retry of clients opened from URLs (``default_retry``), which repeats a failure
-once over and never a refused password."""
+retry loop), the reconnect retry of clients opened from URLs (``default_retry``), which repeats a failure
+once over and never a refused password, and the wait through another client's long script (``busy_retried``)."""
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -81,3 +83,40 @@ def default_retry() -> Retry:
     carries a request id whose reply Redis keeps, so a resend after a lost reply gets the same rows.
     """
     return _ReconnectRetry(_BACKOFF, retries=8)
+
+
+#: A BUSY reply, alone or quoted by redis-py as a pipeline's failed command ("... caused error: BUSY ...").
+_BUSY = re.compile(r"(^|caused error: )BUSY\b")
+
+
+#: Time a try after a BUSY reply must have left, or the BUSY is raised: a try cut by the deadline would be
+#: reported as a timeout of unknown outcome, while the BUSY says what happened (nothing was run).
+_BUSY_LAST_TRY = 0.2
+
+
+def is_busy(error: Exception) -> bool:
+    """Redis answered BUSY: a script (or function) of some client has run past the busy threshold, and the
+    server runs nothing else until it ends or is killed. The command was not run."""
+    return isinstance(error, redis.ResponseError) and _BUSY.search(str(error)) is not None
+
+
+def busy_retried(call: Callable[[], T]) -> T:
+    """``call``, run again while Redis answers BUSY, until the calling thread's deadline.
+
+    BUSY means another client's script holds the server (a legitimate long one, or a hostile one an
+    administrator must SCRIPT KILL); the call was refused whole, so running it again is safe, and it should
+    wait out a short stall as it waits out a reconnect. Past the deadline the BUSY error is raised.
+    """
+    failures = 0
+    while True:
+        try:
+            return call()
+        except redis.ResponseError as error:
+            if not is_busy(error) or _expired():
+                raise
+            failures += 1
+            pause = _BACKOFF.compute(failures)
+            left = time_left()
+            if pause <= 0 or (left is not None and left - pause < _BUSY_LAST_TRY):
+                raise  # no time for another try: say BUSY, not that the deadline passed mid-request
+            time.sleep(pause)

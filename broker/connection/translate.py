@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import redis
 
 from broker.connection.deadlines import DEFAULT_CALL_TIMEOUT, _cut_by_deadline, _DeadlinePassed, call_deadline
+from broker.connection.retries import is_busy
 from broker.connection.sockets import _CUT, _Hopeless, _TooLarge
 from broker.errors import (
     BrokerConnectionError,
@@ -88,6 +89,11 @@ def redis_errors(where: str) -> Iterator[None]:
     except redis.exceptions.NoPermissionError as exc:
         raise RedisCommandError(f"Redis at {where} denied this user a command or key: {_short(exc)}") from exc
     except redis.ResponseError as exc:
+        if is_busy(exc):  # see retries.busy_retried, which waited until the deadline
+            raise RedisCommandError(
+                f"Redis at {where} stayed busy running another client's script until the call's deadline (the "
+                f"commands it refused were not run); an administrator ends a runaway script with SCRIPT KILL or "
+                f"FUNCTION KILL: {_short(exc)}") from exc
         # Our scripts flag keys holding foreign data with a CORRUPT error before writing anything, and
         # a dock whose schema vanished or changed under them with NODOCK or SCHEMA.
         error = script_error(exc)
