@@ -248,6 +248,10 @@ def test_bad_input_to_the_dock_raises_value_error_and_changes_nothing(td, client
     (lambda q, t: q.get_experience("nobody", None, 1, topic=t), "no experience columns registered for consumer"),
     (lambda q, t: q.put_experience({"prompts": [torch.ones(1)]}, [], topic=t), "No indexes provided"),
     (lambda q, t: q.all_updated("nothing", topic=t), "Column 'nothing' not recognized"),
+    (lambda q, t: q.add_topic(2, 1, ["prompts"], ["actor_rollout"], timeout="abc", topic=t + "x"), "timeout"),
+    (lambda q, t: q.add_topic(2, 1, ["prompts"], ["actor_rollout"], timeout=float("nan"), topic=t + "x"), "timeout"),
+    (lambda q, t: q.add_topic(2, 1, ["prompts"], ["actor_rollout"], timeout=-1, topic=t + "x"), "timeout"),
+    (lambda q, t: q.add_topic(2, 1, "prompts", ["actor_rollout"], topic=t + "x"), "list of names"),
     (lambda q, t: q.create_timing_item(""), "non-empty string"),
     (lambda q, t: q.get_timing("nope"), "Unknown timing name"),
 ])
@@ -257,6 +261,59 @@ def test_bad_input_to_the_queue_raises_value_error_and_changes_nothing(tq, clien
     with pytest.raises(ValueError, match=message):
         call(queue, topic)
     assert snapshot(client) == before
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"addition_columns": "xyz"}, "addition_columns must be a list of names"),
+    ({"addition_consumers": "critic"}, "addition_consumers must be a list of names"),
+    ({"timeout": float("nan")}, "timeout must be"),
+    ({"timeout_interval": -1}, "timeout_interval must be"),
+])
+def test_bad_arguments_of_the_dock_are_refused_before_it_is_made(client, kwargs, message):
+    """``addition_columns="xyz"`` made columns x, y and z; a NaN or negative timeout was taken."""
+    with pytest.raises(ValueError, match=message):
+        GRPOTransferDock(prompts_num=2, n_samples_per_prompt=1, url=client, name="refused", **kwargs)
+    assert server_keys(client, "td:{refused}:*") == []
+
+
+def test_a_topic_follows_another_clients_resize_and_delete_and_add(client):
+    """The second client kept its cached dock: RowIndexError and "open the dock again" for ever after."""
+    first, second = TransferQueueClient(client), TransferQueueClient(client)
+    topic = f"follow_{random.randint(1000, 9999)}"
+    first.add_topic(2, 1, ["prompts"], ["actor_rollout"], topic=topic)
+    second.put_experience({"prompts": [torch.ones(1)] * 2}, [0, 1], topic=topic)  # caches the 2-row topic
+    first.clear_and_resize_topic(4, 2, topic=topic)
+    assert second.get_max_len(topic) == 8
+    first.clear_and_resize_topic(4, 2, topic=topic)
+    second.put_experience({"prompts": [torch.ones(1)] * 8}, list(range(8)), topic=topic)  # rows 2..7: new
+    _, rows = second.get_experience("actor_rollout", ["prompts"], 8, topic=topic)
+    assert sorted(rows) == list(range(8))
+    first.delete_topic(topic)
+    first.add_topic(3, 1, ["prompts", "responses"], ["actor_rollout"], topic=topic)
+    second.put_experience({"responses": [torch.ones(1)] * 3}, [0, 1, 2], topic=topic)
+    assert second.all_updated("responses", topic=topic)
+    first.delete_topic(topic)
+    with pytest.raises(ValueError, match="Unknown topic"):
+        second.put_experience({"responses": [torch.ones(1)]}, [0], topic=topic)
+
+
+def test_pickling_needs_a_url_and_carries_the_resolved_one(client, url, monkeypatch):
+    """``url=None`` pickled without its URL: a Ray worker whose $REDIS_URL differs made the dock on another
+    server. A client object cannot cross processes: a clear error, not pickle's TypeError about a lock."""
+    import pickle
+
+    from broker import BrokerError
+
+    monkeypatch.setenv("REDIS_URL", url)
+    td = GRPOTransferDock(prompts_num=2, n_samples_per_prompt=1, name="pickled")
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # the worker's: nothing listens there
+    again = pickle.loads(pickle.dumps(td))
+    assert again.dock.status()["capacity"] == 2
+    for made_from_client in (TransferQueueClient(client),
+                             GRPOTransferDock(prompts_num=2, n_samples_per_prompt=1, url=client, name="pickled")):
+        with pytest.raises(BrokerError, match="cannot be pickled.*make it from a URL"):
+            pickle.dumps(made_from_client)
+    td.dock.delete()
 
 
 def test_partial_rollout_needs_gbs_train_and_partial_data_needs_partial_rollout(client):

@@ -16,7 +16,14 @@ from broker.adapters.mindspeed.defaults import (
     ROLLOUT_CONSUMER,
 )
 from broker.adapters.mindspeed.docked import Docked
-from broker.adapters.mindspeed.helpers import bad, mindspeed_batch, partial_rollout
+from broker.adapters.mindspeed.helpers import (
+    bad,
+    check_names,
+    check_seconds,
+    mindspeed_batch,
+    partial_rollout,
+    pickled_url,
+)
 from broker.adapters.mindspeed.metric import Metric
 from broker.api.balance import dp_padded
 from broker.api.checks import is_int
@@ -80,15 +87,19 @@ class GRPOTransferDock(Docked):
     ) -> None:
         if not is_int(max_age) or max_age < 1:
             raise bad(f"max_age must be a positive int, got {max_age!r}")
-        self.experience_columns = list(dict.fromkeys([*DEFAULT_COLUMNS, *(addition_columns or [])]))
-        self.experience_consumers = list(dict.fromkeys([*DEFAULT_CONSUMERS, *(addition_consumers or [])]))
+        columns = check_names("addition_columns", addition_columns or [])
+        consumers = check_names("addition_consumers", addition_consumers or [])
+        self.experience_columns = list(dict.fromkeys([*DEFAULT_COLUMNS, *columns]))
+        self.experience_consumers = list(dict.fromkeys([*DEFAULT_CONSUMERS, *consumers]))
         self.prompts_num, self.n_samples_per_prompt = prompts_num, n_samples_per_prompt
         self.max_len = prompts_num * n_samples_per_prompt
         self.max_age, self.GBS_train = max_age, GBS_train
-        self.timeout = 300.0 if timeout is None else float(timeout)
+        self.timeout = 300.0 if timeout is None else check_seconds("timeout", timeout)
         self.empty_wait = Docked.empty_wait
-        self.timeout_interval = 5.0 if timeout_interval is None else float(timeout_interval)
-        self._url, self._name = url, name
+        self.timeout_interval = 5.0 if timeout_interval is None else check_seconds("timeout_interval",
+                                                                                   timeout_interval)
+        # The URL now, not $REDIS_URL where it is unpickled: a Ray worker's may name another server.
+        self._url, self._name = url or default_url(), name
         self._init_leases(lease)
         self._init_durability(wait_replicas, wait_timeout)
         self.enable_partial_rollout = max_age > 1
@@ -99,6 +110,7 @@ class GRPOTransferDock(Docked):
             self._update_metrics(self.dock, "", dict(metrics.metric), False)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # pickles as its arguments: attaches again
+        pickled_url("GRPOTransferDock", self._url)
         return _grpo_dock, (self.prompts_num, self.n_samples_per_prompt, self.experience_columns,
                             self.experience_consumers, self.timeout, self.timeout_interval, self._url, self._name,
                             self.max_age, self.GBS_train, self.lease, self._durability)

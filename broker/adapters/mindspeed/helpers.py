@@ -13,7 +13,7 @@ from broker.adapters.mindspeed.defaults import RESPONSE_COLUMNS, ROLLOUT_CONSUME
 from broker.api.batches import ORIGINAL_LENGTH_KEY, padding_dict_to_tensor_dict
 from broker.api.checks import is_int
 from broker.control.rollout import Rollout
-from broker.errors import InvalidExperienceError, RowIndexError
+from broker.errors import BrokerError, InvalidExperienceError, RowIndexError
 
 try:  # imported once, here: it takes about a second, which a first get_experience should not pay
     from tensordict import TensorDict
@@ -24,6 +24,30 @@ except ImportError:  # the "mindspeed" extra is not installed: batches are plain
 def bad(message: str) -> InvalidExperienceError:
     """MindSpeed's error for bad input: a ValueError (the broker's InvalidExperienceError)."""
     return InvalidExperienceError(message)
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """A timeout as MindSpeed takes it: a finite number of seconds > 0 (not a string, not NaN, not -1), as a
+    float; else MindSpeed's ValueError, before anything is made."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(value) or value <= 0:
+        raise bad(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def check_names(name: str, value: Any) -> list[str]:
+    """A list of column or consumer names: a string is refused (``"xyz"`` would be the names x, y and z)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise bad(f"{name} must be a list of names, got {value!r}")
+    return list(value)
+
+
+def pickled_url(what: str, url: Any) -> None:
+    """Refuse to pickle an object made from a client object, not a URL: a connection cannot cross processes
+    (pickle would fail on its lock, with a TypeError naming neither)."""
+    if not isinstance(url, str):
+        raise BrokerError(f"a {what} made from a {type(url).__name__} cannot be pickled (a connection cannot cross "
+                          "processes): make it from a URL to hand it to Ray workers or subprocesses")
 
 
 def as_dict(data: Any) -> dict[str, Any]:

@@ -3,11 +3,13 @@ dock named ``tq.TOPIC`` on one Redis server (see the package docstring)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from broker.adapters.mindspeed.defaults import (
     DEFAULT_TOPIC,
@@ -16,7 +18,15 @@ from broker.adapters.mindspeed.defaults import (
     ROLLOUT_CONSUMER,
 )
 from broker.adapters.mindspeed.docked import Docked
-from broker.adapters.mindspeed.helpers import bad, int_rows, mindspeed_batch, partial_rollout
+from broker.adapters.mindspeed.helpers import (
+    bad,
+    check_names,
+    check_seconds,
+    int_rows,
+    mindspeed_batch,
+    partial_rollout,
+    pickled_url,
+)
 from broker.adapters.mindspeed.metric import Metric
 from broker.api.balance import dp_padded
 from broker.api.checks import is_int
@@ -25,9 +35,16 @@ from broker.api.dock import TransferDock
 from broker.connection import Client, connect, default_url, disconnect
 from broker.control.rollout import Rollout
 from broker.control.status import dock_names
-from broker.errors import DockNotFoundError, InvalidExperienceError, UnknownConsumerError
+from broker.errors import (
+    DockNotFoundError,
+    InvalidExperienceError,
+    RowIndexError,
+    SchemaError,
+    UnknownConsumerError,
+)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: The topic's ``timeout`` (add_topic's), kept with its dock as a setting.
 TIMEOUT_SETTING = "tq_timeout"
@@ -47,6 +64,7 @@ class TransferQueueClient(Docked):
         self._timings: dict[str, float] = {"put": 0.0, "get": 0.0, "dispatch": 0.0}
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        pickled_url("TransferQueueClient", self._url)
         return _tq_client, (self._url, self._prefix, self.lease, self._durability)
 
     def _dock(self, topic: str | None) -> TransferDock:
@@ -59,6 +77,26 @@ class TransferQueueClient(Docked):
                 raise bad(f"Unknown topic '{topic}'") from None
             self._docks[topic] = dock
         return dock
+
+    def _remade(self, topic: str) -> bool:
+        """Whether ``topic`` was re-made (or deleted) by another client since this one cached its dock; if so the
+        cache now holds it as it is (or nothing: the next call says the topic is unknown)."""
+        cached = self._docks.get(topic)
+        if cached is None:
+            return False
+        try:
+            fresh = TransferDock.attach(self._url, self._prefix + topic, policy="random", **self._durable())
+        except DockNotFoundError:
+            fresh = None
+        if fresh is not None and fresh.fingerprint == cached.fingerprint:
+            fresh.close()
+            return False
+        self._timeouts.pop(cached.name, None)
+        self._docks.pop(topic)
+        cached.close()
+        if fresh is not None:
+            self._docks[topic] = fresh
+        return True
 
     def _timeout(self, dock: TransferDock) -> float:
         """The topic's ``timeout`` (add_topic's), read once per topic: it does not change."""
@@ -78,6 +116,10 @@ class TransferQueueClient(Docked):
             raise bad("Topic must be non-empty")
         if not is_int(max_age) or max_age < 1:
             raise bad(f"max_age must be a positive int, got {max_age!r}")
+        # Checked before the topic is made: a topic made and then refused stayed, "already exists" on a retry.
+        timeout = check_seconds("timeout", timeout)
+        experience_columns = check_names("experience_columns", experience_columns)
+        experience_consumers = check_names("experience_consumers", experience_consumers)
         lengths = [c for c in LENGTHS if c in experience_columns]
         rollout = partial_rollout(max_age, GBS_train)
         if rollout is not None:
@@ -130,7 +172,9 @@ class TransferQueueClient(Docked):
         return self._dock(topic).consumer_columns(consumer)
 
     def get_max_len(self, topic: str = DEFAULT_TOPIC) -> int:
-        return self._dock(topic).capacity
+        dock = self._dock(topic)
+        dock.refresh()  # one round trip: another client may have resized the topic since it was cached
+        return dock.capacity
 
     def reset_all(self) -> None:
         """Delete every topic of this client's prefix on the server."""
@@ -308,6 +352,39 @@ class TransferQueueClient(Docked):
 
     def reset_timings(self) -> None:
         self._timings = dict.fromkeys(self._timings, 0.0)
+
+
+def _follows_topic(method: Callable[..., T]) -> Callable[..., T]:
+    """``method`` run once more on its topic as the server has it now, when the call failed because another
+    client re-made the topic (``clear_and_resize_topic``, or ``delete_topic`` then ``add_topic``) under this
+    client's cached dock: its scripts refuse the other schema (SchemaError), its row checks the other size
+    (RowIndexError), or the dock is gone (DockNotFoundError). Each of those fails before anything is
+    written, so the second try is the call's only effect; a topic that was not re-made raises as it did."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def following(self: TransferQueueClient, *args: Any, **kwargs: Any) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        except (SchemaError, DockNotFoundError, RowIndexError):
+            bound = signature.bind(self, *args, **kwargs)
+            if not self._remade(bound.arguments.get("topic") or DEFAULT_TOPIC):
+                raise
+        return method(self, *args, **kwargs)
+
+    return following
+
+
+#: The client's methods on one topic (every one taking ``topic``), which follow it when it is re-made.
+TOPIC_METHODS = (
+    "delete_topic", "clear_topic", "clear_and_resize_topic", "register_consumer_columns_dict", "get_columns",
+    "get_max_len", "put_experience", "get_experience", "all_consumed", "all_updated", "reset_consumer_status",
+    "get_metrics", "update_metrics", "prefetch_request_index", "get_cur_index", "put_mm_labels", "get_mm_labels",
+    "increment_ages", "refine_topic_for_partial_rollout", "clear_data_status", "get_partial_rollout_stop_signal",
+    "get_incomplete_response_num",
+)
+for _name in TOPIC_METHODS:
+    setattr(TransferQueueClient, _name, _follows_topic(getattr(TransferQueueClient, _name)))
 
 
 def _tq_client(url: str | Client, prefix: str, lease: float | None = None,
