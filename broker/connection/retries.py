@@ -89,9 +89,13 @@ def default_retry() -> Retry:
 _BUSY = re.compile(r"(^|caused error: )BUSY\b")
 
 
-#: Time a try after a BUSY reply must have left, or the BUSY is raised: a try cut by the deadline would be
-#: reported as a timeout of unknown outcome, while the BUSY says what happened (nothing was run).
-_BUSY_LAST_TRY = 0.2
+#: Time a try after a BUSY reply or a moving slot must have left, or the error is raised: a try cut by the
+#: deadline would be reported as a timeout of unknown outcome, while the error says what happened (nothing
+#: was run).
+_LAST_TRY = 0.2
+
+#: A BUSY reply, alone or quoted by redis-py as a pipeline's failed command ("... caused error: BUSY ...").
+_BUSY = re.compile(r"(^|caused error: )BUSY\b")
 
 
 def is_busy(error: Exception) -> bool:
@@ -100,23 +104,34 @@ def is_busy(error: Exception) -> bool:
     return isinstance(error, redis.ResponseError) and _BUSY.search(str(error)) is not None
 
 
+def is_slot_moving(error: Exception) -> bool:
+    """A Redis Cluster is moving the slot of the call's keys (a resharding): some keys are on the old node,
+    some on the new, and a command of several keys gets TRYAGAIN until the move ends; redis-py follows the
+    redirects a few times, then gives up with "TTL exhausted". The command was not run."""
+    if isinstance(error, redis.exceptions.TryAgainError):
+        return True
+    return isinstance(error, redis.exceptions.ClusterError) and "TTL exhausted" in str(error)
+
+
 def busy_retried(call: Callable[[], T]) -> T:
-    """``call``, run again while Redis answers BUSY, until the calling thread's deadline.
+    """``call``, run again while Redis answers BUSY or a cluster moves the call's slot, until the calling
+    thread's deadline.
 
     BUSY means another client's script holds the server (a legitimate long one, or a hostile one an
-    administrator must SCRIPT KILL); the call was refused whole, so running it again is safe, and it should
-    wait out a short stall as it waits out a reconnect. Past the deadline the BUSY error is raised.
+    administrator must SCRIPT KILL); a moving slot refuses commands of several keys until the move ends. In
+    both the call was refused whole, so running it again is safe, and it should wait out a short stall as it
+    waits out a reconnect. Past the deadline the error is raised.
     """
     failures = 0
     while True:
         try:
             return call()
-        except redis.ResponseError as error:
-            if not is_busy(error) or _expired():
+        except (redis.ResponseError, redis.exceptions.ClusterError) as error:
+            if not (is_busy(error) or is_slot_moving(error)) or _expired():
                 raise
             failures += 1
             pause = _BACKOFF.compute(failures)
             left = time_left()
-            if pause <= 0 or (left is not None and left - pause < _BUSY_LAST_TRY):
-                raise  # no time for another try: say BUSY, not that the deadline passed mid-request
+            if pause <= 0 or (left is not None and left - pause < _LAST_TRY):
+                raise  # no time for another try: say why, not that the deadline passed mid-request
             time.sleep(pause)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import redis
 
 from broker.connection.deadlines import DEFAULT_CALL_TIMEOUT, _cut_by_deadline, _DeadlinePassed, call_deadline
-from broker.connection.retries import is_busy
+from broker.connection.retries import is_busy, is_slot_moving
 from broker.connection.sockets import _CUT, _Hopeless, _TooLarge
 from broker.errors import (
     BrokerConnectionError,
@@ -66,6 +66,11 @@ def redis_errors(where: str) -> Iterator[None]:
             f"Redis Cluster at {where} refused keys of several slots in one command: {_short(exc)}"
         ) from exc
     except redis.exceptions.ClusterError as exc:
+        if is_slot_moving(exc):  # redis-py's "TTL exhausted": see retries.busy_retried, which waited
+            raise ClusterError(
+                f"Redis Cluster at {where} is moving the slot of this call's keys to another node (a resharding) "
+                f"and did not finish within the call's deadline; nothing of the call was run: try again once the "
+                f"move ends ({_short(exc)})") from exc
         raise ClusterError(f"Redis Cluster at {where}: {_short(exc)}") from exc
     except redis.exceptions.RedisClusterException as exc:  # not a RedisError: cross-slot MULTI, uncovered slot
         cut = _cut_by_deadline(exc)  # a slot map reload that found no node answering in time

@@ -392,8 +392,9 @@ def key_layout() -> list[KeyRow]:
                "be read (corrupt, or missing)"),
         KeyRow(k.dead(consumer), "hash", "dead letters: field = row, value = why it is no longer handed to "
                "CONSUMER (its bytes failed `dead_letter_after` reads)"),
-        KeyRow(k.reply("REQUEST"), "string", "the reply of a call that changed the dock, kept 60 s so that a "
-               "resend gets it instead of applying twice"),
+        KeyRow(k.reply("REQUEST"), "string", "the reply of a call that changed the dock, kept so that a resend "
+               "gets it instead of applying twice: until the same client thread's next such call deletes it, or "
+               "60 s"),
         KeyRow(k.named("LABEL"), "string", "a named `take`'s rows (`start,length,...|row,row,...`), kept until its "
                "time to live (a day by default): what later takes under LABEL get"),
         KeyRow(k.named_index, "sorted set", "member = the key of a named take's record, score = when it expires (ms "

@@ -10,7 +10,11 @@ not kept: a call that was refused changed nothing, and its resend is refused aga
 
 Such a script takes the reply key as its LAST key and the time to keep the reply (ms) as its LAST
 argument; `once_args` removes both from KEYS and ARGV, so the rest of the script reads its own
-layout as its header gives it.
+layout as its header gives it. Before them come the reply keys of earlier calls whose replies the
+client has received (the argument before the last says how many, 0 or more; the keys are before the
+reply key): those will never be asked for again, and are deleted. So a slot holds about one kept
+reply per client thread, not one per call of the last minute (hundreds, which a cluster moving the
+slot to another node must carry over).
 
 Replies are flat: a number, or a list of numbers and strings (strings may hold any bytes). They are
 kept as text: "n" and the number, or "t" and per element "n<number>;" or "s<length>:<bytes>".
@@ -18,9 +22,14 @@ Numbers are integers (Redis truncates a script's numbers to integers anyway), wr
 ]]
 -- @include bits
 
--- The reply key and the time to keep a reply, taken off the end of KEYS and ARGV.
+-- The reply key and the time to keep a reply, taken off the end of KEYS and ARGV, with the replies the
+-- client received before (their keys, and how many) taken off and deleted.
 local function once_args()
-  return table.remove(KEYS), table.remove(ARGV)
+  local key, ttl = table.remove(KEYS), table.remove(ARGV)
+  for _ = 1, tonumber(table.remove(ARGV)) do
+    redis.call('DEL', table.remove(KEYS))
+  end
+  return key, ttl
 end
 
 local function encode_reply(reply)

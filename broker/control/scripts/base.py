@@ -10,6 +10,7 @@ into Python values (``results.py``).
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 from redis.client import Pipeline
@@ -51,6 +52,8 @@ class ScriptsBase:
                        for name in AS_TEXT}
         self._schema: Schema | None = None
         self._expected = ""
+        #: Per thread, the reply key of the last call whose reply it received (see ``_once``).
+        self._received = threading.local()
 
     def bind(self, schema: Schema, fingerprint: str) -> None:
         """Use ``schema``; ``fingerprint`` (``schema.fingerprint`` of the stored meta) is what scripts check."""
@@ -61,11 +64,18 @@ class ScriptsBase:
 
     def _once(self, name: str, keys: list[str], args: list[Any], request_id: str | None = None) -> Any:
         """Run a script that keeps its reply for resends of the call (lua/include/once.lua): the reply key
-        goes last in KEYS and the time to keep it last in ARGV."""
-        return self._call(name, [*keys, self._keys.reply(request_id or new_request_id())], [*args, REPLY_TTL_MS])
+        goes last in KEYS and the time to keep it last in ARGV. The reply this thread received last from this
+        dock's scripts is deleted by the same script: this thread never asks for it again."""
+        reply = self._keys.reply(request_id or new_request_id())
+        received = getattr(self._received, "key", None)
+        done = [received] if received and received != reply else []
+        result = self._call(name, [*keys, *done, reply], [*args, len(done), REPLY_TTL_MS])
+        self._received.key = reply
+        return result
 
     def _queue_once(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any], request_id: str) -> None:
-        self._queue(pipe, name, [*keys, self._keys.reply(request_id)], [*args, REPLY_TTL_MS])
+        # Queued: the reply is received with the pipeline's, later; it is left to expire.
+        self._queue(pipe, name, [*keys, self._keys.reply(request_id)], [*args, 0, REPLY_TTL_MS])
 
     def _queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
         # EVALSHA sent as is rather than through Script(client=pipe), which costs a SCRIPT EXISTS round
