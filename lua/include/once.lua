@@ -12,7 +12,7 @@ Such a script takes the reply key as its LAST key and the time to keep the reply
 argument; `once_args` removes both from KEYS and ARGV, so the rest of the script reads its own
 layout as its header gives it. Before them come the reply keys of earlier calls whose replies the
 client has received (the argument before the last says how many, 0 or more; the keys are before the
-reply key): those will never be asked for again, and are deleted. So a slot holds about one kept
+reply key): those will never be asked for again, and are deleted when this call keeps its reply. So a slot holds about one kept
 reply per client thread, not one per call of the last minute (hundreds, which a cluster moving the
 slot to another node must carry over).
 
@@ -22,12 +22,16 @@ Numbers are integers (Redis truncates a script's numbers to integers anyway), wr
 ]]
 -- @include bits
 
+-- Keys of replies the client has received, deleted when this call keeps its own (not by a refused call,
+-- which changes nothing).
+local received = {}
+
 -- The reply key and the time to keep a reply, taken off the end of KEYS and ARGV, with the replies the
--- client received before (their keys, and how many) taken off and deleted.
+-- client received before (how many, and their keys) taken off for keep_reply.
 local function once_args()
   local key, ttl = table.remove(KEYS), table.remove(ARGV)
-  for _ = 1, tonumber(table.remove(ARGV)) do
-    redis.call('DEL', table.remove(KEYS))
+  for i = 1, tonumber(table.remove(ARGV)) do
+    received[i] = table.remove(KEYS)
   end
   return key, ttl
 end
@@ -71,6 +75,7 @@ end
 
 -- Keeps `reply` for `ttl_ms` under `key` and returns it: a script's last step, `return keep_reply(...)`.
 local function keep_reply(key, ttl_ms, reply)
+  for _, done in ipairs(received) do redis.call('DEL', done) end
   redis.call('SET', key, encode_reply(reply), 'PX', ttl_ms)
   return reply
 end
