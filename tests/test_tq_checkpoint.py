@@ -162,9 +162,13 @@ def test_the_keys_a_checkpoint_names_are_every_key_the_system_has(system, tmp_pa
 
 @pytest.mark.real
 def test_a_worker_confined_to_its_system_by_acl_saves_and_loads(tmp_path):
-    """No SCAN, no server-wide command: ``broker acl``'s rules for the system's dock are enough."""
+    """No SCAN, no server-wide command: ``broker acl``'s rules for the system's dock are enough (with the
+    broker's functions loaded, as ``broker acl --apply`` does)."""
+    from broker.control.scripts.functions import load_library
+
     with RedisServer() as server:
         server.client().execute_command("ACL", "SETUSER", "worker", "on", ">pw", *worker_rules("tq.confined"))
+        load_library(server.client())
         tq.init(conf(f"redis://worker:pw@127.0.0.1:{server.port}/0", "confined"))
         try:
             tq.kv_batch_put(["a", "b"], "p", batch(["a", "b"]), [{"t": 1}, {"t": 2}])

@@ -41,6 +41,7 @@ from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
 from broker.control.schema import Schema, fingerprint
 from broker.control.scripts import DockScripts, Forgot, read_pipeline
+from broker.control.scripts.functions import load_library
 from broker.data.store import DataStore, ShardedStore, SlotStore, choose_shards
 from broker.errors import BrokerError, DecodeError, DockNotFoundError, InvalidExperienceError, SchemaError
 
@@ -197,7 +198,7 @@ class DockSession:
         with call_deadline(self.call_timeout):
             try:
                 with redis_errors(self.where):
-                    return busy_retried(call)  # another client's long script: wait it out, within the deadline
+                    return busy_retried(lambda: self._library_kept(call))  # another client's long script: wait
             except SchemaError:
                 # Every script refuses to run on a schema other than the one this object knows, and runs
                 # nothing before it checks. If another process only grew the dock, adopt the grown schema
@@ -205,7 +206,18 @@ class DockSession:
                 if not self._follow_growth():
                     raise
             with redis_errors(self.where):
-                return busy_retried(call)
+                return busy_retried(lambda: self._library_kept(call))
+
+    def _library_kept(self, call: Callable[[], T]) -> T:
+        """``call``, run again once after loading the broker's function library where the server lost it
+        (FUNCTION FLUSH, a primary that never had it): the function did not run, so running it again is safe."""
+        try:
+            return call()
+        except redis.ResponseError as exc:
+            if "function not found" not in str(exc).lower() or not self.scripts.functions:
+                raise
+        load_library(self.client)
+        return call()
 
     def write(
         self, what: str, call: Callable[[], T], *, hands_out: bool = False, repeat: str = REPEAT_SAFE,

@@ -42,8 +42,10 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
 
 
 def _evalsha(client: Client) -> tuple[int, int]:
-    """Calls and microseconds the server (every primary of a cluster) has charged to EVALSHA so far."""
-    return command_stats(client, ["evalsha"])["evalsha"]
+    """Calls and microseconds the server (every primary of a cluster) has charged to the broker's scripts so
+    far: EVALSHA, or FCALL where they run as functions."""
+    stats = command_stats(client, ["evalsha", "fcall"])
+    return stats["evalsha"][0] + stats["fcall"][0], stats["evalsha"][1] + stats["fcall"][1]
 
 
 def _server_time(before: tuple[int, int], after: tuple[int, int], gets: int) -> dict[str, float]:

@@ -85,7 +85,22 @@ class _PacedRetries:
             raise
 
 
-class _PacedPipeline(_PacedRetries, ClusterPipeline):
+class _FunctionSlots:
+    """Mixin of the cluster client and its pipelines: the slot of an FCALL read from its arguments, as redis-py
+    reads an EVALSHA's. redis-py asks a node (COMMAND GETKEYS) for the keys of every FCALL: a round trip more
+    per call of the broker's functions, and, with that node dead, calls that stalled through a failover."""
+
+    def determine_slot(self, *args: Any) -> Any:
+        if args and str(args[0]).upper() in ("FCALL", "FCALL_RO") and len(args) > 2:
+            keys = args[3: 3 + int(args[2])]
+            if keys:
+                slots = {self.keyslot(key) for key in keys}  # type: ignore[attr-defined]
+                if len(slots) == 1:
+                    return slots.pop()
+        return super().determine_slot(*args)  # type: ignore[misc]
+
+
+class _PacedPipeline(_FunctionSlots, _PacedRetries, ClusterPipeline):
     """A cluster pipeline whose commands retried one by one (after a connection failure) are paced, and
     which is sent again until the call's deadline when redis-py's own retries found no connection.
 
@@ -146,7 +161,7 @@ class _PacedNodes(NodesManager):
             raise
 
 
-class _PacedCluster(_PacedRetries, RedisCluster):
+class _PacedCluster(_FunctionSlots, _PacedRetries, RedisCluster):
     """The broker's cluster client: retries after connection failures are paced (see ``_PacedRetries``), and
     a slot map reload cut on every node is such a failure (see ``_PacedNodes``)."""
 
@@ -167,19 +182,24 @@ class _PacedCluster(_PacedRetries, RedisCluster):
         failover may have changed them). Retried until the call's deadline, or ``CLUSTER_ATTEMPTS`` times
         outside any.
         """
+        return self.on_every_primary("SCRIPT LOAD", script)
+
+    def on_every_primary(self, *command: Any) -> Any:
+        """Run ``command`` on every primary, each asked until it answers (see ``script_load``: the broker's
+        function library is loaded the same way); the last primary's reply."""
         self._failures.count = 0
-        loaded: set[str] = set()
-        sha = None
-        while pending := [node for node in self.get_primaries() if node.name not in loaded]:  # type: ignore[no-untyped-call]
+        done: set[str] = set()
+        reply = None
+        while pending := [node for node in self.get_primaries() if node.name not in done]:  # type: ignore[no-untyped-call]
             for node in pending:
                 try:
-                    sha = self._execute_command(node, "SCRIPT LOAD", script)
+                    reply = self._execute_command(node, *command)
                 except _CUT as exc:
                     if type(exc) not in _CUT or (time_left() is None and self._failures.count > CLUSTER_ATTEMPTS):
                         raise
                     break  # paced already; the primaries again, from the reloaded slot map
-                loaded.add(node.name)
-        return sha
+                done.add(node.name)
+        return reply
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
         pipe: ClusterPipeline = super().pipeline(transaction, shard_hint)  # type: ignore[no-untyped-call]

@@ -46,6 +46,7 @@ from broker.connection import CLUSTER_ATTEMPTS, Client, time_left
 from broker.connection.fanout import REDIRECTS
 from broker.control.keys import DockKeys
 from broker.control.scripts import ALLOW_OOM
+from broker.control.scripts.functions import function_name, probe, settle
 from broker.errors import ServerConfigError
 
 log = logging.getLogger("broker")
@@ -61,7 +62,8 @@ _RETURN_1_SHA = hashlib.sha1(_RETURN_1.encode()).hexdigest()
 
 #: What the broker needs each command for, as the error names it.
 _PURPOSES = {
-    "EVAL": "to send the short scripts every put carries (lua/bar.lua, lua/unbar.lua)",
+    "EVAL": "to send the short scripts every put carries (lua/bar.lua, lua/unbar.lua), where the broker's Redis 7 "
+            "functions are not loaded (`broker functions`)",
     "SCRIPT LOAD": "to load its Lua scripts where the server does not have them (after a restart or failover)",
     "EVALSHA": "to run its Lua scripts (lua/), which every call uses",
     "TIME": "in its scripts, to time leases by the server's clock",
@@ -99,24 +101,30 @@ def check_server(
     replies, node = _on_dock_node(client, keys.meta, lambda pipe: _probe(pipe, keys, publish, wait_replicas))
     server = f"{server}, node {node}" if node else server
     where = f"{server} (dock {keys.name!r})"
-    flags, loaded, evalsha, time_, info, config, published, *rest = replies
+    library, flags, loaded, evalsha, time_, info, config, published, *rest = replies
     wait = rest.pop(0) if wait_replicas else None
     multi, exec_, discard = rest
     if isinstance(exec_, Exception) and not _says(discard, "without multi"):
         _drop_idle_connections(client, keys.meta)  # EXEC and DISCARD both gone: the connection may be in a MULTI
 
+    # The broker's scripts as Redis 7 functions when the server has them (see scripts/functions.py): then
+    # EVAL, SCRIPT LOAD and EVALSHA are not needed, and a worker of a shared server is not granted them.
+    if isinstance(library, redis.exceptions.NoPermissionError) and "key" in str(library).lower():
+        raise library  # the dock's own key denied: the usual error, naming the dock
+    functions = settle(client, probe(library), where)
+    scripts = () if functions else (("EVAL", flags), ("SCRIPT LOAD", loaded), ("EVALSHA", evalsha))
     missing = [(name, reply) for name, reply in (
-        ("EVAL", flags), ("SCRIPT LOAD", loaded), ("EVALSHA", evalsha), ("TIME", time_), ("MULTI", multi),
+        *scripts, ("TIME", time_), ("MULTI", multi),
         ("EXEC", None if isinstance(multi, Exception) else exec_), ("WAIT", wait),
         ("INFO", info if wait_replicas and _unknown(info) else None),  # denied: connection/replication.py waits for all
     ) if isinstance(reply, Exception) and _absent(reply)]
     if missing:
         raise ServerConfigError(f"Redis at {where}: " + "; ".join(_why(name, reply) for name, reply in missing))
-    for reply in (flags, evalsha):  # the dock's own key denied: the usual error, naming the dock
+    for reply in () if functions else (flags, evalsha):  # the dock's own key denied: the usual error, naming it
         if isinstance(reply, redis.exceptions.NoPermissionError):
             raise reply
     check_policy(config, info, server, allow_volatile)
-    script_flags = not isinstance(flags, Exception)
+    script_flags = functions or not isinstance(flags, Exception)
     if publish == "SPUBLISH" and not script_flags:
         publish = "PUBLISH"  # Redis 6.2: not tried here; the scripts ignore a refusal all the same
     elif isinstance(published, Exception):
@@ -126,6 +134,7 @@ def check_server(
 
 def _probe(pipe: Pipeline, keys: DockKeys, publish: str, wait_replicas: int) -> None:
     """Queue the probes, in the order ``check_server`` reads their replies."""
+    pipe.execute_command("FCALL_RO", function_name("loaded"), 1, keys.meta)  # the broker's function library
     pipe.eval(ALLOW_OOM + _RETURN_1, 1, keys.meta)  # the script flags, and EVAL
     pipe.script_load(_RETURN_1)
     pipe.evalsha(_RETURN_1_SHA, 1, keys.meta)

@@ -23,6 +23,7 @@ from broker.connection import Client, script_error
 from broker.control.keys import META_PATTERN, DockKeys, dock_name_from_meta_key
 from broker.control.schema import Schema, fingerprint
 from broker.control.scripts import StatusScript, run_pipeline
+from broker.control.scripts.functions import uses_functions
 from broker.errors import BrokerError, DecodeError, DockNotFoundError, SchemaError
 
 
@@ -78,8 +79,10 @@ def _read_statuses(
     """Each dock's status, and the replies of what ``also`` queued after them in the same pipeline."""
     parse: list[Callable[[list[Any]], list[dict[str, Any] | BrokerError]]] = []
 
+    functions = uses_functions(client) if docks else False
+
     def build(pipe: Pipeline) -> None:  # run again, whole, if the server lost the script
-        parse[:] = [queue_statuses(pipe, docks)]
+        parse[:] = [queue_statuses(pipe, docks, functions)]
         if also is not None:
             also(pipe)
 
@@ -88,7 +91,7 @@ def _read_statuses(
 
 
 def queue_statuses(
-    pipe: Pipeline, docks: Sequence[DockRef]
+    pipe: Pipeline, docks: Sequence[DockRef], functions: bool = False
 ) -> Callable[[list[Any]], list[dict[str, Any] | BrokerError]]:
     """Queue one status script per dock on ``pipe``; returns what turns the pipe's replies into statuses.
 
@@ -97,7 +100,7 @@ def queue_statuses(
     trip. Each dock's counts are one atomic read, checked against the schema the caller knows.
     """
     for dock in docks:
-        StatusScript.queue(pipe, dock.keys, dock.schema, dock.fingerprint)
+        StatusScript.queue(pipe, dock.keys, dock.schema, dock.fingerprint, functions)
 
     def parse(replies: list[Any]) -> list[dict[str, Any] | BrokerError]:
         out: list[dict[str, Any] | BrokerError] = []

@@ -18,7 +18,7 @@ On a Redis Cluster every node checks its own users: the user must be created on 
 and replicas (a replica promoted by a failover serves the same clients), with ``cluster=True``: the
 broker tells a cluster node by INFO, and redis-py reads the slot map and the command table when it
 connects. A Redis 7 cluster also announces puts with sharded pub/sub (SPUBLISH from the scripts,
-SSUBSCRIBE by waiting readers), which Redis 6.2 does not know: ``sharded_pubsub=False`` for its nodes.
+SSUBSCRIBE by waiting readers), which Redis 6.2 does not know: ``redis7=False`` for its nodes.
 """
 
 from __future__ import annotations
@@ -27,13 +27,22 @@ from broker.control.keys import PREFIX, DockKeys, shard_pattern
 
 #: Commands sent by the client (dock methods and redis-py's connection set-up).
 CLIENT_COMMANDS = (
-    "ping", "multi", "exec", "discard", "evalsha", "eval", "script|load", "script|exists",
+    "ping", "multi", "exec", "discard",
     "hset", "hget", "hmget", "hgetall", "hlen", "bitcount", "bitfield", "zcard", "get", "del", "subscribe",
     "unsubscribe", "hdel", "unlink", "incr", "wait",  # the data shards' puts and clears, wait_replicas
     "info",  # opening a dock reads maxmemory_policy (control/server_checks.py); wait_replicas, the replicas' state
     "hkeys",  # the TransferQueue adapter's partition list
     "zrange", "dump", "restore", "pexpire",  # a dock's checkpoints: the named takes' records, reading and staging keys
 )
+
+#: How a client runs the broker's scripts: on Redis 7 as the loaded function library (FCALL runs those
+#: functions and nothing else, see broker/control/scripts/functions.py); on Redis 6.2, which has no
+#: functions, by EVALSHA, loading them with SCRIPT LOAD and sending the puts' short ones with EVAL. A user
+#: granted EVAL runs any Lua, `while true do end` included, which stalls the whole server (BUSY for every
+#: client) until an administrator's SCRIPT KILL: on 6.2, share a server only among teams that trust each
+#: other.
+FUNCTION_COMMANDS = ("fcall", "fcall_ro")
+EVAL_COMMANDS = ("evalsha", "eval", "script|load", "script|exists")
 
 #: Commands the Lua scripts in lua/ call.
 SCRIPT_COMMANDS = (
@@ -56,7 +65,7 @@ SHARDED_PUBSUB_COMMANDS = ("ssubscribe", "sunsubscribe", "spublish")
 #: Commands the exporter and ``broker status`` send, and those lua/status.lua (and its includes) calls: reads
 #: only, and on keys of the kinds ``reader_key_patterns`` names.
 READER_COMMANDS = (
-    "ping", "scan", "hgetall", "evalsha", "script|load",
+    "ping", "scan", "hgetall",
     "type", "hmget", "bitcount", "strlen", "zcard", "get", "zcount", "hlen", "getrange", "bitfield",
 )
 
@@ -81,29 +90,32 @@ def reader_rules(*, db: int = 0, cluster: bool = False, selectors: bool = True) 
     a dock's data hashes: the status script counts the rows holding a response (HLEN), and the exporter
     measures every key's memory (MEMORY USAGE). Redis 7's ACL selectors grant exactly those two commands on
     those keys (``selectors``); Redis 6.2 has none, and there the reader gets every dock key (so it could
-    read the rows: on 6.2, a reader is trusted with them). ``db``: the database its URL names (see
+    read the rows: on 6.2, a reader is trusted with them, and with EVALSHA). ``db``: the database its URL names (see
     ``select_rules``). ``cluster``: for a Redis Cluster node (see above).
     """
     commands = set(READER_COMMANDS) | (set(CLUSTER_COMMANDS) if cluster else set())
     every_key = f"~{PREFIX}:*"
-    if selectors:
+    if selectors:  # Redis 7: the status function (FCALL_RO) runs, and no Lua of the reader's own
         keys = [*reader_key_patterns(), f"({every_key} +memory|usage)", f"(~{PREFIX}:{{*}}:data:* +hlen)"]
+        commands |= {"fcall_ro"}
     else:
-        keys, commands = [every_key], commands | {"memory|usage"}
+        keys, commands = [every_key], commands | {"memory|usage", "evalsha", "script|load"}
     return ["resetkeys", *keys, "resetchannels", "-@all", *(f"+{c}" for c in sorted(commands)),
             *select_rules(db, cluster)]
 
 
-def worker_rules(dock: str, *, db: int = 0, cluster: bool = False, sharded_pubsub: bool = True) -> list[str]:
+def worker_rules(dock: str, *, db: int = 0, cluster: bool = False, redis7: bool = True) -> list[str]:
     """ACL SETUSER rules (without ``on`` and the password) letting a user work on dock ``dock`` only, in
-    database ``db`` only (the one its URL names, see ``select_rules``).
+    database ``db`` only (the one its URL names, see ``select_rules``), running the broker's operations only.
 
-    ``cluster``: for a Redis Cluster node, of Redis 7 unless ``sharded_pubsub`` is False (see above).
+    ``redis7``: for Redis 7, where the user runs the loaded function library (FCALL) and no Lua of its own
+    (an administrator loads the library: ``broker functions``); False for Redis 6.2, where it is granted
+    EVAL (see ``FUNCTION_COMMANDS``). ``cluster``: for a Redis Cluster node (see above).
     """
     keys = DockKeys(dock)
-    commands = set(CLIENT_COMMANDS) | set(SCRIPT_COMMANDS)
+    commands = set(CLIENT_COMMANDS) | set(SCRIPT_COMMANDS) | set(FUNCTION_COMMANDS if redis7 else EVAL_COMMANDS)
     if cluster:
-        commands |= set(CLUSTER_COMMANDS) | (set(SHARDED_PUBSUB_COMMANDS) if sharded_pubsub else set())
+        commands |= set(CLUSTER_COMMANDS) | (set(SHARDED_PUBSUB_COMMANDS) if redis7 else set())
     return ["resetkeys", f"~{keys.base}*", f"~{shard_pattern(dock)}", "resetchannels", f"&{keys.base}*", "-@all",
             *(f"+{c}" for c in sorted(commands)), *select_rules(db, cluster)]
 

@@ -23,9 +23,11 @@ Outside ``DockScripts``: ``snapshot`` (snapshot, restore: a dock's checkpoints, 
 ``broker/api/snapshot.py``) and ``transfer_queue`` (tq_rows, tq_release: ``TransferQueueScripts``, the
 TransferQueue adapter's).
 
-Beside them: ``loader`` (which file each script is, where ``lua/`` is, includes, request ids), ``base`` (the
-loaded scripts and how a wrapper runs one), ``pipelines`` (running queued scripts when the server lost
-them) and ``results`` (the values the wrappers return, and row runs).
+Beside them: ``functions`` (on Redis 7 the scripts run as one function library: FCALL, which confined
+workers are granted instead of EVAL; EVALSHA elsewhere), ``loader`` (which file each script is, where
+``lua/`` is, includes, request ids), ``base`` (the loaded scripts and how a wrapper runs one),
+``pipelines`` (running queued scripts when the server lost them) and ``results`` (the values the wrappers
+return, and row runs).
 """
 
 from broker.control.scripts.dock_scripts import DockScripts

@@ -13,11 +13,13 @@ import re
 import threading
 from typing import Any
 
+import redis
 from redis.client import Pipeline
 
 from broker.connection import Client
 from broker.control.keys import DockKeys
 from broker.control.schema import Schema
+from broker.control.scripts.functions import function_name, load_library, uses_functions
 from broker.control.scripts.loader import (
     ALLOW_OOM,
     AS_TEXT,
@@ -39,6 +41,7 @@ class ScriptsBase:
 
     def __init__(self, client: Client, keys: DockKeys, *, allow_oom: bool, publish: str = "PUBLISH"):
         prefix = ALLOW_OOM if allow_oom else ""
+        self._client = client
         self._keys = keys
         #: How puts announce themselves: PUBLISH, or on a Redis 7 cluster SPUBLISH, which stays on the
         #: shard of the dock's slot instead of being broadcast to every node (see put_listener.py).
@@ -59,8 +62,22 @@ class ScriptsBase:
         """Use ``schema``; ``fingerprint`` (``schema.fingerprint`` of the stored meta) is what scripts check."""
         self._schema, self._expected = schema, fingerprint
 
+    @property
+    def functions(self) -> bool:
+        """Whether the scripts run as the loaded function library (see ``functions.py``), not by EVALSHA."""
+        return uses_functions(self._client)
+
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return self._scripts[name](keys, args)
+        if not self.functions:
+            return self._scripts[name](keys, args)  # a Script loads itself again where the server lost it
+        command = ("FCALL", function_name(name), len(keys), *keys, *args)
+        try:
+            return self._client.execute_command(*command)  # type: ignore[no-untyped-call]
+        except redis.ResponseError as exc:
+            if "function not found" not in str(exc).lower():
+                raise
+        load_library(self._client)  # lost (FUNCTION FLUSH, a new primary): the function did not run
+        return self._client.execute_command(*command)  # type: ignore[no-untyped-call]
 
     def _once(self, name: str, keys: list[str], args: list[Any], request_id: str | None = None) -> Any:
         """Run a script that keeps its reply for resends of the call (lua/include/once.lua): the reply key
@@ -77,16 +94,29 @@ class ScriptsBase:
         # Queued: the reply is received with the pipeline's, later; it is left to expire.
         self._queue(pipe, name, [*keys, self._keys.reply(request_id)], [*args, 0, REPLY_TTL_MS])
 
+    def _command(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, ...]:
+        """The command running script ``name``, to queue: FCALL of its function, or EVALSHA of its hash."""
+        if self.functions:
+            return ("FCALL", function_name(name), len(keys), *keys, *args)
+        return ("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
+
     def _queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
         # EVALSHA sent as is rather than through Script(client=pipe), which costs a SCRIPT EXISTS round
         # trip per call; run_pipeline loads the script and repeats the pipeline on NOSCRIPT.
-        pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
+        pipe.execute_command(*self._command(name, keys, args))
 
     def _queue_text(self, pipe: Pipeline, name: str, keys: list[str]) -> None:
-        pipe.execute_command("EVAL", self._texts[name], len(keys), *keys)
+        if self.functions:  # loaded functions are not lost as cached scripts are: no need for the text
+            pipe.execute_command("FCALL", function_name(name), len(keys), *keys)
+        else:
+            pipe.execute_command("EVAL", self._texts[name], len(keys), *keys)
 
     def load_all(self, client: Client) -> None:
-        """Load every script (after a NOSCRIPT inside a MULTI, where redis-py does not do it)."""
+        """Load every script (after a NOSCRIPT inside a MULTI, where redis-py does not do it), or the function
+        library (after a FUNCTION FLUSH)."""
+        if self.functions:
+            load_library(client)
+            return
         for script in self._scripts.values():
             client.script_load(script.script)
         StatusScript.load(client)

@@ -35,7 +35,7 @@ class LeaseScripts(ScriptsBase):
     def fence_command(self, runs: Sequence[int]) -> tuple[Any, ...]:
         """The command ``fence`` queues, for a caller that sends its commands itself (connection/replies.py)."""
         keys, args = self._fence_args(runs)
-        return ("EVALSHA", self._scripts["fence"].sha, len(keys), *keys, *args)
+        return self._command("fence", keys, args)
 
     def fence_now(self, runs: Sequence[int]) -> tuple[int, bytes]:
         """The epoch and generations of ``runs`` now (4 bytes per row, in run order): what a put on a

@@ -2,9 +2,10 @@
 pasted into them.
 
 A line ``-- @include NAME`` in a script is replaced by ``lua/include/NAME.lua`` so helpers are written
-once; an include declares what it needs the same way (see ``expand_includes``). The wrappers send the
-scripts with EVALSHA through redis-py ``Script`` objects (``base.py``), which load the text again when the
-server answers NOSCRIPT (after a restart or ``SCRIPT FLUSH``); inside a pipeline ``run_pipeline`` does that.
+once; an include declares what it needs the same way (see ``expand_includes``). On Redis 7 the scripts run
+as one function library (``functions.py``); elsewhere the wrappers send them with EVALSHA through redis-py
+``Script`` objects (``base.py``), which load the text again when the server answers NOSCRIPT (after a
+restart or ``SCRIPT FLUSH``); inside a pipeline ``run_pipeline`` does that.
 
 Every script that changes the dock in a way a second run would change again carries a request id, made
 once per call (``new_request_id``) and the same in every resend of it, and keeps its reply for

@@ -24,13 +24,14 @@ def run_pipeline(
     """Run the pipeline (a MULTI/EXEC if ``transaction``) that ``build`` queues; its replies, errors included.
 
     A server that lost the scripts fails only their EVALSHAs (everything else applies), so ``load``
-    loads them and the whole pipeline, which must be idempotent, runs again.
+    loads them and the whole pipeline, which must be idempotent, runs again; likewise the FCALLs of a server
+    that lost the function library.
     """
     for attempt in range(2):
         pipe = client.pipeline(transaction=transaction)
         build(pipe)
         replies = pipe.execute(raise_on_error=False)
-        if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+        if attempt == 0 and any(_lost(r) for r in replies):
             load(client)
             continue
         return replies
@@ -46,3 +47,10 @@ def read_pipeline(
         if isinstance(reply, Exception):
             raise reply
     return replies
+
+
+def _lost(reply: Any) -> bool:
+    """The server lost the scripts (NOSCRIPT: a restart, SCRIPT FLUSH) or the function library (FUNCTION
+    FLUSH, a new node): ``load`` puts them back."""
+    return isinstance(reply, redis.exceptions.NoScriptError) or (
+        isinstance(reply, redis.ResponseError) and "function not found" in str(reply).lower())

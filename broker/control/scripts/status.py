@@ -10,6 +10,7 @@ from redis.client import Pipeline
 from broker.connection import Client
 from broker.control.keys import DockKeys
 from broker.control.schema import Schema
+from broker.control.scripts.functions import function_name, load_library
 from broker.control.scripts.loader import script_text
 
 
@@ -35,16 +36,18 @@ class StatusScript:
         return out
 
     @classmethod
-    def queue(cls, pipe: Pipeline, keys: DockKeys, schema: Schema, fingerprint: str) -> None:
-        """Queue the read of the dock's counts; ``fingerprint`` is the schema the caller expects."""
+    def queue(cls, pipe: Pipeline, keys: DockKeys, schema: Schema, fingerprint: str, functions: bool = False) -> None:
+        """Queue the read of the dock's counts; ``fingerprint`` is the schema the caller expects; ``functions``:
+        as the loaded function (FCALL_RO, see ``functions.py``), else by EVALSHA."""
         rollout = schema.rollout
         bitmaps = [key for key, _ in cls.bitmaps(keys, schema)]
         rest = [kind(c) for c in schema.consumers for kind in (keys.leases, keys.redelivered, keys.dead)]
         responses = keys.data(rollout.response_columns[0]) if rollout.response_columns else keys.meta
         rest += [keys.version, keys.discarded, keys.group_versions, responses]
         staleness = "" if rollout.max_staleness is None else rollout.max_staleness
-        pipe.execute_command("EVALSHA", cls.sha, 1 + len(bitmaps) + len(rest), keys.meta, *bitmaps, *rest,
-                             fingerprint, len(bitmaps), staleness)
+        run = ("FCALL_RO", function_name("status")) if functions else ("EVALSHA", cls.sha)
+        pipe.execute_command(*run, 1 + len(bitmaps) + len(rest), keys.meta, *bitmaps, *rest, fingerprint,
+                             len(bitmaps), staleness)
 
     @classmethod
     def parse(
@@ -61,4 +64,8 @@ class StatusScript:
 
     @classmethod
     def load(cls, client: Client) -> None:
-        client.script_load(cls.text)
+        """Load the script where the server lost it, or the library (``functions.py``) where it has none."""
+        if getattr(client, "_broker_functions", False):
+            load_library(client)
+        else:
+            client.script_load(cls.text)
