@@ -41,7 +41,7 @@ from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
 from broker.control.schema import Schema, fingerprint
 from broker.control.scripts import DockScripts, Forgot, read_pipeline
-from broker.control.scripts.functions import load_library
+from broker.control.scripts.functions import library_lost, load_library
 from broker.data.store import DataStore, ShardedStore, SlotStore, choose_shards
 from broker.errors import BrokerError, DecodeError, DockNotFoundError, InvalidExperienceError, SchemaError
 
@@ -214,7 +214,7 @@ class DockSession:
         try:
             return call()
         except redis.ResponseError as exc:
-            if "function not found" not in str(exc).lower() or not self.scripts.functions:
+            if not library_lost(exc) or not self.scripts.functions:
                 raise
         load_library(self.client)
         return call()

@@ -19,7 +19,7 @@ from redis.client import Pipeline
 from broker.connection import Client
 from broker.control.keys import DockKeys
 from broker.control.schema import Schema
-from broker.control.scripts.functions import function_name, load_library, uses_functions
+from broker.control.scripts.functions import function_name, library_lost, load_library, uses_functions
 from broker.control.scripts.loader import (
     ALLOW_OOM,
     AS_TEXT,
@@ -74,7 +74,7 @@ class ScriptsBase:
         try:
             return self._client.execute_command(*command)  # type: ignore[no-untyped-call]
         except redis.ResponseError as exc:
-            if "function not found" not in str(exc).lower():
+            if not library_lost(exc):
                 raise
         load_library(self._client)  # lost (FUNCTION FLUSH, a new primary): the function did not run
         return self._client.execute_command(*command)  # type: ignore[no-untyped-call]

@@ -84,6 +84,12 @@ def load_library(client: Client) -> None:
         client.execute_command(*command)  # type: ignore[no-untyped-call]
 
 
+def library_lost(error: Any) -> bool:
+    """A reply saying the server does not have the function called: the library was never loaded there, or
+    lost (FUNCTION FLUSH, a new primary). The function did not run."""
+    return isinstance(error, redis.ResponseError) and "function not found" in str(error).lower()
+
+
 def probe(reply: Any) -> str:
     """What a ``FCALL_RO LIBRARY_loaded`` reply says: "loaded", "missing" (the server has functions, not this
     library), or "no" (no functions here: Redis 6.2, or FCALL refused to this user)."""
@@ -93,7 +99,7 @@ def probe(reply: Any) -> str:
     if isinstance(reply, redis.exceptions.NoPermissionError) or "unknown command" in text \
             or "doesn't exist" in text:
         return "no"
-    return "missing" if "function not found" in text else "no"
+    return "missing" if library_lost(reply) else "no"
 
 
 def settle(client: Client, found: str, where: str) -> bool:

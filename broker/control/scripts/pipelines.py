@@ -15,6 +15,7 @@ import redis
 from redis.client import Pipeline
 
 from broker.connection import Client
+from broker.control.scripts.functions import library_lost
 
 
 def run_pipeline(
@@ -52,5 +53,4 @@ def read_pipeline(
 def _lost(reply: Any) -> bool:
     """The server lost the scripts (NOSCRIPT: a restart, SCRIPT FLUSH) or the function library (FUNCTION
     FLUSH, a new node): ``load`` puts them back."""
-    return isinstance(reply, redis.exceptions.NoScriptError) or (
-        isinstance(reply, redis.ResponseError) and "function not found" in str(reply).lower())
+    return isinstance(reply, redis.exceptions.NoScriptError) or library_lost(reply)

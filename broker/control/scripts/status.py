@@ -10,7 +10,7 @@ from redis.client import Pipeline
 from broker.connection import Client
 from broker.control.keys import DockKeys
 from broker.control.schema import Schema
-from broker.control.scripts.functions import function_name, load_library
+from broker.control.scripts.functions import function_name, load_library, uses_functions
 from broker.control.scripts.loader import script_text
 
 
@@ -65,7 +65,7 @@ class StatusScript:
     @classmethod
     def load(cls, client: Client) -> None:
         """Load the script where the server lost it, or the library (``functions.py``) where it has none."""
-        if getattr(client, "_broker_functions", False):
+        if uses_functions(client):
             load_library(client)
         else:
             client.script_load(cls.text)
