@@ -368,3 +368,30 @@ def test_broker_status_gives_up_on_a_paused_server_within_its_timeout(server, ca
         code, took = timed(lambda: main(["status", "--url", server.url, "--timeout", "1"]))
     assert code == 1 and "within the call's bound of 1 s" in capsys.readouterr().err
     assert 0.9 < took < 1 + SLACK, took
+
+
+def test_a_cluster_nodes_full_pool_makes_a_call_wait_for_a_connection_not_fail(cluster_url):
+    """redis-py gives each node of a cluster client a pool of 100 that fails the 101st caller at once ("Too many
+    connections"): 120 threads on one cluster dock failed so. A node's pool waits for a free connection, as a
+    URL's pool does, within the call's deadline."""
+    from broker.connection import connect, disconnect
+    from broker.connection.pools import POOL_SIZE
+
+    client, _ = connect(cluster_url)
+    try:
+        node = client.get_default_node()
+        pool = node.redis_connection.connection_pool
+        held = [pool.get_connection() for _ in range(POOL_SIZE)]
+        threading.Timer(0.3, lambda: pool.release(held.pop())).start()
+        start = time.monotonic()
+        with call_deadline(5):
+            assert client.execute_command("PING", target_nodes=node)
+        assert 0.25 < time.monotonic() - start < 5
+        held.append(pool.get_connection())  # the one the ping used: all of them held again
+        with call_deadline(0.3):  # none comes free: the call's deadline ends the wait
+            with pytest.raises(Exception, match="free connection"):
+                client.execute_command("PING", target_nodes=node)
+        for connection in held:
+            pool.release(connection)
+    finally:
+        disconnect(client)

@@ -15,6 +15,7 @@ import torch
 from redis.cluster import RedisCluster
 
 from broker import TransferDock
+from broker.connection import LAST_TRY_SECONDS
 from broker.control.put_listener import PutListener
 from broker.ops.local_redis import RedisServer
 from tests.helpers import empty_cluster
@@ -110,9 +111,9 @@ def crowd(wait: Callable[[], Any], put: Callable[[], None], during: Callable[[],
     nothing, every wait ends on time, and the put does not queue behind the waiters. Returns the results.
     """
     results, errors, ends = [], [], []
-    start = time.monotonic()
 
     def waiter() -> None:
+        start = time.monotonic()  # the call's own start: 120 threads take a while to start on a busy machine
         try:
             results.append(wait())
         except Exception as exc:  # noqa: BLE001 - every failure is a finding here
@@ -132,7 +133,7 @@ def crowd(wait: Callable[[], Any], put: Callable[[], None], during: Callable[[],
     assert not errors, errors[:3]
     assert sum(r is not None for r in results) == 100 and results.count(None) == 20
     assert put_seconds < 1.0
-    assert max(ends) < 5 + 1.5
+    assert max(ends) < 5 + LAST_TRY_SECONDS + 0.5  # the last attempt, begun at the timeout, has LAST_TRY_SECONDS
     return results
 
 

@@ -31,8 +31,11 @@ DEFAULT_CALL_TIMEOUT = 30.0
 
 #: The least time an attempt of a waiting call (``get_experience(timeout=T)``) is given, even past T:
 #: the wait makes its last attempt at T, and that attempt needs a round trip to answer anything. So an
-#: attempt begun in the last half second of the wait may end up to half a second after T.
-LAST_TRY_SECONDS = 0.5
+#: attempt begun in the last second of the wait may end up to a second after T. Half a second was too
+#: little for a loaded client: 120 threads of one process whose waits end together, on two busy cores,
+#: took longer than that to be scheduled for their last round trip, and raised BrokerTimeoutError
+#: where an empty result was due.
+LAST_TRY_SECONDS = 1.0
 
 #: A deadline this close counts as passed: a socket timeout of the time left may end a hair early.
 _DEADLINE_SLACK = 0.001
