@@ -9,17 +9,23 @@ KEYS[1]     td:{NAME}:meta
 KEYS[2]     td:{NAME}:claimed
 KEYS[3]     td:{NAME}:gready:COLUMN     of the prompt column
 KEYS[4]     td:{NAME}:scratch
+KEYS[5]     td:{NAME}:epoch
+KEYS[6]     td:{NAME}:gen
 ARGV[1]     the schema the client expects (see include/schema.lua)
 ARGV[2]     how many groups
 ARGV[3]     prompts_num
+ARGV[4]     n_samples_per_prompt (rows per group)
 
-Returns the groups claimed, ascending, or {} (claiming nothing) if fewer are free.
+Returns {} (claiming nothing) if fewer are free, else {epoch, generations, groups claimed ascending...}:
+the dock's epoch and the generations of the groups' rows (4 bytes per row, include/generations.lua), by
+which unreserve.lua gives the groups back only if nothing forgot them since (see there).
 
 last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
             (include/once.lua): a resend after a lost reply gets the same groups, and claims no more
 ]]
 -- @include bits
 -- @include schema
+-- @include generations
 -- @include once
 
 local reply_key, reply_ttl = once_args()
@@ -28,7 +34,7 @@ if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
-local bad = wrong_type(2, 4, 'string')
+local bad = wrong_type(2, 6, 'string')
 if bad then return redis.error_reply(bad) end
 local count, units = tonumber(ARGV[2]), tonumber(ARGV[3])
 local nbytes = math.ceil(units / 8)
@@ -47,4 +53,7 @@ end
 redis.call('DEL', KEYS[4])
 if #free < count then return {} end
 set_bits(KEYS[2], free, 1)
-return keep_reply(reply_key, reply_ttl, free)
+local n = tonumber(ARGV[4])
+local starts, lengths = {}, {}
+for i, g in ipairs(free) do starts[i] = g * n; lengths[i] = n end
+return keep_reply(reply_key, reply_ttl, {epoch_of(KEYS[5]), generations_of_runs(KEYS[6], starts, lengths), unpack(free)})

@@ -816,7 +816,9 @@ def test_a_partial_rollout_run_trains_each_prompt_once_through_failovers(cluster
     rollout put that raised ReplicationError is left as it is: if a failover loses it, the lease comes
     back, runs out and the rows are generated again. Any other call (set_version, all_consumed, the
     settling write, reads) is repeated on a retryable error, and on a ReplicationError only if it says
-    that is safe (``Run.call``); hand-outs (``get_experience``, ``reserve_groups``) only log a shortfall.
+    that is safe (``Run.call``); ``get_experience`` only logs a shortfall, and ``reserve_groups`` gives
+    back what the replica did not acknowledge and returns None (a claim a failover undid, with the drop
+    that freed the group just before, had the producer overwrite a live group: a prompt was skipped).
 
     ROUNDS times, at a random moment (seeded, printed), the control slot's replica lags (see
     ``lag_then_kill``) for a random LAG_SECONDS, its primary is killed, the replica promoted and the killed

@@ -187,6 +187,32 @@ def test_reserve_groups_never_hands_a_group_twice(make_dock):
         dock.reserve_groups(0, "prompts")
 
 
+def test_a_reservation_is_given_back_only_while_nothing_forgot_its_groups(make_dock):
+    """What reserve_groups gives back when its replicas fall short (lua/unreserve.lua): its own claims, not a
+    claim another writer made after a clear freed the groups."""
+    dock = partial(make_dock, prompts_num=4)
+    scripts = dock._session.scripts
+    mine = scripts.reserve(2, "prompts")
+    assert mine is not None and mine.groups == (0, 1)
+    assert scripts.unreserve(mine) == 2
+    assert dock.reserve_groups(1, "prompts") == [0]  # free again
+    dock.clear()
+    first = scripts.reserve(1, "prompts")
+    assert first is not None and first.groups == (0,)
+    dock.clear()  # forgets group 0: its claim is gone, and another writer claims it
+    assert dock.reserve_groups(1, "prompts") == [0]
+    assert scripts.unreserve(first) == 0  # not the other writer's claim
+    assert dock.reserve_groups(1, "prompts") == [1]
+    prompts(dock, [1])
+    _, rows = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 2, get_n_samples=False)
+    respond(dock, rows, [1, 1])
+    second = scripts.reserve(1, "prompts")
+    assert second is not None and second.groups == (2,)
+    dock.drop_groups("actor_train", [2])  # a drop of the claimed group forgets it too
+    assert dock.reserve_groups(1, "prompts") == [2]
+    assert scripts.unreserve(second) == 0
+
+
 def test_a_rollout_worker_killed_mid_generation_loses_nothing(make_dock):
     dock = partial(make_dock)
     prompts(dock, [0, 1])

@@ -193,7 +193,6 @@ def test_a_dock_deleted_with_wait_replicas_leaves_no_key(pair):
 HANDOUTS: dict[str, tuple[Callable[[TransferDock], Any], Callable[[TransferDock], Any], Any]] = {
     "get_experience": (finished, lambda d: sorted(d.get_experience("train", ["prompts"], 2)[1]), [0, 1]),
     "prefetch_request_index": (lambda d: None, lambda d: d.prefetch_request_index(2), [0, 1]),
-    "reserve_groups": (lambda d: None, lambda d: d.reserve_groups(1, "prompts"), [0]),
 }
 
 
@@ -206,6 +205,20 @@ def test_a_handout_the_replica_did_not_acknowledge_logs_and_returns_what_it_hand
         with cut(replica), caplog.at_level(logging.WARNING, logger="broker"):
             assert handout(dock) == expected
     assert any(f"{call}: fewer replicas than attached acknowledged within" in r.getMessage() for r in caplog.records)
+
+
+def test_a_reservation_the_replica_did_not_acknowledge_is_given_back(pair, caplog):
+    """Unlike rows handed out, groups a reserve claimed can be given back: a failover could undo the claim,
+    and with it the drop or clear that freed the groups, and prompts put there would overwrite a live group
+    (the failover soak saw a prompt skipped so). The call returns None, as when none is free; the group is
+    free again after."""
+    primary, replica = pair
+    with open_dock(primary.url) as dock:
+        with cut(replica), caplog.at_level(logging.WARNING, logger="broker"):
+            assert dock.reserve_groups(1, "prompts") is None
+        assert any("reserve_groups: fewer replicas than attached acknowledged within" in r.getMessage()
+                   and "gave it back" in r.getMessage() for r in caplog.records)
+        assert dock.reserve_groups(2, "prompts") == [0, 1]
 
 
 def test_the_mindspeed_adapter_waits_too(pair):

@@ -18,7 +18,7 @@ from broker.api.checks import bitmap_count, check_flag, check_version, encode_co
 from broker.api.delivery import HandedRows, check_delivery, fence_of
 from broker.api.session import DockSession
 from broker.control.rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE
-from broker.control.scripts import Selection
+from broker.control.scripts import Reservation, Selection
 from broker.errors import DataLostError, DecodeError, InvalidExperienceError
 
 T = TypeVar("T")
@@ -183,8 +183,19 @@ class Generation:
         if not is_int(count) or count < 1:
             raise InvalidExperienceError(f"count must be a positive int, got {count!r:.40}")
         self._s.check.columns([column])
-        # Groups claimed are handed out: raising would leave them claimed by nobody until forgotten.
-        return self._s.write("reserve_groups", lambda: self._s.scripts.reserve(int(count), column), hands_out=True)
+        # Groups claimed are handed out: raising would leave them claimed by nobody until forgotten. With
+        # wait_replicas, a claim the replicas did not acknowledge is given back instead (lua/unreserve.lua):
+        # a failover could undo it, and with it the drop or clear that freed the groups just before, and a
+        # caller putting its prompts there would overwrite a live group, or another writer's. Either the
+        # give-back replicates after the claim or neither survives: the groups end free, and None is
+        # returned as when too few are free (the caller tries again).
+        reserved = self._s.write("reserve_groups", lambda: self._s.scripts.reserve(int(count), column),
+                                 hands_out=True, give_back=self._give_back)
+        return None if reserved is None else list(reserved.groups)
+
+    def _give_back(self, reserved: Reservation | None) -> None:
+        if reserved is not None:
+            self._s.scripts.unreserve(reserved)
 
     def drop_groups(self, consumer: str, groups: Sequence[int], *, delivery: HandedRows | None = None) -> int:
         """Discard whole groups ``consumer`` rejects; how many were dropped."""

@@ -30,6 +30,7 @@ from broker.connection import (
     call_deadline,
     connect,
     disconnect,
+    extend_call,
     frames,
     redact,
     redis_errors,
@@ -222,16 +223,22 @@ class DockSession:
     def write(
         self, what: str, call: Callable[[], T], *, hands_out: bool = False, repeat: str = REPEAT_SAFE,
         shards: Sequence[str] = (), returns: bool = True, drop: bool = False,
+        give_back: Callable[[T], T] | None = None,
     ) -> T:
         """Run ``call``, which writes (as ``run``), then wait for replicas of the control slot (and of the
         data shards whose ``replicated`` counters ``shards`` names): see ``replicated``. Both within one
         call_timeout. Every call that writes goes through here, ``forget`` or ``replicated``.
         ``returns``: the public call returns what ``call`` does (else None, and so does a ReplicationError's
-        ``result``); ``drop``: delete the counters again (``delete``)."""
+        ``result``); ``drop``: delete the counters again (``delete``). ``give_back`` (with ``hands_out``):
+        what was handed out is given back when the replicas fall short, and the call returns its value."""
         with call_deadline(self.call_timeout):
             result = self.run(call)
-            self.replicated(what, result if returns else None, [self.keys.replicated, *shards],
-                            hands_out=hands_out, repeat=repeat, drop=drop)
+            outcome = "gave it back" if give_back is not None else None
+            if not self.replicated(what, result if returns else None, [self.keys.replicated, *shards],
+                                   hands_out=hands_out, repeat=repeat, drop=drop, hands_out_outcome=outcome):
+                if give_back is not None:
+                    extend_call(self.call_timeout, bound=f"call_timeout={self.call_timeout:g} s (giving back)")
+                    return self.run(lambda: give_back(result))
         return result
 
     def forget(
@@ -249,8 +256,8 @@ class DockSession:
 
     def replicated(
         self, what: str, result: Any, keys: Sequence[str], *, hands_out: bool = False, repeat: str = REPEAT_SAFE,
-        drop: bool = False,
-    ) -> None:
+        drop: bool = False, hands_out_outcome: str | None = None,
+    ) -> bool:
         """The one place where, with ``wait_replicas``, a call that wrote waits until the replicas of the
         nodes holding ``keys`` (the dock's ``replicated`` counters) have its writes (see connection/replication.py;
         a sharded put's bytes, before their marks, are waited for by the store).
@@ -258,13 +265,14 @@ class DockSession:
         A shortfall raises ReplicationError carrying ``result``, saying ``repeat``. A call that
         ``hands_out`` rows (groups, cursor positions) logs it instead, whatever went wrong: they are
         marked handed out on the primary, and raising would lose those handed out without a lease.
-        Bounded by the call's deadline if it has one, else by call_timeout.
+        Bounded by the call's deadline if it has one, else by call_timeout. False if a hand-out's replicas
+        fell short (``hands_out_outcome`` says in the log what the call does about it).
         """
         if not self.replication.replicas:
-            return
+            return True
         with call_deadline(self.call_timeout):
-            self.replication.wait(keys, f"dock {self.name!r}: {what}", hands_out=hands_out, result=result,
-                                  repeat=repeat, drop=drop)
+            return self.replication.wait(keys, f"dock {self.name!r}: {what}", hands_out=hands_out, result=result,
+                                         repeat=repeat, drop=drop, hands_out_outcome=hands_out_outcome)
 
     def reads(self, build: Callable[[redis.client.Pipeline], None], *, transaction: bool = False) -> list[Any]:
         """The replies of the read pipeline ``build`` queues; an error reply raises, as a broker error."""

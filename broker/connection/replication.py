@@ -112,17 +112,18 @@ class Replication:
     def wait(
         self, keys: Sequence[str], what: str, *, hands_out: bool = False, result: Any = None,
         outcome: str = "it was applied on the primaries", repeat: str = REPEAT_SAFE, applied: bool = True,
-        drop: bool = False,
-    ) -> None:
+        drop: bool = False, hands_out_outcome: str | None = None,
+    ) -> bool:
         """Block until the replicas of every node holding one of ``keys`` (counters of the dock, one per
-        node at most) have all writes made there so far.
+        node at most) have all writes made there so far; True if they have (or none is asked for).
 
         A shortfall on a whole node, or a failure of the wait, raises ReplicationError naming ``what``
         and saying ``outcome`` and ``repeat`` (with ``result`` and ``applied``); with ``hands_out`` it is
-        logged instead, whatever the error. ``drop``: delete the counters again (``delete`` leaves no key).
+        logged instead (saying ``hands_out_outcome``), whatever the error, and the wait returns False.
+        ``drop``: delete the counters again (``delete`` leaves no key).
         """
         if self.replicas <= 0:
-            return
+            return True
         short: list[str] = []
         cause: BaseException | None = None
         try:
@@ -148,12 +149,13 @@ class Replication:
                     self._attached.pop(name, None)  # a replica may have gone: read the count again next time
                 short.append(f"{name} ({key}): {acked} of {want}")
         if not short:
-            return
+            return True
         message = (f"{what}: fewer replicas than attached acknowledged within {self._timeout_ms} ms: "
                    f"{', '.join(short)}")
         if hands_out:
-            log.warning("%s; the call was applied and returned what it handed out (raising would lose it)", message)
-            return
+            log.warning("%s; the call was applied and %s", message,
+                        hands_out_outcome or "returned what it handed out (raising would lose it)")
+            return False
         raise ReplicationError(f"{message}; {outcome}; {repeat}", result, applied, repeat == REPEAT_SAFE) from cause
 
     def _wait_node(self, node_client: redis.Redis, key: str, want: int, drop: bool) -> int:

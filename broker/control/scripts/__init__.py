@@ -10,7 +10,7 @@ the script's header gives, and turns the reply into Python values. The dock call
 ==============  ======================================================  ===================
 module          lua/ files                                              class
 ==============  ======================================================  ===================
-``handout``     sample, take, prefetch, reserve                         ``HandOutScripts``
+``handout``     sample, take, prefetch, reserve, unreserve              ``HandOutScripts``
 ``leases``      fence, ack, release, reclaim, reset                     ``LeaseScripts``
 ``puts``        put, bar, unbar, claim, mark                            ``PutScripts``
 ``forget``      clear, discard (include/forget.lua)                     ``ForgetScripts``
@@ -50,6 +50,7 @@ from broker.control.scripts.results import (
     Handout,
     Marked,
     Released,
+    Reservation,
     Sampled,
     Selection,
     rows_of,
@@ -70,6 +71,7 @@ __all__ = [
     "IncludeError",
     "Marked",
     "Released",
+    "Reservation",
     "Sampled",
     "Selection",
     "StatusScript",

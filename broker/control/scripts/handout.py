@@ -4,7 +4,8 @@ get the same ones.
 - lua/sample.lua: pick rows (or whole groups) written in every column a consumer asks for (``sample``);
 - lua/take.lua: hand out rows the caller chose, once written (``take``);
 - lua/prefetch.lua: the next row indexes of the batch for a rollout rank to write (``prefetch``);
-- lua/reserve.lua: free groups for new prompts under partial rollout (``reserve``).
+- lua/reserve.lua: free groups for new prompts under partial rollout (``reserve``), and lua/unreserve.lua
+  to give them back (``unreserve``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from broker.control.scripts.base import ScriptsBase
-from broker.control.scripts.results import AlreadyTaken, Handout, Sampled, Selection, numbers_of, runs_of
+from broker.control.scripts.results import (
+    AlreadyTaken,
+    Handout,
+    Reservation,
+    Sampled,
+    Selection,
+    numbers_of,
+    runs_of,
+)
 
 
 class HandOutScripts(ScriptsBase):
-    """Wrappers of the scripts that hand rows out: sample, take, prefetch, reserve."""
+    """Wrappers of the scripts that hand rows out: sample, take, prefetch, reserve (and unreserve)."""
 
     def sample(
         self, consumer: str, columns: Sequence[str], *, groups: bool, count: int, policy: str, seed: int,
@@ -93,9 +102,18 @@ class HandOutScripts(ScriptsBase):
             return None
         return list(range(int(reply[0]), int(reply[1])))
 
-    def reserve(self, count: int, column: str) -> list[int] | None:
+    def reserve(self, count: int, column: str) -> Reservation | None:
         """Claim ``count`` free groups for new prompts of ``column`` (lua/reserve.lua); None if too few are free."""
         k = self._keys
-        reply = self._once("reserve", [k.meta, k.claimed, k.group_ready(column), k.scratch],
-                           [self._expected, count, self._bound.prompts_num])
-        return [int(g) for g in reply] if reply else None
+        reply = self._once("reserve", [k.meta, k.claimed, k.group_ready(column), k.scratch, k.epoch, k.generations],
+                           [self._expected, count, self._bound.prompts_num, self._n])
+        if not reply:
+            return None
+        return Reservation(tuple(int(g) for g in reply[2:]), int(reply[0]), bytes(reply[1]))
+
+    def unreserve(self, reservation: Reservation) -> int:
+        """Give back the groups of ``reservation`` that nothing forgot since (lua/unreserve.lua); how many."""
+        k = self._keys
+        return int(self._once("unreserve", [k.meta, k.claimed, k.epoch, k.generations],
+                              [self._expected, self._n, reservation.epoch, reservation.generations,
+                               *reservation.groups]))

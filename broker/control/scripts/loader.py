@@ -45,6 +45,7 @@ SCRIPT_FILES = {
     "discard": "discard.lua",
     "version": "version.lua",
     "reserve": "reserve.lua",
+    "unreserve": "unreserve.lua",
     "unready": "unready.lua",
     "status": "status.lua",
     "mark": "mark.lua",

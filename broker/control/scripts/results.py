@@ -35,6 +35,16 @@ class AlreadyTaken:
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """Groups lua/reserve.lua claimed, with the dock's epoch and their rows' generations then, by which
+    lua/unreserve.lua gives them back only if nothing forgot them since."""
+
+    groups: tuple[int, ...]
+    epoch: int
+    generations: bytes
+
+
+@dataclass(frozen=True)
 class Handout:
     """Rows a sample or take handed out, with what their read checks (see lua/include/generations.lua).
 
