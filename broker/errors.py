@@ -93,6 +93,10 @@ class StoreFullError(RedisCommandError):
     """Redis reached its ``maxmemory`` and refused a write; the call that got this applied nothing."""
 
 
+class QuotaExceededError(BrokerError):
+    """A put would take the dock past its byte quota (``TransferDock.set_quota``); nothing was written."""
+
+
 class ServerConfigError(RedisCommandError):
     """The Redis server is set up in a way a dock cannot keep its word on, found when the dock opens: it
     evicts keys (``maxmemory-policy`` other than ``noeviction``), or a command the broker needs is renamed,

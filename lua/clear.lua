@@ -60,6 +60,7 @@ if mode == 'all' then
   end
   local before = epoch_of(KEYS[2])
   redis.call('DEL', unpack(KEYS, 4))
+  if L.quota then redis.call('HSET', KEYS[1], 'stored_bytes', 0) end   -- include/quota.lua
   redis.call('INCR', KEYS[2])
   return keep_reply(reply_key, reply_ttl, forgotten_reply(L, cells, before))   -- sharded: the client deletes the data keys of that epoch
 end

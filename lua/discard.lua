@@ -114,6 +114,9 @@ else
   for i = 1, #rows do fields[i] = tostring(rows[i]) end
   for _, pair in ipairs(placeholders) do
     local c, bytes = pair[1], pair[2]
+    if L.quota then   -- the fields were forgotten just above: what they hold now is 0 but for a kept column
+      count_stored(KEYS[1], #bytes * #fields - stored_in(KEYS[L.data + c], fields))
+    end
     for first = 1, #fields, UNPACK_CHUNK do
       local args = {}
       for i = first, math.min(first + UNPACK_CHUNK - 1, #fields) do

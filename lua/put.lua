@@ -11,7 +11,8 @@ writes nothing. It does not land, whole, when:
 - it is a resend of a put that already landed (its reply is kept, include/once.lua): rewriting the
   bytes could overwrite what another worker wrote since (a rollout's put gives unfinished rows back at
   once); it answers with the kept reply;
-- it names a delivery that is no longer current (include/delivery.lua): FENCED.
+- it names a delivery that is no longer current (include/delivery.lua): FENCED;
+- it would take the dock past its byte quota (include/quota.lua): QUOTA.
 A put changes no generation (see include/generations.lua): rewriting a row that a reader was handed
 replaces its bytes, it does not take the row away from that reader.
 
@@ -47,6 +48,7 @@ ARGV[12]      "1": the put also acks its rows, ending the delivery's lease of th
 ARGV[13]      R, the number of values that follow for the runs
 ARGV[14..13+R] rows written, as runs: start, length, start, length, ... (ascending, disjoint)
 then, per length column, one value per row written, in the order of the runs; then the flags
+then          the bytes of the values the put's HSETs write, tails included (include/quota.lua)
 last          how long to keep the reply, in ms (include/once.lua)
 
 Lengths are stored here, beside the ready bits and in the same transaction as the bytes, so that the
@@ -60,9 +62,11 @@ Publishes and returns {rows written, rows newly finished}.
 -- @include mark_ready
 -- @include finish
 -- @include leases
+-- @include quota
 -- @include once
 
 local reply_key, reply_ttl = once_args()
+local put_bytes = tonumber(table.remove(ARGV))
 local nlen, finishing, nruns = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[13])
 local leased, acking = ARGV[11] ~= '', ARGV[12] == '1'
 local first_finish = #KEYS - (finishing ~= '-' and FINISH_KEYS or 0) + 1
@@ -87,6 +91,39 @@ if kept then return kept end
 if ARGV[8] == '1' then
   local fenced = fenced_off(KEYS[3], KEYS[4], KEYS[5], tonumber(ARGV[9]), ARGV[10], ARGV[11], starts, lengths)
   if fenced then return redis.error_reply(fenced) end
+end
+
+-- The quota (include/quota.lua): what the put adds, less what the fields it rewrites hold now.
+local quota = quota_of(KEYS[1])
+if quota then
+  local n = tonumber(ARGV[2])
+  local row_fields, group_fields, seen = {}, {}, {}
+  for i = 1, #starts do
+    for r = starts[i], starts[i] + lengths[i] - 1 do
+      row_fields[#row_fields + 1] = tostring(r)
+      local g = math.floor(r / n)
+      if not seen[g] then seen[g] = true; group_fields[#group_fields + 1] = 'g' .. int_text(g) end
+    end
+  end
+  local named = group_column_names(KEYS[1])
+  local old, stale = 0, {}
+  for k = 7, first_len - 1, 4 do
+    local column = string.match(KEYS[k], ':data:([^:]+)$')
+    local fields = named[column] and group_fields or row_fields
+    local tails = stored_in(KEYS[k + 1], fields)
+    old = old + stored_in(KEYS[k], fields) + tails
+    if tails > 0 then stale[#stale + 1] = {KEYS[k + 1], fields} end
+  end
+  local stored = tonumber(redis.call('HGET', KEYS[1], 'stored_bytes') or '0')
+  if stored - old + put_bytes > quota then
+    return redis.error_reply('QUOTA a put of ' .. int_text(put_bytes)
+      .. ' bytes (rewriting fields that hold ' .. int_text(old) .. ') would take the dock from ' .. int_text(stored)
+      .. ' to ' .. int_text(stored - old + put_bytes) .. ' stored bytes, past its quota of ' .. int_text(quota)
+      .. ' bytes; nothing was written')
+  end
+  -- A rewritten row's old tail: gone, as the put's own HSETs of tails (if it cuts its rows) follow.
+  for _, t in ipairs(stale) do call_in_chunks('HDEL', t[1], t[2]) end
+  count_stored(KEYS[1], put_bytes - old)
 end
 redis.call('SET', KEYS[2], 'go')
 

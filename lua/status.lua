@@ -23,7 +23,8 @@ Returns, flat: bits set and bytes of each bitmap, in KEYS order; then for each c
 leased, the redelivered counter as stored (false if unset) and its dead letters; then the version as stored (a
 LOST error if it was set and is gone, see include/current_version.lua), the
 discarded counts as one "field=count,..." string, the stale groups (older than version -
-max_staleness; 0 without a bound) and the rows holding a response or its placeholder.
+max_staleness; 0 without a bound), the rows holding a response or its placeholder, and the byte quota
+and the bytes counted against it as stored ("" for each without a quota, see include/quota.lua).
 ]]
 -- @include bits
 -- @include schema
@@ -90,4 +91,7 @@ if responses ~= KEYS[1] then
   if err then return redis.error_reply(err) end
 end
 out[#out + 1] = held
+local quota = redis.call('HMGET', KEYS[1], 'quota_bytes', 'stored_bytes')
+out[#out + 1] = quota[1] or ''
+out[#out + 1] = quota[2] or ''
 return out

@@ -359,3 +359,14 @@ def test_broker_exporter_command_serves_and_stops_cleanly(url, stop):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_docks_quota_and_what_it_holds_are_scraped(url, exporter):
+    dock = make(url, "quota")
+    plain = make(url, "plain")
+    dock.set_quota(10_000)
+    dock.put_experience({"prompts": torch.ones(2, 3)}, indexes=[0, 1])
+    samples = scrape(exporter())
+    assert value(samples, "broker_dock_quota_bytes", dock="quota") == 10_000
+    assert value(samples, "broker_dock_stored_bytes", dock="quota") == dock.status()["quota"]["stored_bytes"] > 0
+    assert value(samples, "broker_dock_quota_bytes", dock=plain.name) is None

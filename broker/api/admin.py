@@ -99,6 +99,17 @@ class Admin:
             self._s.forget("clear", lambda: self._s.scripts.clear(rows), whole=not rows, returns=False)
             call.rows = len(rows) if rows else self._s.schema.capacity
 
+    def set_quota(self, nbytes: int | None) -> int:
+        """Set or remove the dock's byte quota (see ``TransferDock.set_quota``); the bytes it holds."""
+        if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0):
+            raise InvalidExperienceError(f"a quota is None or a number of bytes >= 0, got {nbytes!r:.40}")
+        if self._s.schema.shards:
+            raise InvalidExperienceError(
+                f"dock {self._s.name!r} keeps its rows on data shards, which its scripts cannot count: a byte quota "
+                "needs a dock on one slot"
+            )
+        return self._s.write("set_quota", lambda: self._s.scripts.quota(nbytes))
+
     def delete(self) -> None:
         """Remove the dock from Redis entirely."""
         schema = self._s.schema

@@ -584,6 +584,20 @@ class TransferDock:
         """
         self._admin.clear(indexes, consumer=consumer, age=age)
 
+    def set_quota(self, nbytes: int | None) -> int:
+        """Bound the bytes the dock's rows may hold to ``nbytes`` (None: no bound); returns the bytes it holds.
+
+        Counted are the rows' encoded values as stored (what the puts wrote and no clear removed), exactly,
+        by the scripts that write and delete them. A put that would take the dock past its quota raises
+        QuotaExceededError and writes nothing; a quota below what the dock holds refuses puts until clears
+        bring it under. Docks with a quota pay a little per row written or forgotten for the count. A
+        sharded dock cannot have one (``shards``; on a cluster, make it with ``shards=0``). The quota is
+        the dock's, for every client of it, kept with its rows by checkpoints, and shown by ``status()``.
+        It bounds the broker's puts, not raw writes of a client allowed to write the dock's keys: size
+        ``maxmemory`` for those (docs/operations.md).
+        """
+        return self._admin.set_quota(nbytes)
+
     def delete(self) -> None:
         """Remove the dock from Redis entirely, schema included.
 

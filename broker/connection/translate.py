@@ -23,6 +23,7 @@ from broker.errors import (
     DockNotFoundError,
     ExperienceTooLargeError,
     FencedError,
+    QuotaExceededError,
     RedisCommandError,
     SchemaError,
     StoreFullError,
@@ -118,12 +119,13 @@ def _timeout_error(where: str, cut: _DeadlinePassed) -> BrokerTimeoutError:
 
 #: Error prefixes of the Lua scripts, and the broker error each stands for.
 _SCRIPT_ERRORS = {"CORRUPT ": DecodeError, "NODOCK ": DockNotFoundError, "SCHEMA ": SchemaError,
-                  "VERSION ": VersionError, "FENCED ": FencedError, "LOST ": DataLostError}
+                  "VERSION ": VersionError, "FENCED ": FencedError, "LOST ": DataLostError,
+                  "QUOTA ": QuotaExceededError}
 
 
 def script_error(exc: redis.ResponseError) -> BrokerError | None:
-    """The broker error a script's error reply stands for (CORRUPT, NODOCK, SCHEMA, VERSION, FENCED, LOST), or
-    None."""
+    """The broker error a script's error reply stands for (CORRUPT, NODOCK, SCHEMA, VERSION, FENCED, LOST,
+    QUOTA), or None."""
     text = str(exc)
     for prefix, error in _SCRIPT_ERRORS.items():
         if text.startswith(prefix):

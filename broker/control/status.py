@@ -123,7 +123,7 @@ def queue_statuses(
 def _parse(dock: DockRef, reply: list[Any]) -> dict[str, Any]:
     """A dock's status from its status script's reply; counts no broker could have written raise DecodeError."""
     s, k = dock.schema, dock.keys
-    bitmaps, consumers_raw, (version, discarded_text, stale, held) = StatusScript.parse(reply, k, s)
+    bitmaps, consumers_raw, (version, discarded_text, stale, held), (quota, stored) = StatusScript.parse(reply, k, s)
     counts: dict[str, int] = {}
     for (key, bits), (count, size) in zip(StatusScript.bitmaps(k, s), bitmaps):
         if count > bits or size > -(-bits // 8):
@@ -157,6 +157,8 @@ def _parse(dock: DockRef, reply: list[Any]) -> dict[str, Any]:
         "version": _counter(version, k.version),
         "discarded": discarded,
     }
+    if quota not in (b"", ""):  # see TransferDock.set_quota
+        out["quota"] = {"bytes": _counter(quota, k.meta), "stored_bytes": _counter(stored or 0, k.meta)}
     r = s.rollout
     if r.partial:
         finished = counts[k.finished]

@@ -284,7 +284,10 @@ class SlotStore:
         many commands. A column's rows cut to the allocator's size classes (data/fit.py) are two HSETs, of
         the heads and of the tails, in the same MULTI: a reader never finds one without the other."""
         columns = list(put.encoded)
-        self._scripts.put(pipe, columns, put.runs, put.lengths, put.finish, request_id, put.fence, put.ack)
+        nbytes = (sum(len(v) for values in put.encoded.values() for v in values.values())
+                  + sum(len(v) for values in put.tails.values() for v in values.values()))
+        self._scripts.put(pipe, columns, put.runs, put.lengths, put.finish, request_id, put.fence, put.ack,
+                          nbytes)
         queued = 3
         for col, mapping in put.encoded.items():
             pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine

@@ -52,6 +52,7 @@ SCRIPT_COMMANDS = (
     "hexists", "llen", "lpop", "rpush",  # the TransferQueue adapter's free rows (tq_rows, tq_release)
     "zremrangebyscore",  # take: the index of named takes' records
     "copy", "pttl", "pexpire", "pexpireat", "persist",  # a dock's checkpoints (snapshot, restore)
+    "hstrlen", "hkeys",  # a dock's byte quota (include/quota.lua, quota.lua)
 )
 
 

@@ -247,6 +247,8 @@ class DockCollector:
         by_age = gauge("broker_dock_groups_by_age", "Partial rollout: groups of each age (the last: that old or older)",
                        ["dock", "age"])
         stale = gauge("broker_dock_stale_groups", "Groups older than the staleness bound, not yet discarded", ["dock"])
+        quota = gauge("broker_dock_quota_bytes", "The dock's byte quota (set_quota); absent without one", ["dock"])
+        stored = gauge("broker_dock_stored_bytes", "Bytes of the dock's rows counted against its quota", ["dock"])
         for name, status in docks:
             if isinstance(status, BrokerError):
                 found = (name, type(status).__name__)
@@ -274,6 +276,9 @@ class DockCollector:
                     by_age.add_metric([name, str(age)], count_of_age)
             if "stale_groups" in status:
                 stale.add_metric([name], status["stale_groups"])
+            if "quota" in status:
+                quota.add_metric([name], status["quota"]["bytes"])
+                stored.add_metric([name], status["quota"]["stored_bytes"])
             ref = self._survey.refs.get(name)
             size = self._memory.dock_bytes(ref) if ref is not None and self._memory.enabled else None
             if size is not None:
@@ -286,7 +291,7 @@ class DockCollector:
         for (name, kind), times in sorted(self._errors.items()):
             errors.add_metric([name, kind], times)
         yield from (count, dock_up, capacity, groups, ready, ready_groups, consumed, leased, redelivered, dead,
-                    memory, version, discarded, unfinished, finished, by_age, stale, errors)
+                    memory, version, discarded, unfinished, finished, by_age, stale, quota, stored, errors)
 
 
 def serve(

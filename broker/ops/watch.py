@@ -106,6 +106,10 @@ def _generation_lines(status: dict[str, Any]) -> list[str]:
         if discarded:
             parts.append("discarded groups: " + ", ".join(f"{k} {v}" for k, v in sorted(discarded.items())))
         lines.append("  " + "; ".join(parts))
+    quota = status.get("quota")
+    if quota:
+        share = f" ({100 * quota['stored_bytes'] / quota['bytes']:.0f} %)" if quota["bytes"] else ""
+        lines.append(f"  quota: {quota['stored_bytes']:,} of {quota['bytes']:,} bytes stored{share}")
     return lines
 
 

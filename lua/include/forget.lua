@@ -47,11 +47,12 @@ group missing a row is no longer the group it was.
 -- @include bits
 -- @include leases
 -- @include generations
+-- @include quota
 
 local function forget_layout()
   local k, m, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
   local nlen, nages = tonumber(ARGV[5]), tonumber(ARGV[6])
-  local L = {k = k, m = m, n = n, nlen = nlen, nages = nages}
+  local L = {k = k, m = m, n = n, nlen = nlen, nages = nages, quota = quota_of(KEYS[1])}
   L.data, L.tail = 3, 3 + k                                 -- KEYS[L.data + c] is column c's data hash
   L.ready, L.gready = 3 + 2 * k, 3 + 3 * k
   L.consumed, L.gtaken = 3 + 4 * k, 3 + 4 * k + m
@@ -69,12 +70,8 @@ local function forget_layout()
   local shards = redis.call('HGET', KEYS[1], 'shards')
   L.sharded = shards ~= false and shards ~= '[]'
   L.group = {}                                              -- L.group[c]: column c holds one field per group
-  local group_columns = redis.call('HGET', KEYS[1], 'group_columns')
-  if group_columns and not L.sharded then
-    -- Names are letters, digits, '_', '.', '-' (keys.py check_name): no quote to escape, no ':' in a key's
-    -- last part, so the JSON list and the data keys parse without cjson (which fakeredis lacks).
-    local named = {}
-    for name in string.gmatch(group_columns, '"([^"]+)"') do named[name] = true end
+  if not L.sharded then
+    local named = group_column_names(KEYS[1])   -- no ':' in a key's last part: the data keys parse too
     for c = 1, k do
       local column = string.match(KEYS[L.data + c], ':data:([^:]+)$')
       if column and named[column] then L.group[c] = true end
@@ -111,6 +108,7 @@ local function forget_group_fields(L, c, groups)
   for i, g in ipairs(groups) do
     if any_ready[i] ~= true then empty[#empty + 1] = 'g' .. int_text(g) end
   end
+  if L.quota then count_stored(KEYS[1], -stored_in(KEYS[L.data + c], empty)) end
   return call_in_chunks('HDEL', KEYS[L.data + c], empty)
 end
 
@@ -130,6 +128,9 @@ local function forget_rows(L, rows, keep, keep_age)
   for c = 1, L.k do
     if not keep[c] then
       if not L.group[c] then
+        if L.quota then
+          count_stored(KEYS[1], -stored_in(KEYS[L.data + c], fields) - stored_in(KEYS[L.tail + c], fields))
+        end
         cells = cells + call_in_chunks('HDEL', KEYS[L.data + c], fields)
         call_in_chunks('HDEL', KEYS[L.tail + c], fields)   -- a cut row's tail; not a cell of its own
       end

@@ -3,7 +3,8 @@
 - lua/create.lua: store a dock's schema unless one exists (``create``);
 - lua/grow.lua: add columns or consumers, keeping the rows (``grow``);
 - lua/metrics.lua: metrics every worker shares (``metrics``);
-- lua/columns_of.lua: the columns each consumer reads by default (``columns_of``).
+- lua/columns_of.lua: the columns each consumer reads by default (``columns_of``);
+- lua/quota.lua: set or remove a dock's byte quota (``quota``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from broker.control.scripts.base import ScriptsBase
 
 
 class AdminScripts(ScriptsBase):
-    """Wrappers of the scripts that make and describe a dock: create, grow, metrics, columns_of."""
+    """Wrappers of the scripts that make and describe a dock: create, grow, metrics, columns_of, quota."""
 
     def create(self, fields: dict[str, str]) -> dict[bytes, bytes] | None:
         """Store ``fields`` as the dock's meta unless a dock exists; None if stored, else the stored meta."""
@@ -37,3 +38,9 @@ class AdminScripts(ScriptsBase):
         """Record the columns (a JSON list) each consumer reads by default."""
         args = [self._expected, *(x for pair in columns.items() for x in pair)]
         return int(self._call("columns_of", [self._keys.meta, self._keys.consumer_columns], args))
+
+    def quota(self, nbytes: int | None) -> int:
+        """Set the dock's byte quota (None: remove it), counting what it holds; the bytes it holds."""
+        k, columns = self._keys, self._bound.columns
+        keys = [k.meta, *(key for c in columns for key in (k.data(c), k.tail(c)))]
+        return int(self._call("quota", keys, [self._expected, "" if nbytes is None else nbytes]))

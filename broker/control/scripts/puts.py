@@ -24,7 +24,7 @@ class PutScripts(ScriptsBase):
 
     def put(
         self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]],
-        finish: Finish | None, request_id: str, fence: Fence | None = None, ack: bool = False,
+        finish: Finish | None, request_id: str, fence: Fence | None = None, ack: bool = False, nbytes: int = 0,
     ) -> None:
         """Queue the first steps of a put on one slot, before the HSETs of its bytes: lua/put.lua (check,
         and mark rows ``runs`` of ``columns`` written, with what a rollout put records beside them,
@@ -32,7 +32,8 @@ class PutScripts(ScriptsBase):
         ``fence``, the put lands only while that delivery is current; with ``ack`` too, it ends the
         delivery's lease of its rows. ``unbar`` follows the HSETs.
 
-        ``lengths`` holds, per length column written, its rows' values in the order of ``runs``.
+        ``lengths`` holds, per length column written, its rows' values in the order of ``runs``; ``nbytes``,
+        the bytes of the values the HSETs write, counted against the dock's quota (lua/include/quota.lua).
         """
         k = self._keys
         leased = fence is not None and bool(fence.token)
@@ -42,7 +43,8 @@ class PutScripts(ScriptsBase):
         fenced = ["1", fence.epoch, fence.generations, fence.token] if fence else ["0", 0, b"", ""]
         args = [self._expected, self._n, k.events, self.publish, len(lengths),
                 *(finish.args() if finish else NO_FINISH), *fenced, "1" if ack and leased else "0", len(runs),
-                *runs, *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else [])]
+                *runs, *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else []),
+                nbytes]
         self._queue_once(pipe, "put", keys, args, request_id)
         self._queue_text(pipe, "bar", self._barred(columns))
 

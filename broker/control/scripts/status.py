@@ -52,15 +52,16 @@ class StatusScript:
     @classmethod
     def parse(
         cls, reply: list[Any], keys: DockKeys, schema: Schema
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, Any, int]], tuple[Any, str, int, int]]:
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, Any, int]], tuple[Any, str, int, int], tuple[Any, Any]]:
         """(bits set, bytes) per bitmap, in ``bitmaps``' order; (leased rows, raw counter, dead letters) per
-        consumer; (raw version, "field=count,..." discarded, stale groups, rows holding a response)."""
+        consumer; (raw version, "field=count,..." discarded, stale groups, rows holding a response); (raw byte
+        quota, raw bytes counted against it), empty without a quota."""
         bitmaps = 2 * len(cls.bitmaps(keys, schema))
-        head, per_consumer, tail = reply[:bitmaps], reply[bitmaps:-4], reply[-4:]
+        head, per_consumer, tail = reply[:bitmaps], reply[bitmaps:-6], reply[-6:]
         pairs = list(zip(head[0::2], head[1::2]))
         triples = list(zip(per_consumer[0::3], per_consumer[1::3], per_consumer[2::3]))
         text = tail[1].decode() if isinstance(tail[1], bytes) else str(tail[1])
-        return pairs, triples, (tail[0], text, int(tail[2]), int(tail[3]))
+        return pairs, triples, (tail[0], text, int(tail[2]), int(tail[3])), (tail[4], tail[5])
 
     @classmethod
     def load(cls, client: Client) -> None:
