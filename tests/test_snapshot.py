@@ -115,3 +115,21 @@ def test_an_older_server_refuses_a_newer_ones_payloads_and_keeps_its_dock(url, r
     finally:
         newer.delete()
         older.delete()
+
+
+def test_a_restored_dock_has_the_quota_and_count_of_its_checkpoint(make_dock, tmp_path):
+    """The count of a quota is of the rows: a restore brings back the checkpoint's, not one kept since."""
+    dock = make_dock(shards=0)
+    dock.put_experience({"prompts": torch.ones(2, 8)}, [0, 1])
+    info = DockSnapshot(dock).save(tmp_path / "dock.msgpack")
+    dock.set_quota(1 << 20)
+    dock.put_experience({"prompts": torch.ones(2, 8)}, [2, 3])
+    DockSnapshot(dock).restore(tmp_path / "dock.msgpack", info)
+    assert "quota" not in dock.status()
+    held = dock.set_quota(1 << 20)
+    info = DockSnapshot(dock).save(tmp_path / "quota.msgpack")
+    dock.put_experience({"prompts": torch.ones(2, 64)}, [2, 3])
+    dock.set_quota(None)
+    DockSnapshot(dock).restore(tmp_path / "quota.msgpack", info)
+    assert dock.status()["quota"] == {"bytes": 1 << 20, "stored_bytes": held} and held > 0
+    assert dock.set_quota(1 << 20) == held  # the count is right: a fresh count agrees
