@@ -77,3 +77,33 @@ def test_the_soak_from_the_command_line(real_url, capsys):
     assert main(["bench", "--url", real_url, "--soak", "--clients", "4", "--seconds", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["soak"]["ok"] and report["soak"]["config"]["clients"] == 4
+
+
+@pytest.mark.slow
+def test_the_tenants_soak_runs_a_tenant_beside_a_hostile_one_and_cleans_up(capsys):
+    """``broker bench --tenants`` on its private Redis 7: the normal tenant's accounting holds in both phases,
+    every scrape is answered, the hostile tenant's scripts are refused and its oversized put meets its quota;
+    the users and keys it made are gone after."""
+    from broker.ops.local_redis import RedisServer
+
+    with RedisServer() as server:
+        assert main(["bench", "--tenants", "--clients", "2", "--seconds", "1.5", "--rounds", "1",
+                     "--url", server.url]) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tenants"]
+        assert report["ok"] and report["scrapes"]["total"] > 0 and not report["scrapes"]["failed"]
+        for phase in ("alone", "beside_hostile"):
+            assert report[phase]["lost"] == report[phase]["corrupt"] == 0 and report[phase]["calls_per_second"] > 0
+        attempts = report["hostile_attempts"]
+        assert attempts.get("eval while true: NoPermissionError") and attempts.get("function load: NoPermissionError")
+        assert attempts.get("put past its quota: QuotaExceededError")
+        assert set(report["slowdown"]) >= {"calls_per_second", "p99 get"}
+        client = server.client()
+        assert client.dbsize() == 0 or all(b":reply:" in k for k in client.keys("*"))
+        users = [u.decode() if isinstance(u, bytes) else u for u in client.acl_users()]
+        assert [u for u in users if u.startswith("bench-")] == []
+
+
+def test_the_tenants_soak_refuses_redis_62(redis62_url, capsys):
+    assert main(["bench", "--tenants", "--clients", "1", "--seconds", "0.5", "--rounds", "1",
+                 "--url", redis62_url]) == 2
+    assert "6.2 is for trusted tenants only" in capsys.readouterr().err

@@ -25,6 +25,10 @@ Modes (all four by default; naming any runs only those):
                   ``--seconds``; ``--leases`` takes rows with leases and acks them, ``--kill`` (implies
                   ``--leases``) SIGKILLs a random client every ``--kill-every`` seconds on average;
                   then checks nothing was lost, handed out twice (without leases) or corrupted
+``--tenants``     instead of the modes: the soak of one ACL tenant alone and beside a hostile one on the
+                  same Redis 7 (long scripts, oversized writes, garbage meta, stray keys; an exporter
+                  scraped throughout): its calls/s and p99 side by side, its accounting, every scrape
+                  answered; ``--rounds`` alternated, ``--hostile-pause`` between misbehaviours (``tenants.py``)
 ``--cluster``     instead of the modes: the pipeline through the broker with one client on a private
                   redis-server and on a private ``--primaries``-primary Redis Cluster, in one run: the time
                   ratio, the checksums, server seconds per GB moved per primary (``INFO commandstats``, and

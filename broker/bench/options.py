@@ -131,6 +131,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--lease-seconds", type=float, default=None,
                    help="lease length (default: 5.0, and 0.5 with --pipeline)")
     g.add_argument("--kill-every", type=float, default=1.0, help="mean seconds between kills (default: %(default)s)")
+    g = p.add_argument_group("tenants soak (--tenants; uses --clients, --seconds, --seed)")
+    g.add_argument("--tenants", action="store_true",
+                   help="instead of the modes: the soak of one tenant alone and beside a hostile one on the same "
+                        "server, as ACL users of broker acl (Redis 7; makes the users, and deletes them after)")
+    g.add_argument("--rounds", type=int, default=2, help="alternated rounds of each (default: %(default)s)")
+    g.add_argument("--hostile-pause", type=float, default=0.05,
+                   help="seconds between two misbehaviours of the hostile tenant (default: %(default)s)")
     g = p.add_argument_group("pipeline soak (--soak --pipeline; uses --seconds, --per-stage, --lease-seconds, --kill, "
                              "--kill-every, --seed)")
     g.add_argument("--slow", type=float, default=None,

@@ -434,12 +434,29 @@ def _soak(soak: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _tenants(t: dict[str, Any]) -> list[str]:
+    c = t["config"]
+    lines = ["", f"tenants: {c['rounds']} rounds of {c['clients']} clients for {c['seconds']:g} s, alone and beside a "
+                 f"hostile tenant (a misbehaviour every {c['pause']:g} s) -> {'OK' if t['ok'] else 'FAILED'}"]
+    for label, key in (("alone", "alone"), ("beside hostile", "beside_hostile")):
+        s = t[key]
+        p99 = "  ".join(f"{op} {ms:.2f}" for op, ms in s["p99_ms"].items())
+        lines.append(f"  {label:<15} {s['calls_per_second']:7.0f} calls/s  p99 ms: {p99}  lost {s['lost']}, "
+                     f"repeats {s['repeats']}, corrupt {s['corrupt']}")
+    lines.append("  slowdown beside the hostile tenant: "
+                 + ", ".join(f"{k} {v:.2f}x" for k, v in t["slowdown"].items()))
+    lines.append(f"  exporter: {t['scrapes']['total']} scrapes, failed {t['scrapes']['failed'] or 'none'}")
+    lines.append("  the hostile tenant's attempts: "
+                 + ", ".join(f"{k} {v}" for k, v in t["hostile_attempts"].items()))
+    return lines
+
+
 def table(report: dict[str, Any]) -> str:
     """The report as text for a terminal."""
     lines = _header(report)
     sections = {"pipeline": _pipeline, "concurrent": _concurrent, "balance": _balance, "sampling": _sampling,
                 "memory": _memory, "exporter": _exporter, "fencing": _fencing, "soak": _soak, "cluster": _cluster,
-                "large": _large, "tq_perftest": _perftest}
+                "large": _large, "tq_perftest": _perftest, "tenants": _tenants}
     for key, section in sections.items():
         if report.get(key):
             lines += section(report[key])

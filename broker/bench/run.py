@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 "--clients": args.clients, "--seconds": args.seconds, "--kill-every": args.kill_every,
                 "--exporter-docks": args.exporter_docks, "--exporter-scrapes": args.exporter_scrapes,
                 "--primaries": args.primaries, "--batch": args.batch, "--fields": args.fields,
-                "--seq-len": args.seq_len}
+                "--seq-len": args.seq_len, "--rounds": args.rounds}
     if args.lease_seconds is not None:  # None: each soak's own default
         positive["--lease-seconds"] = args.lease_seconds
     bad = [name for name, value in positive.items() if value <= 0] + (["--warmup"] if args.warmup < 0 else [])
@@ -159,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
     if args.slow is not None and not 0 <= args.slow <= 1:
         print("broker bench: --slow is a probability, from 0 to 1", file=sys.stderr)
         return 2
+    if args.tenants and (args.soak or args.cluster):
+        print("broker bench: --tenants is a soak of its own; it takes no --soak or --cluster", file=sys.stderr)
+        return 2
     if args.cluster and (args.url or args.soak or args.unix):
         print("broker bench: --cluster starts a redis-server and a Redis Cluster of its own; it takes no --url, "
               "--unix or --soak", file=sys.stderr)
@@ -168,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     selected = [m for m in MODES if getattr(args, m)] or ([] if named_alone else list(MODES))
     prefix = f"bench-{secrets.token_hex(4)}"
     report: dict[str, Any] = {"bench": "broker", "version": __version__}
-    if not args.soak and not ((args.large or args.tq_perftest) and not selected):
+    if not (args.soak or args.tenants) and not ((args.large or args.tq_perftest) and not selected):
         report["workload"] = {"prompts": workload.prompts, "n": workload.n, "rows": workload.capacity,
                               "seed": workload.seed, "rows_per_call": workload.call_rows,
                               "payload_bytes": workload.payload_bytes()}
@@ -183,7 +186,13 @@ def run(args: argparse.Namespace) -> int:
                            "where": f"a private redis-server and a private {args.primaries}-primary Redis Cluster"}
         ok = report["cluster"]["checksums_equal"]
     else:
-        ok = _measure(args, selected, prefix, workload, report)
+        from broker.bench.tenants import Unsupported
+
+        try:
+            ok = _measure(args, selected, prefix, workload, report)
+        except Unsupported as exc:
+            print(f"broker bench: {exc}", file=sys.stderr)
+            return 2
     report["machine"]["loadavg_end"] = os.getloadavg()[0]
     report["targets"] = targets(report)
     if not args.json:
@@ -200,6 +209,15 @@ def _measure(args: argparse.Namespace, selected: list[str], prefix: str, workloa
             report["redis"] = {"version": server_version(client), "where": redact(url), "private": private}
             if is_cluster(client):
                 report["redis"]["cluster_primaries"] = len(primaries(client))
+        if args.tenants:
+            from broker.bench.tenants import TenantsConfig, run_tenants
+
+            tenants = TenantsConfig(clients=args.clients, seconds=args.seconds, rounds=args.rounds,
+                                    pause=args.hostile_pause, seed=args.seed)
+            _say(f"tenants: {tenants.rounds} rounds of {tenants.clients} clients for {tenants.seconds:g} s, alone "
+                 "and beside a hostile tenant")
+            report["tenants"] = run_tenants(url, prefix, tenants)
+            return bool(report["tenants"]["ok"])
         if args.soak and args.pipeline:
             from broker.bench.pipeline_soak import PipelineSoakConfig, run_pipeline_soak
 
