@@ -40,6 +40,7 @@ prompt bytes would sit under the old generation.
 -- @include bits
 -- @include schema
 -- @include forget
+-- @include quota
 -- @include delivery
 -- @include current_version
 -- @include once

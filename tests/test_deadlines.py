@@ -395,3 +395,25 @@ def test_a_cluster_nodes_full_pool_makes_a_call_wait_for_a_connection_not_fail(c
             pool.release(connection)
     finally:
         disconnect(client)
+
+
+def test_a_connection_released_twice_is_handed_to_one_caller_at_a_time(server, cluster_url):
+    """redis-py's cluster pipeline may release a connection a second time (when re-reading the slot map fails
+    in a storm of cut connections); queued twice, it went to two threads at once, and one's disconnect cut the
+    other's socket mid-call (TypeError from select). Both kinds of pool ignore the second release."""
+    from broker.connection import connect, disconnect
+
+    for url in (server.url, cluster_url):
+        client, _ = connect(url)
+        try:
+            pool = (client.get_default_node().redis_connection if isinstance(client, RedisCluster)
+                    else client).connection_pool
+            first, other = pool.get_connection(), pool.get_connection()  # the queue has room for two now
+            pool.release(first)
+            pool.release(first)
+            a, b = pool.get_connection(), pool.get_connection()
+            assert a is not b, url
+            for connection in (a, b, other):
+                pool.release(connection)
+        finally:
+            disconnect(client)

@@ -4,6 +4,7 @@ cluster node's (``_BoundedPool``)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import redis
@@ -23,9 +24,21 @@ class _WaitingPool(redis.BlockingConnectionPool):
     pool's wait or the call's deadline, whichever comes first, and then says which ran out."""
 
     def __init__(self, connection_class: type[Any] = redis.Connection, **kwargs: Any):
+        self._releasing = threading.Lock()
         super().__init__(  # type: ignore[no-untyped-call]
             connection_class=_BOUNDED.get(connection_class, connection_class), **kwargs
         )
+
+    def release(self, connection: Any) -> None:
+        # A connection released twice would be queued twice, and two threads would then share it: one's
+        # disconnect cut the other's socket mid-call (TypeError from select). redis-py's cluster pipeline
+        # releases again what it released already when re-reading the slot map fails (connections cut in a
+        # storm of CLIENT KILLs); a plain ConnectionPool ignores a second release, and so does this one.
+        with self._releasing:
+            with self.pool.mutex:
+                if any(queued is connection for queued in self.pool.queue):
+                    return
+            super().release(connection)  # type: ignore[no-untyped-call]
 
     # BlockingConnectionPool waits ``self.timeout`` for a free connection: the pool's own wait, or the
     # time left of the calling thread's call if that is shorter.

@@ -1,5 +1,5 @@
 --[[ quota: a dock's optional byte quota, pasted in by `-- @include quota` (put.lua, forget.lua's scripts,
-quota.lua).
+set_quota.lua).
 
 The meta hash's "quota_bytes" (absent: no quota, nothing counted) bounds "stored_bytes": the bytes of the
 values in the dock's data and tail hashes, as HSTRLEN counts them (the rows' encoded bytes, a cut row's
@@ -10,9 +10,9 @@ writes or deletes those values, in the same script, so the count is exact whatev
   (QUOTA, nothing written) if the count would pass the quota;
 - include/forget.lua (clear.lua, discard.lua): the fields a forget deletes, and the placeholders a
   regeneration writes; a whole clear sets the count to 0;
-- quota.lua sets or removes the quota, counting what the dock holds then;
+- set_quota.lua sets or removes the quota, counting what the dock holds then;
 - restore.lua puts back the meta of the snapshot, its count with its rows.
-A sharded dock's bytes live on other slots, which no script may read: quota.lua refuses it.
+A sharded dock's bytes live on other slots, which no script may read: the client refuses it a quota.
 
 Counting costs an HSTRLEN per field written or deleted, in docks with a quota only.
 ]]

@@ -4,7 +4,7 @@
 - lua/grow.lua: add columns or consumers, keeping the rows (``grow``);
 - lua/metrics.lua: metrics every worker shares (``metrics``);
 - lua/columns_of.lua: the columns each consumer reads by default (``columns_of``);
-- lua/quota.lua: set or remove a dock's byte quota (``quota``).
+- lua/set_quota.lua: set or remove a dock's byte quota (``quota``).
 """
 
 from __future__ import annotations
@@ -43,4 +43,4 @@ class AdminScripts(ScriptsBase):
         """Set the dock's byte quota (None: remove it), counting what it holds; the bytes it holds."""
         k, columns = self._keys, self._bound.columns
         keys = [k.meta, *(key for c in columns for key in (k.data(c), k.tail(c)))]
-        return int(self._call("quota", keys, [self._expected, "" if nbytes is None else nbytes]))
+        return int(self._call("set_quota", keys, [self._expected, "" if nbytes is None else nbytes]))

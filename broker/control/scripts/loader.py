@@ -46,7 +46,7 @@ SCRIPT_FILES = {
     "version": "version.lua",
     "reserve": "reserve.lua",
     "unreserve": "unreserve.lua",
-    "quota": "quota.lua",
+    "set_quota": "set_quota.lua",
     "unready": "unready.lua",
     "status": "status.lua",
     "mark": "mark.lua",

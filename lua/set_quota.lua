@@ -1,4 +1,4 @@
---[[ quota: set or remove a dock's byte quota, counting the bytes the dock holds (see include/quota.lua).
+--[[ set_quota: set or remove a dock's byte quota, counting the bytes the dock holds (see include/quota.lua).
 
 Counted here once, atomically, over every field of the dock's data and tail hashes; from then on the
 scripts that write or delete values keep the count. A quota below what the dock holds is set as asked:
