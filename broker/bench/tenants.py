@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
@@ -59,7 +60,17 @@ class TenantsConfig:
     seed: int = 0
 
 
-def _users(admin: redis.Redis, prefix: str, port: int) -> dict[str, str]:
+def _as_user(url: str, user: str, password: str) -> str:
+    """``url`` (the administrator's) with ``user`` and ``password`` in place of its credentials."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise Unsupported(f"the tenants soak logs its users in over TCP: redis:// or rediss://, not {parts.scheme}://")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _users(admin: redis.Redis, prefix: str, url: str) -> dict[str, str]:
     """The three users, made on the server as ``broker acl --apply`` makes them; their URLs."""
     from broker.ops.acl import reader_rules, worker_rules
 
@@ -69,7 +80,7 @@ def _users(admin: redis.Redis, prefix: str, port: int) -> dict[str, str]:
              f"{prefix}-reader": reader_rules()}
     for user, granted in rules.items():
         admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", *granted)
-    return {user.rsplit("-", 1)[1]: f"redis://{user}:{password}@127.0.0.1:{port}/0" for user in rules}
+    return {user.rsplit("-", 1)[1]: _as_user(url, user, password) for user in rules}
 
 
 def _hostile(url: str, dock: str, pause: float, stop: Flag, out: str) -> None:
@@ -177,8 +188,7 @@ def run_tenants(url: str, prefix: str, cfg: TenantsConfig) -> dict[str, Any]:
         raise Unsupported("the tenants soak needs Redis 7's functions: on Redis 6.2 a worker may run any Lua, "
                          "and one tenant stalls all (docs/operations.md: 6.2 is for trusted tenants only)")
     load_library(admin)
-    port = admin.connection_pool.connection_kwargs["port"]
-    urls = _users(admin, prefix, port)
+    urls = _users(admin, prefix, url)
     normal, hostile = f"{prefix}-normal", f"{prefix}-hostile"
     exporter = serve(redis.Redis.from_url(urls["reader"]), where="reader", port=0, addr="127.0.0.1",
                      rescan_seconds=1.0)
@@ -188,21 +198,27 @@ def run_tenants(url: str, prefix: str, cfg: TenantsConfig) -> dict[str, Any]:
     soak = SoakConfig(clients=cfg.clients, seconds=cfg.seconds, leases=True, seed=cfg.seed)
     runs: dict[str, list[dict[str, Any]]] = {"alone": [], "beside a hostile tenant": []}
     met: Counter[str] = Counter()
+    stop, process = Flag(ctx), None
     try:
         for r in range(cfg.rounds):
             for phase in runs:
-                stop = Flag(ctx)
-                process = None
+                stop, process = Flag(ctx), None
                 if phase != "alone":
-                    out = str(folder / f"hostile-{r}.json")
-                    process = ctx.Process(target=_hostile, args=(urls["hostile"], hostile, cfg.pause, stop, out))
+                    out = folder / f"hostile-{r}.json"
+                    process = ctx.Process(target=_hostile, args=(urls["hostile"], hostile, cfg.pause, stop, str(out)))
                     process.start()
                 runs[phase].append(run_soak(urls["normal"], normal, soak))
                 if process is not None:
                     stop.set()
                     process.join(60)
-                    met.update(json.loads(Path(out).read_text()))
+                    if out.exists():
+                        met.update(json.loads(out.read_text()))
+                    else:  # it failed before its first misbehaviour: this round measured nothing beside it
+                        met[f"the hostile process exited with {process.exitcode} before reporting"] += 1
     finally:
+        stop.set()
+        if process is not None and process.is_alive():
+            process.kill()
         scraper.close()
         exporter.shutdown()
         exporter.server_close()
@@ -236,5 +252,6 @@ def _report(cfg: TenantsConfig, runs: dict[str, list[dict[str, Any]]], met: Coun
         "config": asdict(cfg), "alone": alone, "beside_hostile": beside,
         "slowdown": ratios,  # > 1: the normal tenant was slower beside the hostile one
         "hostile_attempts": dict(sorted(met.items())), "scrapes": scrapes,
-        "ok": alone["ok"] and beside["ok"] and not scraper.failed and scraper.total > 0,
+        "ok": alone["ok"] and beside["ok"] and not scraper.failed and scraper.total > 0
+              and not any(k.startswith("the hostile process exited") for k in met),
     }
