@@ -176,7 +176,7 @@ def _apply_acl(args: argparse.Namespace) -> int:
                 with redis_errors(f"{where} (node {name})" if isinstance(client, RedisCluster) else where):
                     if node is None:
                         raise BrokerError(f"Redis Cluster at {where}: no connection to node {name}")
-                    major = int(str(node.info("server")["redis_version"]).split(".")[0])
+                    major = _major(node)
                     rules = _acl_rules(args, cluster=isinstance(client, RedisCluster), redis7=major >= 7)
                     redis7 = redis7 and major >= 7
                     node.execute_command("ACL", "SETUSER", args.user, "on", f">{args.password}", *rules)
@@ -208,8 +208,7 @@ def _functions(args: argparse.Namespace) -> int:
     where = redact(args.url)
     try:
         with redis_errors(where):
-            major = max(int(str(node.info("server")["redis_version"]).split(".")[0])
-                        for node in _nodes(client))
+            major = max(_major(node) for node in _nodes(client))
         if major < 7:
             print(f"broker: Redis at {where} has no functions (Redis 6.2): the broker runs its scripts with EVALSHA "
                   "there", file=sys.stderr)
@@ -218,6 +217,11 @@ def _functions(args: argparse.Namespace) -> int:
     finally:
         disconnect(args.url)
     return 0
+
+
+def _major(node: Any) -> int:
+    """The major version of a Redis server: 7 has functions and ACL selectors, 6.2 has neither."""
+    return int(str(node.info("server")["redis_version"]).split(".")[0])
 
 
 def _nodes(client: Any) -> list[Any]:

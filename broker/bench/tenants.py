@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import secrets
 import statistics
+import tempfile
 import threading
 import time
 import urllib.request
@@ -38,8 +39,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
-from broker.bench.soak import Flag, SoakConfig, run_soak
-from broker.bench.soak import remove_folder as _remove_folder
+from broker.bench.soak import Flag, SoakConfig, remove_folder, run_soak
 
 #: Bytes of one oversized write of the hostile tenant, and its dock's quota (half of it).
 HOSTILE_PUT_BYTES = 16 << 20
@@ -175,8 +175,6 @@ class _Scraper:
 def run_tenants(url: str, prefix: str, cfg: TenantsConfig) -> dict[str, Any]:
     """Run the rounds on the server of ``url`` (an administrator's: it makes the users, and deletes them and
     their keys after); the report, ``ok`` saying whether every check held."""
-    import tempfile
-
     from broker.bench.concurrent import context
     from broker.control.keys import DockKeys
     from broker.control.scripts.functions import load_library, uses_functions
@@ -227,7 +225,7 @@ def run_tenants(url: str, prefix: str, cfg: TenantsConfig) -> dict[str, Any]:
         for user in urls:
             admin.execute_command("ACL", "DELUSER", f"{prefix}-{user}")
         admin.close()
-        _remove_folder(folder)
+        remove_folder(folder)
     return _report(cfg, runs, met, scraper)
 
 

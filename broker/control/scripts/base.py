@@ -70,7 +70,7 @@ class ScriptsBase:
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if not self.functions:
             return self._scripts[name](keys, args)  # a Script loads itself again where the server lost it
-        command = ("FCALL", function_name(name), len(keys), *keys, *args)
+        command = self._command(name, keys, args)
         try:
             return self._client.execute_command(*command)  # type: ignore[no-untyped-call]
         except redis.ResponseError as exc:
@@ -107,7 +107,7 @@ class ScriptsBase:
 
     def _queue_text(self, pipe: Pipeline, name: str, keys: list[str]) -> None:
         if self.functions:  # loaded functions are not lost as cached scripts are: no need for the text
-            pipe.execute_command("FCALL", function_name(name), len(keys), *keys)
+            pipe.execute_command(*self._command(name, keys, []))
         else:
             pipe.execute_command("EVAL", self._texts[name], len(keys), *keys)
 
