@@ -107,3 +107,9 @@ def test_the_tenants_soak_refuses_redis_62(redis62_url, capsys):
     assert main(["bench", "--tenants", "--clients", "1", "--seconds", "0.5", "--rounds", "1",
                  "--url", redis62_url]) == 2
     assert "6.2 is for trusted tenants only" in capsys.readouterr().err
+
+
+def test_the_tenants_soak_refuses_a_cluster(cluster_url, capsys):
+    assert main(["bench", "--tenants", "--clients", "1", "--seconds", "0.5", "--rounds", "1",
+                 "--url", cluster_url]) == 2
+    assert "runs on one server" in capsys.readouterr().err

@@ -181,6 +181,10 @@ def run_tenants(url: str, prefix: str, cfg: TenantsConfig) -> dict[str, Any]:
     from broker.ops.exporter import serve
 
     admin = redis.Redis.from_url(url)
+    if admin.info("cluster").get("cluster_enabled"):
+        admin.close()
+        raise Unsupported("the tenants soak runs on one server: its ACL users would be made on one node of the "
+                          "cluster only")
     if not uses_functions(admin):
         admin.close()
         raise Unsupported("the tenants soak needs Redis 7's functions: on Redis 6.2 a worker may run any Lua, "
