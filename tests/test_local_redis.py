@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,32 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed")
+def test_a_relative_folder_is_the_callers_and_the_server_keeps_its_data_there(monkeypatch, tmp_path):
+    """redis-server changes into --dir before opening --logfile: a relative folder handed on as it was given
+    made every private server of `broker demo` (whose --out defaults to the relative grpo-demo) fail to start."""
+    from broker.ops.local_redis import private_redis
+
+    monkeypatch.chdir(tmp_path)
+    with private_redis(folder=Path("run") / "redis") as target:
+        import redis
+
+        client = redis.Redis.from_url(target.url)
+        assert client.config_get("dir")["dir"] == str(tmp_path / "run" / "redis")
+        client.close()
+    assert (tmp_path / "run" / "redis" / "redis.log").is_file()
+    assert not (tmp_path / "run" / "redis" / "run").exists()
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed")
+def test_a_server_that_does_not_start_says_why_and_not_with_an_earlier_runs_log(tmp_path):
+    (tmp_path / "redis.log").write_text("123:M 01 Jan 2026 00:00:00.000 * Ready to accept connections (an old run)\n")
+    server = RedisServer("--no-such-option", "yes", folder=tmp_path)
+    with pytest.raises(RuntimeError) as failed:
+        server.start()
+    message = str(failed.value)
+    assert "no-such-option" in message and "exited with status 1" in message  # what redis-server printed
+    assert "an old run" not in message
+    assert server.proc is None

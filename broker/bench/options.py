@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 #: Timed passes per system when --repeat is not given: the pipeline mode's, and --cluster's (two systems only,
 #: so more passes fit in the same time and steady its ratio on a busy machine).
@@ -18,6 +19,12 @@ def _systems(text: str) -> tuple[str, ...]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     return names
+
+
+def _program(text: str) -> str:
+    """A program to run: a path made absolute (the benchmark runs it from folders of its own; a venv's python
+    stays the symlink it is, or its venv would be lost), a bare name left to PATH."""
+    return os.path.abspath(text) if os.sep in text else text
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -108,7 +115,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "--fields x --seq-len (and its --use_complex_case with --complex): as it is, and through "
                         "broker.transfer_queue with only the package name changed, beside the broker's native "
                         "put and get; skipped, saying why, without the wheel")
-    g.add_argument("--tq-python", default=None, metavar="PATH",
+    g.add_argument("--tq-python", default=None, metavar="PATH", type=_program,
                    help="interpreter to run TransferQueue 0.1.11 in (default: this one, if it imports "
                         "transfer_queue)")
     g = p.add_argument_group("cluster comparison (runs instead of the modes above, on servers of its own)")

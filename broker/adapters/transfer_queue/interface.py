@@ -272,7 +272,7 @@ PUBLISH_DIR_ENV = "BROKER_TQ_DIR"
 
 def _publish_path(namespace: str) -> Path:
     folder = os.environ.get(PUBLISH_DIR_ENV) or Path(tempfile.gettempdir()) / f"broker-tq-{os.getuid()}"
-    return Path(folder) / f"{dock_name(namespace)}.url"
+    return Path(folder).absolute() / f"{dock_name(namespace)}.url"  # relative: to where this process stands
 
 
 def _published_url(path: Path) -> str | None:
