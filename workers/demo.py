@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +107,34 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**merged)
 
 
+def resume_command(out: Path) -> str:
+    """The command that goes on with the run in ``out``, spelled as this one was started: ``.venv/bin/broker
+    demo`` typed as such, else this interpreter running the module."""
+    typed = sys.argv[0]
+    head = f"{typed} demo" if Path(typed).name == "broker" else f"{sys.executable} -m workers.demo"
+    return f"{head} --resume {shlex.quote(str(out))}"
+
+
+def check_redis_url(url: str) -> str | None:
+    """Why the Redis at ``url`` cannot serve the run (it does not answer, refuses the password, ...), or None:
+    asked before anything is started or written, so a wrong URL costs a second, not Ray's start-up."""
+    from broker.connection import bounded, connect, disconnect, redact
+    from broker.errors import BrokerError
+
+    try:
+        with bounded(redact(url), 10.0, reads=True):
+            client, _ = connect(url)
+            try:
+                client.ping()
+            finally:
+                disconnect(url)
+    except BrokerError as exc:
+        return str(exc)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    """The demo; returns the exit status."""
+    """The demo; returns the exit status (130 when stopped by Ctrl-C, saying how to go on)."""
     try:
         if args.resume:
             args = resumed_args(args)
@@ -114,8 +142,34 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 2
+    if args.redis_url:
+        why = check_redis_url(args.redis_url)
+        if why is not None:
+            print(f"demo: {why.rstrip('.')}. Nothing was started.", file=sys.stderr)
+            return 1
+    progress = Progress(Path(args.out or f"{cfg.algo}-demo"))  # as the user gave it: relative to where they stand
+    try:
+        return _run(args, cfg, progress)
+    except KeyboardInterrupt:
+        out, done = progress.out, progress.saved
+        what = (f"iterations 1-{done} of {args.iterations} are checkpointed in {out}" if done
+                else f"no iteration was checkpointed yet (its options are in {out / RUN_FILE})")
+        print(f"\ndemo: stopped by Ctrl-C; {what}. Go on with: {resume_command(out)}", file=sys.stderr)
+        return 130
+
+
+@dataclass
+class Progress:
+    """Where a run is, for the line a Ctrl-C prints: its folder, and the last iteration checkpointed there."""
+
+    out: Path
+    saved: int = 0
+
+
+def _run(args: argparse.Namespace, cfg: RunConfig, progress: Progress) -> int:
+    """The run itself, into ``progress.out``, which learns of every checkpoint."""
+    out = progress.out
     # Heavy imports only once the options are known to be good.
-    import ray
     from tqdm import tqdm
 
     from broker.connection import redact
@@ -127,23 +181,26 @@ def run(args: argparse.Namespace) -> int:
     from .runtime.pipeline import Pipeline, create_dock
     from .runtime.report import MetricsLog, first_last, plot
 
-    out = Path(args.out or f"{cfg.algo}-demo")
     picture = out / f"{cfg.algo}.png"
     began = time.monotonic()
     records: list[dict] = []
     resume: checkpoints.Checkpoint | None = None
-    if args.resume:
+    if args.resume and checkpoints.latest(out) is None:
+        # Stopped before its first checkpoint: nothing to go on from, so the run starts again, with its options.
+        print(f"demo: --resume {out}: no iteration was checkpointed; starting the run from iteration 1", flush=True)
+    elif args.resume:
         try:
             resume = checkpoints.load(out)
         except checkpoints.CheckpointError as exc:
             print(f"demo: --resume: {exc}", file=sys.stderr)
             return 2
+        progress.saved = resume.iteration
         records = resume.records
         if resume.iteration >= args.iterations:
             print(f"demo: --resume {out}: the run already did its {resume.iteration} iterations (give --iterations "
                   "to run more)", file=sys.stderr)
             return 2
-    else:
+    if resume is None:
         out.mkdir(parents=True, exist_ok=True)
         # A new run in the folder of an earlier one: nothing of that one may be resumed as this one's.
         for leftover in (*checkpoints.FOLDERS, "redis"):
@@ -212,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
                 records.append(metrics)
                 saving = time.monotonic()
                 pipeline.save_checkpoint(out, iteration, records)
+                progress.saved = iteration
                 saved_seconds += time.monotonic() - saving
                 line = iteration_line(cfg, metrics)
                 bar.set_postfix_str(line, refresh=False)
@@ -220,14 +278,12 @@ def run(args: argparse.Namespace) -> int:
                     print(f"iteration {iteration}: {line}", flush=True)
             bar.close()
             train_seconds = time.monotonic() - train_began
-        finally:
-            if log is not None:
-                log.close()
-            if pipeline is not None:
-                pipeline.shutdown()
-            if dock is not None:
-                dock.delete()
-            ray.shutdown()
+        except BaseException:
+            # The error (or the user's Ctrl-C, which reaches Ray's daemons too) is what the user must see, not
+            # what winding down the workers it stopped says after it; the checkpoint is what a resume needs.
+            _wind_down(log, pipeline, dock, quietly=True)
+            raise
+        _wind_down(log, pipeline, dock, quietly=False)
     plot(records, picture)
     first, last = first_last([r["reward"] for r in records])
     k = min(3, len(records))
@@ -235,9 +291,24 @@ def run(args: argparse.Namespace) -> int:
     print(f"time: {train_seconds:.1f} s for {args.iterations - start_at + 1} iterations, "
           f"{time.monotonic() - began:.1f} s in all "
           f"(Ray, Redis and worker start-up included), checkpoints {saved_seconds:.2f} s of the training "
-          f"(resume: broker demo --resume {out})")
+          f"(to run more: {resume_command(out)} --iterations N)")
     print(f"wrote {out / 'metrics.jsonl'} and {picture}")
     return 0
+
+
+def _wind_down(log: Any, pipeline: Any, dock: Any, *, quietly: bool) -> None:
+    """Close the metrics log, stop the worker groups and Ray, delete the dock (a resume makes it again). With
+    ``quietly`` (the run failed or was stopped), a step that fails does not stop the others, and says nothing."""
+    import ray
+
+    for owner, step in ((log, "close"), (pipeline, "shutdown"), (dock, "delete"), (ray, "shutdown")):
+        if owner is None:
+            continue
+        try:
+            getattr(owner, step)()
+        except Exception:  # noqa: BLE001 - the run's own error, or the Ctrl-C line, says what happened
+            if not quietly:
+                raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from broker.errors import CheckpointError
 if TYPE_CHECKING:
     from broker import TransferDock
 
-__all__ = ["Checkpoint", "CheckpointError", "save", "load", "restore_dock"]
+__all__ = ["Checkpoint", "CheckpointError", "save", "latest", "load", "restore_dock"]
 
 #: The checkpoint's format; a checkpoint of another format is refused with what it is.
 FORMAT = 1
@@ -94,13 +94,18 @@ def save(folder: Path, checkpoint: Checkpoint, dock: TransferDock | None = None)
     shutil.rmtree(old, ignore_errors=True)
 
 
+def latest(folder: Path) -> Path | None:
+    """The folder of the run's latest complete checkpoint, or None if it has none."""
+    for name in (CURRENT, OLD):
+        if (folder / name / STATE).is_file():
+            return folder / name
+    return None
+
+
 def load(folder: Path) -> Checkpoint:
     """The run's latest complete checkpoint; CheckpointError if there is none or it is unreadable."""
-    for name in (CURRENT, OLD):
-        where = folder / name
-        if (where / STATE).is_file():
-            break
-    else:
+    where = latest(folder)
+    if where is None:
         raise CheckpointError(f"{folder}: no checkpoint to resume from (the run ended before its first iteration "
                               "did, or this is not a run's folder)")
     try:
