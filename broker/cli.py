@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -35,24 +36,24 @@ from broker.ops.watch import as_json, format_reading, watch
 
 def _status(args: argparse.Namespace) -> int:
     where = redact(args.url)
-    with bounded(where, args.timeout):  # opening asks the server whether it is a cluster
+    with bounded(where, args.timeout, reads=True):  # opening asks the server whether it is a cluster
         client, _ = connect(args.url)
+    names = [args.name] if args.name else ()
     try:
         if args.watch is not None:
             # Every frame rescans for new docks (as often as scans stay cheap), and a reading gives up
             # within two frames (at most --timeout): during an outage the view says so every frame or two
             # instead of hanging in the client's reconnect attempts.
             reading = min(args.timeout, max(2 * args.watch, 1.0))
-            return watch(Survey(client, [args.name] if args.name else (), rescan_seconds=None), args.watch,
-                         sys.stdout, where=where, as_lines=args.json, guard=lambda: bounded(where, reading))
-        survey = Survey(client, [args.name] if args.name else ())
-        return _report(survey, args, where)
+            return watch(Survey(client, names, rescan_seconds=None), args.watch, sys.stdout, where=where,
+                         as_lines=args.json, guard=lambda: bounded(where, reading, reads=True))
+        return _report(Survey(client, names), args, where)
     finally:
         disconnect(args.url)
 
 
 def _report(survey: Survey, args: argparse.Namespace, where: str) -> int:
-    with bounded(where, args.timeout):  # a scan, the metas, the counts: three round trips for any number of docks
+    with bounded(where, args.timeout, reads=True):  # a scan, the metas, the counts: 3 round trips, any number of docks
         docks = survey.read().docks
     if args.name and isinstance(docks[0][1], DockNotFoundError):
         print(f"broker: {docks[0][1]} at {where}", file=sys.stderr)
@@ -351,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The exit status of a command whose reader went away (``broker status | head``): a shell's for SIGPIPE.
+EXIT_PIPE_CLOSED = 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
@@ -359,6 +364,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokerError as exc:
         print(f"broker: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader of stdout is gone: end quietly, as a Unix tool does. stdout goes to /dev/null first, or
+        # the interpreter's own flush at exit would fail on the closed pipe again, with a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE_CLOSED
 
 
 if __name__ == "__main__":

@@ -106,3 +106,17 @@ def test_console_script_reads_redis_url_from_the_environment(url):
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "dock grpo:" in out.stdout
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(url):
+    """``broker status | head``: the pipe's reader is gone before the table is written. A Unix tool ends quietly
+    (a shell reports 141, SIGPIPE's); the command printed a BrokenPipeError traceback instead."""
+    make(url, "grpo")
+    read, write = os.pipe()
+    os.close(read)  # head has read its lines and left
+    try:
+        out = subprocess.run([sys.executable, "-m", "broker", "status", "--url", url], stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert out.returncode == 141 and out.stderr == ""

@@ -32,20 +32,22 @@ from broker.errors import (
 
 
 @contextlib.contextmanager
-def bounded(where: str, seconds: float = DEFAULT_CALL_TIMEOUT) -> Iterator[None]:
-    """A tool's reads (``broker status``, its live view, the exporter's scrape): bounded like a dock's
-    call, and their Redis errors turned into broker errors naming ``where``."""
-    with call_deadline(seconds), redis_errors(where):
+def bounded(where: str, seconds: float = DEFAULT_CALL_TIMEOUT, *, reads: bool = False) -> Iterator[None]:
+    """Calls bounded like a dock's, their Redis errors turned into broker errors naming ``where``: a tool's
+    reads (``broker status``, its live view, the exporter's scrape: ``reads``, so a call given up says it
+    changed nothing) or an adapter's calls."""
+    with call_deadline(seconds), redis_errors(where, reads=reads):
         yield
 
 
 @contextlib.contextmanager
-def redis_errors(where: str) -> Iterator[None]:
-    """Re-raise redis-py errors as broker errors; ``where`` names the server for the message."""
+def redis_errors(where: str, *, reads: bool = False) -> Iterator[None]:
+    """Re-raise redis-py errors as broker errors; ``where`` names the server for the message, ``reads`` says
+    the calls only read (a call given up at its deadline then changed nothing, rather than maybe something)."""
     try:
         yield
     except _DeadlinePassed as exc:
-        raise _timeout_error(where, exc) from exc
+        raise _timeout_error(where, exc, reads) from exc
     except redis.AuthenticationError as exc:
         raise BrokerConnectionError(f"Redis at {where} refused the credentials: {exc}") from exc
     except redis.exceptions.AskError as exc:  # MovedError too: redis-py keeps only "SLOT HOST:PORT" of it
@@ -76,7 +78,7 @@ def redis_errors(where: str) -> Iterator[None]:
     except redis.exceptions.RedisClusterException as exc:  # not a RedisError: cross-slot MULTI, uncovered slot
         cut = _cut_by_deadline(exc)  # a slot map reload that found no node answering in time
         if cut is not None:
-            raise _timeout_error(where, cut) from exc
+            raise _timeout_error(where, cut, reads) from exc
         raise ClusterError(f"Redis Cluster at {where} refused the call: {_short(exc)}") from exc
     except _Hopeless as exc:
         raise BrokerConnectionError(f"Redis at {where}: {exc}") from exc
@@ -85,7 +87,7 @@ def redis_errors(where: str) -> Iterator[None]:
     except _CUT as exc:
         cut = _cut_by_deadline(exc)  # a retry loop that stopped at the deadline
         if cut is not None:
-            raise _timeout_error(where, cut) from exc
+            raise _timeout_error(where, cut, reads) from exc
         raise BrokerConnectionError(f"Redis at {where}: {_short(exc)}") from exc
     except redis.exceptions.OutOfMemoryError as exc:
         raise StoreFullError(
@@ -110,10 +112,11 @@ def redis_errors(where: str) -> Iterator[None]:
         raise RedisCommandError(f"Redis at {where} refused a command: {_short(exc)}") from exc
 
 
-def _timeout_error(where: str, cut: _DeadlinePassed) -> BrokerTimeoutError:
+def _timeout_error(where: str, cut: _DeadlinePassed, reads: bool = False) -> BrokerTimeoutError:
+    applied = "it only read, so nothing was changed" if reads else "it may or may not have been applied"
     return BrokerTimeoutError(
-        f"Redis at {where} did not answer within the call's bound of {cut.bound}; the call was given up "
-        f"and may or may not have been applied ({_short(Exception(cut.detail))})"
+        f"Redis at {where} did not answer within the call's bound of {cut.bound}; the call was given up, and "
+        f"{applied} ({_short(Exception(cut.detail))})"
     )
 
 

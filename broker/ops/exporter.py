@@ -201,7 +201,7 @@ class DockCollector:
             self._memory.queue(pipe, list(self._survey.refs.values()))
 
         # Bounded by Prometheus's default scrape timeout: a scrape that cannot finish by then is lost anyway.
-        with bounded(self._where, SCRAPE_SECONDS):
+        with bounded(self._where, SCRAPE_SECONDS, reads=True):
             reading = self._survey.read(also=also if self._memory.enabled else None)
             if self._memory.enabled:
                 try:
