@@ -72,6 +72,11 @@ log = logging.getLogger("broker")
 #: How long a node's count of attached replicas is trusted before it is read again.
 _REPLICAS_TTL_SECONDS = 2.0
 
+#: How long a node may be short only of replicas that are online and acknowledged nothing yet before the dock
+#: says it runs degraded there: a new primary's replicas are so for about a second (every node of a freshly
+#: formed cluster, once per process), a rejoining replica's while it loads. Missing replicas are said at once.
+_SILENT_GRACE_SECONDS = 5.0
+
 #: How much later than its timeout the reply of a WAIT may come (the round trip, a busy server) before
 #: the node is taken as not answering: the server answers a WAIT only at its timeout when replicas lag.
 REPLY_MARGIN_SECONDS = 1.0
@@ -107,6 +112,7 @@ class Replication:
         self._timeout_ms = max(1, timeout_ms)  # WAIT k 0 would block for ever
         self._attached: dict[str, tuple[int, float]] = {}  # node -> (replicas attached, read at)
         self._degraded: set[str] = set()
+        self._short_since: dict[str, float] = {}  # node -> when it was first read short of replicas, lately
         self._lock = threading.Lock()
 
     def wait(
@@ -215,16 +221,22 @@ class Replication:
         silent = sum(1 for value in entries if isinstance(value, dict) and value.get("state") == "online") - count
         with self._lock:
             self._attached[name] = (count, now)
-            if count < self.replicas and name not in self._degraded:
+            if count >= self.replicas:
+                self._short_since.pop(name, None)
+                if name in self._degraded:
+                    self._degraded.discard(name)
+                    log.warning("Redis at %s has %d replicas again: wait_replicas=%d holds there", name, count,
+                                self.replicas)
+                return count
+            since = self._short_since.setdefault(name, now)
+            # Short only of replicas online that acknowledged nothing yet: said once it lasts (see the grace).
+            lasting = count + silent < self.replicas or now - since >= _SILENT_GRACE_SECONDS
+            if lasting and name not in self._degraded:
                 self._degraded.add(name)
                 log.warning("Redis at %s has %d of the %d replicas wait_replicas asks for%s: writes there are "
                             "waited on for %d until more attach", name, count, self.replicas,
                             f" in sync ({silent} more online that acknowledged nothing yet: still loading, or "
                             "stopped)" if silent else "", count)
-            elif count >= self.replicas and name in self._degraded:
-                self._degraded.discard(name)
-                log.warning("Redis at %s has %d replicas again: wait_replicas=%d holds there", name, count,
-                            self.replicas)
         return count
 
     def _per_node(self, keys: Sequence[str]) -> list[tuple[str, redis.Redis, str]]:
@@ -248,8 +260,8 @@ def _in_sync(replica: Any) -> bool:
 
     The price: the replicas of a new primary (one that had replicated nothing when they synced) show
     offset 0 until they acknowledge its first write, within a second. A dock that reads their count in
-    that second takes the node as degraded (logged, waited on for the replicas it has in sync) until it
-    reads the count again, a few seconds later.
+    that second waits on the node for the replicas it has in sync until it reads the count again, a few
+    seconds later; it says nothing of it unless it lasts (``_SILENT_GRACE_SECONDS``).
     """
     if not isinstance(replica, dict) or replica.get("state") != "online":
         return False
