@@ -66,7 +66,8 @@ def plot(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> N
     versions = not ages and any(r.get("max_staleness") is not None for r in records)
     critic = "value_loss" in records[0]
     filtered = "filtered_groups" in records[0]
-    if ages or versions or critic or filtered:
+    policy = "kl" in records[0] and "clip_frac" in records[0]  # GRPO's own: its loss's KL term and the clip
+    if ages or versions or critic or filtered or policy:
         fig, (ax_r, ax_t, ax_z, ax_x) = plt.subplots(
             4, 1, figsize=(11, 13), gridspec_kw={"height_ratios": [1.1, 1, 1, 0.9]})
     else:
@@ -111,6 +112,8 @@ def plot(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> N
         _plot_critic(ax_x, records)
     elif filtered:
         _plot_filtered(ax_x, records)
+    elif policy:
+        _plot_policy(ax_x, records)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -168,10 +171,35 @@ def _plot_critic(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
     means.plot(its, [r["value_mean"] for r in records], linestyle="--", color="tab:blue", label="mean value")
     means.plot(its, [r["return_mean"] for r in records], linestyle=":", color="tab:red", label="mean return")
     means.set_ylabel("per token")
-    lines, labels = ax.get_legend_handles_labels()
-    more, more_labels = means.get_legend_handles_labels()
-    ax.legend(lines + more, labels + more_labels, loc="upper right")
+    _legend_above_the_curves(ax, means)
     ax.set_title("PPO: the critic's clipped value loss (mean over its steps), its values and the GAE returns")
+
+
+def _plot_policy(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
+    """GRPO: the mean KL to the reference (k3, the loss's KL term) and the share of clipped tokens per iteration."""
+    its = [r["iteration"] for r in records]
+    ax.plot(its, [r["kl"] for r in records], marker="o", color="tab:purple", label="KL to the reference (k3)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("KL")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    clipped = ax.twinx()
+    clipped.plot(its, [r["clip_frac"] for r in records], linestyle="--", color="tab:gray",
+                 label="tokens clipped (share)")
+    clipped.set_ylabel("share of tokens")
+    clipped.set_ylim(bottom=0)
+    _legend_above_the_curves(ax, clipped)
+    ax.set_title("GRPO: how far the policy moved from the reference, and how much of each step the clip cut")
+
+
+def _legend_above_the_curves(ax: Any, twin: Any) -> None:
+    """One legend for a panel's two y axes, in a band left free above every curve (wherever they peak)."""
+    for axis in (ax, twin):
+        low, high = axis.get_ylim()
+        axis.set_ylim(low, low + (high - low) * 1.3)
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = twin.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, loc="upper center", ncol=len(lines + more), framealpha=0.9)
 
 
 def _plot_filtered(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
