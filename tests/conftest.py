@@ -27,13 +27,35 @@ from broker.ops.local_cluster import LocalCluster
 from broker.ops.local_redis import RedisServer
 from tests.helpers import empty_cluster, redis62_binary, redis_server_binary, required, small_dock
 
+#: The backends a test taking ``client`` runs on (the ``backend`` fixture's parameters).
+BACKENDS = ("fake", "real", "redis62", "cluster")
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files holding a test marked ``slow`` run first, each file's tests in their order: under
-    ``--dist loadfile`` a file is one worker's unit, and the few files of long runs (Ray pipelines,
-    demos, failovers, soaks) handed out last would leave one worker alone with them at the end."""
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--backend", action="append", choices=BACKENDS, default=None,
+        help="run the dock tests on this backend only (repeatable); tests without a backend still run. The "
+             "everyday loop: --backend fake -m 'not slow' (docs/development.md)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Only the backends ``--backend`` names, if given. Files holding a test marked ``slow`` run first, each
+    file's tests in their order: under ``--dist loadfile`` a file is one worker's unit, and the few files of
+    long runs (Ray pipelines, demos, failovers, soaks) handed out last would leave one worker alone with them
+    at the end."""
+    chosen = config.getoption("--backend")
+    if chosen:
+        other = [item for item in items if _backend(item) not in (None, *chosen)]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [item for item in items if _backend(item) in (None, *chosen)]
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)  # stable: the order within each group is kept
+
+
+def _backend(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("backend") if callspec is not None else None
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +102,7 @@ def redis62_url():
         yield server.url
 
 
-@pytest.fixture(params=["fake", "real", "redis62", "cluster"])
+@pytest.fixture(params=BACKENDS)
 def backend(request) -> str:
     return request.param
 

@@ -264,6 +264,7 @@ def test_tq_perftest_is_skipped_saying_why_without_the_wheel(real_url, capsys, t
     assert "tq_perftest" not in report and not report["targets"]
 
 
+@pytest.mark.once  # minutes: run once by .ci/run, apart from the README's test command
 @pytest.mark.slow
 def test_tq_perftest_runs_the_wheels_benchmark_as_it_is_and_through_the_drop_in(real_url, capsys):
     pytest.importorskip("transfer_queue")

@@ -55,6 +55,7 @@ def test_the_edits_touch_only_the_package_name():
             assert "transfer_queue" in before and "broker.transfer_queue" in after or "get_logger" in before
 
 
+@pytest.mark.once  # minutes: run once by .ci/run, apart from the README's test command
 @pytest.mark.slow
 def test_transfer_queues_scripts_run_to_their_end_on_the_broker(tmp_path):
     """All at once, each in its own process with its own Ray and private server: they spend most of their time
