@@ -161,35 +161,37 @@ def _plot_versions(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
 
 def _plot_critic(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
     """PPO: the critic's clipped value loss per iteration, with its mean value and mean return."""
-    its = [r["iteration"] for r in records]
-    ax.plot(its, [r["value_loss"] for r in records], marker="o", color="tab:olive", label="critic value loss")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("value loss")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    means = ax.twinx()
-    means.plot(its, [r["value_mean"] for r in records], linestyle="--", color="tab:blue", label="mean value")
-    means.plot(its, [r["return_mean"] for r in records], linestyle=":", color="tab:red", label="mean return")
-    means.set_ylabel("per token")
-    _legend_above_the_curves(ax, means)
+    _two_axes(ax, records, ("value_loss", "critic value loss", "tab:olive"), "value loss",
+              [("value_mean", "mean value", "--", "tab:blue"), ("return_mean", "mean return", ":", "tab:red")],
+              "per token", right_from_zero=False)
     ax.set_title("PPO: the critic's clipped value loss (mean over its steps), its values and the GAE returns")
 
 
 def _plot_policy(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
     """GRPO: the mean KL to the reference (k3, the loss's KL term) and the share of clipped tokens per iteration."""
+    _two_axes(ax, records, ("kl", "KL to the reference (k3)", "tab:purple"), "KL",
+              [("clip_frac", "tokens clipped (share)", "--", "tab:gray")], "share of tokens", right_from_zero=True)
+    ax.set_title("GRPO: how far the policy moved from the reference, and how much of each step the clip cut")
+
+
+def _two_axes(ax: Any, records: Sequence[Mapping[str, Any]], left: tuple[str, str, str], left_axis: str,
+              right: Sequence[tuple[str, str, str, str]], right_axis: str, *, right_from_zero: bool) -> None:
+    """Per iteration: one metric (key, label, colour) on the left axis, from 0, and others (key, label, line
+    style, colour) on a right one, with one legend for both."""
     its = [r["iteration"] for r in records]
-    ax.plot(its, [r["kl"] for r in records], marker="o", color="tab:purple", label="KL to the reference (k3)")
+    key, label, colour = left
+    ax.plot(its, [r[key] for r in records], marker="o", color=colour, label=label)
     ax.set_xlabel("iteration")
-    ax.set_ylabel("KL")
+    ax.set_ylabel(left_axis)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    clipped = ax.twinx()
-    clipped.plot(its, [r["clip_frac"] for r in records], linestyle="--", color="tab:gray",
-                 label="tokens clipped (share)")
-    clipped.set_ylabel("share of tokens")
-    clipped.set_ylim(bottom=0)
-    _legend_above_the_curves(ax, clipped)
-    ax.set_title("GRPO: how far the policy moved from the reference, and how much of each step the clip cut")
+    twin = ax.twinx()
+    for key, label, style, colour in right:
+        twin.plot(its, [r[key] for r in records], linestyle=style, color=colour, label=label)
+    twin.set_ylabel(right_axis)
+    if right_from_zero:
+        twin.set_ylim(bottom=0)
+    _legend_above_the_curves(ax, twin)
 
 
 def _legend_above_the_curves(ax: Any, twin: Any) -> None:
