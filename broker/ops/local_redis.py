@@ -299,13 +299,12 @@ def private_redis(timeout: float = 15.0, unix: bool = False, folder: Path | None
     owned = threading.current_thread() is threading.main_thread()
     persistence = ("--appendonly", "yes", "--appendfsync", "everysec") if folder is not None else ()
     if folder is not None:
-        folder = Path(folder).resolve()  # as the caller stands, whatever directory the server runs in
         folder.mkdir(parents=True, exist_ok=True)
     server = RedisServer(*persistence, binary=binary, unix=unix, dies_with_owner=owned, folder=folder)
     try:
         server.start(timeout)
         url = server.url
-        kept = f", its data kept in {folder}" if folder is not None else ""
+        kept = f", its data kept in {server.folder}" if folder is not None else ""  # the absolute folder
         yield RedisTarget(url, f"private Redis {server.version} at {url} ({binary}, from {source}){kept}, "
                                "stopped at the end")
     finally:
