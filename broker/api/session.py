@@ -175,8 +175,11 @@ class DockSession:
             self.set_schema(stored, stored_fingerprint)
         return self.schema
 
-    def _follow_growth(self) -> bool:
-        """Adopt the stored schema if it is this object's own, grown; whether it did."""
+    def _follow_growth(self) -> bool | None:
+        """After a script refused this object's schema: adopt the stored one if it is this object's own,
+        grown (True); None if the stored schema is the one this object holds already (another thread of
+        this process adopted it between the call and now, or is adopting it); False if it is not this
+        object's schema grown (recreated, edited, gone, not a dock's), and the script's error stands."""
         known = getattr(self, "schema", None)
         if known is None:
             return False
@@ -184,8 +187,10 @@ class DockSession:
             stored, stored_fingerprint = self.stored()
         except (DockNotFoundError, DecodeError):  # gone, or not ours: the script's error stands
             return False
-        if not stored.contains(known) or stored_fingerprint == self.fingerprint:
+        if not stored.contains(known):
             return False
+        if stored_fingerprint == self.fingerprint:
+            return None
         self.set_schema(stored, stored_fingerprint)
         return True
 
@@ -197,17 +202,26 @@ class DockSession:
         if self.closed:
             raise BrokerError(f"dock {self.name!r} at {self.server} was closed; open it again to use it")
         with call_deadline(self.call_timeout):
-            try:
-                with redis_errors(self.where):
-                    return busy_retried(lambda: self._library_kept(call))  # another client's long script: wait
-            except SchemaError:
-                # Every script refuses to run on a schema other than the one this object knows, and runs
-                # nothing before it checks. If another process only grew the dock, adopt the grown schema
-                # and run the call again; anything else (recreated, edited) stays an error.
-                if not self._follow_growth():
-                    raise
-            with redis_errors(self.where):
-                return busy_retried(lambda: self._library_kept(call))
+            unmoved = 0
+            while True:
+                try:
+                    with redis_errors(self.where):
+                        return busy_retried(lambda: self._library_kept(call))  # another client's long script: wait
+                except SchemaError:
+                    # Every script refuses to run on a schema other than the one this object knows, and runs
+                    # nothing before it checks. If another process only grew the dock, adopt the grown schema
+                    # and run the call again, as often as others keep growing it (each time the schema moved
+                    # on; the call's deadline bounds it all). Threads share this object: the call may have
+                    # gone out bound to the schema another thread was replacing, so a refusal under the
+                    # schema now held is tried again too, a few times. Anything else (recreated, edited)
+                    # stays an error.
+                    followed = self._follow_growth()
+                    if followed is False:
+                        raise
+                    if followed is None:
+                        unmoved += 1
+                        if unmoved > RACE_RETRIES:
+                            raise
 
     def _library_kept(self, call: Callable[[], T]) -> T:
         """``call``, run again once after loading the broker's function library where the server lost it

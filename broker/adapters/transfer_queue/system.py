@@ -40,7 +40,7 @@ import torch
 
 from broker import ExperienceTimeoutError, TransferDock
 from broker.api.delivery import HandedRows
-from broker.connection import bounded, redact, script_error
+from broker.connection import bounded, call_deadline, redact, script_error
 from broker.control.keys import check_name
 from broker.control.scripts.transfer_queue import TransferQueueScripts
 from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
@@ -123,19 +123,19 @@ class System:
         return self._rows("new rows", partition, count=count) if count > 0 else []
 
     def _rows(self, what: str, partition: str, *, count: int = 0, keys: Sequence[str] = ()) -> list[int]:
-        for attempt in range(2):
-            schema = self.dock.schema
-            self.scripts.bind(schema, self.dock.fingerprint)
-            capacity, columns, consumers = schema.capacity, schema.columns, schema.consumers
-            try:
-                return list(self.run(what, lambda: self.scripts.rows(
-                    partition, capacity, count=count, keys=keys, columns=columns,  # noqa: B023 (run at once)
-                    consumers=consumers)))  # noqa: B023
-            except SchemaError:
-                if attempt:
-                    raise
-                self.dock.refresh()  # another process added a field or a task: adopt it, then again
-        raise AssertionError("unreachable")
+        with call_deadline(self.call_timeout):  # every try below, and the refreshes between them
+            while True:
+                schema, fingerprint = self.dock.schema, self.dock.fingerprint
+                try:
+                    return list(self.run(what, lambda: self.scripts.rows(
+                        partition, schema, fingerprint, count=count, keys=keys)))  # noqa: B023 (run at once)
+                except SchemaError:
+                    # Another process added a field or a task (a normal event here: each new field or task
+                    # name grows the dock): adopt it and try again, as long as it keeps growing. A dock
+                    # recreated with another schema makes refresh raise.
+                    self.dock.refresh()
+                    if self.dock.fingerprint == fingerprint:
+                        raise
 
     def rows_of_keys(self, partition: str, keys: Sequence[str]) -> list[int]:
         """The rows of existing ``keys``; SampleNotFoundError names those the partition lacks."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from broker.control.schema import Schema
 from broker.control.scripts.base import ScriptsBase
 
 
@@ -19,19 +20,19 @@ class TransferQueueScripts(ScriptsBase):
     """Wrappers of tq_rows and tq_release, for the dock named by the keys they are made with."""
 
     def rows(
-        self, partition: str, capacity: int, *, count: int = 0, keys: Sequence[str] = (),
-        columns: Sequence[str] = (), consumers: Sequence[str] = (),
+        self, partition: str, schema: Schema, fingerprint: str, *, count: int = 0, keys: Sequence[str] = (),
     ) -> list[int]:
         """Rows for ``count`` new samples, or for ``keys`` (their rows, new ones for new keys), in order.
 
-        ``columns`` and ``consumers``: every column and consumer of the dock, whose bits a reused row loses;
-        the script checks that the dock holds the schema bound (``bind``), so none is missed.
+        Every column and consumer of ``schema`` is a status bitmap a reused row loses; the script checks that
+        the dock holds that schema (``fingerprint``, as stored), so none is missed. Both are arguments, not
+        bound state: threads sharing these wrappers may hold different schemas while one follows a growth.
         """
         k = self._keys
-        status = [*(k.ready(c) for c in columns), *(k.consumed(c) for c in consumers)]
+        status = [*(k.ready(c) for c in schema.columns), *(k.consumed(c) for c in schema.consumers)]
         reply = self._once("tq_rows", [k.tq_next, k.tq_free, k.tq_partitions, k.tq_rows(partition),
                                        k.tq_keys(partition), k.tq_rkeys(partition), k.meta, *status],
-                           [partition, capacity, count, self._expected, *keys])
+                           [partition, schema.capacity, count, fingerprint, *keys])
         return [int(r) for r in reply]
 
     def release(self, partition: str, rows: Sequence[int] = (), *, whole: bool = False) -> list[int]:
