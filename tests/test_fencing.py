@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from broker import ExperienceTimeoutError, TransferDock
+from broker import ExperienceTimeoutError, FencedError, InvalidExperienceError, TransferDock
 from broker.control.scripts.base import ScriptsBase
 from tests.helpers import worker_processes
 
@@ -161,6 +161,26 @@ def test_a_rewrite_between_sampling_and_reading_is_read_not_refused(make_dock):
         batch, rows = dock.get_experience("actor_train", ["prompts"], 2)
     assert origins(batch, rows) == [(5, 0), (5, 1)]
     assert dock.get_experience("actor_train", ["prompts"], 2) == (None, None)
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_read_rows_naming_a_delivery_refuses_rows_a_clear_took_since(make_dock, stack):
+    """``read_rows(..., delivery=rows)`` reads what the delivery handed out, or raises FencedError once a clear
+    took any of its rows: their bytes may be another batch's by then (what the TransferQueue adapter's
+    kv_batch_get reads keys with)."""
+    dock = make_dock(prompts_num=3, n=2, columns=("prompts",))
+    put_batch(dock, 0)
+    _, rows = dock.get_experience("actor_train", ["prompts"], 4)
+    again = dock.read_rows(["prompts"], rows[::-1], stack=stack, delivery=rows)  # any order, any part of it
+    assert [v.tolist() for v in again["prompts"]] == [[0, r] for r in rows[::-1]]
+    dock.clear([rows[1]])
+    put_batch(dock, 1, [rows[1]])  # the row refilled: its bytes are another batch's
+    with pytest.raises(FencedError, match=rf"rows \[{rows[1]}\] were cleared"):
+        dock.read_rows(["prompts"], rows, stack=stack, delivery=rows)
+    kept = dock.read_rows(["prompts"], [rows[0]], stack=stack, delivery=rows)  # a row no clear took
+    assert kept["prompts"][0].tolist() == [0, rows[0]]
+    with pytest.raises(InvalidExperienceError, match="not handed out in the delivery"):
+        dock.read_rows(["prompts"], [rows[0], next(r for r in range(6) if r not in rows)], delivery=rows)
 
 
 def test_a_resent_release_gives_back_nothing_another_worker_took_meanwhile(make_dock, client):

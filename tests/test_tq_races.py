@@ -3,7 +3,9 @@ Redis Cluster, each run for a few seconds by threads of one process sharing its 
 workers do). A race test fails on the code before its fix; each says what it saw then.
 
 - a schema grown by another client (each new field or task name grows the system's dock) is followed
-  within the call: no put fails, and none leaves a key listed without its data.
+  within the call: no put fails, and none leaves a key listed without its data;
+- a kv_batch_get racing clears and puts returns the key's own bytes or raises, never another key's bytes or
+  a field as None.
 """
 
 from __future__ import annotations
@@ -96,3 +98,35 @@ def test_puts_go_on_while_other_clients_grow_the_schema(system):
     assert len(listed) == 4 * sum(done.values())
     got = tq.kv_batch_get(list(listed), "g", ["a"])  # every key listed has its data
     assert got["a"].shape == (len(listed), 3)
+
+
+def test_a_get_racing_clears_and_puts_returns_the_keys_own_bytes_or_raises(system):
+    """Before: in 6 s, 11 reads returned k2's [222, 222] under k, and 801 returned the tensor field v as
+    NonTensorStack([None]), with no error (the key -> row lookup and the read were two steps, nothing
+    checking the row between them)."""
+    wrong: Counter[str] = Counter()
+    right = Counter()
+    tq.kv_put("k", "p", {"v": torch.tensor([111, 111]), "s": "k"})
+
+    def churn(going: Callable[[], bool]) -> None:
+        while going():
+            tq.kv_clear(["k"], "p")
+            tq.kv_put("k2", "p", {"v": torch.tensor([222, 222]), "s": "k2"})
+            tq.kv_clear(["k2"], "p")
+            tq.kv_put("k", "p", {"v": torch.tensor([111, 111]), "s": "k"})
+
+    def reader(going: Callable[[], bool]) -> None:
+        while going():
+            try:
+                got = tq.kv_batch_get(["k"], "p")
+            except KeyError:  # k is cleared at the moment, or cleared while read: TransferQueue raises too
+                continue
+            v, s = got["v"], got["s"]
+            if isinstance(v, torch.Tensor) and v[0].tolist() == [111, 111] and list(s) == ["k"]:
+                right["k"] += 1
+            else:
+                wrong[f"v={v!r:.60} s={s!r:.40}"] += 1
+
+    race(churn, reader, reader)
+    assert not wrong, f"wrong values read under k ({sum(right.values())} right): {dict(wrong)}"
+    assert right["k"] > 0

@@ -134,3 +134,10 @@ def fence_of(delivery: HandedRows, rows: list[int]) -> Fence:
     if isinstance(delivery, LeasedRows):
         return Fence(delivery.epoch, delivery.generations_of(rows), delivery.consumer, delivery.token)
     return Fence(delivery.epoch, delivery.generations_of(rows))
+
+
+def fenced_handout(delivery: HandedRows, rows: list[int]) -> Handout:
+    """The handout a read of ``rows`` naming ``delivery`` checks (their runs, the delivery's epoch and their
+    generations): InvalidExperienceError for rows the delivery did not hand out."""
+    runs = tuple(runs_of(rows))
+    return Handout(runs, delivery.epoch, delivery.generations_of(rows_of(runs)))

@@ -458,19 +458,25 @@ class TransferDock:
         return self._handouts.consumer_columns(consumer)
 
     @overload
-    def read_rows(self, columns: Sequence[str], indexes: Sequence[int], *, stack: Literal[False] = ...) -> Batch: ...
+    def read_rows(self, columns: Sequence[str], indexes: Sequence[int], *, stack: Literal[False] = ...,
+                  delivery: HandedRows | None = None) -> Batch: ...
 
     @overload
-    def read_rows(self, columns: Sequence[str], indexes: Sequence[int], *, stack: bool) -> StackedBatch: ...
+    def read_rows(self, columns: Sequence[str], indexes: Sequence[int], *, stack: bool,
+                  delivery: HandedRows | None = None) -> StackedBatch: ...
 
-    def read_rows(self, columns: Sequence[str], indexes: Sequence[int], *, stack: bool = False) -> StackedBatch:
+    def read_rows(self, columns: Sequence[str], indexes: Sequence[int], *, stack: bool = False,
+                  delivery: HandedRows | None = None) -> StackedBatch:
         """The rows' values as stored now, ``None`` where a row is not written; marks nothing.
 
         For inspection and MindSpeed's ``get_experience_data``: no consumer is involved, so unlike
-        ``get_experience`` it promises nothing about rows a clear removes meanwhile. ``stack=True`` makes
-        a column one tensor as in ``get_experience``; a column with an unwritten row stays a list.
+        ``get_experience`` it promises nothing about rows a clear removes meanwhile, unless it names the
+        ``delivery`` the rows came in (``get_experience``'s rows, or rows an adapter looked up with their
+        generations): then it raises FencedError, reading nothing, once a clear took any of them since, as a
+        put naming it would. ``stack=True`` makes a column one tensor as in ``get_experience``; a column with
+        an unwritten row stays a list.
         """
-        return self._reader.read_now(columns, indexes, stack)
+        return self._reader.read_now(columns, indexes, stack, delivery=delivery)
 
     # -- partial rollout, versions and discarding (generation.py) ----------------------------------
 

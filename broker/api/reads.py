@@ -15,11 +15,12 @@ import torch
 
 from broker.api import metrics
 from broker.api.checks import abbrev, check_flag
+from broker.api.delivery import HandedRows, check_delivery, fenced_handout
 from broker.api.session import DockSession
 from broker.connection import extend_call
-from broker.control.scripts import Handout
+from broker.control.scripts import Handout, rows_of
 from broker.data import codec, stacking
-from broker.errors import DecodeError, MissingDataError
+from broker.errors import DecodeError, FencedError, MissingDataError
 
 #: A batch: per column, one row per index: a tensor, or the plain value that was put (see ``codec``).
 Batch = dict[str, list[Any]]
@@ -120,6 +121,14 @@ class RowReader:
                    f"{fate}")
         raise (DecodeError if bad.corrupt else MissingDataError)(message)
 
+    def _moved(self, handout: Handout) -> list[int]:
+        """The rows of ``handout`` a clear took since it was made (its epoch, or their generations, moved)."""
+        epoch, generations = self._s.run(lambda: self._s.scripts.fence_now(handout.runs))
+        rows = rows_of(handout.runs)
+        if epoch != handout.epoch:
+            return rows
+        return [r for i, r in enumerate(rows) if generations[4 * i: 4 * i + 4] != handout.generations[4 * i: 4 * i + 4]]
+
     @staticmethod
     def stacked(batch: Batch) -> StackedBatch:
         """A batch ``read(..., stack=True)`` gave, each column one tensor where its rows stack."""
@@ -127,16 +136,30 @@ class RowReader:
                 else stacking.gathered(values) if values and isinstance(values[0], stacking.InBuffer)
                 else stacking.stack_decoded(values) for col, values in batch.items()}
 
-    def read_now(self, columns: Sequence[str], indexes: Sequence[int], stack: bool = False) -> StackedBatch:
+    def read_now(
+        self, columns: Sequence[str], indexes: Sequence[int], stack: bool = False, *,
+        delivery: HandedRows | None = None,
+    ) -> StackedBatch:
         """The rows' values as stored now, None where a row is not written; marks nothing. With ``stack``,
-        a column written in every row and whose rows stack is one tensor (see ``data/stacking.py``)."""
+        a column written in every row and whose rows stack is one tensor (see ``data/stacking.py``). With
+        ``delivery``, FencedError if a clear took any of the rows since it handed them out (the read fence
+        of ``store.read``)."""
         names = self._s.check.columns_to_read(columns)
         rows = self._s.check.rows(indexes)
         stack = check_flag("stack", stack)
         fields = [str(r) for r in rows]
         out: StackedBatch = {}
         store = self._s.store
-        got = self._s.run(lambda: store.received(names, rows, None) if stack else store.read_now(names, rows))
+        handout = None if delivery is None else fenced_handout(check_delivery(delivery), rows)
+        if handout is None:
+            got = self._s.run(lambda: store.received(names, rows, None) if stack else store.read_now(names, rows))
+        else:
+            got = self._s.run(lambda: store.received(names, rows, handout) if stack
+                              else store.read(names, rows, handout))
+            if got is None:
+                raise FencedError(f"dock {self._s.name!r}: rows {abbrev(self._moved(handout))} were cleared since "
+                                  "the delivery named handed them out: they may hold other rows' values now; nothing "
+                                  "was read")
         for col, values in zip(names, got or []):
             if isinstance(values, torch.Tensor):  # received straight into one tensor, every row checked
                 out[col] = values

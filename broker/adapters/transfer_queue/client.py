@@ -226,7 +226,8 @@ class TransferQueueClient:
 
     def read(self, partition: str, rows: list[int], fields: list[str], state: Snapshot | None = None) -> Any:
         """The rows' fields as a TensorDict, checked first against ``state`` (the partition's snapshot; read
-        here, in one round trip, when not given)."""
+        here, in one round trip, when not given). A snapshot that looked the rows up by key fences the read:
+        FencedError if a clear took any of them since (their bytes may be another key's by then)."""
         system = self._system
         state = system.snapshot(partition) if state is None else state
         schema = {f: state.schema[f] for f in fields if f in state.schema}
@@ -239,7 +240,7 @@ class TransferQueueClient:
                 unready = [r for r, o in zip(rows, ok) if not o]
                 raise SampleNotFoundError(f"partition {partition!r}: field {field!r} is not produced for "
                                           f"global indexes {unready[:8]}")
-        columns = system.dock.read_rows(fields, rows, stack=True)
+        columns = system.dock.read_rows(fields, rows, stack=True, delivery=state.delivery)
         return tensors.assemble(columns, len(rows), schema, stack_uniform=True)
 
     def set_custom_meta(self, metadata: BatchMeta) -> None:

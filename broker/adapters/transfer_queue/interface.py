@@ -35,7 +35,7 @@ from broker.adapters.transfer_queue.sampler import BaseSampler
 from broker.adapters.transfer_queue.system import SampleNotFoundError, System, dock_name
 from broker.connection import connect, disconnect, redact, redis_errors
 from broker.control.keys import DockKeys
-from broker.errors import BrokerError, InvalidExperienceError, SchemaError
+from broker.errors import BrokerError, FencedError, InvalidExperienceError, SchemaError
 from broker.ops.local_redis import RedisServer
 
 log = logging.getLogger(__name__)
@@ -162,21 +162,36 @@ def kv_batch_put(keys: list[str], partition_id: str, fields: Any = None, tags: l
     return KVBatchMeta(keys=list(keys), tags=after.tags, partition_id=partition, fields=after.common_fields(rows))
 
 
+#: How often a kv_batch_get looks its keys up again when a clear ended one of them during its read.
+READ_RETRIES = 16
+
+
 def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> Any:
-    """The samples of ``keys`` as a TensorDict in their order (``select_fields``: these fields; None: all)."""
+    """The samples of ``keys`` as a TensorDict in their order (``select_fields``: these fields; None: all).
+
+    It returns the keys' own bytes or raises, whatever clears and puts run meanwhile: the rows are looked up
+    with their generations in one step, and the read of their bytes is fenced by them. A kv_clear between
+    the two (after which the row may be another key's) fails the read, and the keys are looked up again."""
     client = get_client()
     keys = _keys(keys)
     partition = _partition(partition_id)
-    state = client.system.snapshot(partition, keys=keys)  # rows, schemas and ready bits: one round trip
-    rows = state.rows_of_keys()
-    if select_fields is None:  # the fields every one of the keys has, as TransferQueue gives them
-        fields = state.common_fields(rows)
-        if not fields:
-            raise SampleNotFoundError(f"partition {partition!r}: no field is produced for every one of the keys "
-                                      f"{keys[:5]!r}{'...' if len(keys) > 5 else ''} (TransferQueue: empty fields)")
-    else:
-        fields = [select_fields] if isinstance(select_fields, str) else list(select_fields)
-    return client.read(partition, rows, fields, state)
+    for _ in range(READ_RETRIES):
+        state = client.system.snapshot(partition, keys=keys)  # rows, schemas and ready bits: one round trip
+        rows = state.rows_of_keys()
+        if select_fields is None:  # the fields every one of the keys has, as TransferQueue gives them
+            fields = state.common_fields(rows)
+            if not fields:
+                raise SampleNotFoundError(
+                    f"partition {partition!r}: no field is produced for every one of the keys {keys[:5]!r}"
+                    f"{'...' if len(keys) > 5 else ''} (TransferQueue: empty fields)")
+        else:
+            fields = [select_fields] if isinstance(select_fields, str) else list(select_fields)
+        try:
+            return client.read(partition, rows, fields, state)
+        except FencedError:
+            continue  # a clear took a row between the lookup and the read: look the keys up again
+    raise SampleNotFoundError(f"partition {partition!r}: keys {keys[:5]!r} were cleared while they were being read, "
+                              f"{READ_RETRIES} times in a row")
 
 
 def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> Any:

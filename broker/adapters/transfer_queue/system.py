@@ -19,6 +19,10 @@ Interleavings, and why each is safe:
   put that looked the key up before the release lands on a freed row, whose bits tq_rows.lua clears when it
   gives the row to a new sample: the new sample never looks produced by the old put (its bytes are replaced by
   the new sample's own put). Such a late put is lost, as it would be if it came after the clear;
+- ``kv_batch_get`` vs ``kv_clear`` (and the puts after it): the keys' rows come with their generations from
+  one script (lua/tq_lookup.lua), and the read of their bytes is fenced by them (``read_rows(delivery=)``).
+  A clear in between, after which the row may hold another key's bytes or none, fails the read, and the keys
+  are looked up again: a get returns the keys' own bytes or raises, never another key's;
 - ``get_meta`` vs ``get_meta``: the sampler runs on what each caller read; the take is a compare-and-set, and
   the loser reads again (``claim``);
 - ``get_meta`` vs a clear: a row cleared after it was read is not ready any more, and the take refuses it
@@ -37,11 +41,14 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
+from redis.client import Pipeline
 
 from broker import ExperienceTimeoutError, TransferDock
 from broker.api.delivery import HandedRows
 from broker.connection import bounded, call_deadline, redact, script_error
 from broker.control.keys import check_name
+from broker.control.scripts import Handout
+from broker.control.scripts.pipelines import read_pipeline
 from broker.control.scripts.transfer_queue import TransferQueueScripts
 from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
 
@@ -224,18 +231,17 @@ class System:
         for attempt in range(2):
             columns = [c for c in self.dock.columns if c != PLACEHOLDER]
 
-            def read() -> list[Any]:
-                pipe = self.client.pipeline(transaction=True)
+            def build(pipe: Pipeline) -> None:
                 pipe.hgetall(self.keys.tq_fields(partition))
                 for column in columns:  # noqa: B023 (run at once)
                     pipe.get(self.keys.ready(column))
-                if keys:
-                    pipe.hmget(self.keys.tq_keys(partition), list(keys))
+                if keys:  # the rows with the epoch and generations that fence their read (lua/tq_lookup.lua)
+                    self.scripts.queue_lookup(pipe, partition, keys)
                 if tag_rows:
                     pipe.hmget(self.keys.tq_tags(partition), [str(r) for r in tag_rows])
-                return list(pipe.execute())
 
-            raw = self.run("partition state", read)
+            raw = self.run("partition state", lambda: read_pipeline(  # noqa: B023 (run at once)
+                self.client, self.scripts.load_all, build, transaction=True))
             schema = {f.decode(): _schema_in(_unpack(v, "field schema")) for f, v in sorted(raw[0].items())}
             if attempt == 0 and any(f not in columns for f in schema):
                 self.dock.refresh()  # another process added a field since this one looked: read its bits too
@@ -243,10 +249,11 @@ class System:
             ready = {c: _bits(r) for c, r in zip(columns, raw[1 : 1 + len(columns)])}
             rest = raw[1 + len(columns):]
             found: list[int | None] | None = None
+            fence: Handout | None = None
             if keys:
-                found = [None if r is None else int(r) for r in rest.pop(0)]
+                found, fence = self.scripts.looked_up(rest.pop(0))
             tags = [{} if t is None else _unpack(t, "tags") for t in rest.pop(0)] if tag_rows else []
-            return Snapshot(partition, schema, ready, list(keys), found, tags)
+            return Snapshot(partition, schema, ready, list(keys), found, tags, fence)
         raise AssertionError("unreachable")
 
     # -- status ------------------------------------------------------------------------------------------------
@@ -383,12 +390,18 @@ class System:
 
 class Snapshot:
     """A partition's state read in one transaction (``System.snapshot``): its fields' schemas, their ready
-    bits, and the rows of the keys and the tags (of ``tag_rows``; none if not asked) asked for."""
+    bits, and the rows of the keys (with the delivery that fences their read) and the tags (of ``tag_rows``;
+    none if not asked) asked for."""
 
     def __init__(self, partition: str, schema: dict[str, dict[str, Any]], ready: dict[str, np.ndarray],
-                 keys: list[str], found: list[int | None] | None, tags: list[dict[str, Any]]):
+                 keys: list[str], found: list[int | None] | None, tags: list[dict[str, Any]],
+                 fence: Handout | None = None):
         self.partition, self.schema, self.tags = partition, schema, tags
         self._ready, self._keys, self._found = ready, keys, found
+        #: The rows of the keys asked for as a delivery of that moment: a read naming it fails once a clear
+        #: took any of them (their bytes may be another key's by then). None when no keys were asked for.
+        self.delivery = None if fence is None or found is None else HandedRows(
+            [r for r in found if r is not None], fence.epoch, fence.runs, fence.generations)
 
     def rows_of_keys(self) -> list[int]:
         """The rows of the keys asked for; SampleNotFoundError names those the partition lacks (as

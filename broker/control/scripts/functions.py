@@ -34,9 +34,9 @@ from broker.errors import ServerConfigError
 log = logging.getLogger(__name__)
 
 #: Scripts that run only as the adapters and checkpoints call them: no flag (a full server refuses their
-#: writes), and the one read-only script.
+#: writes), and the read-only scripts.
 _PLAIN = ("tq_rows", "tq_release", "snapshot", "restore")
-_READ_ONLY = ("status",)
+_READ_ONLY = ("status", "tq_lookup")
 
 
 def _flags(name: str) -> str:

@@ -52,6 +52,7 @@ SCRIPT_FILES = {
     "mark": "mark.lua",
     "tq_rows": "tq_rows.lua",
     "tq_release": "tq_release.lua",
+    "tq_lookup": "tq_lookup.lua",
     "snapshot": "snapshot.lua",
     "restore": "restore.lua",
 }

@@ -1,7 +1,9 @@
 """The TransferQueue adapter's scripts (broker/adapters/transfer_queue): samples as rows of a dock.
 
 - lua/tq_rows.lua: rows for new samples of a partition, or for user keys (``rows``);
-- lua/tq_release.lua: the rows of ended samples back to the free list (``release``).
+- lua/tq_release.lua: the rows of ended samples back to the free list (``release``);
+- lua/tq_lookup.lua: the rows of keys, with the epoch and generations a read of them checks (``queue_lookup``,
+  queued in the transaction that reads a partition's state).
 
 They touch only the adapter's keys (``DockKeys.tq_*``) and the dock's status bitmaps, all in the dock's
 slot; the dock's own scripts never read the adapter's keys. A checkpoint of the system is the dock's
@@ -11,9 +13,13 @@ slot; the dock's own scripts never read the adapter's keys. A checkpoint of the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+from redis.client import Pipeline
 
 from broker.control.schema import Schema
 from broker.control.scripts.base import ScriptsBase
+from broker.control.scripts.results import Handout, runs_of
 
 
 class TransferQueueScripts(ScriptsBase):
@@ -43,3 +49,15 @@ class TransferQueueScripts(ScriptsBase):
                                           k.tq_fields(partition)],
                            [partition, int(whole), *rows])
         return [int(r) for r in reply]
+
+    def queue_lookup(self, pipe: Pipeline, partition: str, keys: Sequence[str]) -> None:
+        """Queue the lookup of ``keys`` in ``partition``; ``looked_up`` reads its reply."""
+        k = self._keys
+        self._queue(pipe, "tq_lookup", [k.tq_keys(partition), k.epoch, k.generations], list(keys))
+
+    @staticmethod
+    def looked_up(reply: Any) -> tuple[list[int | None], Handout]:
+        """The rows of the keys looked up (None for a key the partition lacks), and the handout of the rows
+        found: what a read of their bytes checks (``store.read``), as if they had been handed out then."""
+        rows = [None if int(r) < 0 else int(r) for r in reply[2:]]
+        return rows, Handout(tuple(runs_of([r for r in rows if r is not None])), int(reply[0]), bytes(reply[1]))
