@@ -9,7 +9,11 @@ that row). The partition is created by its first rows.
 A reused row was cleared before it was released (tq_release.lua runs after the dock's clear), but a put
 that looked its key up before the clear may still have landed on it since, and clear_partition releases
 rows given to the partition after it cleared the others: a reused row's ready and consumed bits are
-cleared here, so a new sample never looks produced, or consumed, before it is.
+cleared here, so a new sample never looks produced, or consumed, before it is, and its generation is
+bumped (include/generations.lua), so a write or a read fenced by what the row's old sample had (a put of
+the old key that looked it up between the clear and the release) is refused instead of landing on the new
+sample: the rows come back with the dock's epoch and their generations, which the adapter's writes into
+them and reads of them name (lua/include/delivery.lua).
 
 KEYS[1]     td:{NAME}:tq:next       rows below it have been used
 KEYS[2]     td:{NAME}:tq:free       released rows, a list, oldest first
@@ -18,7 +22,9 @@ KEYS[4]     td:{NAME}:tq:rows:P     the partition's rows, a bitmap
 KEYS[5]     td:{NAME}:tq:keys:P     key -> row, a hash
 KEYS[6]     td:{NAME}:tq:rkeys:P    row -> key, a hash
 KEYS[7]     td:{NAME}:meta          the dock's schema, checked: the status keys below are its columns'
-KEYS[8..]   td:{NAME}:ready:COLUMN and td:{NAME}:consumed:CONSUMER, for every column and consumer
+KEYS[8]     td:{NAME}:epoch
+KEYS[9]     td:{NAME}:gen           the rows' generations
+KEYS[10..]  td:{NAME}:ready:COLUMN and td:{NAME}:consumed:CONSUMER, for every column and consumer
 ARGV[1]     the partition P
 ARGV[2]     the dock's capacity (rows)
 ARGV[3]     how many rows to give new anonymous samples; 0 when keys follow
@@ -26,14 +32,17 @@ ARGV[4]     the schema the client expects (see include/schema.lua): a client tha
             another process added would leave that column's bits on a reused row
 ARGV[5..]   keys, each getting its row (a new one if it has none)
 
-Returns the rows, one per key or per new sample, in the order asked; or an error naming the partition when
-the dock has too few free rows (nothing is given then).
+Returns {epoch, generations, fresh, row, ...}: the rows, one per key or per new sample, in the order asked;
+the dock's epoch and the rows' generations (4 bytes per row, for the rows ascending, each once); and per
+key a character, "1" if this call gave it its row, "0" if it had one (all "1" for new samples). Or an
+error naming the partition when the dock has too few free rows (nothing is given then).
 
 last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
             (include/once.lua): a resend after a lost reply gets the same rows, not new ones
 ]]
 -- @include bits
 -- @include schema
+-- @include generations
 -- @include once
 
 local reply_key, reply_ttl = once_args()
@@ -77,7 +86,8 @@ if reused > 0 then
   if type(popped) ~= 'table' then popped = {popped} end  -- Redis 6.2 returns a list for a count too
   for i = 1, #popped do given[#given + 1] = tonumber(popped[i]) end
   local starts, lengths = runs_of(given)  -- sorted into runs once, for every status key
-  for k = 8, #KEYS do set_runs(KEYS[k], starts, lengths, 0) end
+  for k = 10, #KEYS do set_runs(KEYS[k], starts, lengths, 0) end
+  bump_generations(KEYS[9], given)
 end
 for r = next_row, next_row + (wanted - reused) - 1 do given[#given + 1] = r end
 if wanted > reused then redis.call('SET', KEYS[1], next_row + wanted - reused) end
@@ -87,8 +97,10 @@ if redis.call('HEXISTS', KEYS[3], partition) == 0 then
   redis.call('HSET', KEYS[3], partition, int_text(t[1] * 1000 + math.floor(t[2] / 1000)))
 end
 local g = 0
+local fresh = {}
 if anonymous > 0 then
   rows = given
+  fresh[1] = string.rep('1', #given)
 else
   local key_rows, row_keys = {}, {}  -- field, value pairs of the two hashes, each set in chunks below
   for i = 5, #ARGV do
@@ -103,6 +115,7 @@ else
       end
       rows[i - 4] = new_keys[key]
     end
+    fresh[i - 4] = new_keys[ARGV[i]] and '1' or '0'
   end
   if #key_rows > 0 then  -- chunks of an even count: pairs stay whole
     call_in_chunks('HSET', KEYS[5], key_rows)
@@ -110,4 +123,7 @@ else
   end
 end
 set_bits(KEYS[4], given, 1)
-return keep_reply(reply_key, reply_ttl, rows)
+local run_starts, run_lengths = runs_of(rows)
+local reply = {epoch_of(KEYS[8]), generations_of_runs(KEYS[9], run_starts, run_lengths), table.concat(fresh)}
+for i = 1, #rows do reply[i + 3] = rows[i] end
+return keep_reply(reply_key, reply_ttl, reply)

@@ -16,6 +16,7 @@ from tensordict import TensorDict  # noqa: E402
 
 import broker.transfer_queue as tq  # noqa: E402
 from broker import BrokerError  # noqa: E402
+from broker.control.scripts import runs_of  # noqa: E402
 from tests.helpers import empty_cluster  # noqa: E402
 
 
@@ -152,7 +153,9 @@ def test_rows_for_keys_in_chunks_keep_one_row_per_key(system):
     """tq_rows.lua looks keys up and records new ones a thousand at a time: 2,500 keys, some twice, some
     known already, each get one row, and each row maps back to its key. A new key asked twice in one call
     gets its row both times (the second used to get -1)."""
-    rows_of = tq.get_client().system.rows_for_keys
+    def rows_of(partition: str, keys: list[str]) -> list[int]:
+        return tq.get_client().system.rows_for_keys(partition, keys).rows
+
     first = rows_of("p", [f"k{i}" for i in range(700)])
     keys = [f"k{i}" for i in range(2500)] + ["k5", "k1500", "k2499"]
     rows = rows_of("p", keys)
@@ -160,3 +163,5 @@ def test_rows_for_keys_in_chunks_keep_one_row_per_key(system):
     assert rows[2500:] == [rows[5], rows[1500], rows[2499]]
     assert tq.get_client().kv_retrieve_keys(rows[:2500], "p") == keys[:2500]
     assert rows_of("p", ["k2499", "new", "new"]) == [rows[2499], max(rows) + 1, max(rows) + 1]
+    given = tq.get_client().system.rows_for_keys("p", ["k7", "newer", "k8"])  # which keys this call made
+    assert given.fresh == [False, True, False] and given.handout.runs == tuple(runs_of(given.rows))

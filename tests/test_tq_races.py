@@ -5,7 +5,10 @@ workers do). A race test fails on the code before its fix; each says what it saw
 - a schema grown by another client (each new field or task name grows the system's dock) is followed
   within the call: no put fails, and none leaves a key listed without its data;
 - a kv_batch_get racing clears and puts returns the key's own bytes or raises, never another key's bytes or
-  a field as None.
+  a field as None;
+- a kv_put racing a kv_clear of its key never lands on the row the clear gave a new key: neither its fields
+  nor its tags show under the new key;
+- a put that fails after its keys got rows leaves none of the keys it made listed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ tensordict = pytest.importorskip("tensordict")
 from tensordict import TensorDict  # noqa: E402
 
 import broker.transfer_queue as tq  # noqa: E402
+from broker import QuotaExceededError  # noqa: E402
 from tests.helpers import empty_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
@@ -130,3 +134,44 @@ def test_a_get_racing_clears_and_puts_returns_the_keys_own_bytes_or_raises(syste
     race(churn, reader, reader)
     assert not wrong, f"wrong values read under k ({sum(right.values())} right): {dict(wrong)}"
     assert right["k"] > 0
+
+
+def test_a_put_racing_a_clear_of_its_key_never_lands_on_a_new_keys_row(system):
+    """Before: 276 of 716 new keys showed k's field v (TransferQueue itself: 175 of 400), and new keys showed
+    k's tags: the put looked k's row up, the clear gave that row to a new key, and the put wrote it."""
+    made: list[str] = []
+
+    def clearer(going: Callable[[], bool]) -> None:
+        i = 0
+        while going():
+            tq.kv_clear(["k"], "p")
+            tq.kv_put(f"n{i}", "p", {"w": torch.tensor([i])}, {"who": f"n{i}"})
+            made.append(f"n{i}")
+            i += 1
+
+    def putter(going: Callable[[], bool]) -> None:
+        while going():
+            tq.kv_put("k", "p", {"v": torch.tensor([7, 7])}, {"who": "k"})
+
+    race(clearer, putter, putter)
+    listing = tq.kv_list("p")["p"]
+    assert len(made) > 50 and all(n in listing for n in made)
+    foreign_tags = [n for n in made if listing[n] != {"who": n}]
+    state = tq.get_client().system.snapshot("p", keys=made)
+    (with_v,) = state.produced_each(state.rows_of_keys(), ["v"])
+    foreign_fields = [n for n, has in zip(made, with_v) if has]
+    assert not foreign_tags, f"{len(foreign_tags)} of {len(made)} new keys hold k's tags: {foreign_tags[:5]}"
+    assert not foreign_fields, f"{len(foreign_fields)} of {len(made)} new keys hold k's field v: {foreign_fields[:5]}"
+    for n in made[:: max(1, len(made) // 20)]:  # and their bytes are their own
+        assert tq.kv_batch_get([n], "p")["w"].tolist() == [[int(n[1:])]]
+
+
+def test_a_put_that_fails_after_its_keys_got_rows_lists_none_of_the_keys_it_made(system):
+    """Before: the keys of a put that failed after tq_rows.lua gave them rows stayed listed, without data."""
+    tq.kv_put("old", "p", {"x": torch.zeros(4)}, {"t": 1})
+    tq.get_client().system.dock.set_quota(64 * 1024)
+    big = TensorDict({"x": torch.zeros(2, 64 * 1024)}, batch_size=2)
+    with pytest.raises(QuotaExceededError):
+        tq.kv_batch_put(["old", "new"], "p", big, [{"t": 2}, {"t": 3}])
+    assert tq.kv_list("p") == {"p": {"old": {"t": 1}}}  # the key it made is gone; the one it found is as it was
+    assert tq.kv_batch_get(["old"], "p")["x"].tolist() == [[0.0] * 4]

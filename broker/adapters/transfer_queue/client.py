@@ -19,7 +19,7 @@ import torch
 from broker.adapters.transfer_queue import tensors
 from broker.adapters.transfer_queue.metadata import BatchMeta
 from broker.adapters.transfer_queue.sampler import BaseSampler
-from broker.adapters.transfer_queue.system import SampleNotFoundError, Snapshot, System
+from broker.adapters.transfer_queue.system import SampleNotFoundError, Snapshot, System, delivery_of
 from broker.api.delivery import HandedRows, LeasedRows
 from broker.errors import ExperienceTimeoutError, InvalidExperienceError
 
@@ -72,7 +72,7 @@ class TransferQueueClient:
         system = self._system
         if mode == "insert":
             count = _count(batch_size)
-            rows = system.new_rows(partition, count)
+            rows = system.new_rows(partition, count).rows
             return self._meta(partition, rows, fields)
         if mode == "force_fetch":
             rows = system.partition_rows(partition)
@@ -181,9 +181,11 @@ class TransferQueueClient:
         if data_parser is not None:
             raise InvalidExperienceError("data_parser is a SimpleStorage hook TransferQueue applies in its storage "
                                          "units; parse the data before the put here")
+        fence: HandedRows | None = None
         if metadata is None:
             partition = _partition(partition_id)
-            rows = self._system.new_rows(partition, size)
+            given = self._system.new_rows(partition, size)
+            rows, fence = given.rows, delivery_of(given)  # a clear_partition meanwhile refuses it (FencedError)
             custom: list[dict[str, Any]] = [{} for _ in rows]
         else:
             if metadata.size != size:
@@ -195,7 +197,7 @@ class TransferQueueClient:
             partition = _partition(partition_id or (metadata.partition_ids[0] if size else None))
             rows = list(metadata.global_indexes)
             custom = list(metadata.custom_meta)
-        delivery = metadata.extra_info.get(DELIVERY) if metadata is not None else None
+        delivery = metadata.extra_info.get(DELIVERY) if metadata is not None else fence
         self.write(partition, rows, data, delivery if isinstance(delivery, HandedRows) else None)
         if any(custom):
             self._system.set_tags(partition, rows, custom)
@@ -209,13 +211,18 @@ class TransferQueueClient:
 
     def write(self, partition: str, rows: list[int], data: Any, delivery: HandedRows | None = None) -> None:
         """The put itself: record the fields' schema, grow the dock by new fields, write the rows (fenced by
-        ``delivery``, the leased rows they were read as, when given)."""
-        if not rows:
-            return
-        columns, schema = tensors.put_columns(data, len(rows))  # nested fields unbound once, for both
-        self._system.ensure_fields(list(columns))
+        ``delivery``, the rows as they were handed out or looked up, when given)."""
+        if rows:
+            self.write_columns(partition, rows, tensors.put_columns(data, len(rows)), delivery)
+
+    def write_columns(self, partition: str, rows: list[int], columns: tensors.Columns,
+                      delivery: HandedRows | None = None) -> None:
+        """``write`` of columns ``tensors.put_columns`` made (and checked) already: a put checks its data before
+        it looks its keys up, so a put refused for its data makes no key."""
+        values, schema = columns
+        self._system.ensure_fields(list(values))
         self._system.record_schema(partition, schema)
-        self._system.dock.put_experience(columns, rows, delivery=delivery)
+        self._system.dock.put_experience(values, rows, delivery=delivery)
 
     def get_data(self, metadata: BatchMeta) -> Any:
         """The rows of ``metadata``, the fields it names, as a TensorDict in its order."""
@@ -321,8 +328,9 @@ class TransferQueueClient:
         """The metadata of the samples of ``keys`` (``create``: new rows for new keys)."""
         partition = _partition(partition_id)
         keys = _keys(keys)
-        rows = self._system.rows_for_keys(partition, keys) if create else self._system.rows_of_keys(partition, keys)
-        return self._meta(partition, rows, self._system.common_fields(partition, rows))
+        system = self._system
+        rows = system.rows_for_keys(partition, keys).rows if create else system.rows_of_keys(partition, keys)
+        return self._meta(partition, rows, system.common_fields(partition, rows))
 
     def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str | None]:
         partition = _partition(partition_id)

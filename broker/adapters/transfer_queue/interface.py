@@ -32,7 +32,7 @@ from broker.adapters.transfer_queue.client import TransferQueueClient, _keys, _p
 from broker.adapters.transfer_queue.config import capacity_of, merged
 from broker.adapters.transfer_queue.metadata import KVBatchMeta
 from broker.adapters.transfer_queue.sampler import BaseSampler
-from broker.adapters.transfer_queue.system import SampleNotFoundError, System, dock_name
+from broker.adapters.transfer_queue.system import SampleNotFoundError, System, delivery_of, dock_name
 from broker.connection import connect, disconnect, redact, redis_errors
 from broker.control.keys import DockKeys
 from broker.errors import BrokerError, FencedError, InvalidExperienceError, SchemaError
@@ -153,17 +153,49 @@ def kv_batch_put(keys: list[str], partition_id: str, fields: Any = None, tags: l
     if data_parser is not None:
         raise InvalidExperienceError("data_parser is a SimpleStorage hook; parse the data before the put here")
     system = client.system
-    rows = system.rows_for_keys(partition, keys)
-    if fields is not None:
-        client.write(partition, rows, fields)
-    if tags is not None:  # after the data: a reader that polls the tags finds the data there
-        system.set_tags(partition, rows, tags)
+    columns = tensors.put_columns(fields, len(keys)) if fields is not None else None  # checked before any row
+    rows = _put_by_keys(system, client, partition, keys, columns, tags)
     after = system.snapshot(partition, tag_rows=rows)  # the tags and the fields now produced: one round trip
     return KVBatchMeta(keys=list(keys), tags=after.tags, partition_id=partition, fields=after.common_fields(rows))
 
 
+#: How often a kv_batch_put looks its keys up again when a kv_clear ended one of them during its put.
+PUT_RETRIES = 64
+
+
+def _put_by_keys(system: System, client: TransferQueueClient, partition: str, keys: list[str],
+                 columns: tensors.Columns | None, tags: list[dict[str, Any]] | None) -> list[int]:
+    """Write ``columns`` and then ``tags`` into the rows of ``keys`` (new rows for new keys); the rows.
+
+    Interleavings. A kv_clear of a key between its lookup and the writes ends the key and may give its row to
+    another key at once: both writes name the rows as they were looked up (their generations, lua/tq_rows.lua),
+    so they are refused then (FencedError, nothing written), and the keys are looked up again; the cleared key
+    gets a new row, as if this put came after the clear. The tags go after the data: a reader that polls the
+    tags (verl's replay buffer) finds the data there. A put that fails for another reason (the server, a
+    quota, bytes it cannot encode) gives back the rows it made for new keys, unless a clear took them since,
+    so it leaves no key listed without data. Two puts making the same new key at once share its row; if one
+    fails after the other wrote, its give-back ends the key with the other's data (the one window left).
+    """
+    for _ in range(PUT_RETRIES):
+        given = system.rows_for_keys(partition, keys)
+        delivery = delivery_of(given)
+        try:
+            if columns is not None:
+                client.write_columns(partition, given.rows, columns, delivery)
+            if tags is not None:
+                system.set_tags(partition, given.rows, tags, delivery=delivery)
+            return given.rows
+        except FencedError:
+            continue  # a kv_clear ended a key since its row was looked up: look the keys up again
+        except BaseException:
+            system.give_back(partition, given)
+            raise
+    raise BrokerError(f"partition {partition!r}: keys {keys[:5]!r} were cleared while this put wrote them, "
+                      f"{PUT_RETRIES} times in a row")
+
+
 #: How often a kv_batch_get looks its keys up again when a clear ended one of them during its read.
-READ_RETRIES = 16
+READ_RETRIES = 64
 
 
 def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> Any:

@@ -15,10 +15,14 @@ How TransferQueue's model maps onto the dock:
 Interleavings, and why each is safe:
 
 - two puts of the same new key at once: tq_rows.lua gives the key one row, whichever runs first;
-- a put of a key vs ``kv_clear`` of it: the clear empties the row in the dock, then tq_release.lua frees it. A
-  put that looked the key up before the release lands on a freed row, whose bits tq_rows.lua clears when it
-  gives the row to a new sample: the new sample never looks produced by the old put (its bytes are replaced by
-  the new sample's own put). Such a late put is lost, as it would be if it came after the clear;
+- a put of a key vs ``kv_clear`` of it: the clear empties the row in the dock (bumping its generation), then
+  tq_release.lua frees it, and tq_rows.lua bumps it again when it gives the row to a new sample. The put's
+  writes (its fields, then its tags, lua/tq_tags.lua) name the row as its key was looked up, epoch and
+  generation (a delivery, lua/include/delivery.lua), so a put that looked the key up before the clear is
+  refused whole (FencedError) instead of landing on the new sample; it looks its keys up again, and the
+  cleared key gets a new row, as if the put came after the clear (``interface._put_by_keys``);
+- two puts of tags of one key: each merges over the tags it read, and the write compares (lua/tq_tags.lua):
+  the second to write reads and merges again, so neither loses the other's tags;
 - ``kv_batch_get`` vs ``kv_clear`` (and the puts after it): the keys' rows come with their generations from
   one script (lua/tq_lookup.lua), and the read of their bytes is fenced by them (``read_rows(delivery=)``).
   A clear in between, after which the row may hold another key's bytes or none, fails the read, and the keys
@@ -33,6 +37,7 @@ Interleavings, and why each is safe:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,13 +49,15 @@ import torch
 from redis.client import Pipeline
 
 from broker import ExperienceTimeoutError, TransferDock
-from broker.api.delivery import HandedRows
+from broker.api.delivery import HandedRows, fenced_handout
 from broker.connection import bounded, call_deadline, redact, script_error
 from broker.control.keys import check_name
 from broker.control.scripts import Handout
 from broker.control.scripts.pipelines import read_pipeline
-from broker.control.scripts.transfer_queue import TransferQueueScripts
+from broker.control.scripts.transfer_queue import SampleRows, TransferQueueScripts
 from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
+
+log = logging.getLogger(__name__)
 
 #: The dock's first column and consumer: a dock needs one of each before any field or task exists.
 PLACEHOLDER = "tq.sample"
@@ -121,21 +128,24 @@ class System:
 
     # -- rows ------------------------------------------------------------------------------------------------
 
-    def rows_for_keys(self, partition: str, keys: Sequence[str]) -> list[int]:
-        """The rows of ``keys`` in ``partition``, new rows for new keys."""
+    def rows_for_keys(self, partition: str, keys: Sequence[str]) -> SampleRows:
+        """The rows of ``keys`` in ``partition``, new rows for new keys, with the fence of writes into them."""
         return self._rows("rows for keys", partition, keys=keys)
 
-    def new_rows(self, partition: str, count: int) -> list[int]:
-        """Rows for ``count`` new samples of ``partition``."""
-        return self._rows("new rows", partition, count=count) if count > 0 else []
+    def new_rows(self, partition: str, count: int) -> SampleRows:
+        """Rows for ``count`` new samples of ``partition``, with the fence of writes into them."""
+        if count <= 0:
+            return SampleRows([], Handout((), 0, b""), [])
+        return self._rows("new rows", partition, count=count)
 
-    def _rows(self, what: str, partition: str, *, count: int = 0, keys: Sequence[str] = ()) -> list[int]:
+    def _rows(self, what: str, partition: str, *, count: int = 0, keys: Sequence[str] = ()) -> SampleRows:
         with call_deadline(self.call_timeout):  # every try below, and the refreshes between them
             while True:
                 schema, fingerprint = self.dock.schema, self.dock.fingerprint
                 try:
-                    return list(self.run(what, lambda: self.scripts.rows(
-                        partition, schema, fingerprint, count=count, keys=keys)))  # noqa: B023 (run at once)
+                    got: SampleRows = self.run(what, lambda: self.scripts.rows(
+                        partition, schema, fingerprint, count=count, keys=keys))  # noqa: B023 (run at once)
+                    return got
                 except SchemaError:
                     # Another process added a field or a task (a normal event here: each new field or task
                     # name grows the dock): adopt it and try again, as long as it keeps growing. A dock
@@ -175,6 +185,38 @@ class System:
         return list(self.run("release", lambda: self.scripts.release(partition, [] if whole else todo,
                                                                       whole=whole)))
 
+    def give_back(self, partition: str, given: SampleRows) -> None:
+        """After a put into ``given`` failed: end the samples it made for new keys, so none stays listed without
+        its data, unless a clear took their rows since (they may be another sample's now). Best effort: the
+        put's own error is what its caller sees, whatever this one meets."""
+        fresh = sorted({r for r, f in zip(given.rows, given.fresh) if f})
+        if not fresh:
+            return
+        try:
+            expected = fenced_handout(delivery_of(given), fresh)
+            epoch, generations = self._generations(expected.runs)
+            if epoch != expected.epoch:
+                return
+            same = [r for i, r in enumerate(fresh)
+                    if generations[4 * i:4 * i + 4] == expected.generations[4 * i:4 * i + 4]]
+            if same:
+                self.release(partition, same)
+        except BrokerError as exc:
+            log.warning("partition %r: could not give back the rows of a failed put: %s", partition, exc)
+
+    def _generations(self, runs: Sequence[int]) -> tuple[int, bytes]:
+        """The dock's epoch and the generations of the rows of ``runs`` now (4 bytes per row, in run order)."""
+        def read() -> list[Any]:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.get(self.keys.epoch)
+            for start, length in zip(runs[::2], runs[1::2]):
+                pipe.getrange(self.keys.generations, 4 * start, 4 * (start + length) - 1)
+            return list(pipe.execute())
+
+        epoch, *parts = self.run("generations", read)
+        padded = [bytes(p or b"").ljust(4 * n, b"\0") for p, n in zip(parts, runs[1::2])]
+        return int(epoch or 0), b"".join(padded)
+
     def partitions(self) -> list[str]:
         got = self.run("partitions", lambda: self.client.hkeys(self.keys.tq_partitions))
         return sorted(p.decode() for p in got)
@@ -182,17 +224,35 @@ class System:
     # -- tags and schemas -------------------------------------------------------------------------------------
 
     def set_tags(self, partition: str, rows: Sequence[int], tags: Sequence[Mapping[str, Any] | None],
-                 merge: bool = True) -> None:
-        """Store each row's tags (msgpack), merged over what it had when ``merge``."""
-        pairs = [(r, dict(t)) for r, t in zip(rows, tags) if t is not None]
+                 merge: bool = True, delivery: HandedRows | None = None) -> None:
+        """Store each row's tags (msgpack), merged over what it had when ``merge``; fenced by ``delivery`` (the
+        rows as their keys were looked up) when given: FencedError, nothing written, once a clear took any.
+
+        The merge is the client's, so the write compares (lua/tq_tags.lua): a put of the same key that wrote
+        tags between this one's read and its write makes this one read and merge again, and neither loses
+        the other's tags."""
+        pairs: dict[int, dict[str, Any]] = {}
+        for r, t in zip(rows, tags):
+            if t is not None:
+                pairs[int(r)] = {**pairs.get(int(r), {}), **dict(t)}  # a row twice in one call: both merged
         if not pairs:
             return
-        key = self.keys.tq_tags(partition)
-        if merge:
-            old = self.tags(partition, [r for r, _ in pairs])
-            pairs = [(r, {**o, **t}) for (r, t), o in zip(pairs, old)]
-        mapping = {str(r): _pack(t, "tags") for r, t in pairs}
-        self.run("set tags", lambda: self.client.hset(key, mapping=mapping))  # type: ignore[arg-type]  # str keys are fine
+        fence = None if delivery is None else fenced_handout(delivery, sorted(pairs))
+        order = sorted(pairs)
+        with call_deadline(self.call_timeout):
+            for _ in range(CLAIM_RETRIES):
+                before = self._raw_tags(partition, order) if merge else [None] * len(order)
+                after = [_pack({**(_unpack(old, "tags") if old else {}), **pairs[r]}, "tags")
+                         for r, old in zip(order, before)]
+                if self.run("set tags", lambda: self.scripts.tags(  # noqa: B023 (run at once)
+                        partition, order, before, after, fence, compare=merge)):  # noqa: B023
+                    return
+        raise BrokerError(f"partition {partition!r}: other puts kept changing the tags of rows {order[:8]} "
+                          f"between this put's read and its write, {CLAIM_RETRIES} times in a row")
+
+    def _raw_tags(self, partition: str, rows: Sequence[int]) -> list[bytes | None]:
+        got = self.run("tags", lambda: self.client.hmget(self.keys.tq_tags(partition), [str(r) for r in rows]))
+        return list(got)
 
     def tags(self, partition: str, rows: Sequence[int]) -> list[dict[str, Any]]:
         if not rows:
@@ -431,6 +491,13 @@ class Snapshot:
             return []
         fields = list(self.schema)
         return [f for f, ok in zip(fields, self.produced_each(rows, fields)) if ok.all()]
+
+
+def delivery_of(given: SampleRows) -> HandedRows:
+    """Rows tq_rows.lua gave, as the delivery that fences a write into them (``put_experience(delivery=)``):
+    refused once a clear took any of them (their key ended, and the row may be another sample's)."""
+    h = given.handout
+    return HandedRows(given.rows, h.epoch, h.runs, h.generations)
 
 
 def _open(url: str, name: str, capacity: int, call_timeout: float) -> TransferDock:

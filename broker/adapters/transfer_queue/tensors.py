@@ -41,6 +41,8 @@ from broker.errors import DecodeError, InvalidExperienceError
 
 #: A column as ``put_experience`` takes it and ``read_rows(..., stack=True)`` returns it.
 Column = torch.Tensor | list[Any]
+#: A put's columns and the schema its partition records of them (``put_columns``).
+Columns = tuple[dict[str, Column], FieldSchema]
 
 #: Keys of the one-key dicts that stand for a numpy array or scalar, and for a tensor inside a value.
 NUMPY_KEY = "__broker_tq_numpy__"
@@ -273,7 +275,7 @@ def _tensor_payload(value: torch.Tensor) -> list[Any]:
     return [name, list(dense.shape), raw]
 
 
-def put_columns(fields: TensorDictBase | Mapping[str, Any], rows: int) -> tuple[dict[str, Column], FieldSchema]:
+def put_columns(fields: TensorDictBase | Mapping[str, Any], rows: int) -> Columns:
     """``columns_of`` and ``field_schema`` of one put in one pass, the schema as a partition records it
     (without ``per_sample_shapes``, which belong to the put, not to the field).
 

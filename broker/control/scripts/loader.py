@@ -53,6 +53,7 @@ SCRIPT_FILES = {
     "tq_rows": "tq_rows.lua",
     "tq_release": "tq_release.lua",
     "tq_lookup": "tq_lookup.lua",
+    "tq_tags": "tq_tags.lua",
     "snapshot": "snapshot.lua",
     "restore": "restore.lua",
 }

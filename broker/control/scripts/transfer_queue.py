@@ -3,7 +3,8 @@
 - lua/tq_rows.lua: rows for new samples of a partition, or for user keys (``rows``);
 - lua/tq_release.lua: the rows of ended samples back to the free list (``release``);
 - lua/tq_lookup.lua: the rows of keys, with the epoch and generations a read of them checks (``queue_lookup``,
-  queued in the transaction that reads a partition's state).
+  queued in the transaction that reads a partition's state);
+- lua/tq_tags.lua: samples' tags written, fenced against clears and compared against other writers (``tags``).
 
 They touch only the adapter's keys (``DockKeys.tq_*``) and the dock's status bitmaps, all in the dock's
 slot; the dock's own scripts never read the adapter's keys. A checkpoint of the system is the dock's
@@ -13,6 +14,7 @@ slot; the dock's own scripts never read the adapter's keys. A checkpoint of the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.client import Pipeline
@@ -22,13 +24,25 @@ from broker.control.scripts.base import ScriptsBase
 from broker.control.scripts.results import Handout, runs_of
 
 
+@dataclass(frozen=True)
+class SampleRows:
+    """Rows lua/tq_rows.lua gave: one per key or new sample, in the order asked; the ``handout`` (the dock's
+    epoch and the rows' generations then) that fences writes into them and reads of them; and per key
+    whether this call gave it its row (``fresh``: a put that fails may give those back)."""
+
+    rows: list[int]
+    handout: Handout
+    fresh: list[bool]
+
+
 class TransferQueueScripts(ScriptsBase):
     """Wrappers of tq_rows and tq_release, for the dock named by the keys they are made with."""
 
     def rows(
         self, partition: str, schema: Schema, fingerprint: str, *, count: int = 0, keys: Sequence[str] = (),
-    ) -> list[int]:
-        """Rows for ``count`` new samples, or for ``keys`` (their rows, new ones for new keys), in order.
+    ) -> SampleRows:
+        """Rows for ``count`` new samples, or for ``keys`` (their rows, new ones for new keys), in order, with
+        the handout that fences writes into them (and reads of them) against the adapter's clears.
 
         Every column and consumer of ``schema`` is a status bitmap a reused row loses; the script checks that
         the dock holds that schema (``fingerprint``, as stored), so none is missed. Both are arguments, not
@@ -37,9 +51,13 @@ class TransferQueueScripts(ScriptsBase):
         k = self._keys
         status = [*(k.ready(c) for c in schema.columns), *(k.consumed(c) for c in schema.consumers)]
         reply = self._once("tq_rows", [k.tq_next, k.tq_free, k.tq_partitions, k.tq_rows(partition),
-                                       k.tq_keys(partition), k.tq_rkeys(partition), k.meta, *status],
+                                       k.tq_keys(partition), k.tq_rkeys(partition), k.meta, k.epoch, k.generations,
+                                       *status],
                            [partition, schema.capacity, count, fingerprint, *keys])
-        return [int(r) for r in reply]
+        rows = [int(r) for r in reply[3:]]
+        fresh = bytes(reply[2]).decode()
+        return SampleRows(rows, Handout(tuple(runs_of(rows)), int(reply[0]), bytes(reply[1])),
+                          [c == "1" for c in fresh])
 
     def release(self, partition: str, rows: Sequence[int] = (), *, whole: bool = False) -> list[int]:
         """Release ``rows`` of ``partition`` (or, ``whole``, all of them and the partition); those released."""
@@ -61,3 +79,18 @@ class TransferQueueScripts(ScriptsBase):
         found: what a read of their bytes checks (``store.read``), as if they had been handed out then."""
         rows = [None if int(r) < 0 else int(r) for r in reply[2:]]
         return rows, Handout(tuple(runs_of([r for r in rows if r is not None])), int(reply[0]), bytes(reply[1]))
+
+    def tags(self, partition: str, rows: Sequence[int], before: Sequence[bytes | None], after: Sequence[bytes],
+             fence: Handout | None, *, compare: bool) -> bool:
+        """Store ``after`` as the tags of ``rows`` (distinct), unless a clear took any of them since ``fence``
+        (the handout of exactly these rows; FENCED: nothing written) or, with ``compare``, a row's tags are no
+        longer ``before`` (False: nothing written; read and merge again). True once written."""
+        k = self._keys
+        runs = runs_of(rows)
+        fenced: list[Any] = ["", b""] if fence is None else [fence.epoch, fence.generations]
+        per_row: list[Any] = []
+        for row, old, new in zip(rows, before, after):
+            per_row += [row, old or b"", new]
+        reply = self._call("tq_tags", [k.tq_tags(partition), k.epoch, k.generations],
+                           [*fenced, int(compare), len(runs) // 2, *runs, *per_row])
+        return bool(int(reply))
