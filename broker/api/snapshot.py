@@ -36,6 +36,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -71,17 +72,21 @@ class DockSnapshot:
     """Save a dock's keys to a file at one moment, and restore them from it (see the module docstring).
 
     ``partitions``: the TransferQueue adapter's partitions of the dock now (their keys are saved too);
-    ``run``: how a Redis call is run (bounded, its errors the broker's), given what it does for messages.
+    ``run``: how a Redis call is run (bounded, its errors the broker's), given what it does for messages;
+    ``quiet``: a context the copy and the swap run in, holding off writers whose several steps a copy must
+    not cut (the TransferQueue adapter's puts and clears: ``System.quiet``).
     """
 
     def __init__(self, dock: TransferDock, *, partitions: Callable[[], list[str]] = list,
-                 run: Callable[[str, Callable[[], Any]], Any] | None = None):
+                 run: Callable[[str, Callable[[], Any]], Any] | None = None,
+                 quiet: Callable[[], AbstractContextManager[Any]] = nullcontext):
         self.dock = dock
         self.keys = dock.keys
         self.client = dock.client
         self.scripts = SnapshotScripts(dock.client, dock.keys, allow_oom=False)
         self._partitions = partitions
         self._run = run
+        self._quiet = quiet
 
     def run(self, what: str, call: Callable[[], Any]) -> Any:
         """``call`` as ``run`` was given (the dock's own bounds and error translation by default)."""
@@ -96,7 +101,8 @@ class DockSnapshot:
         of them: ``schema`` (the meta hash), ``server_time_ms``, ``rdb_version``, ``keys`` and ``file`` (its
         size, records and SHA-256, for ``verify_file``)."""
         run = uuid.uuid4().hex
-        now, copied = self._snapshot(run)
+        with self._quiet():
+            now, copied = self._snapshot(run)
         try:
             kept = [c for c in copied if c.type != "none" and c.key != self.keys.meta]
             meta_copy = next(c.copy for c in copied if c.key == self.keys.meta)
@@ -177,7 +183,8 @@ class DockSnapshot:
         deadlines: dict[str, int] = {}
         try:
             self._stage(file, run, info.get("rdb_version"), deadlines)
-            self._swap(run, deadlines, saved_meta, saved)
+            with self._quiet():
+                self._swap(run, deadlines, saved_meta, saved)
         except BaseException:
             self._drop([self.keys.staged(run, k) for k in deadlines])
             raise

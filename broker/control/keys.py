@@ -265,6 +265,14 @@ class DockKeys:
     def tq_conf(self) -> str:
         return self.base + "tq:conf"
 
+    @property
+    def tq_writing(self) -> str:
+        return self.base + "tq:writing"
+
+    @property
+    def tq_saving(self) -> str:
+        return self.base + "tq:saving"
+
     def tq_rows(self, partition: str) -> str:
         return f"{self.base}tq:rows:{partition}"
 
@@ -407,6 +415,10 @@ def key_layout() -> list[KeyRow]:
         KeyRow(k.tq_partitions, "hash", "TransferQueue adapter: partition → when it was created (ms)"),
         KeyRow(k.tq_conf, "string", "TransferQueue adapter: the system's configuration (JSON), written by the first "
                "`init`"),
+        KeyRow(k.tq_writing, "sorted set", "TransferQueue adapter: member = a put or clear of several steps under "
+               "way, score = when it is given up (ms of server time); a checkpoint waits until none is left"),
+        KeyRow(k.tq_saving, "sorted set", "TransferQueue adapter: member = a checkpoint being taken or loaded, score = "
+               "when it is given up (ms); puts and clears wait while one is"),
         KeyRow(k.tq_rows("P"), "bitmap", "TransferQueue adapter: bit i set when row i holds a sample of partition P"),
         KeyRow(k.tq_keys("P"), "hash", "TransferQueue adapter: user key → row, in partition P"),
         KeyRow(k.tq_rkeys("P"), "hash", "TransferQueue adapter: row → user key, in partition P"),

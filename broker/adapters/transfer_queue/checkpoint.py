@@ -25,10 +25,16 @@ leases keep their deadlines (ms of server time), so rows leased then come back o
 takes (the DP ranks' shared choices) keep their records and expiry. Replies that calls keep for their
 resends (``reply:*``, a minute) are not saved, and those of the system are left to expire.
 
+**Puts and clears under way.** A put (rows, then fields, then tags) and a clear (the dock's rows, then the
+keys) take several steps, so a save or a load waits until those under way ended and holds new ones off
+while it copies or swaps the keys (``System.quiet``, lua/tq_begin.lua and lua/tq_settled.lua): a checkpoint
+holds no key listed without its data and no data without its tags, and no put lands half on what a load
+restored. A writer that died holds checkpoints off for twice the call timeout at most.
+
 **Other processes.** The restored dock's schema is the checkpoint's grown by the fields and tasks the
 system has at load time, so every process's dock finds its own schema inside it and adopts it at its next
-call. What they must do themselves: not write while a load runs (a put that looked its rows up before the
-swap lands on the restored rows), and forget their samplers' cached choices (``sampler._states = {}``,
+call. What they must do themselves: not put by a metadata read before a load (its rows may hold other
+samples once the load restored them), and forget their samplers' cached choices (``sampler._states = {}``,
 or ``close()`` then ``init()``): the DP groups' shared choices come back through the named takes' records.
 Only the loading process's sampler gets the checkpoint's ``_states``, as TransferQueue's one controller does.
 """
@@ -128,8 +134,10 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike[str], *, include_storage: 
 
 
 def _snapshot(system: System) -> DockSnapshot:
-    """The system's keys (its dock's and the adapter's, of every partition), run as the system runs calls."""
-    return DockSnapshot(system.dock, partitions=system.partitions, run=system.run)
+    """The system's keys (its dock's and the adapter's, of every partition), run as the system runs calls; the
+    copy and the swap wait for the puts and clears under way and hold new ones off (``System.quiet``), so a
+    checkpoint holds no put or clear half done, and none lands half on what a load restores."""
+    return DockSnapshot(system.dock, partitions=system.partitions, run=system.run, quiet=system.quiet)
 
 
 def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

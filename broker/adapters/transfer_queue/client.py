@@ -181,7 +181,12 @@ class TransferQueueClient:
         if data_parser is not None:
             raise InvalidExperienceError("data_parser is a SimpleStorage hook TransferQueue applies in its storage "
                                          "units; parse the data before the put here")
+        with self._system.writing():  # rows, data, tags: no checkpoint copies the put half done
+            return self._put(data, metadata, partition_id, size)
+
+    def _put(self, data: Any, metadata: BatchMeta | None, partition_id: str | None, size: int) -> BatchMeta:
         fence: HandedRows | None = None
+        given = None
         if metadata is None:
             partition = _partition(partition_id)
             given = self._system.new_rows(partition, size)
@@ -198,7 +203,12 @@ class TransferQueueClient:
             rows = list(metadata.global_indexes)
             custom = list(metadata.custom_meta)
         delivery = metadata.extra_info.get(DELIVERY) if metadata is not None else fence
-        self.write(partition, rows, data, delivery if isinstance(delivery, HandedRows) else None)
+        try:
+            self.write(partition, rows, data, delivery if isinstance(delivery, HandedRows) else None)
+        except BaseException:
+            if given is not None:  # new samples that never got their data are not left in the partition
+                self._system.give_back(partition, given)
+            raise
         if any(custom):
             self._system.set_tags(partition, rows, custom)
         meta = self._meta(partition, rows, tensors.field_names(data))

@@ -40,7 +40,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import msgpack
@@ -55,7 +57,14 @@ from broker.control.keys import check_name
 from broker.control.scripts import Handout
 from broker.control.scripts.pipelines import read_pipeline
 from broker.control.scripts.transfer_queue import SampleRows, TransferQueueScripts
-from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
+from broker.errors import (
+    BrokerError,
+    BrokerTimeoutError,
+    CheckpointError,
+    DockNotFoundError,
+    InvalidExperienceError,
+    SchemaError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +117,48 @@ class System:
             if "rows free" in str(exc):  # tq_rows.lua: the dock is full
                 raise InvalidExperienceError(str(exc).removeprefix("ERR ")) from exc
             raise
+
+    # -- writes of several steps, and checkpoints (lua/tq_begin.lua, lua/tq_settled.lua) ----------------------
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Announce a put or clear of several steps for its duration, so that no checkpoint copies or replaces
+        the system's keys while it is half done; while a checkpoint is under way it waits (within the call
+        timeout) before it begins. Registered for twice the call timeout: a writer that dies holds
+        checkpoints off no longer than that."""
+        write = uuid.uuid4().hex
+        with call_deadline(self.call_timeout):
+            self.wait_ready(time.monotonic() + self.call_timeout, lambda: bool(self.run(
+                "begin a write", lambda: self.scripts.begin(write, self._writing_ms))), raising=True)
+        try:
+            yield
+        finally:
+            try:
+                self.run("end a write", lambda: self.client.zrem(self.keys.tq_writing, write))
+            except BrokerError as exc:  # the registration ends at its deadline anyway
+                log.debug("could not unregister write %s: %s", write, exc)
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Hold new puts and clears off and wait until those under way ended (a checkpoint's copy or swap runs
+        inside this). CheckpointError if writes are still under way after twice the call timeout."""
+        checkpoint, hold = uuid.uuid4().hex, self._writing_ms + int(self.call_timeout * 1000)
+        try:
+            settled = self.wait_ready(time.monotonic() + 2 * self.call_timeout, lambda: not self.run(
+                "wait for writes", lambda: self.scripts.settled(checkpoint, hold)))
+            if not settled:
+                raise CheckpointError(f"TransferQueue system {self.namespace!r}: puts or clears still under way "
+                                      f"after {2 * self.call_timeout:g} s; try the checkpoint again")
+            yield
+        finally:
+            try:
+                self.run("end a checkpoint", lambda: self.client.zrem(self.keys.tq_saving, checkpoint))
+            except BrokerError as exc:  # it expires by itself
+                log.warning("could not unregister checkpoint %s (writes wait until it expires): %s", checkpoint, exc)
+
+    @property
+    def _writing_ms(self) -> int:
+        return int(2 * self.call_timeout * 1000)
 
     # -- fields and tasks ------------------------------------------------------------------------------------
 
@@ -177,7 +228,13 @@ class System:
         return [int(r) for r in np.flatnonzero(_bits(raw))]
 
     def release(self, partition: str, rows: Sequence[int] | None) -> list[int]:
-        """End the samples on ``rows`` (None: the whole partition): clear them in the dock, then free them."""
+        """End the samples on ``rows`` (None: the whole partition): clear them in the dock, then free them (two
+        steps: announced, so no checkpoint copies the rows cleared but still listed)."""
+        with self.writing():
+            return self.release_announced(partition, rows)
+
+    def release_announced(self, partition: str, rows: Sequence[int] | None) -> list[int]:
+        """``release`` inside a write already announced (``writing``)."""
         whole = rows is None
         todo = self.partition_rows(partition) if rows is None else list(rows)
         if todo:  # an empty list would clear the whole dock
@@ -188,7 +245,8 @@ class System:
     def give_back(self, partition: str, given: SampleRows) -> None:
         """After a put into ``given`` failed: end the samples it made for new keys, so none stays listed without
         its data, unless a clear took their rows since (they may be another sample's now). Best effort: the
-        put's own error is what its caller sees, whatever this one meets."""
+        put's own error is what its caller sees, whatever this one meets. Called inside the put's announced
+        write (``writing``)."""
         fresh = sorted({r for r, f in zip(given.rows, given.fresh) if f})
         if not fresh:
             return
@@ -200,7 +258,7 @@ class System:
             same = [r for i, r in enumerate(fresh)
                     if generations[4 * i:4 * i + 4] == expected.generations[4 * i:4 * i + 4]]
             if same:
-                self.release(partition, same)
+                self.release_announced(partition, same)
         except BrokerError as exc:
             log.warning("partition %r: could not give back the rows of a failed put: %s", partition, exc)
 
@@ -424,14 +482,18 @@ class System:
             out &= has
         return out.astype(np.int8)
 
-    def wait_ready(self, deadline: float, check: Callable[[], bool]) -> bool:
-        """Call ``check`` until it is true or ``deadline`` (monotonic) passes, sleeping a little between."""
+    def wait_ready(self, deadline: float, check: Callable[[], bool], *, raising: bool = False) -> bool:
+        """Call ``check`` until it is true or ``deadline`` (monotonic) passes, sleeping a little between; with
+        ``raising``, BrokerTimeoutError instead of False."""
         pause = 0.005
         while True:
             if check():
                 return True
             left = deadline - time.monotonic()
             if left <= 0:
+                if raising:
+                    raise BrokerTimeoutError(f"TransferQueue system {self.namespace!r}: a checkpoint held this put "
+                                             "or clear off past the call timeout")
                 return False
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.1)

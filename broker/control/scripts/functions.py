@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 #: Scripts that run only as the adapters and checkpoints call them: no flag (a full server refuses their
 #: writes), and the read-only scripts.
-_PLAIN = ("tq_rows", "tq_release", "tq_tags", "snapshot", "restore")
+_PLAIN = ("tq_rows", "tq_release", "tq_tags", "tq_begin", "tq_settled", "snapshot", "restore")
 _READ_ONLY = ("status", "tq_lookup")
 
 

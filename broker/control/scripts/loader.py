@@ -54,6 +54,8 @@ SCRIPT_FILES = {
     "tq_release": "tq_release.lua",
     "tq_lookup": "tq_lookup.lua",
     "tq_tags": "tq_tags.lua",
+    "tq_begin": "tq_begin.lua",
+    "tq_settled": "tq_settled.lua",
     "snapshot": "snapshot.lua",
     "restore": "restore.lua",
 }

@@ -4,7 +4,9 @@
 - lua/tq_release.lua: the rows of ended samples back to the free list (``release``);
 - lua/tq_lookup.lua: the rows of keys, with the epoch and generations a read of them checks (``queue_lookup``,
   queued in the transaction that reads a partition's state);
-- lua/tq_tags.lua: samples' tags written, fenced against clears and compared against other writers (``tags``).
+- lua/tq_tags.lua: samples' tags written, fenced against clears and compared against other writers (``tags``);
+- lua/tq_begin.lua and lua/tq_settled.lua: a put or clear of several steps announces itself unless a checkpoint
+  is under way (``begin``), and a checkpoint holds new ones off and counts those under way (``settled``).
 
 They touch only the adapter's keys (``DockKeys.tq_*``) and the dock's status bitmaps, all in the dock's
 slot; the dock's own scripts never read the adapter's keys. A checkpoint of the system is the dock's
@@ -94,3 +96,15 @@ class TransferQueueScripts(ScriptsBase):
         reply = self._call("tq_tags", [k.tq_tags(partition), k.epoch, k.generations],
                            [*fenced, int(compare), len(runs) // 2, *runs, *per_row])
         return bool(int(reply))
+
+    def begin(self, write: str, ms: int) -> bool:
+        """Register write ``write`` for ``ms`` milliseconds; False (nothing registered) while a checkpoint is
+        under way."""
+        k = self._keys
+        return bool(int(self._call("tq_begin", [k.tq_saving, k.tq_writing], [write, ms])))
+
+    def settled(self, checkpoint: str, ms: int) -> int:
+        """Register (or renew) checkpoint ``checkpoint``, holding new writes off for ``ms`` milliseconds from
+        now; how many writes are still under way."""
+        k = self._keys
+        return int(self._call("tq_settled", [k.tq_saving, k.tq_writing], [checkpoint, ms]))
