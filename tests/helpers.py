@@ -65,6 +65,14 @@ def cli_output(argv: list[str]) -> str:
     return out.getvalue().strip()
 
 
+def dense(value: Any) -> Any:
+    """A field of a TransferQueue batch as one dense tensor, for comparing values: TransferQueue returns tensor
+    rows as a jagged nested tensor, rows of one shape included (``broker.stack_uniform`` off)."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return torch.stack(value.unbind())
+    return value
+
+
 def is_cluster(client: Any) -> bool:
     """Whether ``client`` talks to a Redis Cluster (the suite's fourth backend)."""
     return isinstance(client, RedisCluster)

@@ -22,6 +22,7 @@ import broker.transfer_queue as tq  # noqa: E402
 from broker import BrokerError, InvalidExperienceError  # noqa: E402
 from broker.adapters.transfer_queue.dataloader import chunk_batch_fn, default_fetch_batch_fn  # noqa: E402
 from broker.adapters.transfer_queue.metadata import BatchMeta  # noqa: E402
+from tests.helpers import dense  # noqa: E402
 
 #: Children are forked: they start at once, with this process's modules (each opens its own client from the conf).
 FORK = multiprocessing.get_context("fork")
@@ -61,7 +62,7 @@ def check_matches_meta(td: TensorDict, meta: BatchMeta, xs: dict[int, int]) -> l
     """Assert each row of ``td`` is the sample its meta names; returns the meta's global indexes."""
     rows = list(meta.global_indexes)
     assert td.batch_size[0] == len(rows)
-    assert td["x"].view(-1).tolist() == [xs[r] for r in rows]
+    assert dense(td["x"]).view(-1).tolist() == [xs[r] for r in rows]
     assert td["ragged"].is_nested
     assert [t.tolist() for t in td["ragged"].unbind(0)] == [list(range(xs[r] % 3 + 1)) for r in rows]
     assert list(td["text"]) == [f"s{xs[r]}" for r in rows]
@@ -89,7 +90,7 @@ def test_finite_mode_stops_and_reset_and_step_replay_or_move(conf):
     assert [meta.global_indexes for _, meta in loader] == first
     loader.step("val")
     assert loader.get_buffer() == []
-    assert [td["x"].view(-1).tolist() for td, _ in loader] == [[100, 101, 102, 103]]
+    assert [dense(td["x"]).view(-1).tolist() for td, _ in loader] == [[100, 101, 102, 103]]
 
 
 def test_streaming_mode_yields_rows_as_they_are_put(conf):
@@ -175,7 +176,7 @@ def test_workers_claim_batches_in_turn(conf):
 def test_a_collate_fn_is_applied_to_each_micro_batch(conf):
     put_rows(8)
     loader = tq.StreamingDataLoader(dataset(conf, micro_batch_size=2), num_workers=1,
-                                    collate_fn=lambda item: (item[0]["x"].view(-1).tolist(), item[1]))
+                                    collate_fn=lambda item: (dense(item[0]["x"]).view(-1).tolist(), item[1]))
     got = [(x, meta) for x, meta in loader]
     assert [len(x) for x, _ in got] == [2, 2, 2, 2]
     assert all(isinstance(meta, BatchMeta) for _, meta in got)
@@ -275,8 +276,8 @@ def test_chunk_batch_fn_dense():
     td = TensorDict({"a": torch.arange(6).reshape(3, 2), "b": torch.arange(3).reshape(3, 1)}, batch_size=(3,))
     chunks = chunk_batch_fn(td, BatchMeta(global_indexes=[0, 1, 2], partition_ids=["p"] * 3), micro_batch_size=2)
     assert [c[0].batch_size for c in chunks] == [torch.Size([2]), torch.Size([1])]
-    assert torch.equal(chunks[0][0]["a"], torch.tensor([[0, 1], [2, 3]]))
-    assert torch.equal(chunks[1][0]["b"], torch.tensor([[2]]))
+    assert torch.equal(dense(chunks[0][0]["a"]), torch.tensor([[0, 1], [2, 3]]))
+    assert torch.equal(dense(chunks[1][0]["b"]), torch.tensor([[2]]))
     assert [c[1].global_indexes for c in chunks] == [[0, 1], [2]]
 
 

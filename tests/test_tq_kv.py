@@ -17,7 +17,7 @@ from tensordict import TensorDict  # noqa: E402
 import broker.transfer_queue as tq  # noqa: E402
 from broker import BrokerError  # noqa: E402
 from broker.control.scripts import runs_of  # noqa: E402
-from tests.helpers import empty_cluster  # noqa: E402
+from tests.helpers import dense, empty_cluster  # noqa: E402
 
 
 @pytest.fixture(params=["real", "redis62", "cluster"])
@@ -49,7 +49,7 @@ def test_put_list_get_clear_round_trip(system):
               {"score": 3})
     assert tq.kv_list() == {"train": {"a": {"score": 1.5}, "b": {"score": 2}, "c": {"score": 3}}}
     got = tq.kv_batch_get(["c", "a"], "train")
-    assert torch.equal(got["input_ids"], torch.tensor([[7, 8, 9], [0, 1, 2]]))
+    assert torch.equal(dense(got["input_ids"]), torch.tensor([[7, 8, 9], [0, 1, 2]]))
     assert got["mask"].dtype == torch.bool and got.batch_size == torch.Size([2])
     only = tq.kv_batch_get("b", "train", select_fields="input_ids")
     assert list(only.keys()) == ["input_ids"]
@@ -75,8 +75,8 @@ def test_partitions_are_separate_and_keys_may_repeat_across_them(system):
     tq.kv_batch_put(["x"], "train", batch(1, 0))
     tq.kv_batch_put(["x"], "val", batch(1, 100))
     assert tq.get_client().get_partition_list() == ["train", "val"]
-    assert tq.kv_batch_get("x", "val")["input_ids"].tolist() == [[100, 101, 102]]
-    assert tq.kv_batch_get("x", "train")["input_ids"].tolist() == [[0, 1, 2]]
+    assert dense(tq.kv_batch_get("x", "val")["input_ids"]).tolist() == [[100, 101, 102]]
+    assert dense(tq.kv_batch_get("x", "train")["input_ids"]).tolist() == [[0, 1, 2]]
 
 
 def test_a_field_not_produced_for_a_key_is_a_clear_error(system):
@@ -122,7 +122,7 @@ def test_the_async_twins_do_the_same(system):
         return got, listed, await tq.async_kv_list("p")
 
     got, listed, after = asyncio.run(run())
-    assert got["input_ids"].tolist() == [[0, 1, 2]] and listed == {"p": {"a": {"t": 1}}} and after == {"p": {}}
+    assert dense(got["input_ids"]).tolist() == [[0, 1, 2]] and listed == {"p": {"a": {"t": 1}}} and after == {"p": {}}
 
 
 def test_a_get_sees_fields_another_process_added_after_it_attached(system):
@@ -142,7 +142,7 @@ def test_a_get_sees_fields_another_process_added_after_it_attached(system):
         assert state.common_fields(rows) == ["input_ids", "mask"]  # "late" is b's alone
         assert state.common_fields(rows[:1]) == ["input_ids", "late", "mask"]
         got = TransferQueueClient(other, SequentialSampler()).read("p", rows[:1], ["late"], state)
-        assert got["late"].tolist() == [4.0]
+        assert dense(got["late"]).tolist() == [4.0]
         with pytest.raises(KeyError, match="'nope'"):
             other.snapshot("p", keys=["a", "nope"]).rows_of_keys()
     finally:
@@ -165,3 +165,37 @@ def test_rows_for_keys_in_chunks_keep_one_row_per_key(system):
     assert rows_of("p", ["k2499", "new", "new"]) == [rows[2499], max(rows) + 1, max(rows) + 1]
     given = tq.get_client().system.rows_for_keys("p", ["k7", "newer", "k8"])  # which keys this call made
     assert given.fresh == [False, True, False] and given.handout.runs == tuple(runs_of(given.rows))
+
+
+def test_tensor_fields_come_back_jagged_as_transfer_queue_returns_them(system):
+    """verl's v1 trainer calls ``.offsets()`` on the prompts and responses kv_batch_get returns: TransferQueue
+    0.1.11 gives every field of tensor rows as a jagged nested tensor, rows of one shape included (scalars
+    stacked), from kv_batch_get and get_data alike. The drop-in stacked equal rows into one tensor, and verl
+    failed with "'Tensor' object has no attribute 'offsets'" whenever a batch's rows were of one length."""
+    tq.kv_batch_put(["a", "b"], "p", TensorDict({"reg": torch.ones(2, 4), "score": torch.tensor([1.0, 2.0])},
+                                                batch_size=2))
+    tq.kv_put("c", "q", {"r": torch.arange(4)})  # verl's agent loop puts one sample at a time
+    tq.kv_put("d", "q", {"r": torch.arange(4) + 1})
+    got = tq.kv_batch_get(["a", "b"], "p")
+    assert got["reg"].is_nested and got["reg"].layout == torch.jagged and got["reg"].offsets().tolist() == [0, 4, 8]
+    assert not got["score"].is_nested and got["score"].tolist() == [1.0, 2.0]
+    r = tq.kv_batch_get(["c", "d"], "q")["r"]
+    assert r.is_nested and r.offsets().tolist() == [0, 4, 8] and dense(r).tolist() == [[0, 1, 2, 3], [1, 2, 3, 4]]
+    client = tq.get_client()
+    meta = client.get_meta(["reg"], 2, "p", task_name="t")
+    assert client.get_data(meta)["reg"].is_nested
+
+
+def test_stack_uniform_gives_equal_rows_as_one_tensor(url):
+    """``broker.stack_uniform: true`` (beyond TransferQueue, off by default): a field whose rows share one shape
+    comes back as one stacked tensor; rows put nested stay jagged."""
+    tq.init({"broker": {"url": url, "namespace": "dense" + uuid.uuid4().hex[:8], "stack_uniform": True}})
+    try:
+        nested = torch.nested.nested_tensor([torch.arange(2), torch.arange(2)], layout=torch.jagged)
+        tq.kv_batch_put(["a", "b"], "p", TensorDict({"reg": torch.ones(2, 4), "nested": nested}, batch_size=2))
+        got = tq.kv_batch_get(["a", "b"], "p")
+        assert not got["reg"].is_nested and got["reg"].shape == (2, 4)
+        assert got["nested"].is_nested
+    finally:
+        tq.get_client().system.delete()
+        tq.close()

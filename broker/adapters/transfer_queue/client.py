@@ -33,10 +33,13 @@ class TransferQueueClient:
     """TransferQueue's client: one per process (``broker.transfer_queue.get_client()``), safe from many threads."""
 
     def __init__(self, system: System, sampler: BaseSampler, *, polling_mode: bool = False,
-                 get_meta_timeout: float = 5.0, lease: float | None = None, client_id: str = "client"):
+                 get_meta_timeout: float = 5.0, lease: float | None = None, client_id: str = "client",
+                 stack_uniform: bool = False):
         self.client_id = client_id
         self._system, self._sampler = system, sampler
         self._polling, self._timeout, self._lease = polling_mode, get_meta_timeout, lease
+        #: ``broker.stack_uniform``: fields of equal rows as one stacked tensor, not TransferQueue's jagged one.
+        self._stack_uniform = stack_uniform
 
     @property
     def system(self) -> System:
@@ -237,7 +240,7 @@ class TransferQueueClient:
     def get_data(self, metadata: BatchMeta) -> Any:
         """The rows of ``metadata``, the fields it names, as a TensorDict in its order."""
         if metadata.size == 0:
-            return tensors.assemble({}, 0, {}, stack_uniform=True)
+            return tensors.assemble({}, 0, {})
         partition = _partition(metadata.partition_ids[0])
         return self.read(partition, list(metadata.global_indexes), list(metadata.field_names))
 
@@ -258,7 +261,7 @@ class TransferQueueClient:
                 raise SampleNotFoundError(f"partition {partition!r}: field {field!r} is not produced for "
                                           f"global indexes {unready[:8]}")
         columns = system.dock.read_rows(fields, rows, stack=True, delivery=state.delivery)
-        return tensors.assemble(columns, len(rows), schema, stack_uniform=True)
+        return tensors.assemble(columns, len(rows), schema, stack_uniform=self._stack_uniform)
 
     def set_custom_meta(self, metadata: BatchMeta) -> None:
         """Store each sample's ``custom_meta`` (TransferQueue's per-sample metadata; the KV API's tags)."""

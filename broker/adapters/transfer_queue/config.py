@@ -30,6 +30,7 @@ DEFAULTS: dict[str, Any] = {
         "get_meta_timeout": 5.0,
         "call_timeout": 30.0,
         "lease": None,
+        "stack_uniform": False,
     },
 }
 
@@ -105,6 +106,8 @@ def _check(conf: dict[str, Any]) -> None:
         value = b[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise SchemaError(f"broker.{name} must be a number of seconds > 0, got {value!r}")
+    if not isinstance(b["stack_uniform"], bool):
+        raise SchemaError(f"broker.stack_uniform must be true or false, got {b['stack_uniform']!r}")
     lease = b["lease"]
     if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0):
         raise SchemaError(f"broker.lease must be None or a number of seconds > 0, got {lease!r}")

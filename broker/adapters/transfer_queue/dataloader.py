@@ -482,4 +482,5 @@ def _open_client(config: Any, conf: dict[str, Any], lease: float | None) -> Tran
     sampler = _sampler_of({"controller": {"sampler": chosen}}, effective)
     system = System(url, namespace, capacity_of(effective), float(effective["broker"]["call_timeout"]))
     return TransferQueueClient(system, sampler, polling_mode=True, lease=lease,
-                               client_id=f"StreamingDataset_{uuid.uuid4().hex[:8]}")
+                               client_id=f"StreamingDataset_{uuid.uuid4().hex[:8]}",
+                               stack_uniform=bool(effective["broker"].get("stack_uniform", False)))

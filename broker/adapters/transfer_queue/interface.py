@@ -78,7 +78,8 @@ def init(conf: Any = None) -> Any:
         _P.conf, _P.system = effective, system
         _P.client = TransferQueueClient(
             system, _sampler_of(conf, effective), polling_mode=bool(effective["controller"]["polling_mode"]),
-            get_meta_timeout=float(effective["broker"]["get_meta_timeout"]), lease=effective["broker"]["lease"])
+            get_meta_timeout=float(effective["broker"]["get_meta_timeout"]), lease=effective["broker"]["lease"],
+            stack_uniform=bool(effective["broker"].get("stack_uniform", False)))
         if not published:
             _publish(effective)
         if effective["metrics"].get("enabled"):
