@@ -52,6 +52,24 @@ def test_insert_then_put_then_fetch_then_get(client):
     assert everything.size == 4
 
 
+def test_a_put_fills_in_the_meta_it_was_given_and_returns_it_as_transfer_queue_does(client):
+    """verl's tqbridge ignores what put returns and reads the new fields from its own meta: TransferQueue's put
+    adds the data's fields to the meta given, in place, marks its samples produced, and returns that object.
+    An insert-mode meta names every field asked for (a placeholder schema where none exists yet), and
+    get_data of a meta naming no field is an empty TensorDict. The drop-in returned a new meta, left the one
+    given as it was, named no field in an insert-mode meta, and raised for a meta without fields."""
+    meta = client.get_meta(["x", "y", "later"], 2, "p", mode="insert")
+    assert meta.field_names == ["later", "x", "y"] and meta.production_status.tolist() == [0, 0]
+    assert meta.field_schema["later"] == {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False}
+    returned = client.put(rows(2), meta)
+    assert returned is meta and meta.is_ready and meta.field_schema["x"]["dtype"] == torch.int64
+    assert meta.field_schema["later"]["dtype"] is None  # not put: its placeholder stays, as there
+    made = client.put(rows(2, start=5), partition_id="q")  # no meta: an insert's, filled in
+    assert made.field_names == ["x", "y"] and made.is_ready
+    empty = client.kv_retrieve_meta(["a", "b"], "r", create=True)
+    assert empty.field_names == [] and client.get_data(empty).batch_size == torch.Size([0])
+
+
 def test_too_few_ready_rows_time_out_or_come_back_empty_in_polling_mode(url):
     namespace = "poll" + uuid.uuid4().hex[:6]
     tq.init(conf(url, namespace))

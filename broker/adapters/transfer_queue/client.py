@@ -76,7 +76,7 @@ class TransferQueueClient:
         if mode == "insert":
             count = _count(batch_size)
             rows = system.new_rows(partition, count).rows
-            return self._meta(partition, rows, fields)
+            return self._meta(partition, rows, fields, insert=True)
         if mode == "force_fetch":
             rows = system.partition_rows(partition)
             return self._meta(partition, rows, fields or list(system.field_schema(partition)))
@@ -159,10 +159,18 @@ class TransferQueueClient:
     def _cached(self, partition: str, task: str, config: Mapping[str, Any]) -> bool:
         return bool(self._sampler.has_cached_result(partition, task, dict(config)))
 
-    def _meta(self, partition: str, rows: list[int], fields: Sequence[str]) -> BatchMeta:
+    def _meta(self, partition: str, rows: list[int], fields: Sequence[str], *, insert: bool = False) -> BatchMeta:
+        """The metadata of ``rows``: the schema the partition has of ``fields`` and their production status. For
+        an insert (new rows), every field asked for is named, with an empty schema where the partition has none
+        yet, and nothing is produced, as TransferQueue's controller makes it (a put then fills it in)."""
         system = self._system
         schema = system.field_schema(partition, list(fields))
-        status = system.produced(partition, rows, list(fields)) if fields else np.zeros(len(rows), dtype=np.int8)
+        if insert:
+            for field in fields:
+                schema.setdefault(field, {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False})
+            status = np.zeros(len(rows), dtype=np.int8)
+        else:
+            status = system.produced(partition, rows, list(fields)) if fields else np.zeros(len(rows), dtype=np.int8)
         return BatchMeta(global_indexes=rows, partition_ids=[partition] * len(rows), field_schema=schema,
                          production_status=status, custom_meta=system.tags(partition, rows))
 
@@ -214,13 +222,11 @@ class TransferQueueClient:
             raise
         if any(custom):
             self._system.set_tags(partition, rows, custom)
-        meta = self._meta(partition, rows, tensors.field_names(data))
-        if metadata is not None:
-            meta.extra_info.update(metadata.extra_info)
-            wider = {**{f: s for f, s in metadata.field_schema.items()}, **meta.field_schema}
-            meta = BatchMeta(meta.global_indexes, meta.partition_ids, wider,
-                             self._system.produced(partition, rows, list(wider)), meta.extra_info, meta.custom_meta)
-        return meta
+        if metadata is None:  # as TransferQueue: the meta of an insert of the data's fields, then filled in
+            metadata = self._meta(partition, rows, tensors.field_names(data), insert=True)
+        # TransferQueue's put adds the data's fields to the metadata given, in place, and returns that object:
+        # code that ignores the return value (verl's tqbridge) reads the new fields from its own meta.
+        return metadata.add_fields(data)
 
     def write(self, partition: str, rows: list[int], data: Any, delivery: HandedRows | None = None) -> None:
         """The put itself: record the fields' schema, grow the dock by new fields, write the rows (fenced by
@@ -238,8 +244,9 @@ class TransferQueueClient:
         self._system.dock.put_experience(values, rows, delivery=delivery)
 
     def get_data(self, metadata: BatchMeta) -> Any:
-        """The rows of ``metadata``, the fields it names, as a TensorDict in its order."""
-        if metadata.size == 0:
+        """The rows of ``metadata``, the fields it names, as a TensorDict in its order; an empty TensorDict for
+        a meta of no rows or no fields (TransferQueue's ``TensorDict({}, batch_size=0)`` either way)."""
+        if metadata.size == 0 or not metadata.field_names:
             return tensors.assemble({}, 0, {})
         partition = _partition(metadata.partition_ids[0])
         return self.read(partition, list(metadata.global_indexes), list(metadata.field_names))
