@@ -67,6 +67,19 @@ class ExperienceTimeoutError(BrokerError, TimeoutError):
         self.missing = {col: list(rows) for col, rows in missing.items()}
 
 
+class InvalidArgumentTypeError(InvalidExperienceError, TypeError):
+    """An argument of the wrong type where TransferQueue raises TypeError (a key that is not a str)."""
+
+
+class GetMetaError(InvalidExperienceError, RuntimeError):
+    """``broker.transfer_queue``'s ``get_meta`` refused its arguments: an unknown partition or field, a bad mode,
+    no task name. TransferQueue raises RuntimeError for each (its controller's reply), so it is one too."""
+
+
+class GetMetaTimeoutError(ExperienceTimeoutError, RuntimeError):
+    """``get_meta`` found too few rows ready within ``broker.get_meta_timeout`` (TransferQueue: RuntimeError)."""
+
+
 class BrokerConnectionError(BrokerError, ConnectionError):
     """The Redis server could not be reached, or the connection dropped mid-call."""
 

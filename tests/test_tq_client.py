@@ -194,10 +194,11 @@ def test_an_ack_without_a_result_releases_the_lease(client):
 
 def test_statuses_custom_meta_reset_and_clears(client):
     meta = client.put(rows(3), partition_id="p")
-    ids, produced = client.get_production_status(["x", "y"], "p")
-    assert ids.tolist() == meta.global_indexes and produced.tolist() == [1, 1, 1]
-    ids, produced = client.get_production_status(["x", "absent"], "p")
-    assert produced.tolist() == [0, 0, 0]
+    ids, produced = client.get_production_status(["x", "y"], "p")  # a column per field, as TransferQueue's
+    assert ids.tolist() == meta.global_indexes and produced.tolist() == [[1, 1]] * 3
+    assert client.get_production_status(["x", "absent"], "p") == (None, None)  # a field it never had
+    assert client.get_production_status(["x"], "no-such-partition") == (None, None)
+    assert client.get_consumption_status("t", "no-such-partition") == (None, None)
     meta.update_custom_meta([{"len": 5}, {"len": 6}, {"len": 7}])
     client.set_custom_meta(meta)
     fetched = client.get_meta(["x"], 3, "p", task_name="t")

@@ -21,7 +21,7 @@ from broker.adapters.transfer_queue.metadata import BatchMeta
 from broker.adapters.transfer_queue.sampler import BaseSampler
 from broker.adapters.transfer_queue.system import SampleNotFoundError, Snapshot, System, delivery_of
 from broker.api.delivery import HandedRows, LeasedRows
-from broker.errors import ExperienceTimeoutError, InvalidExperienceError
+from broker.errors import GetMetaError, GetMetaTimeoutError, InvalidArgumentTypeError, InvalidExperienceError
 
 MODES = ("fetch", "force_fetch", "insert")
 
@@ -69,7 +69,7 @@ class TransferQueueClient:
         this meta writes only while the lease is this reader's, and acks it.
         """
         if mode not in MODES:
-            raise InvalidExperienceError(f"mode must be one of {MODES}, got {mode!r}")
+            raise GetMetaError(f"mode must be one of {MODES}, got {mode!r}")
         fields = _names("data_fields", data_fields, allow_empty=mode == "force_fetch")
         partition = _partition(partition_id)
         system = self._system
@@ -77,12 +77,13 @@ class TransferQueueClient:
             count = _count(batch_size)
             rows = system.new_rows(partition, count).rows
             return self._meta(partition, rows, fields, insert=True)
-        if mode == "force_fetch":
-            rows = system.partition_rows(partition)
-            return self._meta(partition, rows, fields or list(system.field_schema(partition)))
+        if mode == "force_fetch":  # every row of the partition, the fields asked for (none: none), as they are
+            if system.created(partition) == "0":
+                raise GetMetaError(f"partition {partition!r} not found")
+            return self._meta(partition, system.partition_rows(partition), fields)
         count = _count(batch_size)
         if not isinstance(task_name, str) or not task_name:
-            raise InvalidExperienceError(f"get_meta(mode='fetch') needs a task_name, got {task_name!r}")
+            raise GetMetaError(f"get_meta(mode='fetch') needs a task_name, got {task_name!r}")
         # TransferQueue's StreamingDataset puts task_name and partition_id into sampling_config too (its controller
         # passes the config to the sampler as keywords): the arguments of this call name them here.
         config = {k: v for k, v in (sampling_config or {}).items() if k not in ("task_name", "partition_id")}
@@ -142,7 +143,7 @@ class TransferQueueClient:
             if self._polling:
                 return BatchMeta.empty()
             have = len(system.ready_unconsumed(partition, fields, task_name))
-            raise ExperienceTimeoutError(
+            raise GetMetaTimeoutError(
                 f"partition {partition!r}, task {task_name!r}: {count} samples with fields {fields} wanted, "
                 f"{have} ready within {self._timeout} s (broker.get_meta_timeout)", {})
         sampled, handed = got[0]
@@ -258,6 +259,7 @@ class TransferQueueClient:
         system = self._system
         state = system.snapshot(partition) if state is None else state
         schema = {f: state.schema[f] for f in fields if f in state.schema}
+        unique = list(dict.fromkeys(rows))  # a key asked for twice is read once and given twice, as there
         missing = [f for f in fields if f not in schema]
         if missing:
             raise SampleNotFoundError(f"partition {partition!r} has no field {missing} (it has "
@@ -267,7 +269,10 @@ class TransferQueueClient:
                 unready = [r for r, o in zip(rows, ok) if not o]
                 raise SampleNotFoundError(f"partition {partition!r}: field {field!r} is not produced for "
                                           f"global indexes {unready[:8]}")
-        columns = system.dock.read_rows(fields, rows, stack=True, delivery=state.delivery)
+        columns = system.dock.read_rows(fields, unique, stack=True, delivery=state.delivery)
+        if len(unique) != len(rows):
+            at = {r: i for i, r in enumerate(unique)}
+            columns = {f: tensors.take(column, [at[r] for r in rows]) for f, column in columns.items()}
         return tensors.assemble(columns, len(rows), schema, stack_uniform=self._stack_uniform)
 
     def set_custom_meta(self, metadata: BatchMeta) -> None:
@@ -291,8 +296,11 @@ class TransferQueueClient:
     def get_consumption_status(
         self, task_name: str, partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The partition's global indexes and, per index, 1 if ``task_name`` consumed it."""
+        """The partition's global indexes and, per index, 1 if ``task_name`` consumed it; ``(None, None)`` for
+        a partition that does not exist, as TransferQueue answers."""
         partition = _partition(partition_id)
+        if self._system.created(partition) == "0":
+            return None, None
         members, consumed = self._status(partition, [], task_name)
         rows = np.flatnonzero(members)
         return torch.as_tensor(rows, dtype=torch.long), torch.as_tensor(_at(consumed, rows), dtype=torch.int8)
@@ -300,14 +308,17 @@ class TransferQueueClient:
     def get_production_status(
         self, data_fields: list[str], partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The partition's global indexes and, per index, 1 if every one of ``data_fields`` is produced."""
+        """The partition's global indexes and, per index and field of ``data_fields`` (in that order), 1 if it
+        is produced: an ``(indexes, fields)`` int8 matrix, as TransferQueue's. ``(None, None)`` for a partition
+        that does not exist or a field it never had."""
         partition = _partition(partition_id)
         fields = _names("data_fields", data_fields)
+        if self._system.created(partition) == "0" or set(fields) - set(self._system.field_schema(partition, fields)):
+            return None, None
         members, *ready = self._system.status(partition, fields, None)
         rows = np.flatnonzero(members)
-        status = np.ones(len(rows), dtype=np.int8)
-        for bits in ready:
-            status &= _at(bits, rows)
+        status = np.stack([_at(bits, rows) for bits in ready], axis=1).astype(np.int8) if ready else \
+            np.zeros((len(rows), 0), dtype=np.int8)
         return torch.as_tensor(rows, dtype=torch.long), torch.as_tensor(status, dtype=torch.int8)
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
@@ -315,6 +326,7 @@ class TransferQueueClient:
         return bool(rows is not None and status is not None and len(rows) > 0 and bool(status.all()))
 
     def check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
+        """Whether the partition has samples and every one of ``data_fields`` is produced in each."""
         rows, status = self.get_production_status(data_fields, partition_id)
         return bool(rows is not None and status is not None and len(rows) > 0 and bool(status.all()))
 
@@ -349,7 +361,10 @@ class TransferQueueClient:
         partition = _partition(partition_id)
         keys = _keys(keys)
         system = self._system
-        rows = system.rows_for_keys(partition, keys).rows if create else system.rows_of_keys(partition, keys)
+        if create:
+            rows = system.rows_for_keys(partition, keys).rows
+        else:  # the keys the partition holds, in order (a key twice, twice); the others left out, as there
+            rows = [r for r in system.snapshot(partition, keys=keys).found_rows() if r is not None]
         return self._meta(partition, rows, system.common_fields(partition, rows))
 
     def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str | None]:
@@ -421,10 +436,13 @@ def _names(what: str, names: Any, allow_empty: bool = False) -> list[str]:
 
 
 def _keys(keys: Any) -> list[str]:
+    """A key or a list of keys as a list; any str is a key (the empty one too, as in TransferQueue)."""
     if isinstance(keys, str):
         return [keys]
-    if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k for k in keys):
-        raise InvalidExperienceError(f"keys must be a str or a list of non-empty str, got {keys!r:.80}")
+    if not isinstance(keys, (list, tuple)):
+        raise InvalidArgumentTypeError(f"keys must be a str or a list of str, got {type(keys).__name__}")
+    if not all(isinstance(k, str) for k in keys):
+        raise InvalidArgumentTypeError(f"Not all elements in `keys` are strings: {keys!r:.80}")
     return list(keys)
 
 

@@ -143,6 +143,8 @@ def kv_batch_put(keys: list[str], partition_id: str, fields: Any = None, tags: l
     client = get_client()
     keys = _keys(keys)
     partition = _partition(partition_id)
+    if not keys:
+        raise InvalidExperienceError("Received an empty list as keys.")
     if fields is None and tags is None:
         raise InvalidExperienceError("kv_batch_put needs fields, tags, or both")
     if fields is not None and tensors.batch_size_of(fields) != len(keys):
@@ -203,23 +205,28 @@ READ_RETRIES = 64
 def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> Any:
     """The samples of ``keys`` as a TensorDict in their order (``select_fields``: these fields; None: all).
 
+    As TransferQueue answers: keys the partition does not hold are left out (SampleNotFoundError, a ValueError,
+    when none is held), a key asked for twice comes twice, and the fields are those every one of the keys has
+    (of ``select_fields``, those every key has): none gives an empty TensorDict.
+
     It returns the keys' own bytes or raises, whatever clears and puts run meanwhile: the rows are looked up
     with their generations in one step, and the read of their bytes is fenced by them. A kv_clear between
     the two (after which the row may be another key's) fails the read, and the keys are looked up again."""
     client = get_client()
     keys = _keys(keys)
     partition = _partition(partition_id)
+    wanted = None if select_fields is None else [select_fields] if isinstance(select_fields, str) else \
+        list(select_fields)
     for _ in range(READ_RETRIES):
         state = client.system.snapshot(partition, keys=keys)  # rows, schemas and ready bits: one round trip
-        rows = state.rows_of_keys()
-        if select_fields is None:  # the fields every one of the keys has, as TransferQueue gives them
-            fields = state.common_fields(rows)
-            if not fields:
-                raise SampleNotFoundError(
-                    f"partition {partition!r}: no field is produced for every one of the keys {keys[:5]!r}"
-                    f"{'...' if len(keys) > 5 else ''} (TransferQueue: empty fields)")
-        else:
-            fields = [select_fields] if isinstance(select_fields, str) else list(select_fields)
+        rows = [r for r in state.found_rows() if r is not None]
+        if not rows:
+            raise SampleNotFoundError(f"keys or partition were not found! (partition {partition!r}, keys "
+                                      f"{keys[:5]!r}{'...' if len(keys) > 5 else ''})")
+        common = state.common_fields(rows)
+        fields = common if wanted is None else [f for f in wanted if f in common]
+        if not fields:
+            return tensors.assemble({}, 0, {})  # TransferQueue's get_data of a meta naming no field
         try:
             return client.read(partition, rows, fields, state)
         except FencedError:

@@ -78,8 +78,9 @@ Chooser = Callable[[list[int]], tuple[list[int], list[int]]]
 CLAIM_RETRIES = 64
 
 
-class SampleNotFoundError(BrokerError, KeyError):
-    """A key (or global index) that its partition does not hold; TransferQueue's StorageKeyNotFoundError."""
+class SampleNotFoundError(BrokerError, KeyError, ValueError):
+    """A key (or global index) that its partition does not hold; TransferQueue's StorageKeyNotFoundError (a
+    KeyError), and a ValueError as TransferQueue's kv_batch_get raises for keys, partitions or fields it lacks."""
 
 
 def dock_name(namespace: str) -> str:
@@ -524,6 +525,10 @@ class Snapshot:
         #: took any of them (their bytes may be another key's by then). None when no keys were asked for.
         self.delivery = None if fence is None or found is None else HandedRows(
             [r for r in found if r is not None], fence.epoch, fence.runs, fence.generations)
+
+    def found_rows(self) -> list[int | None]:
+        """The rows of the keys asked for, in their order, None for a key the partition lacks."""
+        return list(self._found or [])
 
     def rows_of_keys(self) -> list[int]:
         """The rows of the keys asked for; SampleNotFoundError names those the partition lacks (as

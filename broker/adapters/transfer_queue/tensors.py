@@ -29,7 +29,7 @@ field and row: TransferQueue would pickle it, and the broker never unpickles wha
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -378,6 +378,17 @@ def _field(name: str, column: Column, size: int, keep_stacked: bool) -> Any:
     if len(column) != size:
         raise InvalidExperienceError(f"field {name!r}: {len(column)} rows, for {size} keys")
     return _pack([_restored(v, name, 0) for v in column] if _may_hold_markers(column) else column)
+
+
+def take(column: Column, positions: Sequence[int]) -> Column:
+    """The rows of ``column`` (as ``read_rows(stack=True)`` gives it) at ``positions``, repeats allowed: a
+    stacked tensor indexed (a copy), a jagged one as its rows, a list as its items."""
+    if isinstance(column, torch.Tensor):
+        if column.is_nested:
+            unbound = column.unbind()
+            return [unbound[i] for i in positions]
+        return column[torch.as_tensor(list(positions), dtype=torch.long)]
+    return [column[i] for i in positions]
 
 
 def _jagged_view(stacked: torch.Tensor) -> torch.Tensor:
