@@ -228,7 +228,7 @@ def test_checkpoints_taken_while_writers_and_clearers_run_restore_whole_rows(sys
 
     def clearer() -> None:  # rows of every third sample end, and their rows go to new samples
         while not stop.is_set():
-            listing = tq.kv_list("train")["train"]
+            listing = tq.kv_list("train").get("train", {})
             ended = [key for key, tag in listing.items() if tag.get("n", 1) % 3 == 0]
             if ended:
                 tq.kv_clear(ended, "train")
@@ -545,9 +545,9 @@ def _producer(url: str, namespace: str, producer: int) -> None:
     write): whatever moment a checkpoint catches, the progress it holds says exactly which rows are in.
     """
     tq.init(conf(url, namespace))
-    n = _progress(tq.kv_list("train")["train"], producer)
+    n = _progress(tq.kv_list("train").get("train", {}), producer)
     while n < PER_PRODUCER:
-        listing = tq.kv_list("train")["train"]
+        listing = tq.kv_list("train").get("train", {})
         if sum(tag.get("status") == "done" and tag["producer"] == producer for tag in listing.values()) >= AHEAD:
             time.sleep(0.01)
             continue
@@ -574,7 +574,7 @@ def _consumer(url: str, namespace: str, folder: str, ledger: list[str], save_at:
         if stop_at is not None and len(ledger) >= stop_at:
             time.sleep(0.01)
             continue
-        listing = tq.kv_list("train")["train"]
+        listing = tq.kv_list("train").get("train", {})
         done = [key for key, tag in listing.items() if tag.get("status") == "done"][:TRAIN_BATCH]
         if not done:
             if all(_progress(listing, p) == PER_PRODUCER for p in range(PRODUCERS)):
@@ -638,7 +638,7 @@ def test_a_verl_style_run_killed_after_a_checkpoint_resumes_with_every_row_consu
     try:
         ledger = tq.load_checkpoint(tmp_path / "ck")["consumed"]
         assert len(ledger) == saved_at == len(set(ledger))
-        listing = tq.kv_list("train")["train"]
+        listing = tq.kv_list("train").get("train", {})
         assert not set(listing) & set(ledger)
         for p in range(PRODUCERS):  # each producer's rows below its progress are in, or consumed
             below = {f"p{p}-{n}" for n in range(_progress(listing, p))}
@@ -656,7 +656,7 @@ def test_a_verl_style_run_killed_after_a_checkpoint_resumes_with_every_row_consu
         final = _read_json(tmp_path / "ledger.json")
         expected = [f"p{p}-{n}" for p in range(PRODUCERS) for n in range(PER_PRODUCER)]
         assert len(final) == len(expected) and sorted(final) == sorted(expected)  # each row exactly once
-        assert set(tq.kv_list("train")["train"]) == {f"progress-{p}" for p in range(PRODUCERS)}
+        assert set(tq.kv_list("train").get("train", {})) == {f"progress-{p}" for p in range(PRODUCERS)}
         tq.get_client().system.delete()
     finally:
         tq.close()

@@ -373,7 +373,12 @@ class TransferQueueClient:
         return self._system.keys_of_rows(partition, rows)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-        partitions = self._system.partitions() if partition_id is None else [_partition(partition_id)]
+        """``{partition: {key: tags}}`` of one partition or all; ``{}`` for a partition that does not exist."""
+        if partition_id is None:
+            partitions = self._system.partitions()
+        else:
+            partition = _partition(partition_id)
+            partitions = [partition] if self._system.created(partition) != "0" else []
         return {p: self._system.listing(p) for p in partitions}
 
     def close(self) -> None:
