@@ -98,3 +98,29 @@ def test_a_row_over_a_limit_this_user_cannot_read_is_sent_once_and_refused(shard
         dock.put_experience(results, rows)
         assert dock.status()["columns"]["a"]["ready"] == 2
         assert dock.read_rows(["a"], [1])["a"][0].numel() == 500_000
+
+
+@pytest.mark.parametrize("setting", sorted(LIMITS))
+def test_a_transfer_queue_tag_over_the_server_limit_is_refused_naming_the_key(setting):
+    """A tag dict is one value in Redis (msgpack): one over the server's limit got "Connection reset by peer"
+    after the client had sent it again and again; now an ExperienceTooLargeError names the key, before the
+    put writes its rows or its data, and the key stays unlisted."""
+    pytest.importorskip("tensordict")
+    from tensordict import TensorDict
+
+    import broker.transfer_queue as tq
+
+    with RedisServer(*LIMITS[setting]) as server:
+        tq.init({"broker": {"url": server.url, "namespace": "tags"}})
+        try:
+            fields = TensorDict({"v": torch.ones(2, 3)}, batch_size=2)
+            with pytest.raises(ExperienceTooLargeError, match=rf"'b': tags of 1,500,0\d\d bytes .* {setting}"):
+                tq.kv_batch_put(["a", "b"], "p", fields, [{"t": 1}, {"t": "x" * 1_500_000}])
+            assert tq.kv_list("p") == {}
+            tq.kv_batch_put(["a", "b"], "p", fields, [{"t": 1}, {"t": "x" * 900_000}])
+            # merged over what the key had, the tags pass the limit: refused before the write, the old ones kept
+            with pytest.raises(ExperienceTooLargeError, match=r"tags of 1,800,0\d\d bytes"):
+                tq.kv_batch_put(["b"], "p", tags=[{"u": "y" * 900_000}])
+            assert len(tq.kv_list("p")["p"]["b"]["t"]) == 900_000 and "u" not in tq.kv_list("p")["p"]["b"]
+        finally:
+            tq.close()

@@ -104,8 +104,8 @@ def test_bad_calls_name_what_is_wrong_and_write_nothing(system):
         tq.kv_batch_put(["a"], "p")
     with pytest.raises(BrokerError, match="tags must be a list"):
         tq.kv_batch_put(["a"], "p", batch(1), tags=[{}, {}])
-    with pytest.raises(BrokerError, match="partition_id"):
-        tq.kv_batch_put(["a"], "", batch(1))
+    with pytest.raises(TypeError, match="partition_id must be a str"):
+        tq.kv_batch_put(["a"], 7, batch(1))
     assert tq.kv_list() == {}
 
 
@@ -206,3 +206,56 @@ def test_stack_uniform_gives_equal_rows_as_one_tensor(url):
     finally:
         tq.get_client().system.delete()
         tq.close()
+
+
+def test_any_str_names_a_field_a_task_or_a_partition(system):
+    """TransferQueue takes any str as a name; the dock's names are 1-128 of [A-Za-z0-9_.-], so other names
+    (and names in the adapter's reserved ``tq.``) are kept under a digest: each round-trips, two names never
+    share a column, and a plain name is still the column ``redis-cli`` shows."""
+    import numpy as np
+
+    from broker.adapters.transfer_queue.names import dock_name_of
+
+    odd = ["", "my field é", "a:b{c}*", "f" * 300, "tq.sample", "responses"]
+    fields = {name: torch.full((2,), float(i)) for i, name in enumerate(odd)}
+    for partition in ["", "p é {x}:*"]:
+        tq.kv_put("k", partition, fields, {"t": 1})
+        got = tq.kv_batch_get(["k"], partition)
+        assert sorted(got.keys()) == sorted(odd)
+        for i, name in enumerate(odd):
+            assert dense(got[name]).tolist() == [[float(i)] * 2], name
+        assert tq.kv_list(partition) == {partition: {"k": {"t": 1}}}
+    assert dock_name_of("responses") == "responses" and dock_name_of("tq.sample") != "tq.sample"
+    assert len({dock_name_of(n) for n in odd}) == len(odd)
+    system_ = tq.get_client().system
+    assert "responses" in system_.dock.columns
+    task = "critic é {x}"
+    meta = tq.get_client().get_meta(["responses", ""], 1, "", task_name=task)
+    assert meta.size == 1 and tq.get_client().check_consumption_status(task, "")
+    rows, status = tq.get_client().get_production_status(["my field é", "responses"], "")
+    assert status.tolist() == [[1, 1]] and len(rows) == 1
+    assert np.array_equal(tq.get_client().get_consumption_status(task, "")[1].numpy(), [1])
+
+
+def test_numpy_arrays_of_objects_and_str_give_each_row_its_element(system):
+    """A numpy array of str or of dtype object in a TensorDict is one value to tensordict; TransferQueue's put
+    indexes it, a row an element (the drop-in gave every row the whole array, or refused dtype object). The
+    elements are stored as plain values (msgpack), never pickled: an arbitrary object is refused."""
+    import fractions
+
+    import numpy as np
+
+    from broker import InvalidExperienceError
+
+    values = np.array(["x", {"k": [1, 2]}, None, b"b", 2.5, np.array([[1, 2]], dtype=object)], dtype=object)
+    tq.kv_batch_put([f"k{i}" for i in range(6)], "p", TensorDict({"o": values, "s": np.array(list("abcdef"))},
+                                                                batch_size=6))
+    got = tq.kv_batch_get([f"k{i}" for i in range(6)], "p")
+    assert got["s"] == list("abcdef")
+    out = got["o"]
+    assert out[:5] == ["x", {"k": [1, 2]}, None, b"b", 2.5]
+    assert isinstance(out[5], np.ndarray) and out[5].dtype == object and out[5].tolist() == [[1, 2]]
+    with pytest.raises(InvalidExperienceError, match=r"field 'q', row 1: a fractions.Fraction cannot be stored"):
+        tq.kv_batch_put(["q0", "q1"], "p", TensorDict({"q": np.array([1, fractions.Fraction(1, 3)], dtype=object)},
+                                                    batch_size=2))
+    assert "q0" not in tq.kv_list("p")["p"]

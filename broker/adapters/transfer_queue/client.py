@@ -18,6 +18,7 @@ import torch
 
 from broker.adapters.transfer_queue import tensors
 from broker.adapters.transfer_queue.metadata import BatchMeta
+from broker.adapters.transfer_queue.names import dock_name_of
 from broker.adapters.transfer_queue.sampler import BaseSampler
 from broker.adapters.transfer_queue.system import SampleNotFoundError, Snapshot, System, delivery_of
 from broker.api.delivery import HandedRows, LeasedRows
@@ -242,7 +243,7 @@ class TransferQueueClient:
         values, schema = columns
         self._system.ensure_fields(list(values))
         self._system.record_schema(partition, schema)
-        self._system.dock.put_experience(values, rows, delivery=delivery)
+        self._system.dock.put_experience({dock_name_of(f): v for f, v in values.items()}, rows, delivery=delivery)
 
     def get_data(self, metadata: BatchMeta) -> Any:
         """The rows of ``metadata``, the fields it names, as a TensorDict in its order; an empty TensorDict for
@@ -269,7 +270,8 @@ class TransferQueueClient:
                 unready = [r for r, o in zip(rows, ok) if not o]
                 raise SampleNotFoundError(f"partition {partition!r}: field {field!r} is not produced for "
                                           f"global indexes {unready[:8]}")
-        columns = system.dock.read_rows(fields, unique, stack=True, delivery=state.delivery)
+        read = system.dock.read_rows([dock_name_of(f) for f in fields], unique, stack=True, delivery=state.delivery)
+        columns = {f: read[dock_name_of(f)] for f in fields}
         if len(unique) != len(rows):
             at = {r: i for i, r in enumerate(unique)}
             columns = {f: tensors.take(column, [at[r] for r in rows]) for f, column in columns.items()}
@@ -308,13 +310,16 @@ class TransferQueueClient:
     def get_production_status(
         self, data_fields: list[str], partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The partition's global indexes and, per index and field of ``data_fields`` (in that order), 1 if it
-        is produced: an ``(indexes, fields)`` int8 matrix, as TransferQueue's. ``(None, None)`` for a partition
-        that does not exist or a field it never had."""
+        """The partition's global indexes and, per index and field of ``data_fields``, 1 if it is produced: an
+        ``(indexes, fields)`` int8 matrix, as TransferQueue's. ``(None, None)`` for a partition that does not
+        exist or a field it never had. As there, a field named twice is one column, and the columns follow the
+        order the fields were first put (TransferQueue's, in a partition; here, in the system: the same
+        whenever partitions get their fields in the same order, as each step of a pipeline does)."""
         partition = _partition(partition_id)
-        fields = _names("data_fields", data_fields)
+        fields = list(dict.fromkeys(_names("data_fields", data_fields)))
         if self._system.created(partition) == "0" or set(fields) - set(self._system.field_schema(partition, fields)):
             return None, None
+        fields = self._system.in_put_order(fields)
         members, *ready = self._system.status(partition, fields, None)
         rows = np.flatnonzero(members)
         status = np.stack([_at(bits, rows) for bits in ready], axis=1).astype(np.int8) if ready else \
@@ -336,16 +341,16 @@ class TransferQueueClient:
         rows = self._system.partition_rows(partition)
         if not rows:
             return True
-        tasks = [task_name] if task_name is not None else [t for t in self._system.dock.consumers]
-        for task in tasks:
-            if task in self._system.dock.consumers:
-                self._system.dock.reset_consumer(task, rows)
+        consumers = self._system.dock.consumers
+        for consumer in consumers if task_name is None else [dock_name_of(task_name)]:
+            if consumer in consumers:
+                self._system.dock.reset_consumer(consumer, rows)
         return True
 
     def _status(self, partition: str, fields: list[str], task: str) -> tuple[np.ndarray, np.ndarray]:
-        if task not in self._system.dock.consumers:
+        if not self._system.has_task(task):
             self._system.dock.refresh()  # another process (a data loader's worker, say) may have added the task
-        if task not in self._system.dock.consumers:
+        if not self._system.has_task(task):
             members = self._system.status(partition, [], None)[0]
             return members, np.zeros(len(members), dtype=bool)
         members, consumed = self._system.status(partition, [], task)
@@ -422,9 +427,10 @@ def _by_partition(metadata: BatchMeta) -> list[tuple[str, BatchMeta]]:
 
 
 def _partition(partition_id: Any) -> str:
-    if not isinstance(partition_id, str) or not partition_id or len(partition_id) > 256:
-        raise InvalidExperienceError(f"partition_id must be a non-empty str of at most 256 chars, got "
-                                     f"{partition_id!r:.60}")
+    """Any str is a partition, the empty one too (as in TransferQueue): it is the last part of its keys'
+    names (``tq:rows:<partition>``), after the dock's hash tag, so no character of it can move a key."""
+    if not isinstance(partition_id, str):
+        raise InvalidArgumentTypeError(f"partition_id must be a str, got {type(partition_id).__name__}")
     return partition_id
 
 

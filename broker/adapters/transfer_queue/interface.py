@@ -157,6 +157,8 @@ def kv_batch_put(keys: list[str], partition_id: str, fields: Any = None, tags: l
         raise InvalidExperienceError("data_parser is a SimpleStorage hook; parse the data before the put here")
     system = client.system
     columns = tensors.put_columns(fields, len(keys)) if fields is not None else None  # checked before any row
+    if tags is not None:
+        system.check_tags(partition, keys, tags)
     with system.writing():  # rows, fields, tags: no checkpoint copies the put half done
         rows = _put_by_keys(system, client, partition, keys, columns, tags)
     after = system.snapshot(partition, tag_rows=rows)  # the tags and the fields now produced: one round trip

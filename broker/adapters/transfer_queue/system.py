@@ -51,8 +51,9 @@ import torch
 from redis.client import Pipeline
 
 from broker import ExperienceTimeoutError, TransferDock
+from broker.adapters.transfer_queue.names import dock_name_of
 from broker.api.delivery import HandedRows, fenced_handout
-from broker.connection import bounded, call_deadline, redact, script_error
+from broker.connection import MIN_VALUE_LIMIT, bounded, call_deadline, redact, script_error, value_limit
 from broker.control.keys import check_name
 from broker.control.scripts import Handout
 from broker.control.scripts.pipelines import read_pipeline
@@ -62,6 +63,7 @@ from broker.errors import (
     BrokerTimeoutError,
     CheckpointError,
     DockNotFoundError,
+    ExperienceTooLargeError,
     InvalidExperienceError,
     SchemaError,
 )
@@ -165,18 +167,31 @@ class System:
 
     def ensure_fields(self, fields: Sequence[str]) -> None:
         """Add the columns of ``fields`` the dock lacks (many writers may add the same ones at once)."""
-        new = [f for f in fields if f not in self.dock.columns]
+        new = [c for c in dict.fromkeys(map(dock_name_of, fields)) if c not in self.dock.columns]
         if new:
-            for f in new:
-                check_name("field", f)
             with self._grow_lock:
                 self.dock.grow(columns=new)
 
     def ensure_task(self, task: str) -> None:
-        if task not in self.dock.consumers:
-            check_name("task_name", task)
+        consumer = dock_name_of(task)
+        if consumer not in self.dock.consumers:
             with self._grow_lock:
-                self.dock.grow(consumers=[task])
+                self.dock.grow(consumers=[consumer])
+
+    def has_field(self, field: str) -> bool:
+        """Whether the dock has the column of ``field`` (as this process last saw the dock)."""
+        return dock_name_of(field) in self.dock.columns
+
+    def in_put_order(self, fields: Sequence[str]) -> list[str]:
+        """``fields`` (each of which the dock has) in the order their columns were added to the dock."""
+        if not all(map(self.has_field, fields)):
+            self.dock.refresh()
+        at = {c: i for i, c in enumerate(self.dock.columns)}
+        return sorted(fields, key=lambda f: at.get(dock_name_of(f), len(at)))
+
+    def has_task(self, task: str) -> bool:
+        """Whether the dock has the consumer of ``task`` (as this process last saw the dock)."""
+        return dock_name_of(task) in self.dock.consumers
 
     # -- rows ------------------------------------------------------------------------------------------------
 
@@ -303,11 +318,31 @@ class System:
                 before = self._raw_tags(partition, order) if merge else [None] * len(order)
                 after = [_pack({**(_unpack(old, "tags") if old else {}), **pairs[r]}, "tags")
                          for r, old in zip(order, before)]
+                self._check_sizes(partition, order, after)
                 if self.run("set tags", lambda: self.scripts.tags(  # noqa: B023 (run at once)
                         partition, order, before, after, fence, compare=merge)):  # noqa: B023
                     return
         raise BrokerError(f"partition {partition!r}: other puts kept changing the tags of rows {order[:8]} "
                           f"between this put's read and its write, {CLAIM_RETRIES} times in a row")
+
+    def check_tags(self, partition: str, keys: Sequence[str], tags: Sequence[Mapping[str, Any] | None]) -> None:
+        """Refuse tags that are not plain values, or whose msgpack is longer than the server takes in one value
+        (ExperienceTooLargeError naming the key): a put checks them before it writes anything."""
+        packed = [b"" if t is None else _pack(dict(t), "tags") for t in tags]
+        self._check_sizes(partition, keys, packed)
+
+    def _check_sizes(self, partition: str, names: Sequence[Any], packed: Sequence[bytes]) -> None:
+        """ExperienceTooLargeError if a row's packed tags (``names``: its keys or rows) pass the server's limit on
+        one value: the server would close the connection mid-send (and the client send it again)."""
+        largest = max(range(len(packed)), key=lambda i: len(packed[i]), default=None)
+        if largest is None or len(packed[largest]) <= MIN_VALUE_LIMIT:
+            return  # fits on any server: no need to ask this one
+        limit = self.run("server limits", lambda: value_limit(self.client))
+        if len(packed[largest]) > limit.bytes:
+            raise ExperienceTooLargeError(
+                f"partition {partition!r}, {names[largest]!r}: tags of {len(packed[largest]):,} bytes (msgpack) are "
+                f"over the server's {limit.setting} ({limit.bytes:,} bytes); nothing was written. Keep large "
+                "values in fields, not tags")
 
     def _raw_tags(self, partition: str, rows: Sequence[int]) -> list[bytes | None]:
         got = self.run("tags", lambda: self.client.hmget(self.keys.tq_tags(partition), [str(r) for r in rows]))
@@ -362,7 +397,7 @@ class System:
             raw = self.run("partition state", lambda: read_pipeline(  # noqa: B023 (run at once)
                 self.client, self.scripts.load_all, build, transaction=True))
             schema = {f.decode(): _schema_in(_unpack(v, "field schema")) for f, v in sorted(raw[0].items())}
-            if attempt == 0 and any(f not in columns for f in schema):
+            if attempt == 0 and any(dock_name_of(f) not in columns for f in schema):
                 self.dock.refresh()  # another process added a field since this one looked: read its bits too
                 continue
             ready = {c: _bits(r) for c, r in zip(columns, raw[1 : 1 + len(columns)])}
@@ -380,11 +415,12 @@ class System:
     def status(self, partition: str, fields: Sequence[str], task: str | None) -> tuple[np.ndarray, ...]:
         """The partition's rows as bits, each field's ready bits, and the task's consumed bits, of one moment
         (one transaction): numpy bool arrays, as long as the longest."""
-        if any(f not in self.dock.columns for f in fields):
+        if not all(map(self.has_field, fields)):
             self.dock.refresh()  # another process may have added the field since this one looked
-        keys = [self.keys.tq_rows(partition), *(self.keys.ready(f) for f in fields if f in self.dock.columns)]
+        known = [dock_name_of(f) if self.has_field(f) else None for f in fields]  # None: never put, nothing ready
+        keys = [self.keys.tq_rows(partition), *(self.keys.ready(c) for c in known if c is not None)]
         if task is not None:
-            keys.append(self.keys.consumed(task))
+            keys.append(self.keys.consumed(dock_name_of(task)))
 
         def read() -> list[bytes | None]:
             pipe = self.client.pipeline(transaction=True)
@@ -392,14 +428,12 @@ class System:
                 pipe.get(key)
             return list(pipe.execute())
 
-        raw = self.run("status", read)
-        bits = [_bits(r) for r in raw]
+        raw = iter(self.run("status", read))
+        members = _bits(next(raw))
+        ready = [_bits(next(raw)) if c is not None else np.zeros(0, dtype=bool) for c in known]
+        bits = [members, *ready, *(_bits(r) for r in raw)]
         width = max((len(b) for b in bits), default=0)
-        padded = [np.pad(b, (0, width - len(b))) for b in bits]
-        missing_fields = len(fields) - (len(keys) - 1 - (task is not None))
-        if missing_fields:  # a field never put: nothing is ready in it
-            padded[1:1] = [np.zeros(width, dtype=bool)] * missing_fields
-        return tuple(padded)
+        return tuple(np.pad(b, (0, width - len(b))) for b in bits)
 
     def ready_unconsumed(self, partition: str, fields: Sequence[str], task: str) -> list[int]:
         """Rows of ``partition`` produced in every field and not consumed by ``task``, ascending."""
@@ -422,14 +456,15 @@ class System:
         before each new choice (a sampler forgets the choice it cached)."""
         self.ensure_task(task)
         for _ in range(CLAIM_RETRIES):
-            self.dock.reclaim(task)  # rows of readers whose lease ran out are ready for the task again
+            self.dock.reclaim(dock_name_of(task))  # rows whose readers' lease ran out are ready for it again
             ready = self.ready_unconsumed(partition, fields, task)
             sampled, consumed = choose(ready)
             if not consumed:
                 return list(sampled), None
             label = name()
             try:
-                handed = self.dock.take(task, consumed, list(fields), lease=lease, exclusive=True, name=label)
+                handed = self.dock.take(dock_name_of(task), consumed, [dock_name_of(f) for f in fields], lease=lease,
+                                        exclusive=True, name=label)
             except ExperienceTimeoutError:
                 refused()  # a clear took a row after it was read
                 continue
@@ -545,7 +580,7 @@ class Snapshot:
         index = np.asarray(rows, dtype=np.int64)
         out = []
         for field in fields:
-            bits = self._ready.get(field, np.zeros(0, dtype=bool))
+            bits = self._ready.get(dock_name_of(field), np.zeros(0, dtype=bool))
             has = np.zeros(len(index), dtype=bool)
             inside = index < len(bits)
             has[inside] = bits[index[inside]]

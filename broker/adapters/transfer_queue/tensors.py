@@ -12,7 +12,9 @@ stores one value per row and packs each field's values again at a get, ``_pack_f
   cannot make that either (rows of different ranks) a ``NonTensorStack`` of the tensors. A strided nested
   tensor put whose rows differ only in one dim therefore comes back jagged;
 - anything else (strings, numbers, dicts, lists, None, numpy arrays, mixes): a ``NonTensorStack`` of the
-  rows, ``td[field]`` their list. Tuples come back as lists (TransferQueue's msgpack does so too).
+  rows, ``td[field]`` their list. Tuples come back as lists (TransferQueue's msgpack does so too). A field
+  that is one numpy array of str or objects (TensorDict keeps it whole) gives each row one element of it
+  along its first dim, as TransferQueue's put indexes it.
 
 ``assemble`` builds exactly that from what ``read_rows(..., stack=True)`` returns, without a copy where
 the read already gave one tensor (a uniform column becomes a jagged view of it). ``stack_uniform=True``
@@ -21,8 +23,9 @@ not what TransferQueue returns.
 
 Values the dock's codec (msgpack, never pickle) would not give back as they went are wrapped here in a
 marker dict of plain msgpack, and unwrapped by ``assemble``: numpy arrays and numpy scalars (TransferQueue
-gives them back as numpy, of their dtype) and tensors inside a value (a dict holding a tensor). Anything
-msgpack cannot hold (an arbitrary object, a set, an int beyond 64 bits) is refused at the put, naming the
+gives them back as numpy, of their dtype; an array of dtype object as its shape and its elements, each a
+plain value) and tensors inside a value (a dict holding a tensor). Anything msgpack cannot hold (an
+arbitrary object, a set, an int beyond 64 bits) is refused at the put, naming the
 field and row: TransferQueue would pickle it, and the broker never unpickles what it reads from Redis.
 """
 
@@ -46,6 +49,8 @@ Columns = tuple[dict[str, Column], FieldSchema]
 
 #: Keys of the one-key dicts that stand for a numpy array or scalar, and for a tensor inside a value.
 NUMPY_KEY = "__broker_tq_numpy__"
+#: The dtype a numpy marker names for an array of objects: its elements follow as plain values, not bytes.
+OBJECT_DTYPE = "|O"
 TENSOR_KEY = "__broker_tq_tensor__"
 _MARKERS = frozenset({NUMPY_KEY, TENSOR_KEY})
 
@@ -154,8 +159,12 @@ def _column(name: str, value: Any, rows: int) -> Column:
         if value.dim() == 0 or value.shape[0] != rows:
             raise InvalidExperienceError(f"field {name!r}: a tensor of shape {tuple(value.shape)}, for {rows} keys")
         return value  # as it is: the dock splits it along dim 0 without a copy
-    if isinstance(value, (NonTensorStack, NonTensorData)):
+    if isinstance(value, NonTensorData) and isinstance(value.data, np.ndarray) and value.data.ndim \
+            and len(value.data) == rows:
+        values = list(value.data)  # a numpy array of str or objects: TransferQueue indexes it, a row an element
+    elif isinstance(value, (NonTensorStack, NonTensorData)):
         values = value.tolist()
+    if isinstance(value, (NonTensorStack, NonTensorData)):
         if len(values) != rows:
             raise InvalidExperienceError(f"field {name!r}: {len(values)} values, for {rows} keys")
         return _storable_rows(name, values)
@@ -218,6 +227,9 @@ def _storable(value: Any, depth: int) -> Any:
         return value if kind is list and all(a is b for a, b in zip(items, value)) else items
     if kind is dict:
         return _storable_dict(value, depth)
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        items = [_storable(v, depth + 1) for v in value.reshape(-1).tolist()]
+        return {NUMPY_KEY: [OBJECT_DTYPE, list(value.shape), items]}
     if isinstance(value, (np.ndarray, np.generic)):
         return {NUMPY_KEY: _numpy_payload(value)}
     if isinstance(value, torch.Tensor):
@@ -433,15 +445,17 @@ def _restored(value: Any, name: str, depth: int) -> Any:
     if len(value) == 1:
         key = next(iter(value))
         if key == NUMPY_KEY:
-            return _numpy_from(value[key], name)
+            return _numpy_from(value[key], name, depth)
         if key == TENSOR_KEY:
             return _tensor_from(value[key], name)
     entries = {k: _restored(v, name, depth + 1) for k, v in value.items()}
     return value if all(entries[k] is v for k, v in value.items()) else entries
 
 
-def _numpy_from(payload: Any, name: str) -> np.ndarray | np.generic:
+def _numpy_from(payload: Any, name: str, depth: int) -> np.ndarray | np.generic:
     """The numpy array (or scalar) of a marker read from Redis; DecodeError if it is malformed."""
+    if isinstance(payload, list) and len(payload) == 3 and payload[0] == OBJECT_DTYPE:
+        return _objects_from(payload, name, depth)
     dtype_str, shape, raw = _payload(payload, name, "numpy")
     try:
         dtype = np.dtype(dtype_str)
@@ -457,6 +471,18 @@ def _numpy_from(payload: Any, name: str) -> np.ndarray | np.generic:
     else:
         array = np.frombuffer(bytearray(raw), dtype=dtype).reshape(dims)  # a writable copy of the reply's bytes
     return array[0] if shape is None else array
+
+
+def _objects_from(payload: list[Any], name: str, depth: int) -> np.ndarray:
+    """The numpy array of dtype object of a marker: its elements are plain values (and markers), restored."""
+    _, shape, items = payload
+    if not (isinstance(items, list) and isinstance(shape, list) and len(shape) <= 64
+            and all(type(d) is int and d >= 0 for d in shape) and math.prod(shape) == len(items)):
+        raise DecodeError(f"field {name!r}: a malformed numpy object array (shape {shape!r:.40})")
+    array = np.empty(len(items), dtype=object)
+    for i, item in enumerate(items):  # element by element: np.array(items) would make nested lists dims
+        array[i] = _restored(item, name, depth + 1)
+    return array.reshape(shape)
 
 
 def _tensor_from(payload: Any, name: str) -> torch.Tensor:
