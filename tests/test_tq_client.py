@@ -192,6 +192,48 @@ def test_an_ack_without_a_result_releases_the_lease(client):
         client.get_meta(["x"], 1, "p", task_name="t")
 
 
+def test_batches_of_several_leases_concatenated_are_put_and_acked_each_by_its_own(client):
+    """``BatchMeta.concat`` of two leased metas raised (their deliveries "conflict" as extra_info values); now
+    the concatenation keeps both: a put writes each part fenced by its own lease and acks it, an ack ends
+    each, and a part whose lease ran out (its row handed to another reader) is refused (FencedError)."""
+    client.put(rows(7), partition_id="p")
+    first = client.get_meta(["x"], 2, "p", task_name="t", lease=30)
+    second = client.get_meta(["x"], 2, "p", task_name="t", lease=30)
+    both = tq.BatchMeta.concat([first, second])
+    assert both.size == 4 and len(both.extra_info["broker_delivery"]) == 2
+    done = client.put(TensorDict({"z": torch.arange(4.0)}, batch_size=4), both)
+    assert done.is_ready and client.get_data(both)["z"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    third = client.get_meta(["x"], 1, "p", task_name="t", lease=30)
+    fourth = client.get_meta(["x"], 1, "p", task_name="t", lease=0.5)
+    fifth = client.get_meta(["x"], 1, "p", task_name="t", lease=30)
+    assert client.ack(tq.BatchMeta.concat([third, both.select_samples([0])], validate=False)) == 1  # both's: acked
+    time.sleep(0.7)  # fourth's lease ran out: its row goes to the next reader
+    again = client.get_meta(["x"], 1, "p", task_name="t", lease=30)
+    assert again.global_indexes == fourth.global_indexes
+    with pytest.raises(FencedError):  # fourth's part is no longer its reader's
+        client.put(TensorDict({"z": torch.ones(2)}, batch_size=2), tq.BatchMeta.concat([fourth, fifth]))
+    client.put(TensorDict({"z": torch.ones(2)}, batch_size=2), tq.BatchMeta.concat([again, fifth]))
+    time.sleep(0.1)
+    with pytest.raises(TimeoutError):
+        client.get_meta(["x"], 1, "p", task_name="t")  # every row acked: none comes back
+
+
+def test_results_written_by_key_are_acked_with_the_meta_of_their_lease(client):
+    """The KV way: ``kv_batch_put`` writes by key and knows no lease; the reader acks the rows with the
+    BatchMeta its leased ``get_meta`` gave (``client.ack``). Without that ack the rows come back."""
+    tq.kv_batch_put(["a", "b"], "p", rows(2))
+    meta = client.get_meta(["x"], 2, "p", task_name="t", lease=0.6)
+    keys = tq.kv_list("p")["p"]
+    tq.kv_batch_put(sorted(keys), "p", TensorDict({"score": torch.ones(2)}, batch_size=2))
+    assert client.ack(meta) == 2
+    time.sleep(0.7)
+    with pytest.raises(TimeoutError):
+        client.get_meta(["x"], 1, "p", task_name="t")
+    unacked = client.get_meta(["x"], 2, "p", task_name="u", lease=0.5)
+    time.sleep(0.7)
+    assert sorted(client.get_meta(["x"], 2, "p", task_name="u").global_indexes) == sorted(unacked.global_indexes)
+
+
 def test_statuses_custom_meta_reset_and_clears(client):
     meta = client.put(rows(3), partition_id="p")
     ids, produced = client.get_production_status(["x", "y"], "p")  # a column per field, as TransferQueue's

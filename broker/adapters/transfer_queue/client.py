@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from broker.adapters.transfer_queue import tensors
-from broker.adapters.transfer_queue.metadata import BatchMeta
+from broker.adapters.transfer_queue.metadata import DELIVERY, BatchMeta
 from broker.adapters.transfer_queue.names import dock_name_of
 from broker.adapters.transfer_queue.sampler import BaseSampler
 from broker.adapters.transfer_queue.system import SampleNotFoundError, Snapshot, System, delivery_of
@@ -26,8 +26,6 @@ from broker.errors import GetMetaError, GetMetaTimeoutError, InvalidArgumentType
 
 MODES = ("fetch", "force_fetch", "insert")
 
-#: Where a leased get_meta keeps its delivery in the BatchMeta's extra_info.
-DELIVERY = "broker_delivery"
 
 
 class TransferQueueClient:
@@ -179,10 +177,11 @@ class TransferQueueClient:
     def ack(self, metadata: BatchMeta) -> int:
         """End the lease ``get_meta(lease=...)`` took on these rows: for a reader that writes no result into
         them (a put with this metadata acks them itself). Returns how many rows it released."""
-        delivery = metadata.extra_info.get(DELIVERY)
-        if not isinstance(delivery, LeasedRows):
-            return 0
-        return self._system.dock.ack(delivery.consumer, list(metadata.global_indexes), delivery.token)
+        released = 0
+        for delivery, rows in _by_delivery(metadata):
+            if isinstance(delivery, LeasedRows) and rows:
+                released += self._system.dock.ack(delivery.consumer, rows, delivery.token)
+        return released
 
     # -- data ----------------------------------------------------------------------------------------------------
 
@@ -215,9 +214,14 @@ class TransferQueueClient:
             partition = _partition(partition_id or (metadata.partition_ids[0] if size else None))
             rows = list(metadata.global_indexes)
             custom = list(metadata.custom_meta)
-        delivery = metadata.extra_info.get(DELIVERY) if metadata is not None else fence
         try:
-            self.write(partition, rows, data, delivery if isinstance(delivery, HandedRows) else None)
+            parts = [(fence, rows)] if metadata is None else _by_delivery(metadata)
+            if len(parts) == 1:
+                self.write(partition, rows, data, parts[0][0])
+            else:  # a concatenation of batches of several takes: each part fenced (and acked) by its own lease
+                at = {r: i for i, r in enumerate(rows)}
+                for delivery, part in parts:
+                    self.write(partition, part, data[[at[r] for r in part]], delivery)
         except BaseException:
             if given is not None:  # new samples that never got their data are not left in the partition
                 self._system.give_back(partition, given)
@@ -424,6 +428,28 @@ def _by_partition(metadata: BatchMeta) -> list[tuple[str, BatchMeta]]:
     if metadata.size == 0:
         return []
     return [(_partition(m.partition_ids[0]), m) for m in metadata.chunk_by_partition()]
+
+
+def deliveries_of(metadata: BatchMeta) -> list[HandedRows]:
+    """The deliveries a BatchMeta carries: none, the one of its ``get_meta``, or those of the batches ``concat``
+    joined (``extra_info["broker_delivery"]``)."""
+    value = metadata.extra_info.get(DELIVERY)
+    return [d for d in (value if isinstance(value, tuple) else (value,)) if isinstance(d, HandedRows)]
+
+
+def _by_delivery(metadata: BatchMeta) -> list[tuple[HandedRows | None, list[int]]]:
+    """The meta's rows grouped by the delivery that holds each (``None``: rows of no delivery), in the meta's
+    order within each group. A row two deliveries hold (handed out again after a lease ran out) goes with the
+    later one, the only one whose lease can still be live."""
+    deliveries = deliveries_of(metadata)
+    owner: dict[int, int] = {}
+    for i, delivery in enumerate(deliveries):
+        for row in delivery:
+            owner[int(row)] = i
+    groups: dict[int | None, list[int]] = {}
+    for row in metadata.global_indexes:
+        groups.setdefault(owner.get(int(row)), []).append(int(row))
+    return [(None if i is None else deliveries[i], part) for i, part in groups.items()]
 
 
 def _partition(partition_id: Any) -> str:

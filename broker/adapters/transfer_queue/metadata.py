@@ -69,14 +69,23 @@ def _values_equal(a: Any, b: Any) -> bool:
         return False
 
 
+#: Where a leased ``get_meta`` keeps its delivery (the broker's, beyond TransferQueue): one delivery, or after
+#: ``concat`` of batches from several takes, the tuple of theirs (client.py's ``deliveries_of`` reads either).
+DELIVERY = "broker_delivery"
+
+
 def _merged_extra_info(infos: Sequence[dict[str, Any] | None], what: str) -> dict[str, Any]:
-    """The union of batch-level infos; a key whose values differ between chunks cannot be merged."""
+    """The union of batch-level infos; a key whose values differ between chunks cannot be merged, but for the
+    broker's deliveries: each batch's lease stays its own, so the concatenation keeps them all."""
     keys = [set(info or ()) for info in infos]
     if any(k != keys[0] for k in keys[1:]):
         logger.warning(f"{what}.concat: extra_info key sets differ across chunks, performing union of keys.")
     merged: dict[str, Any] = {}
     for key in dict.fromkeys(k for info in infos for k in info or ()):  # first seen first
         values = [info[key] for info in infos if info and key in info]
+        if key == DELIVERY:
+            merged[key] = _deliveries(values)
+            continue
         for i, v in enumerate(values[1:], start=1):
             if not _values_equal(values[0], v):
                 raise InvalidExperienceError(
@@ -85,6 +94,18 @@ def _merged_extra_info(infos: Sequence[dict[str, Any] | None], what: str) -> dic
                 )
         merged[key] = values[0]
     return merged
+
+
+def _deliveries(values: Sequence[Any]) -> Any:
+    """The deliveries of concatenated batches, each once, in order: one stays one (not a tuple of one)."""
+    flat: list[Any] = []
+    for value in values:
+        for delivery in value if isinstance(value, tuple) else (value,):
+            if not any(d is delivery or (type(d) is type(delivery) and d == delivery
+                                         and getattr(d, "token", None) == getattr(delivery, "token", None))
+                       for d in flat):
+                flat.append(delivery)
+    return flat[0] if len(flat) == 1 else tuple(flat)
 
 
 def _chunk_bounds(size: int, chunks: int, what: str) -> list[tuple[int, int]]:
