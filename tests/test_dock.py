@@ -375,7 +375,7 @@ def test_waiting_get_returns_none_when_time_is_up(make_dock):
         ({"prompts": torch.tensor(1.0)}, [0], InvalidExperienceError, "0-d tensor"),
         ({"prompts": "text"}, [0], InvalidExperienceError, "got str"),
         ({"prompts": [{1, 2}]}, [0], InvalidExperienceError, "row 0: a set cannot be stored"),
-        ({"prompts": [torch.ones(1, dtype=torch.complex64)]}, [0], InvalidExperienceError, "complex64"),
+        ({"prompts": [torch.ones(1, dtype=torch.float8_e4m3fnuz)]}, [0], InvalidExperienceError, "float8_e4m3fnuz"),
     ],
 )
 def test_bad_put_raises_and_writes_nothing(make_dock, client, data, indexes, error, message):
@@ -389,7 +389,7 @@ def test_bad_put_raises_and_writes_nothing(make_dock, client, data, indexes, err
 def test_put_with_one_bad_column_writes_no_column(make_dock, client):
     dock = make_dock()
     with pytest.raises(InvalidExperienceError, match="'responses'"):
-        dock.put_experience({"prompts": [torch.ones(1)], "responses": [torch.ones(1, dtype=torch.complex64)]}, [0])
+        dock.put_experience({"prompts": [torch.ones(1)], "responses": [torch.ones(1).to(torch.float8_e4m3fnuz)]}, [0])
     assert dock.status()["columns"]["prompts"]["ready"] == 0
     assert held_rows(dock, "prompts") == 0
 

@@ -570,3 +570,23 @@ def test_unpadded_rows_are_views_of_the_batch(padded):
     assert [r.tolist() for r in rows] == [padded[i, :n].tolist() for i, n in enumerate(lengths)]
     rows[1][0] = 9  # as MindSpeed's: writing into a row writes into the batch
     assert padded[1, 0].item() == 9
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+                                   torch.complex64, torch.complex128], ids=str)
+def test_padding_helpers_take_every_dtype_the_dock_stores(dtype):
+    """torch has no masked_scatter_ for uint16 and wider nor for float8; complex columns pad with 0 as floats do."""
+    def bits(x: torch.Tensor) -> bytes:  # float8 has no torch.equal
+        return x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    rows = [t([1, 2, 3]).to(dtype), t([4]).to(dtype)]
+    pad = 0 if dtype.is_floating_point or dtype.is_complex else -1  # -1 wraps, as for uint8
+    want = t([[1, 2, 3, pad], [4, pad, pad, pad]]).to(dtype)
+    for padded in (pad_experience({"a": rows}, pad_id=-1, multiple=2)["a"],
+                   unpack_pad_experience(*pack_experience_columns({"a": rows}, 2), pad_id=-1, multiple=2)["a"]):
+        assert padded.dtype == dtype and bits(padded) == bits(want)
+    padded = padding_dict_to_tensor_dict({"a": rows, "b": [t([[1, 2]]).to(dtype), t([[3, 4], [5, 6]]).to(dtype)]})
+    assert padded["a"].dtype == padded["b"].dtype == dtype
+    back = remove_padding_tensor_dict_to_dict(padded)
+    for got, want_row in zip(back["a"] + back["b"], rows + [t([[1, 2]]).to(dtype), t([[3, 4], [5, 6]]).to(dtype)]):
+        assert got.dtype == dtype and got.shape == want_row.shape and bits(got) == bits(want_row)

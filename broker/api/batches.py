@@ -141,13 +141,26 @@ def _pad_flat(flat: Tensor, lengths: Tensor, pad_value: float | int | bool, mult
     fill = torch.tensor(pad_value).to(flat.dtype).item()
     out = torch.full((lengths.numel(), width), fill, dtype=flat.dtype, device=flat.device)
     mask = torch.arange(width, device=flat.device) < lengths.to(flat.device).unsqueeze(1)
+    bits = _SCATTER_AS.get(flat.dtype)
+    if bits is not None:  # a move of bits: the same through an integer view
+        out.view(bits).masked_scatter_(mask, flat.view(bits))
+        return out
     return out.masked_scatter_(mask, flat)
+
+
+#: Dtypes ``masked_scatter_`` has no kernel for, and the integer dtype of the same size it moves them as.
+_SCATTER_AS: dict[torch.dtype, torch.dtype] = {
+    dtype: as_int
+    for name, as_int in (("uint16", torch.int16), ("uint32", torch.int32), ("uint64", torch.int64),
+                         ("float8_e4m3fn", torch.int8), ("float8_e5m2", torch.int8))
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)  # uint16 and wider: torch 2.3 and later
+}
 
 
 def _pad_value(flat: Tensor, pad_id: float | int) -> float | int:
     # MindSpeed pads floating columns (log-probs, advantages, ...) with 0.0 whatever pad_id is:
-    # pad_id is a token id and means nothing in a float column.
-    return 0.0 if flat.is_floating_point() else pad_id
+    # pad_id is a token id and means nothing in a float column (nor in a complex one).
+    return 0.0 if flat.is_floating_point() or flat.is_complex() else pad_id
 
 
 def _length_column(column: str, flat: Tensor, lengths: Tensor) -> Tensor:
@@ -179,8 +192,8 @@ def pad_experience(
     """Pad every column's rows into one ``(rows, width)`` tensor, ready to feed a model.
 
     ``width`` is the column's longest row rounded up to a multiple of ``multiple`` (the TP/CP size).
-    Integer and bool columns are padded with ``pad_id`` cast to their dtype, floating columns with
-    ``0.0``. Columns in :data:`LENGTH_COLUMNS` must have one value per row and become ``(rows, 1)``.
+    Integer and bool columns are padded with ``pad_id`` cast to their dtype, floating and complex columns
+    with ``0.0``. Columns in :data:`LENGTH_COLUMNS` must have one value per row and become ``(rows, 1)``.
     All columns must have the same number of rows.
 
     Dropped from MindSpeed: the special case for 2-D ``position_ids`` rows (rows must be 1-D here).
@@ -305,8 +318,8 @@ def unpack_pad_experience(
     Each packed column is cut at ``batch_data_length[column]`` and padded to ``(rows, width)`` with
     ``width = ceil(max(lengths) / multiple) * multiple`` -- MindSpeed's rule: the longest row of that
     column rounded up to the next multiple of ``multiple`` (the TP*CP size), never more. Integer and
-    bool columns are padded with ``pad_id`` cast to their dtype, floating ones with ``0.0``. Columns in
-    :data:`LENGTH_COLUMNS` become ``(rows, 1)``. The result equals ``pad_experience`` on the rows.
+    bool columns are padded with ``pad_id`` cast to their dtype, floating and complex ones with ``0.0``.
+    Columns in :data:`LENGTH_COLUMNS` become ``(rows, 1)``. The result equals ``pad_experience`` on the rows.
 
     >>> unpack_pad_experience({"prompts": torch.tensor([1, 1, 1, 2])},
     ...                       {"prompts": torch.tensor([3, 1])}, pad_id=-1, multiple=2)

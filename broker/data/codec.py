@@ -36,12 +36,15 @@ buffer, so torch's "The given buffer is not writable" warning, which it shows on
 left to the user's own calls, and nothing here filters warnings. A column wanted as one tensor is
 decoded straight into it by ``stacking.py``, with the checks here (``tensor_layout``).
 
-What a writer may pass: torch tensors of a dtype in ``DTYPES``, on any device, strided or not (lazy
-negation is resolved), and numpy arrays of those dtypes in any byte order and memory layout (copied
-first where torch cannot view them). Anything else (sparse, nested, meta, quantized, mkldnn, complex,
-data-less subclasses such as FakeTensor, tensors whose storage was freed, numpy object, string,
-structured or datetime arrays, scalars) raises ``InvalidExperienceError`` naming what is wrong; no torch
-or numpy error escapes.
+What a writer may pass: torch tensors of a dtype in ``DTYPES`` (bool; uint8 to uint64, int8 to int64;
+float8_e4m3fn, float8_e5m2, float16, bfloat16, float32, float64; complex64, complex128), on any device,
+strided or not (lazy negation and conjugation are resolved), and numpy arrays of those dtypes numpy has
+(all but bfloat16 and the float8s) in any byte order and memory layout (copied first where torch cannot
+view them). Anything else (sparse, nested, meta, quantized, mkldnn, other dtypes such as complex32 or
+the float8 "fnuz" variants, data-less subclasses such as FakeTensor, tensors whose storage was freed,
+numpy object, string, structured, datetime or extended-precision arrays, scalars) raises
+``InvalidExperienceError`` naming what is wrong; no torch or numpy error escapes. A value cannot hold
+complex numbers (msgpack has none): a complex array is stored as a row of its own.
 """
 
 from __future__ import annotations
@@ -72,20 +75,48 @@ _ALIGN = 16
 _MAX_NDIM = 64
 
 #: Supported dtypes by wire name. Wire names are ours, so a torch rename never changes stored data.
+#: uint16, uint32 and uint64 exist from torch 2.3 on: with an older torch they are left out.
 DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
+    name: dtype
+    for name, dtype in {
+        "bool": torch.bool,
+        "uint8": torch.uint8,
+        "uint16": getattr(torch, "uint16", None),
+        "uint32": getattr(torch, "uint32", None),
+        "uint64": getattr(torch, "uint64", None),
+        "int8": torch.int8,
+        "int16": torch.int16,
+        "int32": torch.int32,
+        "int64": torch.int64,
+        "float8_e4m3fn": torch.float8_e4m3fn,
+        "float8_e5m2": torch.float8_e5m2,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float32": torch.float32,
+        "float64": torch.float64,
+        "complex64": torch.complex64,
+        "complex128": torch.complex128,
+    }.items()
+    if isinstance(dtype, torch.dtype)
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+
+
+def _numpy_as(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype to view a tensor of ``dtype`` as before ``.numpy()``: None where numpy has ``dtype``; for one
+    it lacks (bfloat16, the float8s; uint16 and wider on a torch that cannot hand them to numpy), the integer
+    dtype of the same size. A view reinterprets the bits, with no arithmetic: the bytes stored are the same."""
+    try:
+        torch.zeros(1, dtype=dtype).numpy()
+        return None
+    except (TypeError, RuntimeError):  # "Got unsupported ScalarType ..."
+        size = torch.empty((), dtype=dtype).element_size()
+        return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+
+
+#: Dtypes a tensor is viewed as before ``.numpy()`` (see ``_numpy_as``); dtypes numpy has are not listed.
+_NUMPY_AS = {dtype: view for dtype in DTYPES.values() if (view := _numpy_as(dtype)) is not None}
 
 # Decoded tensors are views on a writable buffer of their own (see decode_rows), never on the
 # immutable bytes the Redis client returned: torch warns once per process about views on read-only
@@ -117,13 +148,15 @@ def _dense_cpu(tensor: object) -> torch.Tensor:
         raise InvalidExperienceError(f"a {tensor.layout} tensor cannot be stored; convert it with .to_dense()")
     if tensor.device.type == "meta":
         raise InvalidExperienceError("a tensor on the meta device holds no data to store")
-    dtype_name(tensor.dtype)  # quantized and complex dtypes end here
+    dtype_name(tensor.dtype)  # quantized dtypes, and others the broker does not store, end here
     try:
         _check_storage(tensor)
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         if tensor.requires_grad:
             tensor = tensor.detach()
+        if tensor.is_conj():
+            tensor = tensor.resolve_conj()
         if tensor.is_neg():
             tensor = tensor.resolve_neg()
         if not tensor.is_contiguous():
@@ -160,13 +193,13 @@ def _type_name(value: Any) -> str:
 def encode(tensor: torch.Tensor) -> bytes:
     """Encode one tensor. The payload is copied exactly once, into the bytes handed to Redis."""
     tensor = _dense_cpu(tensor)
-    name = dtype_name(tensor.dtype)
     prefix = _encoded_prefix(tensor.dtype, tuple(tensor.shape))
     if tensor.numel() == 0:
         return prefix
-    # numpy has no bfloat16: reinterpret its bits as int16 (a view, no arithmetic).
+    # numpy has no bfloat16 nor float8: reinterpret their bits as integers (a view, no arithmetic).
+    view = _NUMPY_AS.get(tensor.dtype)
     try:
-        array = (tensor.view(torch.int16) if name == "bfloat16" else tensor).numpy()
+        array = (tensor if view is None else tensor.view(view)).numpy()
     except (RuntimeError, TypeError, ValueError) as exc:  # subclasses without data (FakeTensor, ...)
         raise InvalidExperienceError(f"cannot store a {_type_name(tensor)} ({exc})") from None
     # Bytes, not a memoryview: redis-py would copy a memoryview into bytes once more before sending.
@@ -205,7 +238,12 @@ def encode_value(value: Any) -> bytes:
 
 def _plain(obj: Any) -> Any:
     """msgpack's fallback for types it does not know: numpy scalars and arrays become Python ones."""
-    if isinstance(obj, np.generic) and obj.dtype.kind in "biufcUS":
+    if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype.kind == "c":  # (as a row, a complex array is a tensor)
+        raise InvalidExperienceError(
+            f"a numpy {'array' if isinstance(obj, np.ndarray) else 'scalar'} of dtype {obj.dtype} cannot be stored "
+            "in a value (msgpack has no complex numbers); put complex arrays in a column of their own, one per row"
+        )
+    if isinstance(obj, np.generic) and obj.dtype.kind in "biufUS":
         return obj.item()
     if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufUSO":
         return obj.tolist()
@@ -262,11 +300,12 @@ def encode_rows(rows: Sequence[Any], *, framed: bool = False) -> list[bytes | Fr
     a row of at least ``framing.LARGE`` bytes is not joined but ``Framed``: its prefix, then a view of
     the tensor's own storage, sent from there (see ``connection/framing.py``).
     """
-    prefixes, join = _ENCODED_PREFIXES, b"".join
+    prefixes, join, views = _ENCODED_PREFIXES, b"".join, _NUMPY_AS
     out: list[bytes | Framed] = []
     for i, row in enumerate(rows):
         try:
-            array = (row.view(torch.int16) if row.dtype is torch.bfloat16 else row).numpy()
+            view = views.get(row.dtype)  # an AttributeError for what is not a tensor, as .numpy() below
+            array = (row if view is None else row.view(view)).numpy()
             prefix = prefixes[row.dtype, array.shape]
             if row.untyped_storage().nbytes() < row.storage_offset() * array.itemsize + array.nbytes:
                 raise TypeError  # encode names it
@@ -290,7 +329,8 @@ def encode_stacked(tensor: torch.Tensor, *, framed: bool = False) -> list[bytes 
     if tensor.dim() == 0:
         raise InvalidExperienceError("a stacked tensor needs a row dimension, got a 0-d tensor")
     try:
-        array = (tensor.view(torch.int16) if tensor.dtype is torch.bfloat16 else tensor).numpy()
+        view = _NUMPY_AS.get(tensor.dtype)
+        array = (tensor if view is None else tensor.view(view)).numpy()
         flat = memoryview(array).cast("B")  # type: ignore[arg-type]  # (as in encode) refuses non-contiguous arrays
         prefix = _ENCODED_PREFIXES[tensor.dtype, array.shape[1:]]
     except (KeyError, RuntimeError, TypeError):
