@@ -303,3 +303,11 @@ def test_chunk_batch_fn_metas_name_their_rows_when_the_cut_is_uneven():
     assert [c[1].global_indexes for c in chunks] == [[10, 11, 12], [13, 14, 15], [16]]
     with pytest.raises(InvalidExperienceError, match="exceeds"):
         chunk_batch_fn(td, BatchMeta(global_indexes=list(range(7)), partition_ids=["p"] * 7), 8)
+
+
+def test_chunk_batch_fn_refuses_what_is_not_a_tensordict_as_a_type_error():
+    meta = BatchMeta(global_indexes=[0, 1], partition_ids=["p"] * 2)
+    with pytest.raises(TypeError, match="TensorDict, got dict"):  # TransferQueue's raises TypeError
+        chunk_batch_fn({"a": torch.arange(2)}, meta, 1)
+    with pytest.raises(InvalidExperienceError):  # and the broker's error, a ValueError, as its other checks
+        chunk_batch_fn([1, 2], meta, 1)

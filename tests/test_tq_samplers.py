@@ -26,7 +26,7 @@ from broker.adapters.transfer_queue.sampler import (
     SequentialSampler,
 )
 from broker.adapters.transfer_queue.sampler.seqlen_balanced_sampler import get_seqlen_balanced_partitions
-from broker.errors import BrokerError, InvalidExperienceError
+from broker.errors import BrokerError, GetMetaError, InvalidExperienceError
 
 
 class Lengths:
@@ -210,6 +210,26 @@ def test_get_seqlen_balanced_partitions():
     assert get_seqlen_balanced_partitions([50, 50, 50, 50], 2, True) == [[0, 3], [1, 2]]
     with pytest.raises(InvalidExperienceError):
         get_seqlen_balanced_partitions([10, 20, 30], 2, equal_size=True)
+
+
+# -- errors at sampling: ValueErrors as TransferQueue's samplers raise, RuntimeErrors as its get_meta does -----------
+
+def test_errors_at_sampling_are_what_transfer_queues_sampler_and_its_get_meta_raise():
+    """TransferQueue's samplers raise ValueError (or fail an assert); its get_meta, which runs them in the
+    controller, raises RuntimeError for either. Ours run in the caller's get_meta: one error is both."""
+    calls = [
+        lambda: GRPOGroupNSampler(4).sample(list(range(8)), 7),  # not a multiple of n
+        lambda: RankAwareSampler().sample([0, 1], 1, -1, 0, "t", "p"),  # a negative rank
+        lambda: SeqlenBalancedSampler(2, 2).sample(list(range(8)), 4, dp_rank=-1),
+        lambda: SeqlenBalancedSampler(2, 2).sample(list(range(4)), 1, partition=Lengths({})),  # 1 group, 2 ranks
+    ]
+    for call in calls:
+        with pytest.raises(GetMetaError) as info:
+            call()
+        assert isinstance(info.value, ValueError) and isinstance(info.value, RuntimeError)
+    with pytest.raises(InvalidExperienceError) as made:  # made in the caller's process there too: a ValueError
+        GRPOGroupNSampler(0)
+    assert not isinstance(made.value, RuntimeError)
 
 
 # -- the same calls through TransferQueue's samplers and ours -----------------------------------------

@@ -34,7 +34,8 @@ Where it differs from TransferQueue, and why:
 - A rank whose DP group's other rank took batch ``k`` already gets that batch even when no row is ready any more
   (TransferQueue's controller only looks at its cache once enough rows are ready), so a finite loader's ranks
   end on the same batch.
-- Invalid arguments raise ``InvalidExperienceError``, a ``ValueError`` as TransferQueue's are.
+- Invalid arguments raise ``InvalidExperienceError``, a ``ValueError`` as TransferQueue's are (and
+  ``chunk_batch_fn`` given something other than a TensorDict a ``TypeError`` as well, as TransferQueue's).
 
 Beyond TransferQueue: ``lease=`` seconds (default: the conf's ``broker.lease``). Each batch is taken under a lease:
 rows not acked before it runs out go back to the task, for any reader, so a trainer that dies mid-batch loses
@@ -76,7 +77,7 @@ from broker.adapters.transfer_queue.interface import _sampler_of, _stored_conf, 
 from broker.adapters.transfer_queue.metadata import DELIVERY, BatchMeta
 from broker.adapters.transfer_queue.system import System
 from broker.api.delivery import LeasedRows
-from broker.errors import BrokerError, ExperienceTimeoutError, InvalidExperienceError
+from broker.errors import BrokerError, ExperienceTimeoutError, InvalidArgumentTypeError, InvalidExperienceError
 
 log = logging.getLogger(__name__)
 
@@ -423,8 +424,8 @@ def chunk_batch_fn(td: Any, batch_meta: BatchMeta, micro_batch_size: int = 1) ->
     once and rebuilt per micro-batch in their layout."""
     from tensordict import TensorDict
 
-    if not isinstance(td, TensorDict):
-        raise InvalidExperienceError(f"chunk_batch_fn cuts a TensorDict, got {type(td).__name__}")
+    if not isinstance(td, TensorDict):  # a TypeError, as TransferQueue's
+        raise InvalidArgumentTypeError(f"chunk_batch_fn cuts a TensorDict, got {type(td).__name__}")
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise InvalidExperienceError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
     if len(td.batch_size) == 0:

@@ -58,8 +58,9 @@ class BaseSampler(ABC):
         """Choose from ``ready_indexes`` (the global indexes ready for the task and not consumed by it).
 
         Returns ``(sampled, consumed)``: the indexes to hand out, and those to mark consumed (never
-        handed to this task again). Raises ``ValueError`` (the broker's ``InvalidExperienceError``) if
-        ``batch_size`` is invalid.
+        handed to this task again). Raises ``ValueError`` if ``batch_size`` is invalid: the built-in samplers
+        raise the broker's ``GetMetaError``, a ``RuntimeError`` as well, as TransferQueue's ``get_meta``
+        raises what its controller's sampler raised.
         """
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[list[int], list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.adapters.transfer_queue.sampler.base import BaseSampler
-from broker.errors import InvalidExperienceError
+from broker.errors import GetMetaError, InvalidExperienceError
 
 
 class GRPOGroupNSampler(BaseSampler):
@@ -17,6 +17,10 @@ class GRPOGroupNSampler(BaseSampler):
     ``batch_size / n`` groups found are handed out and consumed; if there are fewer, nothing is. With a
     ``dp_rank`` keyword the result is cached under ``(partition_id, task_name, dp_rank, batch_index)``
     and handed out again for the same key (before ``batch_size`` is even checked), as TransferQueue's.
+
+    A ``batch_size`` that is not a multiple of ``n_samples_per_prompt`` raises ``GetMetaError``: a ``ValueError``
+    as TransferQueue's sampler raises, and a ``RuntimeError`` as its ``get_meta`` raises it (the controller's
+    reply), so a caller of either catches it as there.
     """
 
     def __init__(self, n_samples_per_prompt: int = 1) -> None:
@@ -55,8 +59,8 @@ class GRPOGroupNSampler(BaseSampler):
     def whole_groups(self, ready_indexes: list[int], batch_size: int) -> list[int] | None:
         """The first ``batch_size / n`` whole groups among ``ready_indexes``, or None if there are fewer."""
         n = self.n_samples_per_prompt
-        if batch_size % n != 0:
-            raise InvalidExperienceError(
+        if batch_size % n != 0:  # a ValueError as TransferQueue's, and get_meta's RuntimeError (its controller's)
+            raise GetMetaError(
                 f"batch_size ({batch_size}) must be a multiple of n_samples_per_prompt ({n})"
             )
         wanted = batch_size // n

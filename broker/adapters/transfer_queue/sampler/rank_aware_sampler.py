@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.adapters.transfer_queue.sampler.base import BaseSampler
-from broker.errors import InvalidExperienceError
+from broker.errors import GetMetaError
 
 
 class RankAwareSampler(BaseSampler):
@@ -29,8 +29,8 @@ class RankAwareSampler(BaseSampler):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
-        if dp_rank < 0:
-            raise InvalidExperienceError(f"dp_rank {dp_rank} must be greater than or equal to 0")
+        if dp_rank < 0:  # a ValueError as TransferQueue's, and get_meta's RuntimeError (its controller's reply)
+            raise GetMetaError(f"dp_rank {dp_rank} must be greater than or equal to 0")
         # TransferQueue makes the nesting down to the rank even when it then hands out nothing
         self._states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
         found = self.cached(partition_id, task_name, dp_rank, batch_index)

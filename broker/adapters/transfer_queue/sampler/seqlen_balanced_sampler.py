@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from broker.adapters.transfer_queue.sampler.grpo_group_n_sampler import GRPOGroupNSampler
 from broker.api.balance import karmarkar_karp
-from broker.errors import InvalidExperienceError
+from broker.errors import GetMetaError, InvalidExperienceError
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,11 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
     checkpoints), so a client mirroring ``_states`` mirrors this sampler whole. A batch's shares are
     decided together: to drop one, drop every rank's (``forget`` each).
 
-    Differences from TransferQueue's: too few groups to give every rank one (or a number of groups that
-    does not split evenly) raise ``InvalidExperienceError`` (a ``ValueError``) where TransferQueue's
-    fails an ``assert``; so does a ``dp_rank`` that is not an int >= 0 (TransferQueue's hands rank -1
-    the last rank's share).
+    Its errors at sampling are ``GetMetaError``: a ``ValueError`` (as the base sampler's checks raise) and a
+    ``RuntimeError``, as TransferQueue's ``get_meta`` raises whatever its controller's sampler raised.
+    Differences from TransferQueue's: too few groups to give every rank one raise it where TransferQueue's
+    sampler fails an ``assert`` (its ``get_meta``: a ``RuntimeError`` too); so does a ``dp_rank`` that is not
+    an int >= 0 (TransferQueue's hands rank -1 the last rank's share, by Python's negative indexing).
     """
 
     def __init__(self, n_samples_per_prompt: int = 1, dp_size: int = 1) -> None:
@@ -61,7 +62,7 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         dp_rank = kwargs.get("dp_rank", 0)
         batch_index = kwargs.get("batch_index", 0)
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-            raise InvalidExperienceError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
+            raise GetMetaError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
         if self._batch_decided(partition_id, task_name, batch_index):
             found = self.cached(partition_id, task_name, dp_rank, batch_index)
             return found if found is not None else ([], [])
@@ -93,8 +94,11 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         # rows holds batch_size * dp_size rows in whole groups, so it always splits into groups of n:
         # balance whole groups, and every rank keeps its groups whole (GRPO's advantages need them).
         group_cost = [sum(lengths[g * n : (g + 1) * n]) for g in range(len(rows) // n)]
-        return [[rows[g * n + j] for g in groups for j in range(n)]
-                for groups in karmarkar_karp(group_cost, self.dp_size, equal_size=True)]
+        try:
+            balanced = karmarkar_karp(group_cost, self.dp_size, equal_size=True)
+        except InvalidExperienceError as exc:  # fewer groups than ranks: get_meta's RuntimeError as well
+            raise GetMetaError(str(exc)) from exc
+        return [[rows[g * n + j] for g in groups for j in range(n)] for groups in balanced]
 
     @property
     def _balanced_cache(self) -> dict[tuple[Any, Any, Any], list[list[int]]]:
