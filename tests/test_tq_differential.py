@@ -124,6 +124,11 @@ CASES: dict[str, Case] = {
     # partial gets
     "select a field one key lacks": lambda tq, p: (two(tq, p), tq.kv_batch_get(["a", "b"], p, select_fields="y"))[1],
     "fields every key has": lambda tq, p: (two(tq, p), tq.kv_batch_get(["a", "b"], p))[1],
+    "keys sharing no field": lambda tq, p: (
+        tq.kv_put("a", p, {"x": torch.ones(2)}), tq.kv_put("b", p, {"y": torch.ones(2)}),
+        tq.kv_batch_get(["a", "b"], p))[2],
+    "a key holding tags only": lambda tq, p: (
+        tq.kv_put("k", p, tag={"status": "pending"}), tq.kv_batch_get(["k"], p))[1],
     "select a known and an unknown field": lambda tq, p: (
         two(tq, p), tq.kv_batch_get(["a", "b"], p, select_fields=["x", "zz"]))[1],
     "select an unknown field": lambda tq, p: (two(tq, p), tq.kv_batch_get(["a", "b"], p, select_fields=["zz"]))[1],

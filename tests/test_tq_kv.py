@@ -80,13 +80,15 @@ def test_partitions_are_separate_and_keys_may_repeat_across_them(system):
 
 
 def test_gets_give_the_fields_every_key_has_and_leave_out_missing_keys_as_transfer_queue_does(system):
-    """TransferQueue's kv_batch_get reads the fields every one of the keys has (of select_fields, those), an
-    empty TensorDict when there is none, and leaves out keys the partition does not hold, raising a
-    ValueError only when it holds none; a key asked for twice comes twice. The drop-in raised for each."""
+    """TransferQueue's kv_batch_get reads the fields every one of the keys has (of select_fields, those: an
+    empty TensorDict when there is none; a ValueError when the keys share no field at all), and leaves out
+    keys the partition does not hold, raising a ValueError only when it holds none; a key asked for twice
+    comes twice. The drop-in raised for each."""
     tq.kv_batch_put(["a"], "p", batch(1))
     tq.kv_batch_put(["b"], "p", None, [{"only": "tags"}])
     assert tq.kv_batch_get(["a", "b"], "p", select_fields="input_ids").batch_size == torch.Size([0])
-    assert tq.kv_batch_get(["a", "b"], "p").batch_size == torch.Size([0])
+    with pytest.raises(ValueError, match="Some fields are not ready"):  # no field shared, none selected
+        tq.kv_batch_get(["a", "b"], "p")
     assert tq.kv_batch_get(["a"], "p", select_fields=["nope"]).batch_size == torch.Size([0])
     got = tq.kv_batch_get(["zz", "a", "a"], "p", select_fields=["input_ids", "nope"])
     assert list(got.keys()) == ["input_ids"] and dense(got["input_ids"]).tolist() == [[0, 1, 2]] * 2

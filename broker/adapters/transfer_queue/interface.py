@@ -209,7 +209,7 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[s
 
     As TransferQueue answers: keys the partition does not hold are left out (SampleNotFoundError, a ValueError,
     when none is held), a key asked for twice comes twice, and the fields are those every one of the keys has
-    (of ``select_fields``, those every key has): none gives an empty TensorDict.
+    (of ``select_fields``, those every key has: none gives an empty TensorDict; keys sharing no field raise).
 
     It returns the keys' own bytes or raises, whatever clears and puts run meanwhile: the rows are looked up
     with their generations in one step, and the read of their bytes is fenced by them. A kv_clear between
@@ -226,6 +226,9 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[s
             raise SampleNotFoundError(f"keys or partition were not found! (partition {partition!r}, keys "
                                       f"{keys[:5]!r}{'...' if len(keys) > 5 else ''})")
         common = state.common_fields(rows)
+        if wanted is None and not common:  # TransferQueue: keys sharing no field (or holding tags only) raise
+            raise SampleNotFoundError(f"Some fields are not ready in all the requested keys! (partition "
+                                      f"{partition!r}, keys {keys[:5]!r}{'...' if len(keys) > 5 else ''})")
         fields = common if wanted is None else [f for f in wanted if f in common]
         if not fields:
             return tensors.assemble({}, 0, {})  # TransferQueue's get_data of a meta naming no field
