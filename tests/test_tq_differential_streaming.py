@@ -523,15 +523,12 @@ CASES: dict[str, tuple[str, Case]] = {
     "grpo: a batch_size not a multiple of n": ("GRPOGroupNSampler", grpo_batch_not_a_multiple_of_n),
     "grpo: loaders of two groups": ("GRPOGroupNSampler", grpo_loaders),
     "seqlen: too few groups for every rank": ("SeqlenBalancedSampler", seqlen_too_few_groups),
+    "seqlen: shares balanced by total_lengths": ("SeqlenBalancedSampler", seqlen_balanced_shares),
+    "seqlen: equal lengths": ("SeqlenBalancedSampler", seqlen_equal_lengths),
+    "seqlen: loaders of two ranks": ("SeqlenBalancedSampler", seqlen_loaders),
+    "seqlen: one group for two ranks": ("SeqlenBalancedSampler", seqlen_one_group_for_two_ranks),
+    "seqlen: a rank beyond dp_size": ("SeqlenBalancedSampler", seqlen_rank_beyond_dp_size),
 }
-
-#: What the drop-in's client does not give SeqlenBalancedSampler yet (client.py's get_meta): the custom meta of
-#: the rows (TransferQueue's controller passes ``partition=``, its DataPartitionStatus, to every sampler), and the
-#: other ranks' shares the sampler cached when the first rank decided the batch (they are dropped with the cache
-#: entries new in that call, leaving only the asking rank's).
-SEQLEN = ("get_meta does not pass the rows' custom meta to the sampler (partition=), so it splits the batch in "
-          "equal halves unbalanced, and it drops the other ranks' cached shares after the first rank's take, so "
-          "they get nothing (client.py)")
 
 #: Cases the drop-in does not answer as TransferQueue, and why: (the sampler, why, the case). Strict xfails.
 KNOWN: dict[str, tuple[str, str, Case]] = {
@@ -560,11 +557,6 @@ KNOWN: dict[str, tuple[str, str, Case]] = {
         "GRPOGroupNSampler", "as for RankAwareSampler: TransferQueue's GRPOGroupNSampler then caches the batch "
         "under partition '' and task '', for every partition; the drop-in under the call's own",
         grpo_bare_config),
-    "seqlen: shares balanced by total_lengths": ("SeqlenBalancedSampler", SEQLEN, seqlen_balanced_shares),
-    "seqlen: equal lengths": ("SeqlenBalancedSampler", SEQLEN, seqlen_equal_lengths),
-    "seqlen: loaders of two ranks": ("SeqlenBalancedSampler", SEQLEN, seqlen_loaders),
-    "seqlen: one group for two ranks": ("SeqlenBalancedSampler", SEQLEN, seqlen_one_group_for_two_ranks),
-    "seqlen: a rank beyond dp_size": ("SeqlenBalancedSampler", SEQLEN, seqlen_rank_beyond_dp_size),
     "seqlen: a negative dp_rank": (
         "SeqlenBalancedSampler", "refused (a ValueError and RuntimeError); TransferQueue's hands rank -1 the last "
         "rank's share, by Python's negative indexing", seqlen_negative_rank),

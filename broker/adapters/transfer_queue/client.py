@@ -108,7 +108,10 @@ class TransferQueueClient:
                     return [], []
                 sampler.remember(partition, task_name, rank, batch_index, recorded)
                 return recorded, recorded
-            sampled, consumed = sampler(ready, count, task_name=task_name, partition_id=partition, **config)
+            # TransferQueue's controller passes its partition: SeqlenBalancedSampler reads the rows' lengths
+            # from their custom meta (the tags here), read only if the sampler asks.
+            sampled, consumed = sampler(ready, count, task_name=task_name, partition_id=partition,
+                                        partition=_CustomMeta(system, partition), **config)
             return list(sampled), list(consumed)
 
         def name() -> str | None:
@@ -147,7 +150,10 @@ class TransferQueueClient:
                 f"{have} ready within {self._timeout} s (broker.get_meta_timeout)", {})
         sampled, handed = got[0]
         if shared:  # the choice of this rank's group, perhaps another process's: cached here as it is
-            refused()
+            # This sampler's own choice keeps what it cached with it (a SeqlenBalancedSampler's shares of the
+            # batch's other ranks); another process's choice replaces whatever this one cached.
+            if sampler.cached(partition, task_name, rank, batch_index) != (list(sampled), list(sampled)):
+                refused()
             sampler.remember(partition, task_name, rank, batch_index, sampled)
         meta = self._meta(partition, sampled, fields)
         if isinstance(handed, LeasedRows):
@@ -428,6 +434,17 @@ def _by_partition(metadata: BatchMeta) -> list[tuple[str, BatchMeta]]:
     if metadata.size == 0:
         return []
     return [(_partition(m.partition_ids[0]), m) for m in metadata.chunk_by_partition()]
+
+
+class _CustomMeta:
+    """What TransferQueue's controller passes a sampler as ``partition``: the rows' custom meta (tags)."""
+
+    def __init__(self, system: System, partition: str):
+        self.system, self.partition = system, partition
+
+    def get_custom_meta(self, global_indices: Sequence[int]) -> dict[int, dict[str, Any]]:
+        rows = [int(r) for r in global_indices]
+        return {r: t for r, t in zip(rows, self.system.tags(self.partition, rows)) if t}
 
 
 def deliveries_of(metadata: BatchMeta) -> list[HandedRows]:
