@@ -185,6 +185,9 @@ def test_non_tensor_fields_come_back_as_stacks_of_the_same_values(client):
         "arrays": [np.arange(3, dtype=">i4"), np.array([["ab", "c"]]), np.float32(1.5)],
         "numpy_in": [{"a": np.arange(2.0)}, [np.int8(-3), np.bool_(True)], np.array(5, dtype=np.uint16)],
         "tensor_in": [{"t": torch.tensor([1.5, -0.0], dtype=torch.bfloat16)}, [torch.ones(2, 0)], None],
+        # dtypes the row codec gained for TransferQueue: inside values too (they were refused there)
+        "new_dtypes_in": [{"u": torch.tensor([65535, 1], dtype=torch.uint16)},
+                          [torch.tensor([0.5, -2.0]).to(torch.float8_e4m3fn)], {"c": torch.tensor([1 + 2j])}],
     }
     td = TensorDict({k: NonTensorStack(*v) for k, v in rows.items()}, batch_size=[3])
     out = through_dock(client, td, order=[2, 1, 0])

@@ -63,7 +63,10 @@ _MAX_DEPTH = 256  # deeper is refused (as msgpack would) and catches a value tha
 _TENSOR_DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-              torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+              torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+              # torch >= 2.3 only (the uint types); older releases lack them, and their tensors too
+              *(getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
+                if hasattr(torch, n)))
 }
 
 _NEVER_PICKLE = (
