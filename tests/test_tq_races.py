@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -74,6 +75,7 @@ def test_puts_go_on_while_other_clients_grow_the_schema(system):
     dock was opened with), and the keys of puts that failed after their rows were given stayed listed
     without data."""
     failed: Counter[str] = Counter()
+    first: dict[str, str] = {}  # each kind's first traceback: where a rare failure came from
     done = Counter()
 
     def writer(w: int) -> Callable[[Callable[[], bool]], None]:
@@ -87,6 +89,7 @@ def test_puts_go_on_while_other_clients_grow_the_schema(system):
                     done[w] += 1
                 except Exception as exc:  # noqa: BLE001 - counted: the test says how many and which
                     failed[type(exc).__name__] += 1
+                    first.setdefault(type(exc).__name__, "".join(traceback.format_exception(exc))[-1500:])
         return loop
 
     def grower(going: Callable[[], bool]) -> None:
@@ -97,7 +100,7 @@ def test_puts_go_on_while_other_clients_grow_the_schema(system):
             tq.kv_put(f"grow{k}", "g2", {f"f{k}": torch.ones(2)})  # a new field: it grows a column
 
     race(writer(0), writer(1), grower)
-    assert not failed, f"puts failed: {dict(failed)} (and {sum(done.values())} went through)"
+    assert not failed, f"puts failed: {dict(failed)} (and {sum(done.values())} went through); first: {first}"
     assert min(done.values()) > 0
     listed = tq.kv_list("g")["g"]
     assert len(listed) == 4 * sum(done.values())
