@@ -75,7 +75,6 @@ from broker.adapters.transfer_queue.client import TransferQueueClient
 from broker.adapters.transfer_queue.config import capacity_of, merged, plain
 from broker.adapters.transfer_queue.interface import _sampler_of, _stored_conf, get_client
 from broker.adapters.transfer_queue.metadata import DELIVERY, BatchMeta
-from broker.adapters.transfer_queue.names import dock_name_of
 from broker.adapters.transfer_queue.system import System
 from broker.api.delivery import LeasedRows
 from broker.errors import BrokerError, ExperienceTimeoutError, InvalidArgumentTypeError, InvalidExperienceError
@@ -223,8 +222,7 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]  # yields (Te
     def _consumed(self, client: TransferQueueClient) -> bool:
         """Whether every row of the partition was handed to the task (rows whose lease ran out are given back
         first: they are not consumed)."""
-        if client.system.has_task(self.task_name):
-            client.system.dock.reclaim(dock_name_of(self.task_name))
+        client.system.reclaim(self.task_name)
         return client.check_consumption_status(self.task_name, self.partition_id)
 
     def _acking(self, items: Iterator[Any]) -> Iterator[Any]:

@@ -193,6 +193,11 @@ class System:
         """Whether the dock has the consumer of ``task`` (as this process last saw the dock)."""
         return dock_name_of(task) in self.dock.consumers
 
+    def reclaim(self, task: str) -> None:
+        """Offer ``task`` again the rows whose readers' lease ran out (nothing for a task the dock lacks)."""
+        if self.has_task(task):
+            self.dock.reclaim(dock_name_of(task))
+
     # -- rows ------------------------------------------------------------------------------------------------
 
     def rows_for_keys(self, partition: str, keys: Sequence[str]) -> SampleRows:
@@ -456,7 +461,7 @@ class System:
         before each new choice (a sampler forgets the choice it cached)."""
         self.ensure_task(task)
         for _ in range(CLAIM_RETRIES):
-            self.dock.reclaim(dock_name_of(task))  # rows whose readers' lease ran out are ready for it again
+            self.reclaim(task)  # rows whose readers' lease ran out are ready for it again
             ready = self.ready_unconsumed(partition, fields, task)
             sampled, consumed = choose(ready)
             if not consumed:
