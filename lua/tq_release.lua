@@ -13,6 +13,7 @@ KEYS[4]     td:{NAME}:tq:rkeys:P    row -> key, a hash
 KEYS[5]     td:{NAME}:tq:tags:P     row -> the sample's tags (msgpack), a hash
 KEYS[6]     td:{NAME}:tq:partitions partition -> when it was created, a hash
 KEYS[7]     td:{NAME}:tq:fields:P   field -> its schema in P, a hash (deleted with the partition)
+KEYS[8]     td:{NAME}:tq:order:P    key -> its place in kv_list's order, a sorted set
 ARGV[1]     the partition P
 ARGV[2]     1: release every row of the partition and forget the partition (clear_partition); 0: keep it
 ARGV[3..]   rows, decimal (with ARGV[2] = 1: none; the partition's bitmap says which)
@@ -55,6 +56,7 @@ for _, row in ipairs(rows) do
     if key then
       redis.call('HDEL', KEYS[3], key)
       redis.call('HDEL', KEYS[4], field)
+      redis.call('ZREM', KEYS[8], key)
     end
     redis.call('HDEL', KEYS[5], field)
     redis.call('RPUSH', KEYS[1], field)
@@ -63,6 +65,6 @@ for _, row in ipairs(rows) do
 end
 if ARGV[2] == '1' then
   redis.call('HDEL', KEYS[6], ARGV[1])
-  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
+  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7], KEYS[8])
 end
 return keep_reply(reply_key, reply_ttl, released)

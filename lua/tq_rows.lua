@@ -6,6 +6,11 @@ samples get released rows first, oldest release first (as TransferQueue reuses i
 never used; a key that has a row keeps it (a later put of new fields for an existing key adds columns to
 that row). The partition is created by its first rows.
 
+TransferQueue lists partitions in the order they were made, and a partition's keys in the order they were
+first given rows (kv_list; verl's replay buffers take batches in that order), not by index: each creation
+takes the next number of KEYS[10] as its place, and each new key too, in the order asked. A cleared key
+loses its place (tq_release.lua); put again, it comes last, as in TransferQueue.
+
 A reused row was cleared before it was released (tq_release.lua runs after the dock's clear), but a put
 that looked its key up before the clear may still have landed on it since, and clear_partition releases
 rows given to the partition after it cleared the others: a reused row's ready and consumed bits are
@@ -24,7 +29,9 @@ KEYS[6]     td:{NAME}:tq:rkeys:P    row -> key, a hash
 KEYS[7]     td:{NAME}:meta          the dock's schema, checked: the status keys below are its columns'
 KEYS[8]     td:{NAME}:epoch
 KEYS[9]     td:{NAME}:gen           the rows' generations
-KEYS[10..]  td:{NAME}:ready:COLUMN and td:{NAME}:consumed:CONSUMER, for every column and consumer
+KEYS[10]    td:{NAME}:tq:seq        a counter: places in creation order, of partitions and of keys
+KEYS[11]    td:{NAME}:tq:order:P    key -> its place in the order keys were given rows, a sorted set
+KEYS[12..]  td:{NAME}:ready:COLUMN and td:{NAME}:consumed:CONSUMER, for every column and consumer
 ARGV[1]     the partition P
 ARGV[2]     the dock's capacity (rows)
 ARGV[3]     how many rows to give new anonymous samples; 0 when keys follow
@@ -86,15 +93,14 @@ if reused > 0 then
   if type(popped) ~= 'table' then popped = {popped} end  -- Redis 6.2 returns a list for a count too
   for i = 1, #popped do given[#given + 1] = tonumber(popped[i]) end
   local starts, lengths = runs_of(given)  -- sorted into runs once, for every status key
-  for k = 10, #KEYS do set_runs(KEYS[k], starts, lengths, 0) end
+  for k = 12, #KEYS do set_runs(KEYS[k], starts, lengths, 0) end
   bump_generations(KEYS[9], given)
 end
 for r = next_row, next_row + (wanted - reused) - 1 do given[#given + 1] = r end
 if wanted > reused then redis.call('SET', KEYS[1], next_row + wanted - reused) end
 
 if redis.call('HEXISTS', KEYS[3], partition) == 0 then
-  local t = redis.call('TIME')
-  redis.call('HSET', KEYS[3], partition, int_text(t[1] * 1000 + math.floor(t[2] / 1000)))
+  redis.call('HSET', KEYS[3], partition, redis.call('INCR', KEYS[10]))
 end
 local g = 0
 local fresh = {}
@@ -120,6 +126,12 @@ else
   if #key_rows > 0 then  -- chunks of an even count: pairs stay whole
     call_in_chunks('HSET', KEYS[5], key_rows)
     call_in_chunks('HSET', KEYS[6], row_keys)
+    local last = redis.call('INCRBY', KEYS[10], g)  -- the g new keys take the places up to it, in order asked
+    local places = {}
+    for i = 1, #key_rows, 2 do
+      places[#places + 1] = last - g + (i + 1) / 2; places[#places + 1] = key_rows[i]
+    end
+    call_in_chunks('ZADD', KEYS[11], places)
   end
 end
 set_bits(KEYS[4], given, 1)

@@ -158,6 +158,25 @@ CASES: dict[str, Case] = {
     "listing an unknown partition": lambda tq, p: tq.kv_list(p),
     "listing after every key was cleared": lambda tq, p: (two(tq, p), tq.kv_clear(["a", "b"], p), tq.kv_list(p))[2],
     "clearing a missing key": lambda tq, p: tq.kv_clear(["nope"], p),
+    # orders: keys as first given rows, partitions as made (dicts compare without order: lists compared here)
+    "keys listed in the order they were first put": lambda tq, p: (  # on rows freed last first
+        tq.kv_batch_put(["f", "g", "h"], p, td(x=torch.ones(3, 2))), tq.kv_clear(["h"], p), tq.kv_clear(["g"], p),
+        tq.kv_batch_put(["z", "y"], p, td(x=torch.ones(2, 2))), tq.kv_put("m", p, {"x": torch.ones(2)}),
+        tq.kv_batch_put(["a", "z", "b"], p, tags=[{}, {"t": 1}, {}]), list(tq.kv_list(p)[p]))[6],
+    "a key cleared and put again is listed last": lambda tq, p: (
+        tq.kv_batch_put(["c", "b", "a"], p, td(x=torch.ones(3, 2))), tq.kv_clear(["c", "b"], p),
+        tq.kv_put("c", p, {"x": torch.ones(2)}), tq.kv_put("d", p, {"x": torch.ones(2)}),
+        list(tq.kv_list(p)[p]))[4],
+    "keys given rows by a meta and by puts": lambda tq, p: (
+        tq.kv_batch_put(["b", "c", "d"], p, td(x=torch.ones(3, 2))), tq.kv_clear(["d"], p), tq.kv_clear(["c"], p),
+        tq.get_client().kv_retrieve_meta(["q", "b", "a"], p, create=True),
+        tq.kv_put("0", p, {"x": torch.ones(2)}), list(tq.kv_list(p)[p]))[5],
+    "partitions listed in the order they were made": lambda tq, p: (
+        tq.kv_put("a", p + "-2", {"x": torch.ones(2)}), tq.kv_put("a", p + "-1", {"x": torch.ones(2)}),
+        tq.kv_put("a", p + "-3", {"x": torch.ones(2)}), tq.get_client().clear_partition(p + "-2"),
+        tq.kv_put("a", p + "-2", {"x": torch.ones(2)}),
+        [q for q in tq.kv_list() if q.startswith(p)],
+        [q for q in tq.get_client().get_partition_list() if q.startswith(p)])[5:],
     # the low-level client
     "an insert's meta": lambda tq, p: tq.get_client().get_meta(["a", "b"], 2, p, mode="insert"),
     "a put into an insert's meta": lambda tq, p: (

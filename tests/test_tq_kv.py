@@ -122,6 +122,26 @@ def test_cleared_rows_go_to_new_samples_and_look_unproduced(system):
     assert len(produced) == 4  # the two cleared rows were reused, not new ones
 
 
+def test_kv_list_gives_keys_in_first_put_order_and_partitions_in_creation_order(system):
+    """As TransferQueue lists them (verl's replay buffers batch in this order), whatever rows the keys got: here
+    rows freed last first, so the row order is not the put order."""
+    tq.kv_batch_put(["f", "g", "h"], "p", batch(3))
+    tq.kv_clear(["h"], "p")
+    tq.kv_clear(["g"], "p")
+    tq.kv_batch_put(["z", "y"], "p", batch(2))  # y gets a lower row than z
+    tq.kv_put("f", "p", None, {"again": True})  # an existing key keeps its place
+    tq.kv_batch_put(["x", "f"], "p", None, [{}, {}])
+    assert list(tq.kv_list("p")["p"]) == ["f", "z", "y", "x"]
+    tq.kv_clear(["f"], "p")
+    tq.kv_put("f", "p", None, {})  # cleared, then put again: last
+    assert list(tq.kv_list("p")["p"]) == ["z", "y", "x", "f"]
+    for partition in ("q2", "q1"):
+        tq.kv_put("a", partition, None, {})
+    tq.get_client().clear_partition("p")
+    tq.kv_put("a", "p", None, {})  # made again: after the others
+    assert list(tq.kv_list()) == ["q2", "q1", "p"] == tq.get_client().get_partition_list()
+
+
 def test_the_async_twins_do_the_same(system):
     async def run():
         await tq.async_kv_batch_put(["a"], "p", batch(1), [{"t": 1}])

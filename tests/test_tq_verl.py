@@ -11,9 +11,9 @@ groups (deterministic log-probs, entropies and values computed from the rows ver
 reward model (a rule score), the tokenizer (token ids joined as text), the weight-sync and checkpoint engines
 (no-ops), the dataloader (verl's own collate_fn over fixed prompts), Ray's actor dispatch (verl's own DP split
 and concat functions, run in this process) and the random uuids (a counter, so both runs use the same keys).
-The stand-in LLM finishes sessions in one fixed order and each case runs on a drop-in system of its own, so that
-one difference (the order of kv_list, which verl's replay buffer builds its batches in) shows in the cases made
-for it and does not reorder every other comparison.
+The stand-in LLM finishes sessions in one fixed order. Both systems run every case, one after the other, each
+cleared between cases as verl would clear it (so the drop-in reuses freed rows, as TransferQueue its indexes):
+kv_list's order, which verl's replay buffers build their batches in, follows the keys, not the rows.
 
 Needs verl (``pip install verl==0.9.1``: it is not one of the project's extras) besides TransferQueue and Ray:
 skipped without it. Marked ``once``, as tests/test_tq_differential.py whose module fixture it reuses.
@@ -155,7 +155,10 @@ def seen(x: Any) -> Any:
 
 
 def first_difference(a: Any, b: Any, path: str = "") -> str | None:
-    """Where two answers first differ, as a path and the two values there."""
+    """Where two answers first differ, as a path and the two values there. An error of the drop-in may derive
+    from more built-in exceptions than TransferQueue's (its own carry KeyError beside ValueError, say)."""
+    if isinstance(a, tuple) and a[:1] == ("raises",) and isinstance(b, tuple) and b[:1] == ("raises",):
+        return None if set(a[1]) <= set(b[1]) else f"{path or '.'}: raises {a[1]} vs {b[1]}"
     if type(a) is not type(b):
         return f"{path or '.'}: {a!r:.300} vs {b!r:.300}"
     if isinstance(a, dict):
@@ -195,18 +198,9 @@ def run(system: Any, driver: Any, tmp: Path) -> tuple[Any, str | None]:
                 wipe(system)
 
 
-def renew(dropin: Any, url: str) -> None:
-    """The drop-in on a system of its own for the next case: rows the last cases cleared are reused (a
-    difference of its own, case "second step's batch order") and would reorder every key list after."""
-    dropin.get_client().system.delete()
-    dropin.close()
-    dropin.init({"broker": {"url": url, "namespace": "verl" + uuid.uuid4().hex[:8], "get_meta_timeout": 0.5}})
-
-
-def compare(systems: tuple[Any, Any], driver: Any, tmp_path: Path, url: str) -> None:
+def compare(systems: tuple[Any, Any], driver: Any, tmp_path: Path) -> None:
     real, dropin = systems
     theirs, their_error = run(real, driver, tmp_path / "tq")
-    renew(dropin, url)
     assert their_error is None, f"the driver fails on TransferQueue itself: {their_error}"
     mine, my_error = run(dropin, driver, tmp_path / "dropin")
     if my_error is not None:
@@ -502,8 +496,6 @@ def everything(system: Any, partition: str) -> Any:
             data = system.kv_batch_get([key], partition)
         except ValueError:  # a key of tags alone (a prompt's status) on TransferQueue
             data = None
-        # the drop-in answers such a key with an empty TensorDict: a difference of its own ("tags alone"), left
-        # out here so that it does not hide the rest
         by_fields[key] = data if data is not None and len(data.keys()) else "no fields"
     return {"tags": {k: listing[k] for k in keys}, "data": by_fields}
 
@@ -755,8 +747,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_verl_runs_alike_on_the_drop_in(both, name, tmp_path, real_url):  # noqa: F811
-    compare(both, CASES[name], tmp_path, real_url)
+def test_verl_runs_alike_on_the_drop_in(both, name, tmp_path):  # noqa: F811
+    compare(both, CASES[name], tmp_path)
 
 
 # -- tq.init with verl's own conf, in a process of its own ---------------------------------------------------

@@ -262,6 +262,10 @@ class DockKeys:
         return self.base + "tq:partitions"
 
     @property
+    def tq_seq(self) -> str:
+        return self.base + "tq:seq"
+
+    @property
     def tq_conf(self) -> str:
         return self.base + "tq:conf"
 
@@ -281,6 +285,9 @@ class DockKeys:
 
     def tq_rkeys(self, partition: str) -> str:
         return f"{self.base}tq:rkeys:{partition}"
+
+    def tq_order(self, partition: str) -> str:
+        return f"{self.base}tq:order:{partition}"
 
     def tq_tags(self, partition: str) -> str:
         return f"{self.base}tq:tags:{partition}"
@@ -312,9 +319,10 @@ class DockKeys:
         and the records of named takes ``named`` (the members of ``named_index``). What a checkpoint copies
         and what restoring one replaces."""
         keys = self.every_key(columns, consumers, age_buckets)
-        keys += [self.tq_next, self.tq_free, self.tq_partitions, self.tq_conf]
+        keys += [self.tq_next, self.tq_free, self.tq_partitions, self.tq_seq, self.tq_conf]
         for p in partitions:
-            keys += [self.tq_rows(p), self.tq_keys(p), self.tq_rkeys(p), self.tq_tags(p), self.tq_fields(p)]
+            keys += [self.tq_rows(p), self.tq_keys(p), self.tq_rkeys(p), self.tq_order(p), self.tq_tags(p),
+                     self.tq_fields(p)]
         return keys + list(named)
 
     @property
@@ -412,7 +420,10 @@ def key_layout() -> list[KeyRow]:
         KeyRow(k.tq_next, "string", "TransferQueue adapter: rows below it have held samples"),
         KeyRow(k.tq_free, "list", "TransferQueue adapter: rows released by clears, oldest first; new samples take "
                "them first"),
-        KeyRow(k.tq_partitions, "hash", "TransferQueue adapter: partition → when it was created (ms)"),
+        KeyRow(k.tq_partitions, "hash", "TransferQueue adapter: partition → its place in creation order (a number "
+               "from td:{NAME}:tq:seq, new with each creation of the partition)"),
+        KeyRow(k.tq_seq, "string", "TransferQueue adapter: a counter giving partitions and keys their place in "
+               "creation order (`kv_list`'s order, as TransferQueue's)"),
         KeyRow(k.tq_conf, "string", "TransferQueue adapter: the system's configuration (JSON), written by the first "
                "`init`"),
         KeyRow(k.tq_writing, "sorted set", "TransferQueue adapter: member = a put or clear of several steps under "
@@ -422,6 +433,8 @@ def key_layout() -> list[KeyRow]:
         KeyRow(k.tq_rows("P"), "bitmap", "TransferQueue adapter: bit i set when row i holds a sample of partition P"),
         KeyRow(k.tq_keys("P"), "hash", "TransferQueue adapter: user key → row, in partition P"),
         KeyRow(k.tq_rkeys("P"), "hash", "TransferQueue adapter: row → user key, in partition P"),
+        KeyRow(k.tq_order("P"), "sorted set", "TransferQueue adapter: member = a user key of partition P, score = "
+               "its place in the order keys were first given rows (`kv_list`'s order)"),
         KeyRow(k.tq_tags("P"), "hash", "TransferQueue adapter: row → the sample's tags / custom meta (msgpack)"),
         KeyRow(k.tq_fields("P"), "hash", "TransferQueue adapter: field → its schema in partition P (msgpack: dtype, "
                "shape, nested, non-tensor)"),

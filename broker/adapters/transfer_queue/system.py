@@ -297,8 +297,10 @@ class System:
         return int(epoch or 0), b"".join(padded)
 
     def partitions(self) -> list[str]:
-        got = self.run("partitions", lambda: self.client.hkeys(self.keys.tq_partitions))
-        return sorted(p.decode() for p in got)
+        """The partitions, in the order they were made (as TransferQueue lists them)."""
+        got = self.run("partitions", lambda: self.client.hgetall(self.keys.tq_partitions))
+        # places are small numbers; a partition stamped in ms (before places were kept) comes after them
+        return [p.decode() for p, _ in sorted(got.items(), key=lambda item: (int(item[1]), item[0]))]
 
     # -- tags and schemas -------------------------------------------------------------------------------------
 
@@ -360,11 +362,23 @@ class System:
         return [{} if raw is None else _unpack(raw, "tags") for raw in got]
 
     def listing(self, partition: str) -> dict[str, dict[str, Any]]:
-        """``{key: tags}`` of every key of ``partition``."""
-        pairs = self.run("kv_list", lambda: self.client.hgetall(self.keys.tq_keys(partition)))
-        keys = sorted(((int(r), k.decode()) for k, r in pairs.items()))
-        tags = self.tags(partition, [r for r, _ in keys])
-        return {k: t for (_, k), t in zip(keys, tags)}
+        """``{key: tags}`` of every key of ``partition``, in the order the keys were first given rows (as
+        TransferQueue lists them: verl's replay buffers take batches in this order).
+
+        The keys, their places and their tags are read in one transaction, so a key cleared meanwhile is
+        either listed with its tags or not at all. A key without a place (written before places were kept)
+        comes after those with one, by row."""
+        def read() -> list[Any]:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hgetall(self.keys.tq_keys(partition))
+            pipe.zrange(self.keys.tq_order(partition), 0, -1)
+            pipe.hgetall(self.keys.tq_tags(partition))
+            return list(pipe.execute())
+
+        rows, order, tags = self.run("kv_list", read)
+        place = {k: i for i, k in enumerate(order)}
+        keys = sorted(rows, key=lambda k: (place.get(k, len(place)), int(rows[k])))
+        return {k.decode(): _unpack(tags[rows[k]], "tags") if rows[k] in tags else {} for k in keys}
 
     def record_schema(self, partition: str, schema: Mapping[str, Mapping[str, Any]]) -> None:
         """Record each field's schema for ``partition`` (what reads rebuild the TensorDict from)."""
@@ -484,7 +498,8 @@ class System:
             f"{CLAIM_RETRIES} times in a row; is a sampler returning rows it was not offered?")
 
     def created(self, partition: str) -> str:
-        """When ``partition`` was made (ms, as tq_rows.lua stamps it); "0" if it does not exist."""
+        """Which creation of ``partition`` this is (its place in creation order, as tq_rows.lua stamps it: new
+        each time the partition is made again after a clear_partition); "0" if it does not exist."""
         raw = self.run("partition", lambda: self.client.hget(self.keys.tq_partitions, partition))
         return "0" if raw is None else raw.decode()
 

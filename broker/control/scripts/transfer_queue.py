@@ -54,7 +54,7 @@ class TransferQueueScripts(ScriptsBase):
         status = [*(k.ready(c) for c in schema.columns), *(k.consumed(c) for c in schema.consumers)]
         reply = self._once("tq_rows", [k.tq_next, k.tq_free, k.tq_partitions, k.tq_rows(partition),
                                        k.tq_keys(partition), k.tq_rkeys(partition), k.meta, k.epoch, k.generations,
-                                       *status],
+                                       k.tq_seq, k.tq_order(partition), *status],
                            [partition, schema.capacity, count, fingerprint, *keys])
         rows = [int(r) for r in reply[3:]]
         fresh = bytes(reply[2]).decode()
@@ -66,7 +66,7 @@ class TransferQueueScripts(ScriptsBase):
         k = self._keys
         reply = self._once("tq_release", [k.tq_free, k.tq_rows(partition), k.tq_keys(partition),
                                           k.tq_rkeys(partition), k.tq_tags(partition), k.tq_partitions,
-                                          k.tq_fields(partition)],
+                                          k.tq_fields(partition), k.tq_order(partition)],
                            [partition, int(whole), *rows])
         return [int(r) for r in reply]
 
