@@ -146,6 +146,31 @@ def test_a_users_sampler_subclass_chooses(url):
         tq.close()
 
 
+class Failing(BaseSampler):
+    """A user's sampler with a bug."""
+
+    def sample(self, ready_indexes, batch_size, *args, **kwargs):
+        return [ready_indexes[0] / 0], []
+
+
+def test_a_users_sampler_that_fails_is_a_runtime_error_as_transfer_queues_controller_answers_and_takes_nothing(url):
+    """TransferQueue runs samplers in its controller: get_meta raises RuntimeError whatever the sampler raised.
+    Here the sampler runs in the caller's get_meta: its error is wrapped the same way, naming it, and no row is
+    consumed."""
+    namespace = "bad" + uuid.uuid4().hex[:6]
+    tq.init({**conf(url, namespace), "controller": {"sampler": Failing()}})
+    try:
+        c = tq.get_client()
+        c.put(rows(2), partition_id="p")
+        with pytest.raises(RuntimeError, match="sampler Failing failed: ZeroDivisionError") as info:
+            c.get_meta(["x"], 1, "p", task_name="t")
+        assert isinstance(info.value, BrokerError) and isinstance(info.value.__cause__, ZeroDivisionError)
+        assert not c.get_consumption_status("t", "p")[1].any()
+    finally:
+        tq.get_client().system.delete()
+        tq.close()
+
+
 def test_ranks_of_one_dp_group_get_the_same_rows_across_clients(url):
     namespace = "rank" + uuid.uuid4().hex[:6]
     tq.init(conf(url, namespace, sampler="RankAwareSampler"))

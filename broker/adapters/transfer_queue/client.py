@@ -22,7 +22,13 @@ from broker.adapters.transfer_queue.names import dock_name_of
 from broker.adapters.transfer_queue.sampler import BaseSampler
 from broker.adapters.transfer_queue.system import SampleNotFoundError, Snapshot, System, delivery_of
 from broker.api.delivery import HandedRows, LeasedRows
-from broker.errors import GetMetaError, GetMetaTimeoutError, InvalidArgumentTypeError, InvalidExperienceError
+from broker.errors import (
+    BrokerError,
+    GetMetaError,
+    GetMetaTimeoutError,
+    InvalidArgumentTypeError,
+    InvalidExperienceError,
+)
 
 MODES = ("fetch", "force_fetch", "insert")
 
@@ -110,8 +116,15 @@ class TransferQueueClient:
                 return recorded, recorded
             # TransferQueue's controller passes its partition: SeqlenBalancedSampler reads the rows' lengths
             # from their custom meta (the tags here), read only if the sampler asks.
-            sampled, consumed = sampler(ready, count, task_name=task_name, partition_id=partition,
-                                        partition=_CustomMeta(system, partition), **config)
+            try:
+                sampled, consumed = sampler(ready, count, task_name=task_name, partition_id=partition,
+                                            partition=_CustomMeta(system, partition), **config)
+            except BrokerError:
+                raise
+            except Exception as exc:  # a user's sampler: TransferQueue's controller answers its failure so
+                raise GetMetaError(
+                    f"partition {partition!r}, task {task_name!r}: the sampler {type(sampler).__name__} failed: "
+                    f"{type(exc).__name__}: {exc}") from exc
             return list(sampled), list(consumed)
 
         def name() -> str | None:
