@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 
 import pytest
 import torch
@@ -159,6 +160,38 @@ def test_a_change_that_would_lose_rows_is_refused(make_dock, client):
     with pytest.raises(SchemaError, match="expected a list of names"):
         dock.grow(columns=None)
     assert dock.refresh().columns == ("prompts",)
+
+
+def test_threads_sharing_a_dock_follow_growth_without_taking_it_for_a_recreation(make_dock):
+    """Threads share a dock object. One that read the stored schema before another thread adopted a later
+    growth held, when it compared, a schema newer than what it read: it took the older read for a dock
+    recreated with fewer names and raised SchemaError (1 put in ~300 of the TransferQueue adapter's race test,
+    under load). Many threads put or refresh here while another object grows the dock by a consumer at a time."""
+    dock = make_dock(prompts_num=2, n=1, columns=("prompts",), consumers=("c0",))
+    grower = TransferDock.attach(dock.client, dock.name)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def refresher(put: bool) -> None:
+        while not stop.is_set():
+            try:  # a put's script refused for the schema it went out with, then follows the growth, or a refresh
+                dock.put_experience({"prompts": torch.tensor([[1]])}, [0]) if put else dock.refresh()
+            except BaseException as exc:  # noqa: BLE001 - collected: the test says which
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=refresher, args=(i % 2 == 0,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(1, 150):
+            grower.grow(consumers=[f"c{i}"])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, f"{len(errors)} refreshes failed: {errors[0]!r}"
+    assert len(dock.refresh().consumers) == 150
 
 
 def test_a_recreated_dock_is_not_mistaken_for_a_grown_one(make_dock, client):

@@ -51,7 +51,7 @@ class Admin:
 
     def status(self) -> dict[str, Any]:
         """A consistent snapshot of the dock's counts."""
-        ref = DockRef(self._s.keys, self._s.schema, self._s.fingerprint)
+        ref = DockRef(self._s.keys, *self._s.binding)
         (result,) = self._s.run(lambda: read_statuses(self._s.client, [ref]))
         if isinstance(result, BrokerError):
             raise result

@@ -231,6 +231,13 @@ class TransferDock:
         return self._session.fingerprint
 
     @property
+    def binding(self) -> tuple[Schema, str]:
+        """``(schema, fingerprint)`` read together: what a caller that builds keys from the schema and sends
+        the fingerprint with them reads, since another thread sharing this object may adopt a growth between
+        a read of one and of the other."""
+        return self._session.binding
+
+    @property
     def rollout(self) -> Rollout:
         """The dock's partial-rollout and staleness settings."""
         return self._session.schema.rollout

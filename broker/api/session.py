@@ -89,7 +89,12 @@ class DockSession:
         self.seed = seed
         self.seeds = Seeds(seed)
         self.replication = Replication(self.client, self.durability[0], round(self.durability[1] * 1000))
+        #: Held while a schema read from Redis is compared with the one held and adopted: threads share this
+        #: object, and one that read the meta before another adopted a later growth must not take the older
+        #: read for a recreation, nor put the older schema back.
+        self._adopting = threading.Lock()
         # Set by create/attach through set_schema.
+        self.binding: tuple[Schema, str]
         self.schema: Schema
         self.check: DockChecks
         self.fingerprint: str
@@ -137,6 +142,9 @@ class DockSession:
 
     def set_schema(self, schema: Schema, stored_fingerprint: str) -> None:
         """Use ``schema`` from now on: checks, scripts and the byte store follow it."""
+        #: The two as one tuple, for callers that build keys from the schema and send its fingerprint: a thread
+        #: reading ``schema`` then ``fingerprint`` could get the old one and the grown one's.
+        self.binding = (schema, stored_fingerprint)
         self.schema = schema
         self.check = DockChecks(self.name, schema)
         self.fingerprint = stored_fingerprint
@@ -168,12 +176,18 @@ class DockSession:
 
     def refresh(self) -> Schema:
         """Read the schema again, adopting columns or consumers another process added."""
-        stored, stored_fingerprint = self.run(self.stored)
-        if stored_fingerprint != self.fingerprint:
-            if not stored.contains(self.schema):
-                raise SchemaError(f"dock {self.name!r} was recreated with another schema; open it again")
-            self.set_schema(stored, stored_fingerprint)
-        return self.schema
+        for _ in range(RACE_RETRIES):
+            before = self.fingerprint
+            stored, stored_fingerprint = self.run(self.stored)
+            with self._adopting:
+                if self.fingerprint != before:
+                    continue  # another thread adopted a growth during the read, maybe newer than it: read again
+                if stored_fingerprint != self.fingerprint:
+                    if not stored.contains(self.schema):
+                        raise SchemaError(f"dock {self.name!r} was recreated with another schema; open it again")
+                    self.set_schema(stored, stored_fingerprint)
+                return self.schema
+        return self.schema  # other threads kept adopting growths, each newer than what this one read
 
     def _follow_growth(self) -> bool | None:
         """After a script refused this object's schema: adopt the stored one if it is this object's own,
@@ -183,16 +197,20 @@ class DockSession:
         known = getattr(self, "schema", None)
         if known is None:
             return False
+        before = self.fingerprint
         try:
             stored, stored_fingerprint = self.stored()
         except (DockNotFoundError, DecodeError):  # gone, or not ours: the script's error stands
             return False
-        if not stored.contains(known):
-            return False
-        if stored_fingerprint == self.fingerprint:
-            return None
-        self.set_schema(stored, stored_fingerprint)
-        return True
+        with self._adopting:
+            if self.fingerprint != before:
+                return None  # another thread adopted a growth during the read (maybe newer than it): call again
+            if not stored.contains(known):
+                return False
+            if stored_fingerprint == self.fingerprint:
+                return None
+            self.set_schema(stored, stored_fingerprint)
+            return True
 
     # -- calling Redis --------------------------------------------------------------------------
 
@@ -204,6 +222,7 @@ class DockSession:
         with call_deadline(self.call_timeout):
             unmoved = 0
             while True:
+                sent = getattr(self, "fingerprint", None)  # the schema held as the call went out
                 try:
                     with redis_errors(self.where):
                         return busy_retried(lambda: self._library_kept(call))  # another client's long script: wait
@@ -212,13 +231,14 @@ class DockSession:
                     # nothing before it checks. If another process only grew the dock, adopt the grown schema
                     # and run the call again, as often as others keep growing it (each time the schema moved
                     # on; the call's deadline bounds it all). Threads share this object: the call may have
-                    # gone out bound to the schema another thread was replacing, so a refusal under the
-                    # schema now held is tried again too, a few times. Anything else (recreated, edited)
-                    # stays an error.
+                    # gone out bound to the schema another thread was replacing, so a refusal is tried again
+                    # while the schema held moved since the call went out (another thread adopted a growth),
+                    # and a few times under the schema held still. Anything else (recreated, edited) stays
+                    # an error.
                     followed = self._follow_growth()
                     if followed is False:
                         raise
-                    if followed is None:
+                    if followed is None and self.fingerprint == sent:  # refused under the schema held still
                         unmoved += 1
                         if unmoved > RACE_RETRIES:
                             raise

@@ -148,7 +148,7 @@ class DockSnapshot:
     def _enumerate(self) -> tuple[list[str], list[str]]:
         """What the scripts need to name every key: the partitions and the named takes' records, with the
         scripts bound to the dock's schema as this process knows it."""
-        self.scripts.bind(self.dock.schema, self.dock.fingerprint)
+        self.scripts.bind(*self.dock.binding)
         partitions = self._partitions()
         records = self.run("named takes", lambda: self.client.zrange(self.keys.named_index, 0, -1))
         return partitions, [r.decode() for r in records]

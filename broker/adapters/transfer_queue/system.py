@@ -213,7 +213,7 @@ class System:
     def _rows(self, what: str, partition: str, *, count: int = 0, keys: Sequence[str] = ()) -> SampleRows:
         with call_deadline(self.call_timeout):  # every try below, and the refreshes between them
             while True:
-                schema, fingerprint = self.dock.schema, self.dock.fingerprint
+                schema, fingerprint = self.dock.binding  # together: another thread may adopt a growth
                 try:
                     got: SampleRows = self.run(what, lambda: self.scripts.rows(
                         partition, schema, fingerprint, count=count, keys=keys))  # noqa: B023 (run at once)

@@ -41,6 +41,6 @@ class AdminScripts(ScriptsBase):
 
     def quota(self, nbytes: int | None) -> int:
         """Set the dock's byte quota (None: remove it), counting what it holds; the bytes it holds."""
-        k, columns = self._keys, self._bound.columns
-        keys = [k.meta, *(key for c in columns for key in (k.data(c), k.tail(c)))]
-        return int(self._call("set_quota", keys, [self._expected, "" if nbytes is None else nbytes]))
+        k, (schema, expected) = self._keys, self._pair
+        keys = [k.meta, *(key for c in schema.columns for key in (k.data(c), k.tail(c)))]
+        return int(self._call("set_quota", keys, [expected, "" if nbytes is None else nbytes]))

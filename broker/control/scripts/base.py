@@ -53,14 +53,17 @@ class ScriptsBase:
         # Without the header: it travels with every put.
         self._texts = {name: prefix + re.sub(r"^--\[\[.*?\]\]\n", "", script_text(name), flags=re.DOTALL)
                        for name in AS_TEXT}
-        self._schema: Schema | None = None
-        self._expected = ""
+        #: The schema bound and its fingerprint, one tuple: threads share these wrappers, and a wrapper whose
+        #: KEYS come from the schema must send the fingerprint of that same schema (``_pair``), though another
+        #: thread may bind a grown one meanwhile (a fingerprint of the grown one with the keys of the old would
+        #: pass the script's check and miss the new columns' keys).
+        self._binding: tuple[Schema, str] | None = None
         #: Per thread, the reply key of the last call whose reply it received (see ``_once``).
         self._received = threading.local()
 
     def bind(self, schema: Schema, fingerprint: str) -> None:
         """Use ``schema``; ``fingerprint`` (``schema.fingerprint`` of the stored meta) is what scripts check."""
-        self._schema, self._expected = schema, fingerprint
+        self._binding = (schema, fingerprint)
 
     @property
     def functions(self) -> bool:
@@ -126,10 +129,22 @@ class ScriptsBase:
         return [k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.tokens(consumer)]
 
     @property
-    def _bound(self) -> Schema:
-        if self._schema is None:  # a programming error of the dock, not of its user
+    def _pair(self) -> tuple[Schema, str]:
+        """The schema bound and its fingerprint, read together (see ``_binding``)."""
+        if self._binding is None:  # a programming error of the dock, not of its user
             raise RuntimeError("DockScripts.bind was not called before a script that needs the schema")
-        return self._schema
+        return self._binding
+
+    @property
+    def _bound(self) -> Schema:
+        """The schema bound: for what growth does not change (sizes, rollout); KEYS from its names go with
+        the fingerprint of ``_pair``."""
+        return self._pair[0]
+
+    @property
+    def _expected(self) -> str:
+        """The fingerprint bound ("" before any): for scripts whose KEYS do not come from the schema's names."""
+        return "" if self._binding is None else self._binding[1]
 
     @property
     def _n(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from broker.control.schema import Schema
 from broker.control.scripts.base import ScriptsBase
 from broker.control.scripts.results import Fence, Forgot
 
@@ -19,9 +20,9 @@ from broker.control.scripts.results import Fence, Forgot
 class ForgetScripts(ScriptsBase):
     """Wrappers of the scripts that forget rows: clear, discard."""
 
-    def _forget_layout(self) -> tuple[list[str], list[Any]]:
-        """The KEYS and ARGV[2..6] of the scripts that forget rows (lua/include/forget.lua)."""
-        k, schema = self._keys, self._bound
+    def _forget_layout(self, schema: Schema) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV[2..6] of the scripts that forget rows (lua/include/forget.lua), for ``schema``."""
+        k = self._keys
         keys = [k.meta, k.epoch, k.generations]
         per_column: tuple[Callable[[str], str], ...] = (k.data, k.tail, k.ready, k.group_ready)
         per_consumer: tuple[Callable[[str], str], ...] = (k.consumed, k.group_taken, k.leases, k.tokens, k.redelivered,
@@ -38,8 +39,8 @@ class ForgetScripts(ScriptsBase):
         """Forget ``rows`` (all rows when empty), or end the iteration of consumer ``iteration_of``
         (ageing the groups kept unless not ``age``), or with ``iteration_of=""`` only age them
         (lua/clear.lua); returns the cells removed from data hashes, and what to delete from shards."""
-        keys, layout = self._forget_layout()
-        schema = self._bound
+        schema, expected = self._pair
+        keys, layout = self._forget_layout(schema)
         responses = schema.rollout.response_columns
         first_response = schema.columns.index(responses[0]) + 1 if responses else 0
         if iteration_of == "":
@@ -49,7 +50,7 @@ class ForgetScripts(ScriptsBase):
         else:
             mode = ["rows", *rows] if rows else ["all"]
         keys += [self._keys.scratch, self._keys.scratch2]
-        return Forgot.parse(self._once("clear", keys, [self._expected, *layout, *mode]))
+        return Forgot.parse(self._once("clear", keys, [expected, *layout, *mode]))
 
     def discard(
         self, groups: Sequence[int], *, regenerate: bool, field: str, max_staleness: int | None,
@@ -63,15 +64,15 @@ class ForgetScripts(ScriptsBase):
         ``fence``: the delivery the groups' rows came in (its generations of the groups' rows, ascending):
         the drop is refused (FencedError) unless it still holds them.
         """
-        schema = self._bound
-        keys, layout = self._forget_layout()
+        schema, expected = self._pair
+        keys, layout = self._forget_layout(schema)
         keep = [schema.columns.index(c) + 1 for c in schema.rollout.prompt_columns] if regenerate else []
         pairs = [x for c, b in (placeholders or {}).items() for x in (schema.columns.index(c) + 1, b)]
         fenced: list[Any] = [0, 0, b"", ""]
         if fence:  # without a lease only the generations fence the drop: any consumer's position will do
             fenced = [schema.consumers.index(fence.consumer) + 1 if fence.token else 1, fence.epoch,
                       fence.generations, fence.token]
-        args = [self._expected, *layout, "regenerate" if regenerate else "drop", field,
+        args = [expected, *layout, "regenerate" if regenerate else "drop", field,
                 "" if max_staleness is None else max_staleness, *fenced, len(keep), *keep, len(pairs) // 2, *pairs,
                 *groups]
         return Forgot.parse(self._once("discard", keys + [self._keys.admitted, self._keys.version], args))

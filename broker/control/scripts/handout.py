@@ -35,7 +35,7 @@ class HandOutScripts(ScriptsBase):
 
         ``weigh_by``: the length columns the ``"seqlen"`` policy sums; ``select``: see ``Selection``.
         """
-        k, schema = self._keys, self._bound
+        k, (schema, expected) = self._keys, self._pair
         select = select or Selection()
         status = k.group_ready if groups else k.ready
         keys = [k.meta, k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.tokens(consumer),
@@ -49,7 +49,7 @@ class HandOutScripts(ScriptsBase):
         if select.batch is not None:
             keys += [k.group_batch, k.scratch3]
         units = schema.prompts_num if groups else schema.capacity
-        args = [self._expected, "groups" if groups else "rows", count, self._n, units, policy, seed, lease_ms,
+        args = [expected, "groups" if groups else "rows", count, self._n, units, policy, seed, lease_ms,
                 token, len(weigh_by), len(select.tiers), int(select.fewer), select.cap,
                 len(select.unready), "" if select.max_staleness is None else select.max_staleness,
                 "" if select.batch is None else select.batch]

@@ -38,11 +38,11 @@ class SnapshotScripts(ScriptsBase):
 
         The keys are those of the schema bound (``bind``): a grown dock fails the script's schema check.
         """
-        k, schema = self._keys, self._bound
+        k, (schema, expected) = self._keys, self._pair
         keys = k.tq_system(schema.columns, schema.consumers, schema.rollout.age_buckets, partitions, records)
         copies = [k.staged(run, key) for key in keys]
         reply = self._call("snapshot", [k.meta, k.tq_partitions, k.named_index, *keys, *copies],
-                           [self._expected, len(keys), ttl_ms, len(partitions), *partitions, len(records), *records])
+                           [expected, len(keys), ttl_ms, len(partitions), *partitions, len(records), *records])
         if int(reply[0]) == 0:
             return None
         kinds = reply[2:]
@@ -56,12 +56,12 @@ class SnapshotScripts(ScriptsBase):
         the keys staged under ``run``: ``deadlines`` maps each key to restore to when it expires (ms of
         server time, -1 never); then write ``meta`` as the dock's meta. False if ``partitions`` or
         ``records`` are not the system's any more (nothing changed)."""
-        k, schema = self._keys, self._bound
+        k, (schema, expected) = self._keys, self._pair
         current = k.tq_system(schema.columns, schema.consumers, schema.rollout.age_buckets, partitions, records)
         targets = list(deadlines)
         staged = [k.staged(run, key) for key in targets]
         pairs = [x for item in meta.items() for x in item]
         reply = self._once("restore", [k.meta, k.tq_partitions, k.named_index, *current, *staged, *targets],
-                           [self._expected, len(current), len(staged), len(partitions), *partitions, len(records),
+                           [expected, len(current), len(staged), len(partitions), *partitions, len(records),
                             *records, *(deadlines[t] for t in targets), len(pairs), *pairs])
         return int(reply[0]) == 1
