@@ -8,11 +8,15 @@ was redelivered without end.
 
 from __future__ import annotations
 
+import struct
+import uuid
+
+import msgpack
 import pytest
 import torch
 
 from broker import DecodeError, MissingDataError
-from tests.helpers import cli_output, data_cell, fill
+from tests.helpers import cli_output, data_cell, empty_cluster, fill, small_dock
 
 GARBAGE = b"\x80\x04garbage"
 
@@ -40,6 +44,40 @@ def test_a_corrupt_row_loses_no_good_row_and_dies_after_its_third_failed_deliver
     assert dock.all_consumed("actor_train")  # the dead letter counts as handed out
     assert list(dock.dead_letters()["actor_train"]) == [2]
     assert "field 2" in dock.dead_letters("actor_train")["actor_train"][2]
+
+
+def huge_header(payload: int) -> bytes:
+    """A well-framed row whose header declares 2**40 float32s, over ``payload`` bytes."""
+    header = msgpack.packb(["float32", [2**40]])
+    start = -(-(8 + len(header)) // 16) * 16
+    return struct.pack("<2sBBI", b"TD", 1, 0, len(header)) + header + bytes(start - 8 - len(header) + payload)
+
+
+@pytest.mark.parametrize("backend", ["real", "redis62", "cluster"])
+@pytest.mark.parametrize("stack", [False, True], ids=["list", "stacked"])
+@pytest.mark.parametrize("floats", [1250, 9000], ids=["5KB", "36KB"])  # whole rows, and rows cut on jemalloc
+@pytest.mark.parametrize("lease", [None, 30], ids=["unleased", "leased"])
+def test_a_row_declaring_a_huge_shape_loses_no_good_row_and_dies_as_a_corrupt_one(
+        request, backend, stack, floats, lease):
+    """Before: as the first row of a stacked read, a header declaring 2**40 floats on 5 KB was taken for a
+    cut row's head, and the read tried to allocate 16 TB: a torch RuntimeError after the rows were marked
+    consumed (without a lease the 4 rows, good ones included, were lost; with one, every redelivery
+    crashed again and the row never became a dead letter). Docks opened from a URL: their reads receive
+    rows straight off the socket, where this was."""
+    if backend == "cluster":
+        empty_cluster(request.getfixturevalue("cluster_admin"))
+    url = request.getfixturevalue({"real": "url", "redis62": "redis62_url", "cluster": "cluster_url"}[backend])
+    dock = small_dock(url, f"huge{uuid.uuid4().hex[:8]}", 4, 1, ("prompts",))
+    rows = torch.randn(4, floats)
+    dock.put_experience({"prompts": rows}, [0, 1, 2, 3])
+    dock.client.hset(*data_cell(dock, "prompts", 0), huge_header(4 * floats))
+    for attempt in range(1, 4):
+        with pytest.raises(DecodeError, match=f"row 0: .*needs {4 * 2**40} payload bytes.*row 0 {attempt}"):
+            dock.get_experience("actor_train", ["prompts"], 4, stack=stack, lease=lease)
+    assert dock.status()["consumers"]["actor_train"]["dead"] == 1
+    batch, got = dock.get_experience("actor_train", ["prompts"], 3, stack=stack, lease=lease)
+    assert got == [1, 2, 3] and all(torch.equal(batch["prompts"][i], rows[r]) for i, r in enumerate(got))
+    dock.delete()
 
 
 def test_with_a_lease_a_corrupt_batch_is_not_redelivered_for_ever(make_dock, client):

@@ -113,12 +113,24 @@ def _after(pieces: Sequence[bytes | memoryview], at: int, length: int) -> bytes:
     return b"".join(pieces)[at:length]
 
 
+def whole_of_head(first: bytes | bytearray | memoryview, length: int) -> int | None:
+    """The length of the whole row whose head is a value of ``length`` bytes starting with ``first`` (its
+    prefix at least); None when it is not a head: as long as its prefix says the row is, or unreadable, or
+    declaring more than a head can lack.
+
+    A head holds most of its row: the size class below a row's size is over 3/4 of it (four classes per
+    doubling). A value that declares more than twice its length is no head but a corrupt or hostile row (a
+    header of 2**40 floats on 5 KB): it is read as it is, for decoding to refuse, and nothing is allocated
+    for the size it declares."""
+    if length < _MIN_HEAD:
+        return None
+    whole = codec.declared_length(first)
+    return whole if whole is not None and length < whole <= 2 * length else None
+
+
 def is_head(value: bytes | bytearray | None) -> bool:
-    """Whether ``value`` is the head of a cut row: shorter than its prefix says the row is."""
-    if value is None or len(value) < _MIN_HEAD:
-        return False
-    whole = codec.declared_length(value)
-    return whole is not None and whole > len(value)
+    """Whether ``value`` is the head of a cut row (``whole_of_head``)."""
+    return value is not None and whole_of_head(value, len(value)) is not None
 
 
 def any_heads(values: Sequence[bytes | bytearray | None]) -> bool:

@@ -160,9 +160,9 @@ def receive_column(
                 values.append(None)
             elif tails:  # a cut head is received into a buffer with room for its tail, which follows into it
                 first = _first(reader, length)
-                declared = codec.declared_length(first) or 0
+                declared = fit.whole_of_head(first, length) or 0
                 values.append(_rest(reader, first, length, declared))
-                if declared > length:
+                if declared:
                     short[i] = length
             else:
                 values.append(_rest(reader, b"", length))
@@ -252,9 +252,9 @@ def _stacking_layout(
     ``decode`` accepts, not empty, not bool (a bool payload is checked byte by byte); else None. With
     ``head``, ``value`` may also be a cut row's head (data/fit.py), whose prefix alone is checked here:
     its payload is checked whole once its tail is in."""
-    if head:
+    if head and fit.whole_of_head(value, len(value)) is not None:
         layout = codec.prefix_layout(value)
-        if layout is not None and len(value) < layout[3]:
+        if layout is not None:
             start, dtype, shape, whole = layout
             return None if dtype is torch.bool or start > _HEAD or start == whole else (start, dtype, shape)
     try:
