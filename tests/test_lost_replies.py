@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 
 from broker import Rollout, TransferDock, connection
-from broker.connection import retries
+from broker.connection import replies, retries
 from tests.helpers import empty_cluster, fill, lose_next_reply, lose_next_transaction_reply
 
 pytestmark = pytest.mark.real
@@ -105,6 +106,52 @@ def test_connection_cut_while_the_pool_hands_it_out_is_retried(dock, real_url):
     assert rows == [0, 1, 2, 3]
     assert [t.tolist() for t in batch["prompts"]] == [t.tolist() for t in dock.get_experience(
         "actor_train", ["prompts"], indexes=rows)[0]["prompts"]]
+
+
+@contextlib.contextmanager
+def cut_a_reply_midway(after: int, times: int = 1) -> Iterator[list[int]]:
+    """Close the connection of a read straight off the socket (``broker.connection.replies``, a stacked get's
+    path) once ``after`` bytes of its replies have arrived, ``times`` times: what a dropped link does while a
+    large batch streams in."""
+    original = replies.RespReader._recv
+    cuts: list[int] = []
+    received = [0]
+
+    def recv(self, into):
+        if len(cuts) < times and received[0] >= after:
+            cuts.append(1)
+            received[0] = 0
+            self._sock.shutdown(socket.SHUT_RDWR)
+        got = original(self, into)
+        received[0] += got
+        return got
+
+    replies.RespReader._recv = recv
+    try:
+        yield cuts
+    finally:
+        replies.RespReader._recv = original
+
+
+@pytest.mark.parametrize("lease", [None, 30], ids=["unleased", "leased"])
+def test_a_stacked_get_cut_midway_is_read_again_and_loses_no_row(real_url, lease):
+    """Before: the stacked read raised BrokerConnectionError at once, its rows already marked handed out:
+    without a lease they were never delivered (rows 2-7 of 0-7 came later, all_consumed was True). A read of
+    rows handed out is repeatable: it is made again, as the list read's pipeline is; read_rows too."""
+    redis.Redis.from_url(real_url).flushdb()
+    dock = TransferDock(real_url, "cut", prompts_num=8, n_samples_per_prompt=1, columns=["x", "y"],
+                        consumers=["c"])
+    rows = torch.arange(8 * 4096, dtype=torch.float32).reshape(8, 4096)
+    dock.put_experience({"x": rows, "y": rows + 1}, list(range(8)))
+    with cut_a_reply_midway(after=40_000, times=2) as cuts:
+        batch, got = dock.get_experience("c", ["x", "y"], 8, stack=True, lease=lease)
+    assert cuts == [1, 1] and got == list(range(8))
+    assert torch.equal(batch["x"], rows) and torch.equal(batch["y"], rows + 1)
+    with cut_a_reply_midway(after=40_000) as cuts:
+        again = dock.read_rows(["x", "y"], [7, 0, 3, 5], stack=True)
+    picked = rows[[7, 0, 3, 5]]
+    assert cuts == [1] and torch.equal(again["x"], picked) and torch.equal(again["y"], picked + 1)
+    dock.delete()
 
 
 def test_exactly_once_while_connections_are_killed_at_random(dock_url):

@@ -191,24 +191,30 @@ def exchange(client: redis.Redis, units: Sequence[Sequence[Sequence[Any]]], read
     Sent all at once, every command of a large read reached the server in one read of its socket and it
     made every reply before the first was sent: the client waited, then the server did. A 0.3 GiB get of 10
     columns took 0.36 s so against 0.45 s (7.0.15; 0.34 against 0.43 s on 6.2); two units in flight gave
-    0.43 / 0.36 s: more only make the server compete with the client for the cores."""
+    0.43 / 0.36 s: more only make the server compete with the client for the cores.
+
+    The units must be safe to send again (reads: a get's HMGETs and its fence): a connection lost or timed
+    out before every reply was read is closed and the whole exchange made again on a new one, with the
+    client's retry policy and within the call's deadline, as redis-py retries a pipeline; ``read`` must
+    start over each time (a stacked get of rows already marked handed out would otherwise lose them)."""
     pool = client.connection_pool
     conn: Any = pool.get_connection()
     done = False
     packed = [conn.pack_commands(unit) for unit in units]
-    sent = 0
 
-    def send_next() -> None:
-        nonlocal sent
-        if sent < len(packed):
-            conn.send_packed_command(packed[sent], check_health=sent == 0)
-            sent += 1
+    def attempt() -> T:
+        sent = 0
 
-    try:
+        def send_next() -> None:
+            nonlocal sent
+            if sent < len(packed):
+                conn.send_packed_command(packed[sent], check_health=sent == 0)
+                sent += 1
+
         send_next()
         sock = conn._sock
         try:
-            out = read(RespReader(sock, send_next))
+            return read(RespReader(sock, send_next))
         except TimeoutError as exc:  # socket.timeout: the call's time, or the socket's own, ran out
             if _expired():
                 raise _passed(f"reading a reply ({exc})") from exc
@@ -218,9 +224,13 @@ def exchange(client: redis.Redis, units: Sequence[Sequence[Sequence[Any]]], read
         finally:
             if conn._sock is sock:
                 sock.settimeout(conn.socket_timeout)
+
+    try:
+        # Replies may be left unread on a failed try's connection: closed, the next try opens a new one.
+        out: T = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
         done = True
         return out
     finally:
-        if not done:  # replies may be left unread on it
+        if not done:
             conn.disconnect()
         pool.release(conn)
