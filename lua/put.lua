@@ -1,12 +1,22 @@
 --[[ put: a put on one slot: check that it may land, mark its rows written in some columns, record what
 a rollout put says of them, and wake waiting readers.
 
-A put on one slot is one MULTI/EXEC: this script, bar.lua, the HSETs of the rows' bytes, then unbar.lua.
-This one decides first and marks at once (nothing outside the MULTI sees the marks before the bytes),
-and leaves "go" in td:{NAME}:gate when the put lands; bar.lua makes the HSETs fail unless it reads "go"
-(also when this script could not run: NOSCRIPT after a restart or failover emptied the script cache), and
-unbar.lua undoes that. So no reader sees a row ready without its bytes, and a put that must not land
-writes nothing. It does not land, whole, when:
+A put on one slot is one MULTI/EXEC of plain commands around this script (broker/data/store.py, ``_queue``):
+1. the bar: each hash the put's HSETs write (data and tail per column) is set aside (RENAME, O(1) whatever
+   its size; an error where it does not exist) and a string left in its place, on which HSET fails with
+   WRONGTYPE, writing nothing;
+2. this script: it decides, and where the put lands it lifts the bar (each hash back in its place, or the
+   string deleted where there was none) and marks the rows at once (nothing outside the MULTI sees the
+   marks before the bytes);
+3. TYPE of the first data key: "string" if the bar stayed, so the HSETs' errors are the bar's;
+4. the HSETs of the rows' bytes;
+5. the bar undone where it stayed: GETDEL of each key (deletes the bar's string; a WRONGTYPE error,
+   harmless, on a hash this script put back), then RENAME of what was set aside back into its place.
+Redis has no conditional transaction (every command of a MULTI runs), and only this script can let the
+bytes through: the bar and its undoing are plain commands, so when this script cannot run (NOSCRIPT, or a
+function library lost in a FUNCTION FLUSH, a restart that kept no functions, a replica promoted without
+them) the bytes stay out and the dock is as before. No reader sees a row ready without its bytes, and a put
+that must not land writes nothing. It does not land, whole, when:
 - the dock is gone or changed (NODOCK, SCHEMA), or a key it writes holds something else (CORRUPT);
 - it is a resend of a put that already landed (its reply is kept, include/once.lua): rewriting the
   bytes could overwrite what another worker wrote since (a rollout's put gives unfinished rows back at
@@ -17,16 +27,17 @@ A put changes no generation (see include/generations.lua): rewriting a row that 
 replaces its bytes, it does not take the row away from that reader.
 
 KEYS[1]       td:{NAME}:meta
-KEYS[2]       td:{NAME}:gate               "go" for bar.lua when the put lands
-KEYS[3]       td:{NAME}:epoch
-KEYS[4]       td:{NAME}:gen
-KEYS[5]       td:{NAME}:tokens:CONSUMER    of the delivery's lease (td:{NAME}:meta without one)
-KEYS[6]       td:{NAME}:leases:CONSUMER    (td:{NAME}:meta without a lease)
-KEYS[4i+3]    td:{NAME}:data:COLUMN_i      data hash of the i-th column written (its type is checked)
-KEYS[4i+4]    td:{NAME}:tail:COLUMN_i      the tails of its cut rows (broker/data/fit.py; type checked)
-KEYS[4i+5]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
-KEYS[4i+6]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
-then, for each of the L length columns written (after the k columns' quadruples):
+KEYS[2]       td:{NAME}:epoch
+KEYS[3]       td:{NAME}:gen
+KEYS[4]       td:{NAME}:tokens:CONSUMER    of the delivery's lease (td:{NAME}:meta without one)
+KEYS[5]       td:{NAME}:leases:CONSUMER    (td:{NAME}:meta without a lease)
+KEYS[6i+6]    td:{NAME}:data:COLUMN_i      data hash of the i-th column written: the bar's string now
+KEYS[6i+7]    td:{NAME}:tail:COLUMN_i      the tails of its cut rows (broker/data/fit.py): the bar's string
+KEYS[6i+8]    td:{NAME}:ready:COLUMN_i     row bitmap of the i-th column written
+KEYS[6i+9]    td:{NAME}:gready:COLUMN_i    group bitmap of the i-th column written
+KEYS[6i+10]   td:{NAME}:aside:COLUMN_i     the data hash, set aside by the bar (its type is checked)
+KEYS[6i+11]   td:{NAME}:tailaside:COLUMN_i the tail hash, set aside (type checked)
+then, for each of the L length columns written (after the k columns' sextuples):
               td:{NAME}:len:COLUMN         u32 per row: the rows' values (see include/bits.lua set_u32)
 then, if ARGV[6] is not "-":  the keys of include/finish.lua
 last          td:{NAME}:reply:REQUEST_ID   the put's request id (include/once.lua)
@@ -78,9 +89,13 @@ end
 
 local verdict = schema_error(KEYS[1], ARGV[1])
 if not verdict then
-  verdict = wrong_type(2, 4, 'string') or (leased and (wrong_type(5, 5, 'hash') or wrong_type(6, 6, 'zset')))
-  for k = 7, first_len - 1, 4 do
-    verdict = verdict or wrong_type(k, k + 1, 'hash') or wrong_type(k + 2, k + 3, 'string')
+  verdict = wrong_type(2, 3, 'string') or (leased and (wrong_type(4, 4, 'hash') or wrong_type(5, 5, 'zset')))
+  for k = 6, first_len - 1, 6 do  -- the hashes as the bar set them aside (named by their own keys)
+    verdict = verdict or wrong_type(k + 2, k + 3, 'string')
+    for j = 0, 1 do
+      local t = verdict == nil and redis.call('TYPE', KEYS[k + 4 + j])['ok'] or 'none'
+      if t ~= 'none' and t ~= 'hash' then verdict = 'CORRUPT ' .. KEYS[k + j] .. ' holds a ' .. t .. ', expected a hash' end
+    end
   end
   verdict = verdict or wrong_type(first_len, first_finish - 1, 'string')
   if finishing ~= '-' then verdict = verdict or finish_wrong_type(first_finish) end
@@ -89,7 +104,7 @@ if verdict then return redis.error_reply(verdict) end
 local kept = kept_reply(reply_key)
 if kept then return kept end
 if ARGV[8] == '1' then
-  local fenced = fenced_off(KEYS[3], KEYS[4], KEYS[5], tonumber(ARGV[9]), ARGV[10], ARGV[11], starts, lengths)
+  local fenced = fenced_off(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[9]), ARGV[10], ARGV[11], starts, lengths)
   if fenced then return redis.error_reply(fenced) end
 end
 
@@ -107,12 +122,12 @@ if quota then
   end
   local named = group_column_names(KEYS[1])
   local old, stale = 0, {}
-  for k = 7, first_len - 1, 4 do
+  for k = 6, first_len - 1, 6 do  -- what the hashes hold, where the bar set them aside
     local column = string.match(KEYS[k], ':data:([^:]+)$')
     local fields = named[column] and group_fields or row_fields
-    local tails = stored_in(KEYS[k + 1], fields)
-    old = old + stored_in(KEYS[k], fields) + tails
-    if tails > 0 then stale[#stale + 1] = {KEYS[k + 1], fields} end
+    local tails = stored_in(KEYS[k + 5], fields)
+    old = old + stored_in(KEYS[k + 4], fields) + tails
+    if tails > 0 then stale[#stale + 1] = {KEYS[k + 5], fields} end
   end
   local stored = tonumber(redis.call('HGET', KEYS[1], 'stored_bytes') or '0')
   if stored - old + put_bytes > quota then
@@ -125,15 +140,24 @@ if quota then
   for _, t in ipairs(stale) do call_in_chunks('HDEL', t[1], t[2]) end
   count_stored(KEYS[1], put_bytes - old)
 end
-redis.call('SET', KEYS[2], 'go')
+-- The put lands: lift the bar, each hash back in its place (or the bar's string gone where there was none).
+for k = 6, first_len - 1, 6 do
+  for j = 0, 1 do
+    if redis.call('EXISTS', KEYS[k + 4 + j]) == 1 then
+      redis.call('RENAME', KEYS[k + 4 + j], KEYS[k + j])
+    else
+      redis.call('DEL', KEYS[k + j])
+    end
+  end
+end
 
 local ready_keys, gready_keys, len_keys = {}, {}, {}
-for k = 7, first_len - 1, 4 do
+for k = 6, first_len - 1, 6 do
   ready_keys[#ready_keys + 1] = KEYS[k + 2]; gready_keys[#gready_keys + 1] = KEYS[k + 3]
 end
 for j = 1, nlen do len_keys[j] = KEYS[first_len + j - 1] end
 local n = tonumber(ARGV[2])
 local written = mark_ready(ready_keys, gready_keys, len_keys, 14 + nruns, starts, lengths, n, ARGV[4], ARGV[3])
-if acking and leased then end_leases(KEYS[6], KEYS[5], rows_of_runs(starts, lengths)) end  -- fenced: ours
+if acking and leased then end_leases(KEYS[5], KEYS[4], rows_of_runs(starts, lengths)) end  -- fenced: ours
 local newly = finish_put(first_finish, starts, lengths, n, finishing, ARGV[7], 14 + nruns + nlen * written, written)
 return keep_reply(reply_key, reply_ttl, {written, newly})

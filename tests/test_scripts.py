@@ -80,11 +80,3 @@ def test_each_lua_file_includes_exactly_what_it_calls():
         calls = {name for name, names in defined.items() if path != f"include/{name}.lua" and names & words}
         declared = set(re.findall(r"^-- @include (\w+)[ \t]*$", text, re.MULTILINE))
         assert declared == calls, f"{path}: includes {sorted(declared)} but calls helpers of {sorted(calls)}"
-
-
-def test_the_scripts_sent_as_text_stay_small():
-    # bar.lua and unbar.lua go with every put as text (EVAL), so that they run whatever scripts the
-    # server lost: they include nothing, and stay small.
-    for name in ("bar", "unbar"):
-        text = script_text(name)
-        assert "@include" not in text and len(text.encode()) < 2048, (name, len(text))

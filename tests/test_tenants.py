@@ -115,6 +115,31 @@ def test_a_confined_worker_puts_under_its_docks_quota_and_is_refused_past_it(bin
         assert held == 0 and dock.status()["columns"]["prompts"]["ready"] == 2
 
 
+@pytest.mark.real
+def test_a_confined_worker_whose_server_lost_the_function_library_is_told_who_mends_it_and_writes_nothing():
+    """Before: its put raised RedisCommandError ("no permissions to run 'function|load'") and its bytes had
+    landed (the bar was a function too, lost with the library). Now the bar holds, and the error is a
+    ServerConfigError naming what the administrator runs."""
+    from broker import ServerConfigError
+    from broker.cli import main
+    from broker.ops.acl import worker_rules
+
+    with RedisServer() as server:
+        admin = server.client()
+        admin.execute_command("ACL", "SETUSER", "w", "on", ">pw", *worker_rules("a"))
+        assert main(["functions", "--url", server.url]) == 0
+        dock = small_dock(f"redis://w:pw@127.0.0.1:{server.port}/0", "a")
+        dock.put_experience({"prompts": torch.ones(2, 1)}, indexes=[0, 1])
+        before = admin.hgetall(dock.keys.data("prompts"))
+        admin.function_flush()
+        with pytest.raises(ServerConfigError, match="broker functions --url URL"):
+            dock.put_experience({"prompts": torch.zeros(2, 1)}, indexes=[0, 1])
+        assert admin.hgetall(dock.keys.data("prompts")) == before and not admin.keys("*aside*")
+        assert main(["functions", "--url", server.url]) == 0
+        dock.put_experience({"prompts": torch.zeros(2, 1)}, indexes=[0, 1])
+        assert admin.hgetall(dock.keys.data("prompts")) != before
+
+
 def test_workers_are_granted_exactly_the_commands_the_scripts_call():
     """Every command a confined worker may send on behalf of the scripts is one a script in lua/ calls: a grant
     nobody uses is a door left open (SETRANGE, say, on keys of any size)."""

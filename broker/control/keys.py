@@ -81,15 +81,12 @@ class DockKeys:
     def meta(self) -> str:
         return self.base + "meta"
 
-    @property
-    def gate(self) -> str:
-        return self.base + "gate"
-
     def aside(self, column: str) -> str:
+        """Where a put's bar sets the data hash of ``column`` aside until lua/put.lua lets the put land."""
         return f"{self.base}aside:{column}"
 
     def tail_aside(self, column: str) -> str:
-        """Where lua/bar.lua sets ``tail(column)`` aside, as ``aside`` is for the data hash."""
+        """Where a put's bar sets ``tail(column)`` aside, as ``aside`` is for the data hash."""
         return f"{self.base}tailaside:{column}"
 
     @property
@@ -438,9 +435,8 @@ def key_layout() -> list[KeyRow]:
         KeyRow(k.tq_tags("P"), "hash", "TransferQueue adapter: row → the sample's tags / custom meta (msgpack)"),
         KeyRow(k.tq_fields("P"), "hash", "TransferQueue adapter: field → its schema in partition P (msgpack: dtype, "
                "shape, nested, non-tensor)"),
-        KeyRow(k.gate, "string", "a put's verdict (`put` to `bar`); exists only inside the put's MULTI/EXEC"),
-        KeyRow(k.aside(column), "hash", "a data hash `bar` sets aside while a refused put's HSETs fail; exists "
-               "only inside the put's MULTI/EXEC"),
+        KeyRow(k.aside(column), "hash", "a data hash a put's bar sets aside until `put` lets the put land (a "
+               "string in its place fails the HSETs of a put that does not); exists only inside the put's MULTI/EXEC"),
         KeyRow(k.tail_aside(column), "hash", "the same for td:{NAME}:tail:COLUMN"),
         KeyRow(k.scratch, "string", "work space of the `sample` script, deleted before it returns"),
         KeyRow(k.scratch2, "string", "more of it: the tiers of oldest-first sampling"),

@@ -62,8 +62,8 @@ _RETURN_1_SHA = hashlib.sha1(_RETURN_1.encode()).hexdigest()
 
 #: What the broker needs each command for, as the error names it.
 _PURPOSES = {
-    "EVAL": "to send the short scripts every put carries (lua/bar.lua, lua/unbar.lua), where the broker's Redis 7 "
-            "functions are not loaded (`broker functions`)",
+    "EVAL": "to learn which script flags the server takes, where the broker's Redis 7 functions are not loaded "
+            "(`broker functions`)",
     "SCRIPT LOAD": "to load its Lua scripts where the server does not have them (after a restart or failover)",
     "EVALSHA": "to run its Lua scripts (lua/), which every call uses",
     "TIME": "in its scripts, to time leases by the server's clock",

@@ -6,8 +6,9 @@ apart from it by one of two stores with one small interface:
 
 ``SlotStore``
     the bytes in the dock's slot (``td:{NAME}:data:COLUMN``, field = row), as on one Redis server: a
-    put is one MULTI holding the checking and marking script (lua/put.lua), a bar on the HSETs unless
-    it let them through (lua/bar.lua), the HSETs, and the bar's undoing, so nothing is ever ready without
+    put is one MULTI holding a bar on the HSETs (plain commands), the checking and marking script
+    (lua/put.lua) that lifts it, the HSETs, and the bar's undoing where it stayed (also when the script
+    could not run: lost scripts or function library), so nothing is ever ready without
     its bytes, a put that must not land (a resend of one that did, a delivery no longer current) writes
     nothing, and a clear deletes bytes inside its own script. A put of more than ``SLICE_BYTES`` is one
     such MULTI per slice of whole groups, sent back to back (``slices.py``): each slice lands whole or
@@ -85,6 +86,7 @@ from broker.control.scripts import (
     run_pipeline,
     runs_of,
 )
+from broker.control.scripts.functions import library_lost
 from broker.data import fit, groups, stacking
 from broker.data.requests import Encoded, PutRequest
 from broker.data.slices import slices
@@ -250,10 +252,10 @@ class SlotStore:
                 if isinstance(executed, Exception) or not isinstance(executed, list):
                     outcomes[i] = executed if isinstance(executed, Exception) else BrokerError(
                         f"dock {self._keys.name!r}: a put's transaction was not run (EXEC answered {executed!r})")
-                elif attempt == 0 and isinstance(executed[0], redis.exceptions.NoScriptError):
-                    lost.append(i)  # the server lost the scripts since the first slice: bar.lua kept the bytes out
+                elif attempt == 0 and _not_run(executed[DockScripts.barred_commands(len(parts[i].encoded))]):
+                    lost.append(i)  # the server lost the scripts since the first slice: the bar kept the bytes out
                 else:
-                    outcomes[i] = _outcome(executed)
+                    outcomes[i] = _outcome(executed, len(parts[i].encoded))
             if not lost:
                 return
             self._scripts.load_all(self._client)
@@ -265,7 +267,7 @@ class SlotStore:
         def build(pipe: Pipeline) -> None:
             self._queue(pipe, put, request_id)
 
-        return _outcome(run_pipeline(self._client, self._scripts.load_all, build, transaction=True))
+        return _outcome(run_pipeline(self._client, self._scripts.load_all, build, transaction=True), len(put.encoded))
 
     def _cut_rows(self, put: PutRequest) -> PutRequest:
         """``put`` with its rows that waste too much whole cut to the allocator's size classes (data/fit.py):
@@ -280,15 +282,18 @@ class SlotStore:
         return dataclasses.replace(put, encoded=encoded, tails=tails) if tails else put
 
     def _queue(self, pipe: Pipeline, put: PutRequest, request_id: str) -> int:
-        """Queue one put on one slot: put.lua, bar.lua, the HSETs, unbar.lua (see lua/put.lua); returns how
-        many commands. A column's rows cut to the allocator's size classes (data/fit.py) are two HSETs, of
-        the heads and of the tails, in the same MULTI: a reader never finds one without the other."""
+        """Queue one put on one slot: the bar, put.lua, the TYPE that says whether it lifted the bar, the HSETs,
+        the bar undone where it stayed (see lua/put.lua); returns how many commands. A column's rows cut to
+        the allocator's size classes (data/fit.py) are two HSETs, of the heads and of the tails, in the same
+        MULTI: a reader never finds one without the other."""
         columns = list(put.encoded)
         nbytes = (sum(len(v) for values in put.encoded.values() for v in values.values())
                   + sum(len(v) for values in put.tails.values() for v in values.values()))
+        barred = self._scripts.bar(pipe, columns)
         self._scripts.put(pipe, columns, put.runs, put.lengths, put.finish, request_id, put.fence, put.ack,
                           nbytes)
-        queued = 3
+        self._scripts.lands(pipe, columns)
+        queued = barred + 2
         for col, mapping in put.encoded.items():
             pipe.hset(self._keys.data(col), mapping=mapping)  # type: ignore[arg-type]  # str keys are fine
             queued += 1
@@ -297,8 +302,7 @@ class SlotStore:
                 self._cut.add(col)
                 pipe.hset(self._keys.tail(col), mapping=tails)  # type: ignore[arg-type]
                 queued += 1
-        self._scripts.unbar(pipe, columns)
-        return queued
+        return queued + self._scripts.unbar(pipe, columns)
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         # One round trip: the HMGETs, then the fence script in the same pipeline, after them (see
@@ -661,19 +665,26 @@ def _u32s(packed: bytes) -> list[int]:
     return list(struct.unpack(f">{len(packed) // 4}I", packed))
 
 
-def _outcome(replies: list[Any]) -> BaseException | None:
-    """The error of a put on one slot from its replies (put, bar, the HSETs, unbar), or None if it landed.
+def _not_run(verdict: Any) -> bool:
+    """put.lua did not run: the server lost the scripts (NOSCRIPT) or the function library."""
+    return isinstance(verdict, redis.exceptions.NoScriptError) or library_lost(verdict)
 
-    put.lua's reply is the verdict: an error (refused, fenced) or the put's counts, kept ones for a resend;
-    only then did the HSETs run, and can have failed of their own (a barred put's fail by design, see
-    lua/bar.lua). unbar.lua's error would be the server's.
+
+def _outcome(replies: list[Any], columns: int) -> BaseException | None:
+    """The error of a put on one slot of ``columns`` columns from its replies (the bar, put.lua, TYPE, the
+    HSETs, the bar's undoing: see lua/put.lua), or None if it landed.
+
+    put.lua's reply is the verdict: an error (refused, fenced, or the script not run: NOSCRIPT, a lost
+    function library) or the put's counts, kept ones for a resend. Only where it lifted the bar did the
+    HSETs write, and can have failed of their own; where the bar stayed they fail by design. The bar's
+    RENAMEs and GETDELs answer errors where there is nothing to move, which change nothing.
     """
-    verdict, lands, unbar = replies[0], replies[1], replies[-1]  # lands: bar.lua's 1, the bytes went in
-    for reply in (unbar, verdict):
-        if isinstance(reply, Exception):
-            return reply
-    if lands == 1:
-        for reply in replies[2:-1]:
+    barred = DockScripts.barred_commands(columns)
+    verdict, lands = replies[barred], replies[barred + 1]
+    if isinstance(verdict, Exception):
+        return verdict
+    if DockScripts.landed(lands):
+        for reply in replies[barred + 2 : len(replies) - barred]:
             if isinstance(reply, Exception):
                 return reply
     return None

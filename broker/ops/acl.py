@@ -33,6 +33,7 @@ CLIENT_COMMANDS = (
     "info",  # opening a dock reads maxmemory_policy (control/server_checks.py); wait_replicas, the replicas' state
     "hkeys",  # the TransferQueue adapter's partition list
     "zrange", "dump", "restore", "pexpire",  # a dock's checkpoints: the named takes' records, reading and staging keys
+    "rename", "set", "type", "getdel",  # the bar around a put's HSETs (lua/put.lua), plain commands
 )
 
 #: How a client runs the broker's scripts: on Redis 7 as the loaded function library (FCALL runs those

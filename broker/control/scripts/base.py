@@ -9,7 +9,6 @@ into Python values (``results.py``).
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import Any
 
@@ -22,7 +21,6 @@ from broker.control.schema import Schema
 from broker.control.scripts.functions import function_name, library_lost, load_library, uses_functions
 from broker.control.scripts.loader import (
     ALLOW_OOM,
-    AS_TEXT,
     REPLY_TTL_MS,
     SCRIPT_FILES,
     SHARED,
@@ -48,11 +46,8 @@ class ScriptsBase:
         self.publish = publish
         self._scripts = {
             name: client.register_script(prefix + script_text(name))
-            for name in SCRIPT_FILES if name not in SHARED + AS_TEXT
+            for name in SCRIPT_FILES if name not in SHARED
         }
-        # Without the header: it travels with every put.
-        self._texts = {name: prefix + re.sub(r"^--\[\[.*?\]\]\n", "", script_text(name), flags=re.DOTALL)
-                       for name in AS_TEXT}
         #: The schema bound and its fingerprint, one tuple: threads share these wrappers, and a wrapper whose
         #: KEYS come from the schema must send the fingerprint of that same schema (``_pair``), though another
         #: thread may bind a grown one meanwhile (a fingerprint of the grown one with the keys of the old would
@@ -107,12 +102,6 @@ class ScriptsBase:
         # EVALSHA sent as is rather than through Script(client=pipe), which costs a SCRIPT EXISTS round
         # trip per call; run_pipeline loads the script and repeats the pipeline on NOSCRIPT.
         pipe.execute_command(*self._command(name, keys, args))
-
-    def _queue_text(self, pipe: Pipeline, name: str, keys: list[str]) -> None:
-        if self.functions:  # loaded functions are not lost as cached scripts are: no need for the text
-            pipe.execute_command(*self._command(name, keys, []))
-        else:
-            pipe.execute_command("EVAL", self._texts[name], len(keys), *keys)
 
     def load_all(self, client: Client) -> None:
         """Load every script (after a NOSCRIPT inside a MULTI, where redis-py does not do it), or the function

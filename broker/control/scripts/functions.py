@@ -78,10 +78,18 @@ def load_library(client: Client) -> None:
     very text (the name is its digest), and a cluster client would stop at the first primary that has it."""
     command = ("FUNCTION", "LOAD", "REPLACE", library_text())
     on_every_primary = getattr(client, "on_every_primary", None)  # a broker cluster client: paced, per primary
-    if on_every_primary is not None:
-        on_every_primary(*command)
-    else:
-        client.execute_command(*command)  # type: ignore[no-untyped-call]
+    try:
+        if on_every_primary is not None:
+            on_every_primary(*command)
+        else:
+            client.execute_command(*command)  # type: ignore[no-untyped-call]
+    except redis.exceptions.NoPermissionError as exc:
+        # A confined worker (`broker acl`) may run the library, not load it: what it met is the server's
+        # loss, which its administrator mends. Its call changed nothing (a put's bytes stay barred).
+        raise ServerConfigError(
+            f"the server no longer has the broker's function library (FUNCTION FLUSH, a restart that kept no "
+            f"functions, a replica promoted without them), and this user may not load it ({exc}): an "
+            "administrator runs `broker functions --url URL` once, then the call can be made again") from exc
 
 
 def library_lost(error: Any) -> bool:

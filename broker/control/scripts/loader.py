@@ -27,8 +27,6 @@ from pathlib import Path
 SCRIPT_FILES = {
     "create": "create.lua",
     "put": "put.lua",
-    "bar": "bar.lua",
-    "unbar": "unbar.lua",
     "claim": "claim.lua",
     "sample": "sample.lua",
     "take": "take.lua",
@@ -72,10 +70,6 @@ def new_request_id() -> str:
 
 #: Scripts run for many docks at once, outside any dock object (see ``StatusScript``).
 SHARED = ("status",)
-
-#: Scripts sent as text (EVAL), never by hash: they must run even when the server lost its scripts (see
-#: lua/bar.lua). They are a few hundred bytes, sent with every put.
-AS_TEXT = ("bar", "unbar")
 
 #: Redis 7 script flag letting a script write when the server is at ``maxmemory``. Without it a full
 #: server refuses every script's first write, so consumers could not even mark rows consumed, and the

@@ -1,7 +1,7 @@
 """The puts family: the steps of a put that mark rows written (its bytes go through ``broker.data.store``).
 
-- on one slot, one MULTI: lua/put.lua (check, mark) and lua/bar.lua, the HSETs, then lua/unbar.lua
-  (``put``, ``unbar``);
+- on one slot, one MULTI: a bar on the HSETs (plain commands), lua/put.lua (check, lift the bar, mark), the
+  HSETs, then the bar undone where it stayed (``bar``, ``put``, ``unbar``; see lua/put.lua);
 - on a sharded dock: lua/claim.lua when the put names a delivery (``claim``), the bytes to the data shards,
   then lua/mark.lua (``mark``).
 
@@ -18,9 +18,38 @@ from redis.client import Pipeline
 from broker.control.scripts.base import ScriptsBase
 from broker.control.scripts.results import NO_FINISH, Fence, Finish, Marked, numbers_of
 
+#: What the bar leaves in place of a hash a put writes until put.lua lifts it (see ``PutScripts.bar``).
+BAR = "barred until lua/put.lua lets the put land"
+
 
 class PutScripts(ScriptsBase):
-    """Wrappers of the scripts of a put: put, bar, unbar, claim, mark."""
+    """Wrappers of the scripts of a put (put, claim, mark) and the plain commands around put.lua (bar, unbar)."""
+
+    def bar(self, pipe: Pipeline, columns: Sequence[str]) -> int:
+        """Queue the first step of a put on one slot, before put.lua: each hash its HSETs write set aside and a
+        string left in its place, on which HSET fails (lua/put.lua lifts the bar when the put lands). Plain
+        commands: nothing the server can lose (cached scripts, the function library) keeps the bytes of a put
+        that was not checked from landing. A RENAME of a hash that does not exist is an error, and harmless.
+        Returns how many commands."""
+        for plain, aside in self._barred(columns):
+            pipe.execute_command("RENAME", plain, aside)
+            pipe.execute_command("SET", plain, BAR)
+        return self.barred_commands(len(columns))
+
+    @staticmethod
+    def barred_commands(columns: int) -> int:
+        """How many commands ``bar`` (and ``unbar``) queue for a put of ``columns`` columns."""
+        return 4 * columns
+
+    def lands(self, pipe: Pipeline, columns: Sequence[str]) -> None:
+        """Queue, after put.lua, the TYPE of the put's first data key: "string" while the bar stands (the put
+        does not land, and its HSETs fail by design), a hash or none once put.lua lifted it (``landed``)."""
+        pipe.execute_command("TYPE", self._keys.data(columns[0]))
+
+    @staticmethod
+    def landed(reply: object) -> bool:
+        """Whether ``lands``'s reply says the bar was lifted."""
+        return reply not in (b"string", "string")
 
     def put(
         self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]],
@@ -37,8 +66,8 @@ class PutScripts(ScriptsBase):
         """
         k = self._keys
         leased = fence is not None and bool(fence.token)
-        keys = [k.meta, k.gate, k.epoch, k.generations, *self._lease_keys(fence)]
-        keys += [kind(c) for c in columns for kind in (k.data, k.tail, k.ready, k.group_ready)]
+        keys = [k.meta, k.epoch, k.generations, *self._lease_keys(fence)]
+        keys += [kind(c) for c in columns for kind in (k.data, k.tail, k.ready, k.group_ready, k.aside, k.tail_aside)]
         keys += [k.lengths(c) for c in lengths] + (self._finish_keys() if finish else [])
         fenced = ["1", fence.epoch, fence.generations, fence.token] if fence else ["0", 0, b"", ""]
         args = [self._expected, self._n, k.events, self.publish, len(lengths),
@@ -46,17 +75,23 @@ class PutScripts(ScriptsBase):
                 *runs, *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else []),
                 nbytes]
         self._queue_once(pipe, "put", keys, args, request_id)
-        self._queue_text(pipe, "bar", self._barred(columns))
 
-    def unbar(self, pipe: Pipeline, columns: Sequence[str]) -> None:
-        """Queue the last step of a put on one slot, after its HSETs (lua/unbar.lua)."""
-        self._queue_text(pipe, "unbar", self._barred(columns))
+    def unbar(self, pipe: Pipeline, columns: Sequence[str]) -> int:
+        """Queue the last step of a put on one slot, after its HSETs: where the bar stayed, a GETDEL deletes its
+        string, then each key set aside goes back in its place (RENAME; whatever it held, a corrupt string
+        too). Where put.lua lifted the bar the key is a hash or absent (put.lua checked what was set aside),
+        so the GETDEL is a WRONGTYPE error or nothing, and nothing is left aside to RENAME: errors that change
+        nothing. Returns how many commands."""
+        for plain, aside in self._barred(columns):
+            pipe.execute_command("GETDEL", plain)
+            pipe.execute_command("RENAME", aside, plain)
+        return self.barred_commands(len(columns))
 
-    def _barred(self, columns: Sequence[str]) -> list[str]:
-        """The KEYS of lua/bar.lua and lua/unbar.lua: every hash the put's HSETs may write (data/fit.py: a
-        cut row's tail too), each with where it is set aside."""
+    def _barred(self, columns: Sequence[str]) -> list[tuple[str, str]]:
+        """Every hash a put's HSETs may write (data/fit.py: a cut row's tail too), with where the bar sets it
+        aside."""
         k = self._keys
-        return [k.gate, *(key for c in columns for key in (k.data(c), k.aside(c), k.tail(c), k.tail_aside(c)))]
+        return [pair for c in columns for pair in ((k.data(c), k.aside(c)), (k.tail(c), k.tail_aside(c)))]
 
     def _lease_keys(self, fence: Fence | None) -> list[str]:
         """td:{NAME}:tokens:CONSUMER and td:{NAME}:leases:CONSUMER of the lease ``fence`` names; the meta key
