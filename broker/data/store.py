@@ -196,8 +196,9 @@ class SlotStore:
             landed = [r for part, o in zip(parts, outcomes) if o is None for r in rows_of(part.runs)]
             error = failed[0][1]
             slice_rows = _few(rows_of(parts[failed[0][0]].runs))
-            note = (f" (so said one slice of this put, of rows {slice_rows}; rows {_few(landed)} of this put landed "
-                    "in its other slices)" if landed else "; no slice of this put landed")
+            note = (f" (so said one slice of this put, of rows {slice_rows}, and of that slice only: rows "
+                    f"{_few(landed)} of this put landed, whole, in its other slices)" if landed
+                    else "; no slice of this put landed")
             raise type(error)(f"{error}{note}") from error
 
     def _put_slices(self, parts: Sequence[PutRequest], request_ids: Sequence[str]) -> list[BaseException | None]:
@@ -250,7 +251,10 @@ class SlotStore:
                 queued, replies = replies[: size + 2], replies[size + 2 :]
                 executed = queued[-1]
                 if isinstance(executed, Exception) or not isinstance(executed, list):
-                    outcomes[i] = executed if isinstance(executed, Exception) else BrokerError(
+                    # EXECABORT names no cause: the command refused as it was queued does (OOM on a full
+                    # server, which the caller's translation makes a StoreFullError).
+                    cause = next((r for r in queued[1:-1] if isinstance(r, Exception)), executed)
+                    outcomes[i] = cause if isinstance(cause, Exception) else BrokerError(
                         f"dock {self._keys.name!r}: a put's transaction was not run (EXEC answered {executed!r})")
                 elif attempt == 0 and _not_run(executed[DockScripts.barred_commands(len(parts[i].encoded))]):
                     lost.append(i)  # the server lost the scripts since the first slice: the bar kept the bytes out
