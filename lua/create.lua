@@ -2,7 +2,13 @@
 
 Atomic, so two processes creating the same dock at once agree on one schema.
 
+A new dock's epoch (include/generations.lua) starts at the server's time in microseconds, not at 0: a
+delivery fences a put by the epoch and the rows' generations it was handed out under, and a dock deleted
+and made again under the same name must not take an old delivery of the one before for its own (it would
+let a late worker's put land on the new dock's prompts). Whole clears count up from there.
+
 KEYS[1]     td:{NAME}:meta
+KEYS[2]     td:{NAME}:epoch
 ARGV        field, value, field, value, ... of the schema to store
 
 Returns {1} when it stored the schema, else {0, field, value, ...} of the schema already there.
@@ -22,4 +28,6 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return stored
 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
+local t = redis.call('TIME')
+redis.call('SET', KEYS[2], t[1] .. string.format('%06d', tonumber(t[2])))
 return keep_reply(reply_key, reply_ttl, {1})

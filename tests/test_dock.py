@@ -382,8 +382,9 @@ def test_bad_put_raises_and_writes_nothing(make_dock, client, data, indexes, err
     dock = make_dock()
     with pytest.raises(error, match=message):
         dock.put_experience(data, indexes)
-    # Only the dock's schema, and the reply its creation keeps for a resend (lua/include/once.lua).
-    assert [k for k in server_keys(client, "td:*") if not k.endswith(b":meta") and b":reply:" not in k] == []
+    # Only the dock's schema and epoch, and the reply its creation keeps for a resend (lua/include/once.lua).
+    made = (b":meta", b":epoch")
+    assert [k for k in server_keys(client, "td:*") if not k.endswith(made) and b":reply:" not in k] == []
 
 
 def test_put_with_one_bad_column_writes_no_column(make_dock, client):

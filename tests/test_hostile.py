@@ -163,7 +163,7 @@ GARBAGE = {
     "leases junk member": lambda c, k: c.zadd(k.leases("train"), {"not-a-row": 0}),
     "redelivered junk": lambda c, k: c.set(k.redelivered("train"), "many"),
     "tokens type": lambda c, k: c.rpush(k.tokens("train"), "x"),
-    "epoch type": lambda c, k: c.rpush(k.epoch, "x"),
+    "epoch type": lambda c, k: (c.delete(k.epoch), c.rpush(k.epoch, "x")),  # a list where the epoch was
     "gen type": lambda c, k: c.sadd(k.generations, "x"),
     "ready past capacity": lambda c, k: c.set(k.ready("prompts"), b"\xff" * 50),
     "gready past groups": lambda c, k: c.setbit(k.group_ready("prompts"), 9, 1),

@@ -246,6 +246,23 @@ def test_a_drop_must_name_groups_of_its_delivery(make_dock):
     assert dock.drop_groups("rollout", [0], delivery=rows) == 1
 
 
+def test_a_delivery_of_a_dock_deleted_and_made_again_does_not_land_on_the_new_one(make_dock, client, store):
+    """Before: a dock made again under the same name started its epoch at 0 again, as the deleted one had,
+    with its rows' generations: a late put of a delivery (without a lease) of the old dock matched them and
+    landed on the new dock's prompts. Epochs now start at the server's time in microseconds."""
+    dock = stage_dock(make_dock, store, name="again")
+    prompts(dock, [111, 111], [0, 1])
+    _, slow = dock.get_experience("rollout", ["prompts"], 2)
+    epoch = slow.epoch
+    dock.delete()
+    dock = stage_dock(make_dock, store, name="again")
+    prompts(dock, [222, 222], [0, 1])
+    assert dock.get_experience("rollout", ["prompts"], 2)[1].epoch != epoch
+    with pytest.raises(FencedError):
+        dock.put_experience({"responses": answers([111, 111], worker=1)}, slow)
+    assert pairs(dock, [0, 1]) == [(222, None), (222, None)]
+
+
 def test_a_late_put_is_fenced_off_right_after_the_server_lost_its_scripts(make_dock, client, store):
     """A restart, a failover or SCRIPT FLUSH empties the script cache, and FUNCTION FLUSH (or a restart that
     kept no functions, a replica promoted without them) the function library that Redis 7 runs them from:

@@ -13,7 +13,8 @@ concludes.
 ]]
 -- @include bits
 
--- The epoch of the dock: 0 before the first whole clear.
+-- The epoch of the dock: when it was made (create.lua), counted up by whole clears; 0 for a dock made
+-- before epochs started there.
 local function epoch_of(key)
   return tonumber(redis.call('GET', key) or '0')
 end

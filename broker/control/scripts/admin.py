@@ -18,7 +18,7 @@ class AdminScripts(ScriptsBase):
 
     def create(self, fields: dict[str, str]) -> dict[bytes, bytes] | None:
         """Store ``fields`` as the dock's meta unless a dock exists; None if stored, else the stored meta."""
-        reply = self._once("create", [self._keys.meta], [x for pair in fields.items() for x in pair])
+        reply = self._once("create", [self._keys.meta, self._keys.epoch], [x for pair in fields.items() for x in pair])
         if reply[0] == 1:
             return None
         return dict(zip(reply[1::2], reply[2::2]))
