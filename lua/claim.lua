@@ -1,5 +1,7 @@
---[[ claim: the first step of a put on a sharded dock that names a delivery: check that the delivery
-still holds its rows, and keep its lease from running out while the bytes travel.
+--[[ claim: the first step of a put that names a leased delivery and takes more than one step (a sharded
+put; a put on one slot in several slices): check that the delivery still holds its rows, and keep its
+lease from running out while the bytes travel. unhold.lua gives the lease its own deadline back when the
+put ends, whatever its outcome.
 
 A sharded put writes its bytes to the data shards (other nodes) before mark.lua marks them ready, so
 the fence (include/delivery.lua) is checked twice: here, before any byte is sent, and again by
@@ -22,7 +24,9 @@ ARGV[4]     the token of the delivery's lease, or ""
 ARGV[5]     how long to hold the lease, in ms: the put's time bound
 ARGV[6..]   the rows, as runs: start, length, ... (ascending, disjoint)
 
-Returns 1, or a FENCED error if the delivery no longer holds the rows. Repeating it is harmless.
+Returns {until, row, deadline, row, deadline, ...}: the deadline the rows' lease is held to (ms of server
+time, 0 without a lease), and each row whose deadline it moved with the one it had (for unhold.lua); or a
+FENCED error if the delivery no longer holds the rows. Repeating it is harmless (it then moves none).
 ]]
 -- @include bits
 -- @include schema
@@ -36,15 +40,20 @@ if bad then return redis.error_reply(bad) end
 local starts, lengths = runs_from(6)
 local fenced = fenced_off(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), ARGV[3], ARGV[4], starts, lengths)
 if fenced then return redis.error_reply(fenced) end
+local reply = {0}
 if ARGV[4] ~= '' then
   local until_ms = now_ms() + tonumber(ARGV[5])
   local rows = rows_of_runs(starts, lengths)
   local deadlines = {}
   for i = 1, #rows do deadlines[i] = redis.call('ZSCORE', KEYS[5], rows[i]) end
   local held = {}
+  reply[1] = until_ms
   for i = 1, #rows do
-    if deadlines[i] and tonumber(deadlines[i]) < until_ms then held[#held + 1] = rows[i] end
+    if deadlines[i] and tonumber(deadlines[i]) < until_ms then
+      held[#held + 1] = rows[i]
+      reply[#reply + 1] = rows[i]; reply[#reply + 1] = deadlines[i]
+    end
   end
   if #held > 0 then lease_rows(KEYS[5], KEYS[4], held, until_ms, ARGV[4]) end
 end
-return 1
+return reply

@@ -20,7 +20,7 @@ from broker.control.scripts.loader import SCRIPT_FILES, script_text
 from broker.data import slices as slices_module
 from broker.data.requests import PutRequest
 from broker.data.slices import slices
-from broker.errors import FencedError
+from broker.errors import FencedError, QuotaExceededError
 from tests.helpers import bits, lose_next_reply, random_tensor, small_dock
 from tests.test_security import _certificates
 
@@ -179,6 +179,29 @@ def test_a_slice_refused_names_the_rows_that_landed(real_url, monkeypatch):
         with pytest.raises(FencedError, match=r"rows \[0, 1, 2, 3, 4, 5\] of this put landed"):
             dock.put_experience({"out": _batch(8, columns=("out",))["out"]}, indexes=handed)
         assert dock.ready_rows(["out"])["out"].tolist() == [True] * 6 + [False] * 2
+        dock.delete()
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("sharded", [False, True], ids=["slices", "sharded"])
+def test_a_leased_put_of_several_steps_gives_the_lease_its_own_deadline_back(real_url, monkeypatch, sharded):
+    """claim.lua holds a leased put's lease to the put's time bound (call_timeout) while its steps run.
+    Before: the deadline stayed there, so with ack=False, or when the put was refused (its first slice
+    over the quota), a worker dying next had its rows back after 30 s, not the lease's own 5."""
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 2 * SEQ * 4)
+    with small_dock(real_url, "wire-hold", prompts=4, n=2, columns=("prompts", "out"),
+                    shards=1 if sharded else 0) as dock:
+        dock.put_experience({"prompts": [torch.tensor([r]) for r in range(8)]}, indexes=list(range(8)))
+        _, handed = dock.get_experience("actor_train", ["prompts"], experience_count=8, lease=5)
+        leases = dock.client.zrange(dock.keys.leases("actor_train"), 0, -1, withscores=True)
+        out = _batch(8, columns=("out",))
+        dock.put_experience(out, indexes=handed, ack=False)
+        assert dock.client.zrange(dock.keys.leases("actor_train"), 0, -1, withscores=True) == leases
+        if not sharded:  # a sharded dock has no quota
+            dock.set_quota(1)
+            with pytest.raises(QuotaExceededError):
+                dock.put_experience(out, indexes=handed, ack=False)
+            assert dock.client.zrange(dock.keys.leases("actor_train"), 0, -1, withscores=True) == leases
         dock.delete()
 
 

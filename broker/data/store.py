@@ -61,6 +61,7 @@ then mark ready (lua/mark.lua). The interleavings that matter, and why each is s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -80,6 +81,7 @@ from broker.control.scripts import (
     DockScripts,
     Forgot,
     Handout,
+    Hold,
     new_request_id,
     read_pipeline,
     rows_of,
@@ -91,6 +93,8 @@ from broker.data import fit, groups, stacking
 from broker.data.requests import Encoded, PutRequest
 from broker.data.slices import slices
 from broker.errors import BrokerError, DecodeError, FencedError
+
+log = logging.getLogger(__name__)
 
 #: Connections a put on one slot sends its slices over at once (see ``SlotStore._put_slices``). The server
 #: takes a large put in faster from two connections than from one, even on one thread (docs/operations.md
@@ -180,10 +184,21 @@ class SlotStore:
             if error is not None:
                 raise error
             return
+        hold = None
         if put.fence is not None and put.fence.token:
             # The lease must not run out between slices and go to another worker, who would write the
-            # same rows (claim.lua holds it for the put's time bound; each slice acks its own rows).
-            self._scripts.claim(put.runs, put.fence, put.hold_ms)
+            # same rows (claim.lua holds it for the put's time bound; each slice acks its own rows; the
+            # rows not acked get their lease's own deadline back when the put ends: lua/unhold.lua).
+            hold = self._scripts.claim(put.runs, put.fence, put.hold_ms)
+        try:
+            self._put_sliced(parts)
+        finally:
+            if hold is not None:
+                _unhold(self._scripts, hold, self._keys.name)
+
+    def _put_sliced(self, parts: Sequence[PutRequest]) -> None:
+        """The slices of a put: the first alone, the others back to back; raises naming the rows that landed
+        where one did not."""
         # The first slice alone: a server that lost the scripts (NOSCRIPT, see run_pipeline) costs one slice
         # sent twice, not the batch. The others back to back, so the server writes one while the next travels.
         request_ids = [new_request_id() for _ in parts]
@@ -467,44 +482,49 @@ class ShardedStore:
         rows = rows_of(runs)  # ascending, the order of the generations the fence returns
         columns = list(encoded)
         request_id = new_request_id()  # one for the whole put: mark.lua keeps only a reply that marked
+        hold = None
         if fence is not None:
             if fence.token:
-                self._scripts.claim(runs, fence, put.hold_ms)
+                hold = self._scripts.claim(runs, fence, put.hold_ms)
             for row in rows:
                 self._seen.pop(row, None)
             guess: tuple[int, bytes] | None = (fence.epoch, fence.generations)
         else:
             guess = self._guess(rows)
-        for _ in range(PUT_RETRIES):
-            epoch, generations = guess or self._scripts.fence_now(runs)
-            guess = None
-            written = self._write(encoded, rows, epoch, generations)
-            if self._replication.replicas:
-                # The bytes reach the shards' replicas before any reader may be handed them: a shard
-                # failing over afterwards cannot leave rows ready whose bytes it lost.
-                self._replication.wait(
-                    sorted({DockKeys.shard_replicated(self._shard(r)) for r in rows}), f"dock {self._keys.name!r}: put",
-                    applied=False, outcome="its bytes were written to the data shards' primaries, but no row was "
-                    "marked ready")
-            # FencedError here: the lease was taken over. The fields are the rows' current ones, maybe
-            # holding the taker's bytes by now, so they stay (see the module docstring).
-            marked = self._scripts.mark(columns, runs, lengths, epoch, generations, finish, fence, request_id, ack)
-            if not marked.stale and not marked.epoch_moved:
-                return
-            # A clear moved some rows between the two steps: their bytes under the old generation are
-            # nobody's. The other rows' fields are left: a concurrent put of them may own them now.
-            stale = set(rows) if marked.epoch_moved else set(marked.stale)
-            self._delete_fields(written, {i for i, r in enumerate(rows) if r in stale})
-            if fence is not None:
-                moved = sorted(stale)
-                raise FencedError(
-                    f"dock {self._keys.name!r}: rows {moved[:8]}{'...' if len(moved) > 8 else ''} were cleared or "
-                    "dropped since this delivery handed them out: they may hold other prompts now; nothing was written"
-                )
-        raise BrokerError(
-            f"dock {self._keys.name!r}: rows {rows[:8]}{'...' if len(rows) > 8 else ''} were cleared during each of "
-            f"{PUT_RETRIES} puts of them; nothing was marked"
-        )
+        try:
+            for _ in range(PUT_RETRIES):
+                epoch, generations = guess or self._scripts.fence_now(runs)
+                guess = None
+                written = self._write(encoded, rows, epoch, generations)
+                if self._replication.replicas:
+                    # The bytes reach the shards' replicas before any reader may be handed them: a shard
+                    # failing over afterwards cannot leave rows ready whose bytes it lost.
+                    shards = sorted({DockKeys.shard_replicated(self._shard(r)) for r in rows})
+                    self._replication.wait(
+                        shards, f"dock {self._keys.name!r}: put", applied=False,
+                        outcome="its bytes were written to the data shards' primaries, but no row was marked ready")
+                # FencedError here: the lease was taken over. The fields are the rows' current ones, maybe
+                # holding the taker's bytes by now, so they stay (see the module docstring).
+                marked = self._scripts.mark(columns, runs, lengths, epoch, generations, finish, fence, request_id, ack)
+                if not marked.stale and not marked.epoch_moved:
+                    return
+                # A clear moved some rows between the two steps: their bytes under the old generation are
+                # nobody's. The other rows' fields are left: a concurrent put of them may own them now.
+                stale = set(rows) if marked.epoch_moved else set(marked.stale)
+                self._delete_fields(written, {i for i, r in enumerate(rows) if r in stale})
+                if fence is not None:
+                    moved = sorted(stale)
+                    raise FencedError(
+                        f"dock {self._keys.name!r}: rows {_few(moved)} were cleared or dropped since this delivery "
+                        "handed them out: they may hold other prompts now; nothing was written"
+                    )
+            raise BrokerError(
+                f"dock {self._keys.name!r}: rows {_few(rows)} were cleared during each of {PUT_RETRIES} puts of them; "
+                "nothing was marked"
+            )
+        finally:
+            if hold is not None:
+                _unhold(self._scripts, hold, self._keys.name)
 
     def _guess(self, rows: list[int]) -> tuple[int, bytes] | None:
         """The epoch and generations this object last read ``rows`` under, if it read them all in one
@@ -667,6 +687,17 @@ def _in_order(rows: Sequence[int], runs: Sequence[int], generations: bytes) -> b
 def _u32s(packed: bytes) -> list[int]:
     """Big-endian u32s (the generations the fence scripts return)."""
     return list(struct.unpack(f">{len(packed) // 4}I", packed))
+
+
+def _unhold(scripts: DockScripts, hold: Hold, dock: str) -> None:
+    """Give the rows of a put that ended the deadline their lease had before claim.lua held it (see
+    lua/unhold.lua). Where that cannot reach the server, the hold runs out by itself at the put's time
+    bound, as before: worth a warning, not the put's error."""
+    try:
+        scripts.unhold(hold)
+    except redis.RedisError as exc:
+        log.warning("dock %r: the lease a put held (to its time bound) could not be given its own deadline back: %s",
+                    dock, exc)
 
 
 def _not_run(verdict: Any) -> bool:

@@ -12,7 +12,7 @@ module          lua/ files                                              class
 ==============  ======================================================  ===================
 ``handout``     sample, take, prefetch, reserve, unreserve              ``HandOutScripts``
 ``leases``      fence, ack, release, reclaim, reset                     ``LeaseScripts``
-``puts``        put, bar, unbar, claim, mark                            ``PutScripts``
+``puts``        put, bar, unbar, claim, unhold, mark                    ``PutScripts``
 ``forget``      clear, discard (include/forget.lua)                     ``ForgetScripts``
 ``rollout``     version, unready                                        ``RolloutScripts``
 ``admin``       create, grow, metrics, columns_of                       ``AdminScripts``
@@ -48,6 +48,7 @@ from broker.control.scripts.results import (
     Finish,
     Forgot,
     Handout,
+    Hold,
     Marked,
     Released,
     Reservation,
@@ -69,6 +70,7 @@ __all__ = [
     "Forgot",
     "Handout",
     "IncludeError",
+    "Hold",
     "Marked",
     "Released",
     "Reservation",

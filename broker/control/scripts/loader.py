@@ -28,6 +28,7 @@ SCRIPT_FILES = {
     "create": "create.lua",
     "put": "put.lua",
     "claim": "claim.lua",
+    "unhold": "unhold.lua",
     "sample": "sample.lua",
     "take": "take.lua",
     "fence": "fence.lua",

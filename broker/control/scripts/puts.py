@@ -3,7 +3,9 @@
 - on one slot, one MULTI: a bar on the HSETs (plain commands), lua/put.lua (check, lift the bar, mark), the
   HSETs, then the bar undone where it stayed (``bar``, ``put``, ``unbar``; see lua/put.lua);
 - on a sharded dock: lua/claim.lua when the put names a delivery (``claim``), the bytes to the data shards,
-  then lua/mark.lua (``mark``).
+  then lua/mark.lua (``mark``);
+- a leased put of several steps (sharded, or in slices) holds its lease with claim.lua and gives it back
+  its own deadline with lua/unhold.lua when it ends (``unhold``).
 
 ``claim`` is here rather than with the leases: it is the first step of a sharded put, and it reads the
 lease of the delivery a put names the way put.lua and mark.lua do (``_lease_keys``).
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from redis.client import Pipeline
 
 from broker.control.scripts.base import ScriptsBase
-from broker.control.scripts.results import NO_FINISH, Fence, Finish, Marked, numbers_of
+from broker.control.scripts.results import NO_FINISH, Fence, Finish, Hold, Marked, numbers_of
 
 #: What the bar leaves in place of a hash a put writes until put.lua lifts it (see ``PutScripts.bar``).
 BAR = "barred until lua/put.lua lets the put land"
@@ -129,9 +131,21 @@ class PutScripts(ScriptsBase):
             return Marked(int(reply[0]))
         return Marked(0, numbers_of(reply[2]), epoch_moved=int(reply[1]) != epoch)
 
-    def claim(self, runs: Sequence[int], fence: Fence, hold_ms: int) -> None:
-        """Check, before a sharded put sends its bytes, that the delivery ``fence`` names still holds the
-        rows, and hold its lease for ``hold_ms`` (lua/claim.lua); FencedError if it does not."""
+    def claim(self, runs: Sequence[int], fence: Fence, hold_ms: int) -> Hold:
+        """Check, before a put of several steps sends its bytes, that the delivery ``fence`` names still holds
+        the rows, and hold its lease for ``hold_ms`` (lua/claim.lua); FencedError if it does not. Returns what
+        ``unhold`` gives back when the put ends."""
         k = self._keys
         keys = [k.meta, k.epoch, k.generations, *self._lease_keys(fence)]
-        self._call("claim", keys, [self._expected, fence.epoch, fence.generations, fence.token, hold_ms, *runs])
+        reply = self._call("claim", keys, [self._expected, fence.epoch, fence.generations, fence.token, hold_ms,
+                                           *runs])
+        return Hold(fence, int(reply[0]), [bytes(x) if isinstance(x, (bytes, bytearray)) else str(x).encode()
+                                           for x in reply[1:]])
+
+    def unhold(self, hold: Hold) -> int:
+        """Give each row ``claim`` held its lease's own deadline back (lua/unhold.lua); how many got it."""
+        if not hold.moved:
+            return 0
+        k = self._keys
+        keys = [k.meta, *self._lease_keys(hold.fence)]
+        return int(self._call("unhold", keys, [self._expected, hold.fence.token, hold.until_ms, *hold.moved]))

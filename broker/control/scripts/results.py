@@ -98,6 +98,17 @@ class Fence:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """A lease claim.lua held for a put of several steps: the delivery, the deadline the rows were held to
+    (ms of server time), and ``moved``: row, its own deadline, row, deadline, ... (as the script returned
+    them), which lua/unhold.lua gives back when the put ends."""
+
+    fence: Fence
+    until_ms: int
+    moved: list[bytes]
+
+
+@dataclass(frozen=True)
 class Finish:
     """What a rollout put records beside its bytes (lua/include/finish.lua): completion ``flags``, one per
     row in the order of the put's runs (None: no flags), and the ``version`` of the rows (None: none)."""
