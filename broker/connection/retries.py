@@ -94,9 +94,6 @@ _BUSY = re.compile(r"(^|caused error: )BUSY\b")
 #: was run).
 _LAST_TRY = 0.2
 
-#: A BUSY reply, alone or quoted by redis-py as a pipeline's failed command ("... caused error: BUSY ...").
-_BUSY = re.compile(r"(^|caused error: )BUSY\b")
-
 
 def is_busy(error: Exception) -> bool:
     """Redis answered BUSY: a script (or function) of some client has run past the busy threshold, and the
