@@ -94,15 +94,24 @@ class DockSession:
         #: read for a recreation, nor put the older schema back.
         self._adopting = threading.Lock()
         # Set by create/attach through set_schema.
+        #: The schema and the fingerprint of the meta it came from, one tuple: callers that build keys from the
+        #: schema and send its fingerprint read both at once, since another thread may adopt a growth between
+        #: two reads (``schema`` and ``fingerprint`` are its halves).
         self.binding: tuple[Schema, str]
-        self.schema: Schema
         self.check: DockChecks
-        self.fingerprint: str
         self.store: DataStore
 
     @property
     def name(self) -> str:
         return self.keys.name
+
+    @property
+    def schema(self) -> Schema:
+        return self.binding[0]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.binding[1]
 
     # -- the dock's schema ----------------------------------------------------------------------
 
@@ -142,12 +151,8 @@ class DockSession:
 
     def set_schema(self, schema: Schema, stored_fingerprint: str) -> None:
         """Use ``schema`` from now on: checks, scripts and the byte store follow it."""
-        #: The two as one tuple, for callers that build keys from the schema and send its fingerprint: a thread
-        #: reading ``schema`` then ``fingerprint`` could get the old one and the grown one's.
         self.binding = (schema, stored_fingerprint)
-        self.schema = schema
         self.check = DockChecks(self.name, schema)
-        self.fingerprint = stored_fingerprint
         self.scripts.bind(schema, stored_fingerprint)
         self.store = (
             ShardedStore(self.client, self.keys, self.scripts, schema.columns, schema.shards,
