@@ -87,8 +87,8 @@ from broker.control.scripts import (
     rows_of,
     run_pipeline,
     runs_of,
+    scripts_lost,
 )
-from broker.control.scripts.functions import library_lost
 from broker.data import fit, groups, stacking
 from broker.data.requests import Encoded, PutRequest
 from broker.data.slices import slices
@@ -271,7 +271,7 @@ class SlotStore:
                     cause = next((r for r in queued[1:-1] if isinstance(r, Exception)), executed)
                     outcomes[i] = cause if isinstance(cause, Exception) else BrokerError(
                         f"dock {self._keys.name!r}: a put's transaction was not run (EXEC answered {executed!r})")
-                elif attempt == 0 and _not_run(executed[DockScripts.barred_commands(len(parts[i].encoded))]):
+                elif attempt == 0 and scripts_lost(_verdict(executed, len(parts[i].encoded))):
                     lost.append(i)  # the server lost the scripts since the first slice: the bar kept the bytes out
                 else:
                     outcomes[i] = _outcome(executed, len(parts[i].encoded))
@@ -700,9 +700,9 @@ def _unhold(scripts: DockScripts, hold: Hold, dock: str) -> None:
                     dock, exc)
 
 
-def _not_run(verdict: Any) -> bool:
-    """put.lua did not run: the server lost the scripts (NOSCRIPT) or the function library."""
-    return isinstance(verdict, redis.exceptions.NoScriptError) or library_lost(verdict)
+def _verdict(replies: list[Any], columns: int) -> Any:
+    """put.lua's reply among those of a put on one slot of ``columns`` columns (after the bar's commands)."""
+    return replies[DockScripts.barred_commands(columns)]
 
 
 def _outcome(replies: list[Any], columns: int) -> BaseException | None:
@@ -715,7 +715,7 @@ def _outcome(replies: list[Any], columns: int) -> BaseException | None:
     RENAMEs and GETDELs answer errors where there is nothing to move, which change nothing.
     """
     barred = DockScripts.barred_commands(columns)
-    verdict, lands = replies[barred], replies[barred + 1]
+    verdict, lands = _verdict(replies, columns), replies[barred + 1]
     if isinstance(verdict, Exception):
         return verdict
     if DockScripts.landed(lands):

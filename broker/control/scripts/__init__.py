@@ -12,7 +12,7 @@ module          lua/ files                                              class
 ==============  ======================================================  ===================
 ``handout``     sample, take, prefetch, reserve, unreserve              ``HandOutScripts``
 ``leases``      fence, ack, release, reclaim, reset                     ``LeaseScripts``
-``puts``        put, bar, unbar, claim, unhold, mark                    ``PutScripts``
+``puts``        put, claim, unhold, mark (and the plain bar around put)   ``PutScripts``
 ``forget``      clear, discard (include/forget.lua)                     ``ForgetScripts``
 ``rollout``     version, unready                                        ``RolloutScripts``
 ``admin``       create, grow, metrics, columns_of                       ``AdminScripts``
@@ -41,7 +41,7 @@ from broker.control.scripts.loader import (
     new_request_id,
     script_text,
 )
-from broker.control.scripts.pipelines import read_pipeline, run_pipeline
+from broker.control.scripts.pipelines import read_pipeline, run_pipeline, scripts_lost
 from broker.control.scripts.results import (
     AlreadyTaken,
     Fence,
@@ -83,6 +83,7 @@ __all__ = [
     "read_pipeline",
     "rows_of",
     "run_pipeline",
+    "scripts_lost",
     "runs_of",
     "script_text",
 ]

@@ -32,7 +32,7 @@ def run_pipeline(
         pipe = client.pipeline(transaction=transaction)
         build(pipe)
         replies = pipe.execute(raise_on_error=False)
-        if attempt == 0 and any(_lost(r) for r in replies):
+        if attempt == 0 and any(scripts_lost(r) for r in replies):
             load(client)
             continue
         return replies
@@ -50,7 +50,7 @@ def read_pipeline(
     return replies
 
 
-def _lost(reply: Any) -> bool:
+def scripts_lost(reply: Any) -> bool:
     """The server lost the scripts (NOSCRIPT: a restart, SCRIPT FLUSH) or the function library (FUNCTION
     FLUSH, a new node): ``load`` puts them back."""
     return isinstance(reply, redis.exceptions.NoScriptError) or library_lost(reply)
