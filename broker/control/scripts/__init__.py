@@ -12,7 +12,7 @@ module          lua/ files                                              class
 ==============  ======================================================  ===================
 ``handout``     sample, take, prefetch, reserve, unreserve              ``HandOutScripts``
 ``leases``      fence, ack, release, reclaim, reset                     ``LeaseScripts``
-``puts``        put, claim, unhold, mark (and the plain bar around put)   ``PutScripts``
+``puts``        put, claim, unhold, mark; a plain bar around put        ``PutScripts``
 ``forget``      clear, discard (include/forget.lua)                     ``ForgetScripts``
 ``rollout``     version, unready                                        ``RolloutScripts``
 ``admin``       create, grow, metrics, columns_of                       ``AdminScripts``
