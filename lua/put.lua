@@ -60,6 +60,10 @@ ARGV[13]      R, the number of values that follow for the runs
 ARGV[14..13+R] rows written, as runs: start, length, start, length, ... (ascending, disjoint)
 then, per length column, one value per row written, in the order of the runs; then the flags
 then          the bytes of the values the put's HSETs write, tails included (include/quota.lua)
+then          the bytes of the values the rest of the put writes: the first slice of a put in slices
+              (broker/data/slices.py) is checked against the quota for the whole put, so that a put
+              past the quota writes no slice; "0" otherwise
+then          the rows of the rest of the put, as runs "start,length,start,length,..." ("" without a rest)
 last          how long to keep the reply, in ms (include/once.lua)
 
 Lengths are stored here, beside the ready bits and in the same transaction as the bytes, so that the
@@ -77,6 +81,8 @@ Publishes and returns {rows written, rows newly finished}.
 -- @include once
 
 local reply_key, reply_ttl = once_args()
+local ahead_runs = table.remove(ARGV)
+local ahead_bytes = tonumber(table.remove(ARGV))
 local put_bytes = tonumber(table.remove(ARGV))
 local nlen, finishing, nruns = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[13])
 local leased, acking = ARGV[11] ~= '', ARGV[12] == '1'
@@ -108,33 +114,55 @@ if ARGV[8] == '1' then
   if fenced then return redis.error_reply(fenced) end
 end
 
--- The quota (include/quota.lua): what the put adds, less what the fields it rewrites hold now.
+-- The quota (include/quota.lua): what the put adds, less what the fields it rewrites hold now. The first
+-- slice of a put in slices counts the rest of the put too (its rows, ahead_runs; its bytes, ahead_bytes)
+-- and adds only its own: a later slice checks its own bytes again, and is refused only if other puts
+-- filled the dock meanwhile (its error then names the rows that landed, broker/data/store.py).
 local quota = quota_of(KEYS[1])
 if quota then
   local n = tonumber(ARGV[2])
-  local row_fields, group_fields, seen = {}, {}, {}
-  for i = 1, #starts do
-    for r = starts[i], starts[i] + lengths[i] - 1 do
-      row_fields[#row_fields + 1] = tostring(r)
-      local g = math.floor(r / n)
-      if not seen[g] then seen[g] = true; group_fields[#group_fields + 1] = 'g' .. int_text(g) end
+  local function fields_of(run_starts, run_lengths)
+    local row_fields, group_fields, seen = {}, {}, {}
+    for i = 1, #run_starts do
+      for r = run_starts[i], run_starts[i] + run_lengths[i] - 1 do
+        row_fields[#row_fields + 1] = tostring(r)
+        local g = math.floor(r / n)
+        if not seen[g] then seen[g] = true; group_fields[#group_fields + 1] = 'g' .. int_text(g) end
+      end
     end
+    return row_fields, group_fields
   end
   local named = group_column_names(KEYS[1])
-  local old, stale = 0, {}
-  for k = 6, first_len - 1, 6 do  -- what the hashes hold, where the bar set them aside
-    local column = string.match(KEYS[k], ':data:([^:]+)$')
-    local fields = named[column] and group_fields or row_fields
-    local tails = stored_in(KEYS[k + 5], fields)
-    old = old + stored_in(KEYS[k + 4], fields) + tails
-    if tails > 0 then stale[#stale + 1] = {KEYS[k + 5], fields} end
+  -- What the fields of the runs hold, where the bar set the hashes aside; and the tails they rewrite.
+  local function held(run_starts, run_lengths)
+    local row_fields, group_fields = fields_of(run_starts, run_lengths)
+    local old, stale, rows = 0, {}, #row_fields
+    for k = 6, first_len - 1, 6 do
+      local column = string.match(KEYS[k], ':data:([^:]+)$')
+      local fields = named[column] and group_fields or row_fields
+      local tails = stored_in(KEYS[k + 5], fields)
+      old = old + stored_in(KEYS[k + 4], fields) + tails
+      if tails > 0 then stale[#stale + 1] = {KEYS[k + 5], fields} end
+    end
+    return old, stale, rows
+  end
+  local old, stale, rows = held(starts, lengths)
+  local whole_old, whole_bytes = old, put_bytes
+  if ahead_runs ~= '' then
+    local ahead_starts, ahead_lengths, at = {}, {}, 0
+    for v in string.gmatch(ahead_runs, '%d+') do
+      at = at + 1
+      if at % 2 == 1 then ahead_starts[#ahead_starts + 1] = tonumber(v) else ahead_lengths[#ahead_lengths + 1] = tonumber(v) end
+    end
+    local ahead_old, _, ahead_rows = held(ahead_starts, ahead_lengths)
+    whole_old, whole_bytes, rows = old + ahead_old, put_bytes + ahead_bytes, rows + ahead_rows
   end
   local stored = tonumber(redis.call('HGET', KEYS[1], 'stored_bytes') or '0')
-  if stored - old + put_bytes > quota then
-    return redis.error_reply('QUOTA a put of ' .. int_text(put_bytes)
-      .. ' bytes (rewriting fields that hold ' .. int_text(old) .. ') would take the dock from ' .. int_text(stored)
-      .. ' to ' .. int_text(stored - old + put_bytes) .. ' stored bytes, past its quota of ' .. int_text(quota)
-      .. ' bytes; nothing was written')
+  if stored - whole_old + whole_bytes > quota then
+    return redis.error_reply('QUOTA a put of ' .. int_text(rows) .. ' rows, ' .. int_text(whole_bytes)
+      .. ' bytes (rewriting fields that hold ' .. int_text(whole_old) .. ') would take the dock from '
+      .. int_text(stored) .. ' to ' .. int_text(stored - whole_old + whole_bytes) .. ' stored bytes, past its quota of '
+      .. int_text(quota) .. ' bytes; nothing was written')
   end
   -- A rewritten row's old tail: gone, as the put's own HSETs of tails (if it cuts its rows) follow.
   for _, t in ipairs(stale) do call_in_chunks('HDEL', t[1], t[2]) end

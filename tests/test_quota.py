@@ -161,3 +161,23 @@ def test_status_the_cli_and_the_exporter_show_the_quota(client):
     quota = dock.status()["quota"]
     assert quota == {"bytes": 1000, "stored_bytes": stored(dock)} and quota["stored_bytes"] > 0
     assert f"quota: {quota['stored_bytes']:,} of 1,000 bytes stored" in format_table(dock.status())
+
+
+def test_a_sliced_put_past_the_quota_writes_no_slice(client, monkeypatch):
+    """A put written in slices (data/slices.py) is checked against the quota whole, by its first slice: past
+    it, no slice lands, whatever the order the slices would have landed in (the two lanes race on a real
+    server). Rows rewritten in later slices count with what they hold, so a rewrite that fits is let through."""
+    from broker.data import slices as slices_module
+
+    dock = small_dock(client, "quota-sliced", prompts=8, n=2)
+    size = one_row_bytes(dock)
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 2 * size)  # one group of 2 rows per slice
+    assert dock.set_quota(12 * size) == 0
+    with pytest.raises(QuotaExceededError, match=r"quota-sliced.*16 rows.*past its quota.*nothing was written"):
+        dock.put_experience(rows_of(16), list(range(16)))  # 8 slices; the first 6 would fit
+    assert dock.status()["columns"]["prompts"]["ready"] == 0
+    assert stored(dock) == 0 == recount(dock, 12 * size)
+    dock.put_experience(rows_of(10), list(range(10)))
+    dock.put_experience(rows_of(12, torch.ones(64)), list(range(12)))  # 10 rewritten at their size: 12 in all
+    assert stored(dock) == 12 * size == recount(dock, 12 * size)
+    assert dock.status()["columns"]["prompts"]["ready"] == 12

@@ -202,7 +202,10 @@ class SlotStore:
         # The first slice alone: a server that lost the scripts (NOSCRIPT, see run_pipeline) costs one slice
         # sent twice, not the batch. The others back to back, so the server writes one while the next travels.
         request_ids = [new_request_id() for _ in parts]
-        first = self._put_one(parts[0], request_ids[0])
+        # The first slice is checked against the dock's quota for the whole put (lua/put.lua), so that a
+        # put past it writes nothing at all.
+        rest = [r for part in parts[1:] for r in rows_of(part.runs)]
+        first = self._put_one(parts[0], request_ids[0], ahead=(sum(_nbytes(p) for p in parts[1:]), runs_of(rest)))
         if first is not None:  # refused (fenced, the dock gone, ...): the other slices would be too
             raise type(first)(f"{first}; no slice of this put landed") from first
         outcomes = [first, *self._put_slices(parts[1:], request_ids[1:])]
@@ -280,11 +283,13 @@ class SlotStore:
             self._scripts.load_all(self._client)
             todo = lost
 
-    def _put_one(self, put: PutRequest, request_id: str) -> BaseException | None:
+    def _put_one(
+        self, put: PutRequest, request_id: str, ahead: tuple[int, Sequence[int]] = (0, ()),
+    ) -> BaseException | None:
         """``put`` as one MULTI (``request_id`` the same in the client's resends of it); its error, if it did
-        not land (see ``_outcome``)."""
+        not land (see ``_outcome``). ``ahead``: see ``PutScripts.put``."""
         def build(pipe: Pipeline) -> None:
-            self._queue(pipe, put, request_id)
+            self._queue(pipe, put, request_id, ahead)
 
         return _outcome(run_pipeline(self._client, self._scripts.load_all, build, transaction=True), len(put.encoded))
 
@@ -300,17 +305,17 @@ class SlotStore:
                     encoded[col], tails[col] = heads, cut
         return dataclasses.replace(put, encoded=encoded, tails=tails) if tails else put
 
-    def _queue(self, pipe: Pipeline, put: PutRequest, request_id: str) -> int:
+    def _queue(
+        self, pipe: Pipeline, put: PutRequest, request_id: str, ahead: tuple[int, Sequence[int]] = (0, ()),
+    ) -> int:
         """Queue one put on one slot: the bar, put.lua, the TYPE that says whether it lifted the bar, the HSETs,
         the bar undone where it stayed (see lua/put.lua); returns how many commands. A column's rows cut to
         the allocator's size classes (data/fit.py) are two HSETs, of the heads and of the tails, in the same
         MULTI: a reader never finds one without the other."""
         columns = list(put.encoded)
-        nbytes = (sum(len(v) for values in put.encoded.values() for v in values.values())
-                  + sum(len(v) for values in put.tails.values() for v in values.values()))
         barred = self._scripts.bar(pipe, columns)
         self._scripts.put(pipe, columns, put.runs, put.lengths, put.finish, request_id, put.fence, put.ack,
-                          nbytes)
+                          _nbytes(put), ahead)
         self._scripts.lands(pipe, columns)
         queued = barred + 2
         for col, mapping in put.encoded.items():
@@ -698,6 +703,12 @@ def _unhold(scripts: DockScripts, hold: Hold, dock: str) -> None:
     except redis.RedisError as exc:
         log.warning("dock %r: the lease a put held (to its time bound) could not be given its own deadline back: %s",
                     dock, exc)
+
+
+def _nbytes(put: PutRequest) -> int:
+    """The bytes of the values ``put``'s HSETs write, tails included (what the dock's quota counts)."""
+    return (sum(len(v) for values in put.encoded.values() for v in values.values())
+            + sum(len(v) for values in put.tails.values() for v in values.values()))
 
 
 def _verdict(replies: list[Any], columns: int) -> Any:

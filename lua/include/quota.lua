@@ -7,7 +7,8 @@ head and tail both, one field per group of a group column). Set, they are kept b
 writes or deletes those values, in the same script, so the count is exact whatever runs at once:
 - put.lua: a put adds its values' bytes, less what the fields it rewrites held (and deletes their stale
   tails, which a row rewritten whole would otherwise leave to the next forget), and is refused whole
-  (QUOTA, nothing written) if the count would pass the quota;
+  (QUOTA, nothing written) if the count would pass the quota; the first slice of a put in slices is
+  checked for the whole put (its rest's rows and bytes in ARGV), so a put past the quota writes no slice;
 - include/forget.lua (clear.lua, discard.lua): the fields a forget deletes, and the placeholders a
   regeneration writes; a whole clear sets the count to 0;
 - set_quota.lua sets or removes the quota, counting what the dock holds then;

@@ -56,15 +56,17 @@ class PutScripts(ScriptsBase):
     def put(
         self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]],
         finish: Finish | None, request_id: str, fence: Fence | None = None, ack: bool = False, nbytes: int = 0,
+        ahead: tuple[int, Sequence[int]] = (0, ()),
     ) -> None:
-        """Queue the first steps of a put on one slot, before the HSETs of its bytes: lua/put.lua (check,
-        and mark rows ``runs`` of ``columns`` written, with what a rollout put records beside them,
-        ``finish``), then lua/bar.lua, which makes the HSETs fail unless put.lua let them through. With
-        ``fence``, the put lands only while that delivery is current; with ``ack`` too, it ends the
-        delivery's lease of its rows. ``unbar`` follows the HSETs.
+        """Queue lua/put.lua, which checks a put on one slot and marks rows ``runs`` of ``columns`` written,
+        with what a rollout put records beside them (``finish``), and lifts the bar (``bar``) off the HSETs
+        that follow it where the put lands. With ``fence``, the put lands only while that delivery is
+        current; with ``ack`` too, it ends the delivery's lease of its rows. ``unbar`` follows the HSETs.
 
         ``lengths`` holds, per length column written, its rows' values in the order of ``runs``; ``nbytes``,
-        the bytes of the values the HSETs write, counted against the dock's quota (lua/include/quota.lua).
+        the bytes of the values the HSETs write, counted against the dock's quota (lua/include/quota.lua);
+        ``ahead``, for the first slice of a put in slices, the bytes and the runs of the rest of the put,
+        checked against the quota with it (none counted).
         """
         k = self._keys
         leased = fence is not None and bool(fence.token)
@@ -75,7 +77,7 @@ class PutScripts(ScriptsBase):
         args = [self._expected, self._n, k.events, self.publish, len(lengths),
                 *(finish.args() if finish else NO_FINISH), *fenced, "1" if ack and leased else "0", len(runs),
                 *runs, *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else []),
-                nbytes]
+                nbytes, ahead[0], ",".join(map(str, ahead[1]))]
         self._queue_once(pipe, "put", keys, args, request_id)
 
     def unbar(self, pipe: Pipeline, columns: Sequence[str]) -> int:
