@@ -22,6 +22,7 @@ that must not land writes nothing. It does not land, whole, when:
   bytes could overwrite what another worker wrote since (a rollout's put gives unfinished rows back at
   once); it answers with the kept reply;
 - it names a delivery that is no longer current (include/delivery.lua): FENCED;
+- it writes a group column for part of a group whose other rows hold another value (see below): GROUP;
 - it would take the dock past its byte quota (include/quota.lua): QUOTA.
 A put changes no generation (see include/generations.lua): rewriting a row that a reader was handed
 replaces its bytes, it does not take the row away from that reader.
@@ -64,6 +65,9 @@ then          the bytes of the values the rest of the put writes: the first slic
               (broker/data/slices.py) is checked against the quota for the whole put, so that a put
               past the quota writes no slice; "0" otherwise
 then          the rows of the rest of the put, as runs "start,length,start,length,..." ("" without a rest)
+then          for each group of which the put writes some rows only, in each group column written: the
+              column's position i among the columns written, the group, and the value the put writes
+              for it (see below); then G, the number of such triples
 last          how long to keep the reply, in ms (include/once.lua)
 
 Lengths are stored here, beside the ready bits and in the same transaction as the bytes, so that the
@@ -81,6 +85,11 @@ Publishes and returns {rows written, rows newly finished}.
 -- @include once
 
 local reply_key, reply_ttl = once_args()
+local group_values = {}  -- {first key of the column's sextuple, group, value}
+for _ = 1, tonumber(table.remove(ARGV)) do
+  local value, g, k = table.remove(ARGV), tonumber(table.remove(ARGV)), 6 * tonumber(table.remove(ARGV)) + 6
+  table.insert(group_values, 1, {k, g, value})
+end
 local ahead_runs = table.remove(ARGV)
 local ahead_bytes = tonumber(table.remove(ARGV))
 local put_bytes = tonumber(table.remove(ARGV))
@@ -112,6 +121,30 @@ if kept then return kept end
 if ARGV[8] == '1' then
   local fenced = fenced_off(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[9]), ARGV[10], ARGV[11], starts, lengths)
   if fenced then return redis.error_reply(fenced) end
+end
+
+-- A group column (broker/data/groups.py) holds one value per group, which every row of the group reads. A put
+-- of some rows of a group (a group filled row by row; a late put from a delivery of part of a group, whose
+-- other rows hold the next prompt now or are leased to another worker; a dropped row written anew beside its
+-- group-mates) must not change what the group's other rows read: where any of them is ready in the column,
+-- the put's value for the group (given here too, group_values) must equal the one stored, else GROUP.
+for _, given in ipairs(group_values) do
+  local k, g, value = given[1], given[2], given[3]
+  local others, n = {}, tonumber(ARGV[2])
+  local mine = {}
+  for _, r in ipairs(rows_of_runs(starts, lengths)) do mine[r] = true end
+  for r = g * n, (g + 1) * n - 1 do
+    if not mine[r] then others[#others + 1] = r end
+  end
+  local ready, held = get_bits(KEYS[k + 2], others), {}
+  for i = 1, #others do
+    if ready[i] == 1 then held[#held + 1] = others[i] end
+  end
+  if #held > 0 and redis.call('HGET', KEYS[k + 4], 'g' .. int_text(g)) ~= value then
+    return redis.error_reply("GROUP column '" .. string.match(KEYS[k], ':data:([^:]+)$') .. "' is a group column, "
+      .. 'and rows ' .. listed(held) .. ' of group ' .. int_text(g) .. ' hold another value: a put of part of the '
+      .. 'group cannot change what they read (put the whole group, or clear those rows first); nothing was written')
+  end
 end
 
 -- The quota (include/quota.lua): what the put adds, less what the fields it rewrites hold now. The first

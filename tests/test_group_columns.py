@@ -267,3 +267,34 @@ def test_the_mindspeed_adapter_reads_and_writes_a_dock_made_with_group_prompts(c
     assert sorted(rows) == list(range(8))
     # The adapter pads the rows into one tensor, as MindSpeed's does.
     assert [batch["prompts"][i].tolist() for i in range(8)] == [data["prompts"][r].tolist() for r in rows]
+
+
+def test_a_put_of_part_of_a_group_cannot_change_what_its_other_rows_read(make_dock):
+    """A group column holds one value per group: a put of some rows of a group must give the value the group's
+    other ready rows read (a group filled row by row), else it is refused whole. A late fenced put from a
+    delivery of part of a group (DP ranks split groups), whose other rows hold the next prompt or are leased to
+    another worker, and a dropped row written anew beside its surviving group-mate, would each change what the
+    other rows read. On data shards each row holds its own copy: nothing there to change."""
+    dock = _group_dock(make_dock, prompts_num=2, n=3)
+    if not _one_slot(dock):
+        pytest.skip("on data shards a group column is stored per row")
+    # A group filled row by row with equal values, as before.
+    for r in range(3):
+        dock.put_experience({"image": [_image(0)], "responses": [torch.tensor([r])]}, [r])
+    # A delivery of part of group 0; the group's image then rewritten whole (the next prompt, say).
+    batch, rows = dock.get_experience("actor_train", ["image"], indexes=[0])
+    dock.put_experience({"image": [_image(7)] * 3}, [0, 1, 2])
+    with pytest.raises(InvalidExperienceError, match=r"'image'.*rows 1, 2 of group 0 hold another.*nothing written"):
+        dock.put_experience({"image": [_image(0)], "responses": [torch.tensor([0])]}, rows)
+    assert [torch.equal(t, _image(7)) for t in dock.read_rows(["image"], [0, 1, 2])["image"]] == [True] * 3
+    assert dock.read_rows(["responses"], [0])["responses"][0].tolist() == [0]  # the refused put wrote nothing
+    # A row of the group dropped, then written anew beside its surviving group-mates: with their value only.
+    dock.clear([0])
+    with pytest.raises(InvalidExperienceError, match=r"rows 1, 2 of group 0"):
+        dock.put_experience({"image": [_image(9)]}, [0])
+    assert torch.equal(dock.read_rows(["image"], [1])["image"][0], _image(7))
+    dock.put_experience({"image": [_image(7)]}, [0])
+    # A group whose other rows are not ready in the column takes any value; the whole group, always.
+    dock.put_experience({"image": [_image(4)] * 2}, [3, 4])
+    dock.put_experience({"image": [_image(5)] * 3}, [3, 4, 5])
+    assert [torch.equal(t, _image(5)) for t in dock.read_rows(["image"], [3, 4, 5])["image"]] == [True] * 3

@@ -23,6 +23,7 @@ from broker.errors import (
     DockNotFoundError,
     ExperienceTooLargeError,
     FencedError,
+    InvalidExperienceError,
     QuotaExceededError,
     RedisCommandError,
     SchemaError,
@@ -123,12 +124,12 @@ def _timeout_error(where: str, cut: _DeadlinePassed, reads: bool = False) -> Bro
 #: Error prefixes of the Lua scripts, and the broker error each stands for.
 _SCRIPT_ERRORS = {"CORRUPT ": DecodeError, "NODOCK ": DockNotFoundError, "SCHEMA ": SchemaError,
                   "VERSION ": VersionError, "FENCED ": FencedError, "LOST ": DataLostError,
-                  "QUOTA ": QuotaExceededError}
+                  "QUOTA ": QuotaExceededError, "GROUP ": InvalidExperienceError}
 
 
 def script_error(exc: redis.ResponseError) -> BrokerError | None:
     """The broker error a script's error reply stands for (CORRUPT, NODOCK, SCHEMA, VERSION, FENCED, LOST,
-    QUOTA), or None."""
+    QUOTA, GROUP), or None."""
     text = str(exc)
     for prefix, error in _SCRIPT_ERRORS.items():
         if text.startswith(prefix):

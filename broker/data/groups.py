@@ -7,7 +7,9 @@ no row fields. Callers still give and get one value per row:
 
 - a put gives a value for each of its rows (``[img] * n`` costs nothing); the rows of one group in one
   put must hold equal values (``fold``), and the group's field is (re)written from them. A put of some
-  rows of a group rewrites the field the others read too: a group has one value, the last put's;
+  rows of a group also gives its value to lua/put.lua, which refuses it unless it equals what the group's
+  other ready rows read (a late put from part of a group must not change what they read: they may hold the
+  next prompt, or be another worker's); a put of the whole group may change it;
 - a read asks for each group's field once (``read_fields``) and hands every row its group's bytes
   (``expand``), which decoding turns into one tensor per row, each its own memory;
 - ready, consumed and leases stay per row; a forget deletes a group's field once no row of the group

@@ -72,11 +72,11 @@ import torch
 from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
-from broker.connection import Client, fanout, frames
+from broker.connection import Client, Framed, fanout, frames
 from broker.connection.deadlines import in_thread
 from broker.connection.replication import Replication
 from broker.connection.replies import RespReader, exchange, transaction
-from broker.control.keys import DockKeys, shard_pattern, shard_tag
+from broker.control.keys import DockKeys, group_field, shard_pattern, shard_tag
 from broker.control.scripts import (
     DockScripts,
     Forgot,
@@ -315,7 +315,7 @@ class SlotStore:
         columns = list(put.encoded)
         barred = self._scripts.bar(pipe, columns)
         self._scripts.put(pipe, columns, put.runs, put.lengths, put.finish, request_id, put.fence, put.ack,
-                          _nbytes(put), ahead)
+                          _nbytes(put), ahead, self._group_values(put))
         self._scripts.lands(pipe, columns)
         queued = barred + 2
         for col, mapping in put.encoded.items():
@@ -327,6 +327,19 @@ class SlotStore:
                 pipe.hset(self._keys.tail(col), mapping=tails)  # type: ignore[arg-type]
                 queued += 1
         return queued + self._scripts.unbar(pipe, columns)
+
+    def _group_values(self, put: PutRequest) -> list[tuple[int, int, bytes | Framed]]:
+        """For each group of which ``put`` writes some rows only, in each group column it writes: the column's
+        position, the group and its value, which lua/put.lua compares with what the group's other rows read."""
+        if not self._groups.intersection(put.encoded):
+            return []
+        rows = rows_of(put.runs)
+        count: dict[int, int] = {}
+        for row in rows:
+            count[row // self._n] = count.get(row // self._n, 0) + 1
+        partial = sorted(g for g, k in count.items() if k < self._n)
+        return [(i, g, mapping[group_field(g)]) for i, (col, mapping) in enumerate(put.encoded.items())
+                if col in self._groups for g in partial]
 
     def read(self, columns: Sequence[str], rows: Sequence[int], handout: Handout) -> list[list[bytes | None]] | None:
         # One round trip: the HMGETs, then the fence script in the same pipeline, after them (see

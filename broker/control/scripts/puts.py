@@ -14,6 +14,7 @@ lease of the delivery a put names the way put.lua and mark.lua do (``_lease_keys
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from redis.client import Pipeline
 
@@ -56,7 +57,7 @@ class PutScripts(ScriptsBase):
     def put(
         self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]],
         finish: Finish | None, request_id: str, fence: Fence | None = None, ack: bool = False, nbytes: int = 0,
-        ahead: tuple[int, Sequence[int]] = (0, ()),
+        ahead: tuple[int, Sequence[int]] = (0, ()), group_values: Sequence[tuple[int, int, Any]] = (),
     ) -> None:
         """Queue lua/put.lua, which checks a put on one slot and marks rows ``runs`` of ``columns`` written,
         with what a rollout put records beside them (``finish``), and lifts the bar (``bar``) off the HSETs
@@ -66,7 +67,9 @@ class PutScripts(ScriptsBase):
         ``lengths`` holds, per length column written, its rows' values in the order of ``runs``; ``nbytes``,
         the bytes of the values the HSETs write, counted against the dock's quota (lua/include/quota.lua);
         ``ahead``, for the first slice of a put in slices, the bytes and the runs of the rest of the put,
-        checked against the quota with it (none counted).
+        checked against the quota with it (none counted); ``group_values``, for each group of which the put
+        writes some rows only, in a group column: (the column's position in ``columns``, the group, the value
+        written), which must equal what the group's other ready rows read (data/groups.py).
         """
         k = self._keys
         leased = fence is not None and bool(fence.token)
@@ -77,7 +80,8 @@ class PutScripts(ScriptsBase):
         args = [self._expected, self._n, k.events, self.publish, len(lengths),
                 *(finish.args() if finish else NO_FINISH), *fenced, "1" if ack and leased else "0", len(runs),
                 *runs, *(v for values in lengths.values() for v in values), *(finish.flag_args() if finish else []),
-                nbytes, ahead[0], ",".join(map(str, ahead[1]))]
+                nbytes, ahead[0], ",".join(map(str, ahead[1])), *(x for given in group_values for x in given),
+                len(group_values)]
         self._queue_once(pipe, "put", keys, args, request_id)
 
     def unbar(self, pipe: Pipeline, columns: Sequence[str]) -> int:
