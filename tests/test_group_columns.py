@@ -284,7 +284,7 @@ def test_a_put_of_part_of_a_group_cannot_change_what_its_other_rows_read(make_do
     # A delivery of part of group 0; the group's image then rewritten whole (the next prompt, say).
     batch, rows = dock.get_experience("actor_train", ["image"], indexes=[0])
     dock.put_experience({"image": [_image(7)] * 3}, [0, 1, 2])
-    with pytest.raises(InvalidExperienceError, match=r"'image'.*rows 1, 2 of group 0 hold another.*nothing written"):
+    with pytest.raises(InvalidExperienceError, match=r"'image'.*rows 1, 2 of group 0 hold another.*was written"):
         dock.put_experience({"image": [_image(0)], "responses": [torch.tensor([0])]}, rows)
     assert [torch.equal(t, _image(7)) for t in dock.read_rows(["image"], [0, 1, 2])["image"]] == [True] * 3
     assert dock.read_rows(["responses"], [0])["responses"][0].tolist() == [0]  # the refused put wrote nothing

@@ -137,7 +137,7 @@ class PutListener:
             while not self._should_stop():
                 try:
                     if pubsub is None:
-                        pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]  # RedisCluster.pubsub is untyped
+                        pubsub = self._client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]  # untyped before redis-py 8.2
                         if self._sharded:
                             pubsub.ssubscribe(self._channel)
                         else:
