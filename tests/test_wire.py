@@ -155,7 +155,8 @@ def test_a_server_without_the_scripts_costs_one_slice_sent_twice(real_url, monke
         parts = slices(PutRequest({c: {str(r): v for r, v in zip(range(12), codec_rows(data[c]))} for c in data},
                                   runs_of(list(range(12))), {}), 2)
         lose_scripts()
-        outcomes = store._put_slices(parts, [f"r{i}" for i in range(len(parts))])
+        outcomes: list = [object()] * len(parts)
+        store._put_slices(parts, [f"r{i}" for i in range(len(parts))], range(len(parts)), outcomes)
         assert outcomes == [None] * len(parts)
         dock.delete()
     admin.close()
@@ -404,3 +405,48 @@ def test_a_put_whose_first_slice_is_refused_sends_no_other(real_url, monkeypatch
         assert not dock.ready_rows(["out"])["out"].any()
         dock.delete()
     admin.close()
+
+
+def _after_first_slice(monkeypatch, dock: TransferDock, step) -> None:
+    """Run ``step`` once, right after the first slice of the dock's next put in slices landed."""
+    store = dock._session.store
+    first = store._put_one
+    done: list[bool] = []
+
+    def put_one(*args, **kwargs):
+        outcome = first(*args, **kwargs)
+        if not done:
+            done.append(True)
+            step()
+        return outcome
+
+    monkeypatch.setattr(store, "_put_one", put_one)
+
+
+@pytest.mark.parametrize("leased", [True, False], ids=["leased", "producer"])
+def test_a_put_in_slices_goes_on_from_the_slice_that_did_not_land_when_the_dock_grew(client, monkeypatch, leased):
+    """Another process grows the dock between two slices: the later slices are refused (SCHEMA), and the
+    session runs the put again under the grown schema. Before, whole, with new request ids: a leased put
+    failed (FencedError "nothing was written") although its first slice had landed and acked its rows, and
+    the rest were never written; a producer's first slice was applied twice (over another writer's bytes
+    landed meanwhile). Now with the ids it had: the slices that landed are not written again."""
+    monkeypatch.setattr(slices_module, "SLICE_BYTES", 2 * SEQ * 4)  # one group (2 rows x 1 column) per slice
+    dock = small_dock(client, "wire-grown", prompts=4, n=2, columns=("prompts", "out"), shards=0)
+    other = small_dock(client, "wire-grown", prompts=4, n=2, columns=("prompts", "out"), shards=0)
+    mine, theirs = _batch(8, columns=("out",)), _batch(2, columns=("out",), seed=5)
+
+    def meanwhile() -> None:
+        other.put_experience({"out": theirs["out"]}, indexes=[0, 1])  # over what the first slice wrote
+        other.grow(columns=["extra"])
+
+    dock.put_experience({"prompts": [torch.tensor([r]) for r in range(8)]}, indexes=list(range(8)))
+    handed = dock.get_experience("actor_train", ["prompts"], experience_count=8, lease=30)[1] if leased else None
+    _after_first_slice(monkeypatch, dock, meanwhile)
+    dock.put_experience(mine, indexes=handed if leased else list(range(8)))
+    assert "extra" in dock.columns
+    got = dock.read_rows(["out"], list(range(8)))["out"]
+    assert [bits(t) for t in got[:2]] == [bits(t) for t in theirs["out"]]  # the first slice was not written again
+    assert [bits(t) for t in got[2:]] == [bits(t) for t in mine["out"][2:]]
+    if leased:
+        assert dock.status()["consumers"]["actor_train"]["leased"] == 0
+    dock.delete()

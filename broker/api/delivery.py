@@ -11,6 +11,7 @@ its late result over somebody else's.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, SupportsIndex, overload
 
@@ -134,6 +135,18 @@ def fence_of(delivery: HandedRows, rows: list[int]) -> Fence:
     if isinstance(delivery, LeasedRows):
         return Fence(delivery.epoch, delivery.generations_of(rows), delivery.consumer, delivery.token)
     return Fence(delivery.epoch, delivery.generations_of(rows))
+
+
+def put_id(delivery: LeasedRows, columns: Iterable[str], runs: Sequence[int]) -> str:
+    """The request id of a put that writes rows ``runs`` of ``columns`` for leased ``delivery`` and acks them:
+    the same for the same put sent again, so that a put cut short (its time bound passed, its connection
+    lost) and sent again writes only the slices that did not land (see ``PutRequest.request_id``). Only one
+    such put can land anyway: it ends the lease of its rows, and another is refused (FencedError)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in (delivery.consumer, delivery.token, *sorted(columns)):
+        digest.update(part.encode() + b"\0")
+    digest.update(",".join(map(str, runs)).encode())
+    return "p" + digest.hexdigest()
 
 
 def fenced_handout(delivery: HandedRows, rows: list[int]) -> Handout:

@@ -6,6 +6,7 @@ shards). Nothing is sent before everything is encoded: a bad tensor never leaves
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from broker.api.checks import (
     length_values,
     unchecked_value,
 )
-from broker.api.delivery import HandedRows, check_delivery, fence_of
+from broker.api.delivery import HandedRows, LeasedRows, check_delivery, fence_of, put_id
 from broker.api.generation import Generation
 from broker.api.session import DockSession
 from broker.connection import Framed, sizes_unchecked, value_limit
@@ -128,11 +129,14 @@ class Puts:
         finish = None
         if flags is not None or version is not None:
             finish = Finish(None if flags is None else tuple(flags[i] for i in in_run_order), version)
-        return PutRequest(
+        request = PutRequest(
             encoded, runs, lengths, finish,
             fence=None if delivery is None else fence_of(delivery, rows_of(runs)), ack=ack,
             hold_ms=int(self._s.call_timeout * 1000),  # a sharded put holds its lease for as long as it may take
         )
+        if isinstance(delivery, LeasedRows) and ack:  # sent again, it writes only what did not land
+            request = dataclasses.replace(request, resend_id=put_id(delivery, encoded, runs))
+        return request
 
 
 def encode_group_column(

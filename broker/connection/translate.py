@@ -48,7 +48,7 @@ def redis_errors(where: str, *, reads: bool = False) -> Iterator[None]:
     try:
         yield
     except _DeadlinePassed as exc:
-        raise _timeout_error(where, exc, reads) from exc
+        raise _timeout_error(where, exc, reads, _outcome(exc)) from exc
     except redis.AuthenticationError as exc:
         raise BrokerConnectionError(f"Redis at {where} refused the credentials: {exc}") from exc
     except redis.exceptions.AskError as exc:  # MovedError too: redis-py keeps only "SLOT HOST:PORT" of it
@@ -88,13 +88,13 @@ def redis_errors(where: str, *, reads: bool = False) -> Iterator[None]:
     except _CUT as exc:
         cut = _cut_by_deadline(exc)  # a retry loop that stopped at the deadline
         if cut is not None:
-            raise _timeout_error(where, cut, reads) from exc
-        raise BrokerConnectionError(f"Redis at {where}: {_short(exc)}") from exc
+            raise _timeout_error(where, cut, reads, _outcome(exc)) from exc
+        said = _outcome(exc)
+        raise BrokerConnectionError(f"Redis at {where}: {_short(exc)}{f' ({said})' if said else ''}") from exc
     except redis.exceptions.OutOfMemoryError as exc:
+        applied = _outcome(exc) or "nothing of this call was applied"
         raise StoreFullError(
-            f"Redis at {where} is out of memory (maxmemory reached); nothing of this call was applied: "
-            f"{_short(exc)}"
-        ) from exc
+            f"Redis at {where} is out of memory (maxmemory reached); {applied}: {_short(exc)}") from exc
     except redis.exceptions.NoPermissionError as exc:
         raise RedisCommandError(f"Redis at {where} denied this user a command or key: {_short(exc)}") from exc
     except redis.ResponseError as exc:
@@ -113,8 +113,18 @@ def redis_errors(where: str, *, reads: bool = False) -> Iterator[None]:
         raise RedisCommandError(f"Redis at {where} refused a command: {_short(exc)}") from exc
 
 
-def _timeout_error(where: str, cut: _DeadlinePassed, reads: bool = False) -> BrokerTimeoutError:
-    applied = "it only read, so nothing was changed" if reads else "it may or may not have been applied"
+def _outcome(exc: BaseException) -> str | None:
+    """What a call cut short or refused part way had applied, where it knows (``outcome``, set by the call: a
+    put in slices names the rows that landed), else None."""
+    said = getattr(exc, "outcome", None)
+    return said if isinstance(said, str) else None
+
+
+def _timeout_error(
+    where: str, cut: _DeadlinePassed, reads: bool = False, outcome: str | None = None,
+) -> BrokerTimeoutError:
+    applied = ("it only read, so nothing was changed" if reads else
+               f"of what it applied: {outcome}" if outcome else "it may or may not have been applied")
     return BrokerTimeoutError(
         f"Redis at {where} did not answer within the call's bound of {cut.bound}; the call was given up, and "
         f"{applied} ({_short(Exception(cut.detail))})"

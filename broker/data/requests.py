@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from broker.connection import Framed
-from broker.control.scripts import Fence, Finish
+from broker.control.scripts import Fence, Finish, new_request_id
 
 #: Per column, field -> encoded bytes: what a put writes (field = the row in decimal; in a group column on
 #: one slot, ``group_field(g)`` per group: see data/groups.py). A ``Framed`` value is
@@ -40,5 +40,19 @@ class PutRequest:
     #: Per column, field -> the tail of a row cut to the allocator's size classes (data/fit.py), whose head
     #: is the field's value in ``encoded``; set by the store, once per put.
     tails: dict[str, dict[str, bytes]] = dataclasses.field(default_factory=dict)
+    #: The put's request id (lua/include/once.lua), the same however often the call runs it: a put run again
+    #: (the session adopting a schema another process grew between two of its slices) finds the slices that
+    #: landed by their kept replies, and writes only the rest (their ids follow from it: ``step_id``).
+    request_id: str = dataclasses.field(default_factory=new_request_id)
+    #: For a leased put that acks: an id the same in every sending of the same put (api/delivery.py
+    #: ``put_id``), from which its slices' ids follow instead, so that the put sent again after it was cut
+    #: short (its time bound, its connection) writes only the slices that did not land.
+    resend_id: str | None = None
+
+
+def step_id(request_id: str, runs: Sequence[int]) -> str:
+    """The request id of the step of put ``request_id`` writing rows ``runs`` (a slice): a put cut the same
+    way again gives its slices the same ids, one cut otherwise gives them others."""
+    return f"{request_id}.{runs[0]}.{sum(runs[1::2])}"
 
 

@@ -76,13 +76,13 @@ from broker.connection import Client, Framed, fanout, frames
 from broker.connection.deadlines import in_thread
 from broker.connection.replication import Replication
 from broker.connection.replies import RespReader, exchange, transaction
+from broker.connection.translate import script_error
 from broker.control.keys import DockKeys, group_field, shard_pattern, shard_tag
 from broker.control.scripts import (
     DockScripts,
     Forgot,
     Handout,
     Hold,
-    new_request_id,
     read_pipeline,
     rows_of,
     run_pipeline,
@@ -90,7 +90,7 @@ from broker.control.scripts import (
     scripts_lost,
 )
 from broker.data import fit, groups, stacking
-from broker.data.requests import Encoded, PutRequest
+from broker.data.requests import Encoded, PutRequest, step_id
 from broker.data.slices import slices
 from broker.errors import BrokerError, DecodeError, FencedError
 
@@ -180,63 +180,94 @@ class SlotStore:
             put = self._cut_rows(put)
         parts = slices(put, self._n)
         if len(parts) == 1:
-            error = self._put_one(put, new_request_id())
+            error = self._put_one(put, put.request_id)
             if error is not None:
                 raise error
             return
+        # Each slice's request id follows from the put's, so a put run again (the session adopting a schema
+        # another process grew between two slices) or a leased put sent again (cut short by its time bound:
+        # resend_id) finds the slices that landed by their kept replies: they are not written twice, and the
+        # rest is written.
+        request_ids = [step_id(put.resend_id or put.request_id, part.runs) for part in parts]
         hold = None
+        landed: frozenset[int] = frozenset()
         if put.fence is not None and put.fence.token:
             # The lease must not run out between slices and go to another worker, who would write the
             # same rows (claim.lua holds it for the put's time bound; each slice acks its own rows; the
-            # rows not acked get their lease's own deadline back when the put ends: lua/unhold.lua).
-            hold = self._scripts.claim(put.runs, put.fence, put.hold_ms)
+            # rows not acked get their lease's own deadline back when the put ends: lua/unhold.lua). It
+            # also says which slices of a put sent again landed before: their rows were acked by them.
+            steps = [(rid, len(rows_of(part.runs))) for rid, part in zip(request_ids, parts)]
+            hold = self._scripts.claim(put.runs, put.fence, put.hold_ms, steps)
+            landed = hold.landed
+            if len(landed) == len(parts):  # as for a put of one step sent again: its rows are acked, and stand
+                _unhold(self._scripts, hold, self._keys.name)
+                raise FencedError(
+                    f"dock {self._keys.name!r}: rows {_few(rows_of(put.runs))} were written and acked by this delivery "
+                    "already (an earlier sending of this same put landed whole); nothing was written")
         try:
-            self._put_sliced(parts)
+            self._put_sliced(parts, request_ids, landed)
         finally:
             if hold is not None:
                 _unhold(self._scripts, hold, self._keys.name)
 
-    def _put_sliced(self, parts: Sequence[PutRequest]) -> None:
-        """The slices of a put: the first alone, the others back to back; raises naming the rows that landed
-        where one did not."""
-        # The first slice alone: a server that lost the scripts (NOSCRIPT, see run_pipeline) costs one slice
-        # sent twice, not the batch. The others back to back, so the server writes one while the next travels.
-        request_ids = [new_request_id() for _ in parts]
-        # The first slice is checked against the dock's quota for the whole put (lua/put.lua), so that a
-        # put past it writes nothing at all.
-        rest = [r for part in parts[1:] for r in rows_of(part.runs)]
-        first = self._put_one(parts[0], request_ids[0], ahead=(sum(_nbytes(p) for p in parts[1:]), runs_of(rest)))
-        if first is not None:  # refused (fenced, the dock gone, ...): the other slices would be too
-            raise type(first)(f"{first}; no slice of this put landed") from first
-        outcomes = [first, *self._put_slices(parts[1:], request_ids[1:])]
-        failed = [(i, o) for i, o in enumerate(outcomes) if o is not None]
-        if failed:
-            landed = [r for part, o in zip(parts, outcomes) if o is None for r in rows_of(part.runs)]
-            error = failed[0][1]
-            slice_rows = _few(rows_of(parts[failed[0][0]].runs))
-            note = (f" (so said one slice of this put, of rows {slice_rows}, and of that slice only: rows "
-                    f"{_few(landed)} of this put landed, whole, in its other slices)" if landed
-                    else "; no slice of this put landed")
-            raise type(error)(f"{error}{note}") from error
+    def _put_sliced(self, parts: Sequence[PutRequest], request_ids: Sequence[str], landed: frozenset[int]) -> None:
+        """The slices of a put but those ``landed`` before: the first alone, the others back to back; raises
+        naming the rows that landed where one did not, or where the put was cut short."""
+        todo = [i for i in range(len(parts)) if i not in landed]
+        outcomes: list[BaseException | None | _Unknown] = [None if i in landed else _UNKNOWN for i in range(len(parts))]
+        try:
+            if not todo:
+                return
+            # The first slice alone: a server that lost the scripts (NOSCRIPT, see run_pipeline) costs one slice
+            # sent twice, not the batch; it is checked against the dock's quota for the whole put (lua/put.lua),
+            # so a put past it writes nothing at all. The others back to back, so the server writes one while
+            # the next travels.
+            first, rest = todo[0], todo[1:]
+            ahead = [r for i in rest for r in rows_of(parts[i].runs)]
+            outcomes[first] = self._put_one(parts[first], request_ids[first],
+                                            ahead=(sum(_nbytes(parts[i]) for i in rest), runs_of(ahead)))
+            if outcomes[first] is None and rest:  # refused, the others would be too (fenced, the dock gone, ...)
+                self._put_slices(parts, request_ids, rest, outcomes)
+        except redis.RedisError as exc:  # cut short (the call's time bound, the connection): say what is known
+            exc.outcome = _landed(parts, outcomes, cut=True)  # type: ignore[attr-defined]  # see translate.py
+            raise
+        failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
+        if not failed:
+            return
+        i, error = failed[0]
+        said = _landed(parts, outcomes, cut=False)
+        if isinstance(error, redis.ResponseError) and script_error(error) is not None:  # refused: it says why
+            if not any(o is None for o in outcomes):
+                raise type(error)(f"{error}; no slice of this put landed") from error
+            raise type(error)(f"{error} (so said one slice of this put, of rows {_few(rows_of(parts[i].runs))}, and "
+                              f"of that slice only: {said})") from error
+        if any(o is None for o in outcomes):  # the server's own error (OOM, ...): translate.py says it with this
+            error.outcome = said  # type: ignore[attr-defined]
+        raise error
 
-    def _put_slices(self, parts: Sequence[PutRequest], request_ids: Sequence[str]) -> list[BaseException | None]:
-        """Each of ``parts`` as its own MULTI, over ``PUT_LANES`` connections at once; the error of each that
-        did not land, else None. Slices hold disjoint rows, so their order between lanes does not matter."""
+    def _put_slices(
+        self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: Sequence[int],
+        outcomes: list[BaseException | None | _Unknown],
+    ) -> None:
+        """Slices ``todo`` of ``parts``, each as its own MULTI, over ``PUT_LANES`` connections at once; sets the
+        outcome of each (its error if it did not land, else None) in ``outcomes`` as its reply comes. Slices
+        hold disjoint rows, so their order between lanes does not matter."""
         if isinstance(self._client, RedisCluster):  # no pipeline of several transactions there: one by one
-            return [self._put_one(part, rid) for part, rid in zip(parts, request_ids)]
-        outcomes: list[BaseException | None] = [None] * len(parts)
-        lanes = [list(range(first, len(parts), PUT_LANES)) for first in range(min(PUT_LANES, len(parts)))]
+            for i in todo:
+                outcomes[i] = self._put_one(parts[i], request_ids[i])
+            return
+        lanes = [list(todo[first::PUT_LANES]) for first in range(min(PUT_LANES, len(todo)))]
         failures: list[BaseException] = []
 
-        def lane(todo: list[int]) -> Callable[[], None]:
+        def lane(mine: list[int]) -> Callable[[], None]:
             def run() -> None:
                 try:
-                    self._lane(parts, request_ids, todo, outcomes)
+                    self._lane(parts, request_ids, mine, outcomes)
                 except BaseException as exc:  # raised in the caller's thread below
                     failures.append(exc)
             return run
 
-        others = [threading.Thread(target=in_thread(lane(todo)), daemon=True) for todo in lanes[1:]]
+        others = [threading.Thread(target=in_thread(lane(mine)), daemon=True) for mine in lanes[1:]]
         for thread in others:
             thread.start()
         try:
@@ -246,11 +277,10 @@ class SlotStore:
                 thread.join()  # each bounded by the call's deadline, as this thread is
         if failures:
             raise failures[0]
-        return outcomes
 
     def _lane(
         self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: list[int],
-        outcomes: list[BaseException | None],
+        outcomes: list[BaseException | None | _Unknown],
     ) -> None:
         """The slices ``todo`` back to back on one connection: one pipeline of MULTI ... EXEC per slice."""
         for attempt in range(2):
@@ -499,7 +529,7 @@ class ShardedStore:
         encoded, runs, lengths, finish, fence, ack = put.encoded, put.runs, put.lengths, put.finish, put.fence, put.ack
         rows = rows_of(runs)  # ascending, the order of the generations the fence returns
         columns = list(encoded)
-        request_id = new_request_id()  # one for the whole put: mark.lua keeps only a reply that marked
+        request_id = put.request_id  # one for the whole put: mark.lua keeps only a reply that marked
         hold = None
         if fence is not None:
             if fence.token:
@@ -747,6 +777,24 @@ def _outcome(replies: list[Any], columns: int) -> BaseException | None:
             if isinstance(reply, Exception):
                 return reply
     return None
+
+
+class _Unknown:
+    """The outcome of a slice whose reply has not come (yet)."""
+
+
+_UNKNOWN = _Unknown()
+
+
+def _landed(parts: Sequence[PutRequest], outcomes: Sequence[BaseException | None | _Unknown], *, cut: bool) -> str:
+    """What of a put in slices ``parts`` landed, by their ``outcomes``: the rows that did, whole, and (``cut``: the
+    put was cut short) those whose slices' replies did not come."""
+    landed = sorted(r for part, o in zip(parts, outcomes) if o is None for r in rows_of(part.runs))
+    unknown = sorted(r for part, o in zip(parts, outcomes) if o is _UNKNOWN for r in rows_of(part.runs))
+    said = f"rows {_few(landed)} of this put landed, whole, in its slices" if landed else "no slice of this put landed"
+    if cut and unknown:
+        said += f"; whether rows {_few(unknown)} did is not known (their slices' replies did not come)"
+    return said
 
 
 def _few(rows: Sequence[int]) -> str:

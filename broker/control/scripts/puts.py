@@ -137,16 +137,22 @@ class PutScripts(ScriptsBase):
             return Marked(int(reply[0]))
         return Marked(0, numbers_of(reply[2]), epoch_moved=int(reply[1]) != epoch)
 
-    def claim(self, runs: Sequence[int], fence: Fence, hold_ms: int) -> Hold:
+    def claim(
+        self, runs: Sequence[int], fence: Fence, hold_ms: int, steps: Sequence[tuple[str, int]] = (),
+    ) -> Hold:
         """Check, before a put of several steps sends its bytes, that the delivery ``fence`` names still holds
-        the rows, and hold its lease for ``hold_ms`` (lua/claim.lua); FencedError if it does not. Returns what
-        ``unhold`` gives back when the put ends."""
+        the rows, and hold its lease for ``hold_ms`` (lua/claim.lua); FencedError if it does not. ``steps``:
+        the request id of each of the put's steps and how many of the rows (in run order) it writes; a step
+        whose reply is kept landed already (the put is resumed), and its rows are left out. Returns what
+        ``unhold`` gives back when the put ends, and the steps that landed."""
         k = self._keys
-        keys = [k.meta, k.epoch, k.generations, *self._lease_keys(fence)]
+        keys = [k.meta, k.epoch, k.generations, *self._lease_keys(fence), *(k.reply(rid) for rid, _ in steps)]
         reply = self._call("claim", keys, [self._expected, fence.epoch, fence.generations, fence.token, hold_ms,
-                                           *runs])
+                                           len(steps), *(count for _, count in steps), *runs])
+        landed = int(reply[1])
         return Hold(fence, int(reply[0]), [bytes(x) if isinstance(x, (bytes, bytearray)) else str(x).encode()
-                                           for x in reply[1:]])
+                                           for x in reply[2 + landed :]],
+                    frozenset(int(x) for x in reply[2 : 2 + landed]))
 
     def unhold(self, hold: Hold) -> int:
         """Give each row ``claim`` held its lease's own deadline back (lua/unhold.lua); how many got it."""

@@ -100,12 +100,14 @@ class Fence:
 @dataclass(frozen=True)
 class Hold:
     """A lease claim.lua held for a put of several steps: the delivery, the deadline the rows were held to
-    (ms of server time), and ``moved``: row, its own deadline, row, deadline, ... (as the script returned
-    them), which lua/unhold.lua gives back when the put ends."""
+    (ms of server time), ``moved``: row, its own deadline, row, deadline, ... (as the script returned
+    them), which lua/unhold.lua gives back when the put ends; and ``landed``, the steps of a resumed put that
+    landed before (numbered from 0)."""
 
     fence: Fence
     until_ms: int
     moved: list[bytes]
+    landed: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
