@@ -259,15 +259,15 @@ class DockSnapshot:
                                 consumers=[c for c in current.consumers if c not in saved.consumers])
             meta = {**{str(k): str(v) for k, v in saved_meta.items()}, **grown.to_meta()}
             try:
-                done = self.run("checkpoint swap", lambda: self.scripts.restore(
-                    run, partitions, records, deadlines, meta))  # noqa: B023 (run at once)
+                epoch = self.run("checkpoint swap", lambda: self.scripts.restore(
+                    run, partitions, records, deadlines, meta, grown.consumers))  # noqa: B023 (run at once)
             except SchemaError:
                 self.dock.refresh()
                 continue
             except RedisCommandError as exc:
                 raise CheckpointRestoreError(f"restoring the checkpoint's keys failed, the dock is unchanged: {exc}") \
                     from exc
-            if done:
+            if epoch is not None:
                 return
         raise CheckpointError(f"the partitions or named takes of dock {self.dock.name!r} changed under "
                               f"{RETRIES} restores in a row; stop the other processes and load again")
