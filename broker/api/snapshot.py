@@ -14,6 +14,15 @@ hour (``STAGING_TTL_MS``).
 the loader dies), then lua/restore.lua deletes every key of the dock and renames the staged ones into
 place in one step. A file that is corrupt, of another dock, or that the server cannot read changes nothing.
 
+**Forward, never back.** The rows come back as saved, but not the epoch: the same step moves it past the
+epoch the dock had and the saved one. Put back, it would let a delivery handed out before the restore
+(before the save or after it) match the rows again, at once or once the next clears counted up to its
+epoch, and land its late put on the next prompts' rows; so every such delivery's put, read and give-back
+is refused (``FencedError`` for a put). The bytes stay where they are: only a dock with ``shards=0`` is
+saved, whose bytes are named by row, not by epoch. The checkpoint's leases keep their deadlines, under
+tokens no delivery holds: an ack from before the restore releases nothing, and the rows come back when
+the lease runs out, to be redone.
+
 **The file**: one msgpack map per key, or per part of a hash: the key, its type, when it expires (ms of
 server time, -1 never), and its DUMP payload, or a hash's fields and values. DUMP payloads are Redis's RDB
 encoding of one key, restored with RESTORE (a server older than the one that dumped them refuses them:
@@ -24,8 +33,8 @@ encoding of one key, restored with RESTORE (a server older than the one that dum
 adapter's partitions, the named takes' records); the scripts check that the partitions and records are
 still those the client read, and it reads again on a mismatch. A plain dock has none of the adapter's keys.
 
-**Other processes** must not write while a restore runs (a put that looked its rows up before the swap
-lands on the restored rows); the restored meta is the saved one grown by the columns and consumers the dock
+**Other processes** must not write while a restore runs (a put naming a plain list of rows, which nothing
+fences, lands on the restored rows); the restored meta is the saved one grown by the columns and consumers the dock
 has at restore time, so every process's dock finds its schema inside it and adopts it at its next call.
 """
 
@@ -251,7 +260,8 @@ class DockSnapshot:
 
     def _swap(self, run: str, deadlines: Mapping[str, int], saved_meta: Mapping[str, str], saved: Schema) -> None:
         """Replace the dock's keys by the staged ones, in one step (lua/restore.lua); the meta written is the
-        saved one grown by the columns and consumers the dock has now, so every process's schema is inside it."""
+        saved one grown by the columns and consumers the dock has now, so every process's schema is inside it,
+        and the epoch moves forward past every delivery handed out before."""
         for _ in range(RETRIES):
             partitions, records = self._enumerate()
             current = self.dock.schema
