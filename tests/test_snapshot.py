@@ -106,6 +106,17 @@ def test_a_dock_with_data_shards_is_refused(make_dock, tmp_path):
     dock = make_dock(2, 2, ("prompts",), CONSUMERS, shards=2)
     with pytest.raises(CheckpointError, match="data shards"):
         DockSnapshot(dock).save(tmp_path / "dock.msgpack")
+    # Nor is a checkpoint restored into one: the bytes on its shards would outlive its keys, read by nobody.
+    plain = make_dock(2, 2, ("prompts",), CONSUMERS, name="sharded-later", shards=0)
+    info = DockSnapshot(plain).save(tmp_path / "dock.msgpack")
+    plain.delete()
+    dock = make_dock(2, 2, ("prompts",), CONSUMERS, name="sharded-later", shards=2)
+    dock.put_experience({"prompts": [torch.tensor([1])] * 2}, [0, 1])
+    before = raw_state(dock)
+    with pytest.raises(CheckpointError, match="data shards"):
+        DockSnapshot(dock).restore(tmp_path / "dock.msgpack", info)
+    assert raw_state(dock) == before and staged(dock) == []
+    assert [t.item() for t in dock.read_rows(["prompts"], [0, 1])["prompts"]] == [1, 1]
 
 
 def test_an_older_server_refuses_a_newer_ones_payloads_and_keeps_its_dock(url, redis62_url, tmp_path):

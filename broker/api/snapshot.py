@@ -19,8 +19,8 @@ epoch the dock had and the saved one. Put back, it would let a delivery handed o
 (before the save or after it) match the rows again, at once or once the next clears counted up to its
 epoch, and land its late put on the next prompts' rows; so every such delivery's put, read and give-back
 is refused (``FencedError`` for a put). The bytes stay where they are: only a dock with ``shards=0`` is
-saved, whose bytes are named by row, not by epoch. The checkpoint's leases keep their deadlines, under
-tokens no delivery holds: an ack from before the restore releases nothing, and the rows come back when
+saved or restored into, whose bytes are named by row, not by epoch. The checkpoint's leases keep their
+deadlines, under tokens no delivery holds: an ack from before the restore releases nothing, and the rows come back when
 the lease runs out, to be redone.
 
 **The file**: one msgpack map per key, or per part of a hash: the key, its type, when it expires (ms of
@@ -184,8 +184,14 @@ class DockSnapshot:
         """Replace every key of the dock by those ``save`` wrote to ``file``, in one step; ``info`` is what the
         save returned (its ``schema``, ``rdb_version`` and ``file``, checked first). Raises
         CheckpointNotFoundError or CheckpointCorruptError for a file that is not what the save wrote,
-        CheckpointRestoreError when the server refuses its keys; either way the dock is left as it was."""
+        CheckpointRestoreError when the server refuses its keys, CheckpointError for a dock with data shards;
+        either way the dock is left as it was."""
         verify_file(file, info["file"])
+        if self.dock.schema.shards:
+            # The swap would delete the keys of the dock's slot only: the bytes on its data shards, in hashes
+            # named by an epoch the restore moves forward, would stay behind, read by nobody.
+            raise CheckpointError(f"dock {self.dock.name!r} keeps its bytes on data shards: a checkpoint restores "
+                                  "only into a dock that keeps them in its slot (a dock made with shards=0)")
         saved_meta = info["schema"]
         saved = saved_schema(saved_meta, where=str(file))
         run = uuid.uuid4().hex
