@@ -20,8 +20,8 @@ epoch the dock had and the saved one. Put back, it would let a delivery handed o
 epoch, and land its late put on the next prompts' rows; so every such delivery's put, read and give-back
 is refused (``FencedError`` for a put). The bytes stay where they are: only a dock with ``shards=0`` is
 saved or restored into, whose bytes are named by row, not by epoch. The checkpoint's leases keep their
-deadlines, under tokens no delivery holds: an ack from before the restore releases nothing, and the rows come back when
-the lease runs out, to be redone.
+deadlines, under tokens no delivery holds: an ack from before the restore releases nothing, and the rows
+come back when the lease runs out, to be redone.
 
 **The file**: one msgpack map per key, or per part of a hash: the key, its type, when it expires (ms of
 server time, -1 never), and its DUMP payload, or a hash's fields and values. DUMP payloads are Redis's RDB
