@@ -115,6 +115,19 @@ def raw_state(owner: Any) -> dict[str, Any]:
     return out
 
 
+def restored_from(saved: dict[str, Any], owner: Any) -> dict[str, Any]:
+    """The ``raw_state`` a restore of a checkpoint holding ``saved`` leaves (lua/restore.lua): the same keys and
+    values, but the epoch, moved forward past the saved one, and the leases' tokens, marked with it."""
+    epoch_key, tokens = owner.keys.epoch, owner.keys.tokens("")
+    now = owner.client.get(epoch_key)
+    assert now is not None and int(now) > int(saved.get(epoch_key) or 0), "the restore moved the epoch back"
+    out = {**saved, epoch_key: now}
+    for key, value in saved.items():
+        if key.startswith(tokens):
+            out[key] = {row: token.split(b"~")[0] + b"~" + now for row, token in value.items()}
+    return out
+
+
 def data_cell(dock: TransferDock, column: str, row: int) -> tuple[str, str]:
     """(key, field) where row ``row`` of ``column`` keeps its bytes now: ``td:{NAME}:data:COLUMN`` field ROW,
     or on a sharded dock (a cluster's default) its data shard's hash of this epoch, field ``ROW:GENERATION``."""

@@ -4,13 +4,21 @@ checkpoint holds of the dock when its rows outlive an iteration. The TransferQue
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 import torch
 
-from broker import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointRestoreError
+from broker import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointRestoreError,
+    FencedError,
+)
 from broker.api.snapshot import DockSnapshot, verify_file, write_file
-from tests.helpers import raw_state, server_keys
+from tests.helpers import raw_state, restored_from, server_keys
 from tests.test_partial_rollout import CONSUMERS, ROLLOUT_COLUMNS, partial, prompts, respond
 
 
@@ -50,10 +58,14 @@ def test_a_restore_brings_back_the_dock_as_it_was_saved(make_dock, tmp_path):
     dock.get_experience("actor_train", ["responses"], 2)
     dock.set_version(4)
     dock.clear(consumer="actor_train")
+    dock.clear()
+    reached = dock.client.get(dock.keys.epoch)
 
     DockSnapshot(dock).restore(tmp_path / "dock.msgpack", info)
 
-    assert raw_state(dock) == before and staged(dock) == []
+    # Every key as saved, but the epoch: forward past the saved one and the one the run had reached.
+    assert raw_state(dock) == restored_from(before, dock) and staged(dock) == []
+    assert int(dock.client.get(dock.keys.epoch)) > int(reached)
     again = dock.status()
     assert (again["rollout"], again["version"], again["columns"]) == (status["rollout"], status["version"],
                                                                       status["columns"])
@@ -94,6 +106,17 @@ def test_a_dock_with_data_shards_is_refused(make_dock, tmp_path):
     dock = make_dock(2, 2, ("prompts",), CONSUMERS, shards=2)
     with pytest.raises(CheckpointError, match="data shards"):
         DockSnapshot(dock).save(tmp_path / "dock.msgpack")
+    # Nor is a checkpoint restored into one: the bytes on its shards would outlive its keys, read by nobody.
+    plain = make_dock(2, 2, ("prompts",), CONSUMERS, name="sharded-later", shards=0)
+    info = DockSnapshot(plain).save(tmp_path / "dock.msgpack")
+    plain.delete()
+    dock = make_dock(2, 2, ("prompts",), CONSUMERS, name="sharded-later", shards=2)
+    dock.put_experience({"prompts": [torch.tensor([1])] * 2}, [0, 1])
+    before = raw_state(dock)
+    with pytest.raises(CheckpointError, match="data shards"):
+        DockSnapshot(dock).restore(tmp_path / "dock.msgpack", info)
+    assert raw_state(dock) == before and staged(dock) == []
+    assert [t.item() for t in dock.read_rows(["prompts"], [0, 1])["prompts"]] == [1, 1]
 
 
 def test_an_older_server_refuses_a_newer_ones_payloads_and_keeps_its_dock(url, redis62_url, tmp_path):
@@ -133,3 +156,98 @@ def test_a_restored_dock_has_the_quota_and_count_of_its_checkpoint(make_dock, tm
     DockSnapshot(dock).restore(tmp_path / "quota.msgpack", info)
     assert dock.status()["quota"] == {"bytes": 1 << 20, "stored_bytes": held} and held > 0
     assert dock.set_quota(1 << 20) == held  # the count is right: a fresh count agrees
+
+
+# -- forward, never back: no delivery from before a restore names rows again --------------------------------
+
+
+def stage_dock(make_dock):
+    """Two groups of two rows: a stage ("rollout") answers the prompts, the trainer ("train") learns from them."""
+    return make_dock(2, 2, ("prompts", "responses"), ("rollout", "train"), shards=0)
+
+
+def ask(dock, prompt: int, rows=(0, 1)) -> None:
+    """The driver: prompt ``prompt`` into ``rows``, named by a plain list (not fenced)."""
+    dock.put_experience({"prompts": [torch.tensor([prompt])] * len(rows)}, list(rows))
+
+
+def late_answer(dock, delivery, prompt: int):
+    """A slow worker's result for ``prompt``, put into the rows it was handed: refused, or it lands."""
+    return dock.put_experience({"responses": [torch.tensor([prompt, 99])] * len(delivery)}, delivery)
+
+
+def pairs(dock, rows=(0, 1)) -> list[tuple[int, int | None]]:
+    """(prompt, prompt the response answers) of each row: the pairing the trainer would learn from."""
+    got = dock.read_rows(["prompts", "responses"], list(rows))
+    return [(p.item(), None if r is None else r[0].item()) for p, r in zip(got["prompts"], got["responses"])]
+
+
+@pytest.mark.parametrize("lease", [None, 30.0])
+@pytest.mark.parametrize("clear", ["whole", "rows"])
+def test_a_delivery_handed_out_after_the_save_is_fenced_off_by_the_restore(make_dock, tmp_path, lease, clear):
+    """The finding: restored, the epoch and generations were the saved ones, which the next clear counted up
+    to those of a delivery handed out after the save; its late put landed on the next prompt's rows and the
+    trainer got (prompt 3, response 2)."""
+    dock = stage_dock(make_dock)
+    ask(dock, 1)
+    info = DockSnapshot(dock).save(tmp_path / "dock.msgpack")
+    # The run goes on past the checkpoint: the next iteration's prompt, handed to a (slow) worker.
+    dock.clear() if clear == "whole" else dock.clear([0, 1])
+    ask(dock, 2)
+    _, slow = dock.get_experience("rollout", ["prompts"], indexes=[0, 1], lease=lease)
+    # The run dies, and resumes from the checkpoint: its driver clears and refills as the loop does.
+    epoch = int(dock.client.get(dock.keys.epoch))
+    DockSnapshot(dock).restore(tmp_path / "dock.msgpack", info)
+    restored = int(dock.client.get(dock.keys.epoch))
+    dock.clear() if clear == "whole" else dock.clear([0, 1])
+    ask(dock, 3)
+    with pytest.raises(FencedError, match="cleared or dropped since this delivery handed them out"):
+        late_answer(dock, slow, 2)
+    assert pairs(dock) == [(3, None), (3, None)]
+    # The resumed run's own worker is handed the rows afresh, and its put lands.
+    _, rows = dock.get_experience("rollout", ["prompts"], 2, lease=lease)
+    late_answer(dock, rows, 3)
+    assert pairs(dock) == [(3, 3), (3, 3)]
+    assert restored > max(epoch, slow.epoch)  # forward, never back
+
+
+@pytest.mark.parametrize("lease", [None, 30.0])
+def test_a_delivery_handed_out_before_the_save_is_fenced_off_by_the_restore(make_dock, tmp_path, lease):
+    """The checkpoint holds the rows as handed out (and leased) to a worker of the run that died: that worker's
+    late put must not land on the resumed run's rows, before a clear or after it."""
+    dock = stage_dock(make_dock)
+    ask(dock, 1)
+    _, slow = dock.get_experience("rollout", ["prompts"], indexes=[0, 1], lease=lease)
+    info = DockSnapshot(dock).save(tmp_path / "dock.msgpack")
+    DockSnapshot(dock).restore(tmp_path / "dock.msgpack", info)
+    with pytest.raises(FencedError):
+        late_answer(dock, slow, 1)
+    assert pairs(dock) == [(1, None), (1, None)]
+    assert int(dock.client.get(dock.keys.epoch)) > slow.epoch
+    dock.clear()
+    ask(dock, 3)
+    with pytest.raises(FencedError):
+        late_answer(dock, slow, 1)
+    assert pairs(dock) == [(3, None), (3, None)]
+
+
+def test_restored_leases_come_back_when_they_run_out_and_an_old_ack_releases_none(make_dock, tmp_path):
+    """A lease the checkpoint holds is no delivery's after the restore: an ack from before it releases nothing
+    (its put was refused: the rows must be redone), and the rows come back when the lease runs out, to a worker
+    of the resumed run, whose put and ack land as usual."""
+    dock = stage_dock(make_dock)
+    ask(dock, 1)
+    _, slow = dock.get_experience("rollout", ["prompts"], indexes=[0, 1], lease=1.0)
+    info = DockSnapshot(dock).save(tmp_path / "dock.msgpack")
+    DockSnapshot(dock).restore(tmp_path / "dock.msgpack", info)
+    assert dock.status()["consumers"]["rollout"]["leased"] == 2  # the checkpoint's lease, with its deadline
+    with pytest.raises(FencedError):
+        late_answer(dock, slow, 1)
+    assert dock.ack("rollout", slow) == 0
+    assert dock.get_experience("rollout", ["prompts"], 2, lease=30) == (None, None)  # still leased
+    time.sleep(1.1)
+    _, redo = dock.get_experience("rollout", ["prompts"], 2, lease=30)
+    assert sorted(redo) == [0, 1]
+    late_answer(dock, redo, 1)  # acks its lease
+    assert pairs(dock) == [(1, 1), (1, 1)]
+    assert dock.status()["consumers"]["rollout"]["leased"] == 0

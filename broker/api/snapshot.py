@@ -14,6 +14,15 @@ hour (``STAGING_TTL_MS``).
 the loader dies), then lua/restore.lua deletes every key of the dock and renames the staged ones into
 place in one step. A file that is corrupt, of another dock, or that the server cannot read changes nothing.
 
+**Forward, never back.** The rows come back as saved, but not the epoch: the same step moves it past the
+epoch the dock had and the saved one. Put back, it would let a delivery handed out before the restore
+(before the save or after it) match the rows again, at once or once the next clears counted up to its
+epoch, and land its late put on the next prompts' rows; so every such delivery's put, read and give-back
+is refused (``FencedError`` for a put). The bytes stay where they are: only a dock with ``shards=0`` is
+saved or restored into, whose bytes are named by row, not by epoch. The checkpoint's leases keep their
+deadlines, under tokens no delivery holds: an ack from before the restore releases nothing, and the rows
+come back when the lease runs out, to be redone.
+
 **The file**: one msgpack map per key, or per part of a hash: the key, its type, when it expires (ms of
 server time, -1 never), and its DUMP payload, or a hash's fields and values. DUMP payloads are Redis's RDB
 encoding of one key, restored with RESTORE (a server older than the one that dumped them refuses them:
@@ -24,8 +33,8 @@ encoding of one key, restored with RESTORE (a server older than the one that dum
 adapter's partitions, the named takes' records); the scripts check that the partitions and records are
 still those the client read, and it reads again on a mismatch. A plain dock has none of the adapter's keys.
 
-**Other processes** must not write while a restore runs (a put that looked its rows up before the swap
-lands on the restored rows); the restored meta is the saved one grown by the columns and consumers the dock
+**Other processes** must not write while a restore runs (a put naming a plain list of rows, which nothing
+fences, lands on the restored rows); the restored meta is the saved one grown by the columns and consumers the dock
 has at restore time, so every process's dock finds its schema inside it and adopts it at its next call.
 """
 
@@ -175,8 +184,14 @@ class DockSnapshot:
         """Replace every key of the dock by those ``save`` wrote to ``file``, in one step; ``info`` is what the
         save returned (its ``schema``, ``rdb_version`` and ``file``, checked first). Raises
         CheckpointNotFoundError or CheckpointCorruptError for a file that is not what the save wrote,
-        CheckpointRestoreError when the server refuses its keys; either way the dock is left as it was."""
+        CheckpointRestoreError when the server refuses its keys, CheckpointError for a dock with data shards;
+        either way the dock is left as it was."""
         verify_file(file, info["file"])
+        if self.dock.schema.shards:
+            # The swap would delete the keys of the dock's slot only: the bytes on its data shards, in hashes
+            # named by an epoch the restore moves forward, would stay behind, read by nobody.
+            raise CheckpointError(f"dock {self.dock.name!r} keeps its bytes on data shards: a checkpoint restores "
+                                  "only into a dock that keeps them in its slot (a dock made with shards=0)")
         saved_meta = info["schema"]
         saved = saved_schema(saved_meta, where=str(file))
         run = uuid.uuid4().hex
@@ -251,7 +266,8 @@ class DockSnapshot:
 
     def _swap(self, run: str, deadlines: Mapping[str, int], saved_meta: Mapping[str, str], saved: Schema) -> None:
         """Replace the dock's keys by the staged ones, in one step (lua/restore.lua); the meta written is the
-        saved one grown by the columns and consumers the dock has now, so every process's schema is inside it."""
+        saved one grown by the columns and consumers the dock has now, so every process's schema is inside it,
+        and the epoch moves forward past every delivery handed out before."""
         for _ in range(RETRIES):
             partitions, records = self._enumerate()
             current = self.dock.schema
@@ -259,15 +275,15 @@ class DockSnapshot:
                                 consumers=[c for c in current.consumers if c not in saved.consumers])
             meta = {**{str(k): str(v) for k, v in saved_meta.items()}, **grown.to_meta()}
             try:
-                done = self.run("checkpoint swap", lambda: self.scripts.restore(
-                    run, partitions, records, deadlines, meta))  # noqa: B023 (run at once)
+                epoch = self.run("checkpoint swap", lambda: self.scripts.restore(
+                    run, partitions, records, deadlines, meta, grown.consumers))  # noqa: B023 (run at once)
             except SchemaError:
                 self.dock.refresh()
                 continue
             except RedisCommandError as exc:
                 raise CheckpointRestoreError(f"restoring the checkpoint's keys failed, the dock is unchanged: {exc}") \
                     from exc
-            if done:
+            if epoch is not None:
                 return
         raise CheckpointError(f"the partitions or named takes of dock {self.dock.name!r} changed under "
                               f"{RETRIES} restores in a row; stop the other processes and load again")

@@ -441,7 +441,7 @@ def key_layout() -> list[KeyRow]:
         KeyRow(k.scratch, "string", "work space of the `sample` script, deleted before it returns"),
         KeyRow(k.scratch2, "string", "more of it: the tiers of oldest-first sampling"),
         KeyRow(k.scratch3, "string", "more of it: the iteration's batch"),
-        KeyRow(k.epoch, "string", "counter of whole clears (the read fence, with `gen`)"),
+        KeyRow(k.epoch, "string", "counter of whole clears, moved forward by a restore (the read fence, with `gen`)"),
         KeyRow(k.generations, "string", "one big-endian u32 per row (`BITFIELD ... GET u32 #ROW`): clears of "
                "that row so far"),
         KeyRow(k.events, "channel", "pub/sub: every put publishes the number of rows it wrote"),

@@ -7,8 +7,9 @@ name one delivery. A write naming a delivery (a stage putting its results into t
 a filter dropping the groups it rejected) lands only while that delivery is still current, as Kafka
 fences a zombie producer by its epoch and SQS refuses a receipt handle once the message went to
 another consumer:
-- no clear touched the rows since they were handed out (epoch and generations unchanged); else the
-  rows may hold the next batch's prompts, and a late result would be paired with them;
+- no clear touched the rows since they were handed out (epoch and generations unchanged), nor a
+  checkpoint's restore (restore.lua moves the epoch forward); else the rows may hold the next batch's
+  prompts, and a late result would be paired with them;
 - under a lease, every row is still leased under the delivery's token; else the lease ran out and the
   rows were given back (to be redone by another worker, whose result a late write would overwrite),
   or they were acked, or another call took them over.
@@ -37,8 +38,8 @@ local function fenced_off(epoch_key, gen_key, tokens_key, epoch, generations, to
     for _, r in ipairs(rows_of_runs(starts, lengths)) do
       if not kept[r] then moved[#moved + 1] = r end
     end
-    return 'FENCED rows ' .. listed(moved) .. ' were cleared or dropped since this delivery handed them out: '
-      .. 'they may hold other prompts now; nothing was written'
+    return 'FENCED rows ' .. listed(moved) .. ' were cleared or dropped since this delivery handed them out '
+      .. '(or the dock was restored from a checkpoint): they may hold other prompts now; nothing was written'
   end
   if token == '' then return nil end
   local rows = rows_of_runs(starts, lengths)

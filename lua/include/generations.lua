@@ -2,19 +2,20 @@
 
 Handing rows out (a script) and reading their bytes (HMGET) are two round trips, and a clear can land
 between them. So every row has a generation, and the dock an epoch: a whole clear bumps the epoch
-(td:{NAME}:epoch, a counter), a clear of some rows bumps their generations (td:{NAME}:gen, an array
+(td:{NAME}:epoch, a counter; a checkpoint's restore moves it past the dock's and the saved one,
+restore.lua), a clear of some rows bumps their generations (td:{NAME}:gen, an array
 of big-endian u32, row r at bytes [4r, 4r+4), as `BITFIELD ... u32 #r` reads it). Puts change
 neither, so a put never invalidates a reader. Sampling returns the epoch and generations of the rows
 it hands out; the read checks them again right after its HMGETs, in the same pipeline, and a changed
 value means the row was cleared since it was handed out (its bytes gone or replaced by the next
-batch's). Both only ever grow (a u32 wraps after 2^32 clears of one row, not within one round trip),
-so values unchanged after the read mean no clear came between handout and read, as a seqlock reader
-concludes.
+batch's). The epoch only ever grows, and a row's generation within an epoch (a u32 wraps after 2^32
+clears of one row, not within one round trip), so values unchanged after the read mean no clear came
+between handout and read, as a seqlock reader concludes.
 ]]
 -- @include bits
 
--- The epoch of the dock: when it was made (create.lua), counted up by whole clears; 0 for a dock made
--- before epochs started there.
+-- The epoch of the dock: when it was made (create.lua), counted up by whole clears and moved forward by a
+-- restore (restore.lua); 0 for a dock made before epochs started there.
 local function epoch_of(key)
   return tonumber(redis.call('GET', key) or '0')
 end

@@ -21,7 +21,9 @@ and its DUMP payload, or a hash's fields and values); ``sampler.msgpack`` (this 
 key, restored with RESTORE; nothing is ever pickled, and a TransferQueue checkpoint (a pickle) is refused.
 
 **Resuming.** Every key comes back as it was: rows consumed at checkpoint time stay consumed, the rows'
-leases keep their deadlines (ms of server time), so rows leased then come back once those pass; named
+leases keep their deadlines (ms of server time), so rows leased then come back once those pass; but the
+dock's epoch moves forward (``broker/api/snapshot.py``), so no metadata leased before the load puts into
+its rows or acks their leases (its delivery is refused); named
 takes (the DP ranks' shared choices) keep their records and expiry. Replies that calls keep for their
 resends (``reply:*``, a minute) are not saved, and those of the system are left to expire.
 

@@ -2,7 +2,8 @@
 step; ``broker/api/snapshot.py`` reads the copies out and stages a checkpoint's keys.
 
 - lua/snapshot.lua: every key copied in the dock's slot at one moment (``snapshot``);
-- lua/restore.lua: every key replaced by the staged keys of a checkpoint in one step (``restore``).
+- lua/restore.lua: every key replaced by the staged keys of a checkpoint in one step, the epoch moved forward
+  past every delivery handed out before (``restore``).
 
 The keys are named by the client (``DockKeys.tq_system``: the dock's from its schema, and the adapter's
 partitions and the named takes' records, which the scripts check are still all of them); a plain dock has
@@ -51,17 +52,21 @@ class SnapshotScripts(ScriptsBase):
         return int(reply[1]), found
 
     def restore(self, run: str, partitions: Sequence[str], records: Sequence[str],
-                deadlines: Mapping[str, int], meta: Mapping[str, str]) -> bool:
+                deadlines: Mapping[str, int], meta: Mapping[str, str], consumers: Sequence[str]) -> int | None:
         """Replace every key of the system (that of the schema bound, ``partitions`` and ``records``) by
         the keys staged under ``run``: ``deadlines`` maps each key to restore to when it expires (ms of
-        server time, -1 never); then write ``meta`` as the dock's meta. False if ``partitions`` or
-        ``records`` are not the system's any more (nothing changed)."""
+        server time, -1 never); then write ``meta`` as the dock's meta, and move the epoch forward past
+        the dock's and the saved one, the leases of ``consumers`` (those of ``meta``) to tokens no delivery
+        has. The dock's epoch now; None if ``partitions`` or ``records`` are not the system's any more
+        (nothing changed)."""
         k, (schema, expected) = self._keys, self._pair
         current = k.tq_system(schema.columns, schema.consumers, schema.rollout.age_buckets, partitions, records)
         targets = list(deadlines)
         staged = [k.staged(run, key) for key in targets]
+        tokens = [k.tokens(c) for c in consumers]
         pairs = [x for item in meta.items() for x in item]
-        reply = self._once("restore", [k.meta, k.tq_partitions, k.named_index, *current, *staged, *targets],
-                           [expected, len(current), len(staged), len(partitions), *partitions, len(records),
-                            *records, *(deadlines[t] for t in targets), len(pairs), *pairs])
-        return int(reply[0]) == 1
+        reply = self._once("restore", [k.meta, k.tq_partitions, k.named_index, k.epoch, *current, *staged, *targets,
+                                       *tokens],
+                           [expected, len(current), len(staged), len(tokens), len(partitions), *partitions,
+                            len(records), *records, *(deadlines[t] for t in targets), len(pairs), *pairs])
+        return int(reply[2]) if int(reply[0]) == 1 else None
