@@ -16,6 +16,11 @@ apart from it by one of two stores with one small interface:
     (its delivery taken over explicitly, the server gone) may leave earlier slices' rows written and
     ready, and says which; a clear landing between two slices clears the rows of those before it only.
     With a lease, claim.lua first holds it for the put's time bound, so it cannot run out between slices.
+    The slices' request ids follow from the put's (``PutRequest.request_id``; ``resend_id`` for a leased
+    put that acks, the same in every sending of the same put), so a put run again (the session adopting a
+    schema another process grew between two slices) or sent again (cut short) finds the slices that
+    landed by their kept replies (claim.lua for a leased one; put.lua's kept reply otherwise): they are
+    not written again, and the rest is.
     A row just past one of the server allocator's size classes is cut in two, its tail kept in
     ``td:{NAME}:tail:COLUMN`` and read in one transaction with its head (``fit.py`` says why and how).
 
