@@ -83,5 +83,5 @@ class LeaseScripts(ScriptsBase):
 
     def reset(self, consumer: str, rows: Sequence[int]) -> int:
         """Make ``rows`` (all when empty) available to ``consumer`` again; returns how many were handed out."""
-        keys = [self._keys.meta, *self._consumer_keys(consumer)]
+        keys = [self._keys.meta, *self._consumer_keys(consumer), self._keys.group_remnant(consumer)]
         return int(self._once("reset", keys, [self._expected, self._n, *rows]))
