@@ -117,6 +117,21 @@ def test_a_dp_rank_that_dies_gets_only_its_own_rows_redone(make_dock):
     assert [int(v) for v in values] == [(2000 if row in dead else 1000) + row for row in range(12)]
 
 
+def test_groups_back_in_part_are_balanced_as_rows(make_dock):
+    """A batch holding groups that came back without their acked rows is not whole groups: n consecutive
+    rows of it may be of two groups, so it is balanced row by row."""
+    dock = make_dock(prompts_num=4, n=4, columns=("prompts", "response_length"), consumers=("critic",),
+                     length_columns=("response_length",))
+    heavy = {2, 3, 6, 7}  # the unacked rows of groups 0 and 1
+    put_lengths_of(dock, [1] * 16, [100 if r in heavy else 1 for r in range(16)])
+    _, rows = dock.get_experience("critic", ["prompts"], 16, lease=300)
+    dock.ack("critic", [r for r in rows if r % 4 < 2], token=rows.token)  # half of each group
+    dock.reclaim("critic", all_leases=True)
+    _, redo = dock.get_experience("critic", ["prompts"], 16, dp_size=2, balance=["response_length"])
+    assert sorted(redo) == [2, 3, 6, 7, 10, 11, 14, 15]
+    assert len(heavy & set(redo[:4])) == 2  # 202 tokens per rank, not 400 and 4
+
+
 def put_lengths_of(dock, prompt, response):
     """``put_lengths`` for a dock whose only length column is ``response_length``."""
     rows = list(range(len(prompt)))
