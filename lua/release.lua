@@ -11,7 +11,10 @@ counted in td:{NAME}:failures:CONSUMER; once a row failed as often as the dock's
 dead_letter_after says (3 when it has none; set when the dock was made) it is a dead letter instead:
 it stays handed out (the consumer goes on without it; all_consumed counts it), its lease ends, and
 td:{NAME}:dead:CONSUMER says why, for `broker dead` and the exporter to show. Handed out as whole
-groups, a dead row takes its group along: group sampling never hands out part of a group.
+groups, a dead row takes the call's other rows of its group along: group sampling hands out a group's
+rows together, and would otherwise hand out the good ones again without the dead one. Rows given back
+of a call that handed out groups leave their groups offered to group sampling again, also a group
+of which the call handed out only the rows left after others were acked (include/leases.lua).
 
 Only rows no clear has touched since they were handed out are given back (a clear already reset the
 others), and of those only rows still leased under this call's token when it leased them: a row a
@@ -31,6 +34,7 @@ KEYS[7]     td:{NAME}:gen
 KEYS[8]     td:{NAME}:reply:REQUEST_ID       the kept reply of the call
 KEYS[9]     td:{NAME}:failures:CONSUMER
 KEYS[10]    td:{NAME}:dead:CONSUMER
+KEYS[11]    td:{NAME}:gremnant:CONSUMER (see include/leases.lua)
 ARGV[1]     the schema the client expects (see include/schema.lua)
 ARGV[2]     n_samples_per_prompt
 ARGV[3]     the epoch the call's rows were handed out under
@@ -52,7 +56,7 @@ each unreadable row, in ARGV order}.
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
 local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type(5, 5, 'hash')
-  or wrong_type(6, 8, 'string') or wrong_type(9, 10, 'hash')
+  or wrong_type(6, 8, 'string') or wrong_type(9, 10, 'hash') or wrong_type(11, 11, 'string')
 if bad then return redis.error_reply(bad) end
 
 if redis.call('GET', KEYS[8]) == 'released' then return {0, '', ''} end
@@ -99,6 +103,7 @@ for _, r in ipairs(rows) do
 end
 if token ~= '' then drop_leases(KEYS[4], KEYS[5], rows) end
 give_back(KEYS[2], KEYS[3], back, n)
+if ARGV[7] == 'groups' then reoffer_groups(KEYS[2], KEYS[3], KEYS[11], groups_of(back, n), n) end
 for _, r in ipairs(dead) do
   redis.call('HSET', KEYS[10], r, why[r])
   redis.call('HDEL', KEYS[9], r)

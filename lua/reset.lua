@@ -7,6 +7,8 @@ KEYS[2]     td:{NAME}:consumed:CONSUMER
 KEYS[3]     td:{NAME}:gtaken:CONSUMER
 KEYS[4]     td:{NAME}:leases:CONSUMER
 KEYS[5]     td:{NAME}:tokens:CONSUMER
+KEYS[6]     td:{NAME}:gremnant:CONSUMER (see include/leases.lua): deleted with every row; with some rows it
+            may keep marks of groups no longer given back in part, which sampling finds out (a hint)
 ARGV[1]     the schema the client expects (see include/schema.lua)
 ARGV[2]     n_samples_per_prompt
 ARGV[3..]   rows, decimal; none resets every row
@@ -28,10 +30,11 @@ if kept then return kept end
 local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
 local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type(5, 5, 'hash')
+  or wrong_type(6, 6, 'string')
 if bad then return redis.error_reply(bad) end
 local before = redis.call('BITCOUNT', KEYS[2])
 if #ARGV == 2 then
-  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
   return keep_reply(reply_key, reply_ttl, before)
 end
 local rows, fields = numbers_from(3), {}

@@ -3,7 +3,9 @@ consumer, mark them handed to it, and return them; all or nothing.
 
 Works on whole groups (the n responses of one prompt) or on single rows. Everything is bitmap
 algebra on the server, so the cost grows with the bitmap bytes (capacity / 8), not with rows.
-First it gives back rows whose lease expired unacked, so they are offered again.
+First it gives back rows whose lease expired unacked, so they are offered again. A group given back in
+part (its other rows were acked, see include/leases.lua) is offered again too, and a pick of it hands out
+only its rows not handed out: the unit is still the group, and the rows come as runs as ever.
 
 A call carries a request id (see include/once.lua): a resend of it after a lost reply gets the rows
 the call was handed, instead of new rows. Only a reply that hands rows out is kept.
@@ -17,7 +19,8 @@ KEYS[6]     td:{NAME}:redelivered:CONSUMER   counter of rows given back after th
 KEYS[7]     td:{NAME}:scratch                work space, deleted before returning
 KEYS[8]     td:{NAME}:epoch                  see include/generations.lua
 KEYS[9]     td:{NAME}:gen
-KEYS[10..]  per requested column: td:{NAME}:gready:COLUMN in group mode,
+KEYS[10]    td:{NAME}:gremnant:CONSUMER     group bitmap: groups offered again with some rows handed out
+KEYS[11..]  per requested column: td:{NAME}:gready:COLUMN in group mode,
             td:{NAME}:ready:COLUMN in row mode
 then        td:{NAME}:len:COLUMN for each of the L length columns the "seqlen" policy weighs by
 ARGV[1]     the schema the client expects (see include/schema.lua)
@@ -84,7 +87,7 @@ local bad = wrong_type(2, 3, 'string') or wrong_type(4, 4, 'zset') or wrong_type
 if bad then return redis.error_reply(bad) end
 
 local consumed, gtaken, leases, tokens, redelivered = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local scratch = KEYS[7]
+local scratch, remnant = KEYS[7], KEYS[10]
 local groups_mode = ARGV[2] == 'groups'
 local count, n, units = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local lease_ms = tonumber(ARGV[8])
@@ -95,7 +98,7 @@ local nlen, ntiers, fewer, cap = tonumber(ARGV[10]), tonumber(ARGV[11]), ARGV[12
 local nunready, bounded = tonumber(ARGV[14]), ARGV[15] ~= ''
 local batch_groups = (ARGV[16] or '') ~= '' and groups_mode and tonumber(ARGV[16]) or nil
 local tail = (ntiers > 0 and 1 or 0) + (bounded and 2 or 0) + ((ARGV[16] or '') ~= '' and 2 or 0)
-local last_status = #KEYS - nlen - ntiers - 2 * nunready - tail   -- KEYS[10..last_status]: status bitmaps
+local last_status = #KEYS - nlen - ntiers - 2 * nunready - tail   -- KEYS[11..last_status]: status bitmaps
 local first_tier = last_status + nlen + 1
 local first_unready = first_tier + ntiers
 local at = first_unready + 2 * nunready                          -- the optional keys, in header order
@@ -112,10 +115,10 @@ if bounded then
   if not current then return redis.error_reply(lost) end
   fresh_from = current - tonumber(ARGV[15])
 end
-local too_long = longer_than(nbytes, taken, unpack(KEYS, 10, last_status))
+local too_long = longer_than(nbytes, taken, unpack(KEYS, 11, last_status))
 if too_long then return redis.error_reply(too_long) end
 local now = now_ms()
-local _, corrupt = reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
+local _, corrupt = reclaim_expired(consumed, gtaken, remnant, leases, tokens, redelivered, n, now)
 if corrupt then return redis.error_reply(corrupt) end
 if cap > 0 and redis.call('BITCOUNT', consumed) >= cap then return {} end
 
@@ -127,7 +130,7 @@ local have = redis.call('STRLEN', scratch)
 if have < nbytes then
   redis.call('SETRANGE', scratch, have, string.rep('\255', nbytes - have))
 end
-redis.call('BITOP', 'AND', scratch, scratch, unpack(KEYS, 10, last_status))
+redis.call('BITOP', 'AND', scratch, scratch, unpack(KEYS, 11, last_status))
 
 -- Stale groups that would qualify are left out here, atomically with the pick, and reported: the
 -- client discards them next (discard.lua), which checks their version again.
@@ -342,6 +345,30 @@ end
 local starts, lengths = runs_of(picked)
 if groups_mode then
   for i = 1, #starts do starts[i], lengths[i] = starts[i] * n, lengths[i] * n end
+  -- Groups picked that came back in part (marked in the remnant bitmap, which exists only while some
+  -- group is so marked): of them only the rows not handed out go; their acked rows are done. The mark
+  -- is a hint (a clear of rows may leave it behind): the row bits decide.
+  if redis.call('EXISTS', remnant) == 1 then
+    local marks, partly, is_partly = get_bits(remnant, picked), {}, {}
+    for i = 1, #picked do
+      if marks[i] == 1 then partly[#partly + 1] = picked[i]; is_partly[picked[i]] = true end
+    end
+    if #partly > 0 then
+      local rows = unconsumed_rows_of_groups(consumed, partly, n)
+      for _, g in ipairs(picked) do
+        if not is_partly[g] then
+          for r = g * n, g * n + n - 1 do rows[#rows + 1] = r end
+        end
+      end
+      set_bits(remnant, partly, 0)
+      if redis.call('BITCOUNT', remnant) == 0 then redis.call('DEL', remnant) end
+      -- Every group picked is handed out now, even one with no row left to hand out (none such is made,
+      -- see include/leases.lua; were one, it must not be picked again and again for nothing).
+      set_bits(gtaken, picked, 1)
+      if #rows == 0 then return {} end
+      starts, lengths = runs_of(rows)
+    end
+  end
 end
 mark_runs_taken(consumed, gtaken, starts, lengths, n)
 if batch_groups then set_bits(gbatch, picked, 1) end

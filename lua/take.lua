@@ -19,7 +19,8 @@ KEYS[8]     td:{NAME}:gen
 KEYS[9]     td:{NAME}:named:LABEL, the record of a named take (unused when ARGV[6] is 0)
 KEYS[10]    td:{NAME}:named, the index of the records: member = a record's key, score = when it expires
             (ms of server time); what finds every record of the dock without SCAN (a checkpoint)
-KEYS[11..]  td:{NAME}:ready:COLUMN for each requested column
+KEYS[11]    td:{NAME}:gremnant:CONSUMER (see include/leases.lua)
+KEYS[12..]  td:{NAME}:ready:COLUMN for each requested column
 ARGV[1]     the schema the client expects (see include/schema.lua)
 ARGV[2]     n_samples_per_prompt
 ARGV[3]     lease in ms; 0 hands rows out for good
@@ -31,7 +32,7 @@ ARGV[8..]   the rows as runs: start, length, ... (ascending, disjoint)
 
 Returns {1, epoch, generations, "row,row,..."} when the rows were all written (they are now marked
 consumed; see sample.lua for the generations; the list names the rows this call handed out that were
-not handed out before, which a call that cannot deliver gives back), else {0, column position (1 = KEYS[11]), row, column position,
+not handed out before, which a call that cannot deliver gives back), else {0, column position (1 = KEYS[12]), row, column position,
 row, ...} naming every missing cell.
 
 An exclusive take hands out only rows nobody has been handed: if one of them was handed to the consumer
@@ -67,7 +68,7 @@ if bad then return redis.error_reply(bad) end
 
 local n, lease_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_ms()
-local _, corrupt = reclaim_expired(KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], n, now)
+local _, corrupt = reclaim_expired(KEYS[2], KEYS[3], KEYS[11], KEYS[4], KEYS[5], KEYS[6], n, now)
 if corrupt then return redis.error_reply(corrupt) end
 
 local exclusive, record_ms = ARGV[5] == '1', tonumber(ARGV[6])
@@ -89,11 +90,11 @@ end
 local starts, lengths = runs_from(8)
 local rows = rows_of_runs(starts, lengths)
 local missing = {0}
-for k = 11, #KEYS do
+for k = 12, #KEYS do
   local bits = get_bits(KEYS[k], rows)
   for i = 1, #rows do
     if bits[i] == 0 then
-      missing[#missing + 1] = k - 10; missing[#missing + 1] = rows[i]
+      missing[#missing + 1] = k - 11; missing[#missing + 1] = rows[i]
     end
   end
 end

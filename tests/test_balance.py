@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import random
+import time
 
 import pytest
 import torch
@@ -83,6 +84,59 @@ def test_balancing_rows_when_groups_do_not_split_evenly(make_dock):
     _, rows = dock.get_experience("actor_train", ["prompts"], 12, dp_size=4, balance=["response_length"])
     assert sorted(rows) == list(range(12))
     assert imbalance([response[r] for r in rows], 4) < 1.6 < imbalance(response, 4)  # best: (500+10+10)/345
+
+
+def test_a_dp_rank_that_dies_gets_only_its_own_rows_redone(make_dock):
+    """``balance`` splits groups across DP ranks when whole groups do not balance; each rank puts (and acks)
+    its own share. When one rank dies, only its rows come back: the other ranks' results are final."""
+    dock = make_dock(prompts_num=3, n=4, columns=("prompts", "response_length", "values"),
+                     consumers=("actor_rollout", "critic"), length_columns=("response_length",))
+    response = [500, 400, 300, 10, 20, 20, 20, 30, 30, 30, 10, 10]
+    put_lengths_of(dock, [1] * 12, response)
+    since = time.monotonic()
+    _, rows = dock.get_experience("critic", ["prompts"], 12, dp_size=4, balance=["response_length"], lease=1)
+    shares = [rows[r * 3:(r + 1) * 3] for r in range(4)]  # what each rank gets: still the delivery
+    dead = shares[1]
+    others = [row for r, share in enumerate(shares) if r != 1 for row in share]
+    assert {row // 4 for row in dead} & {row // 4 for row in others}  # a group split between ranks
+    for r, share in enumerate(shares):
+        if r != 1:  # ranks 0, 2, 3 put their results, which acks them; rank 1 dies
+            dock.put_experience({"values": [torch.tensor([1000 + row]) for row in share]}, share)
+    time.sleep(max(0.0, since + 1.05 - time.monotonic()))
+
+    groups = len({row // 4 for row in dead})
+    _, redo = dock.get_experience("critic", ["prompts"], 4 * groups, dp_size=4, balance=["response_length"], lease=30)
+    assert sorted(redo) == sorted(dead)  # only the dead rank's rows
+    assert dock.status()["consumers"]["critic"]["redelivered"] == 3
+    assert [int(v) for v in dock.read_rows(["values"], others)["values"]] == [1000 + row for row in others]
+    assert not dock.all_consumed("critic")
+    dock.put_experience({"values": [torch.tensor([2000 + row]) for row in redo]}, redo)
+    assert dock.all_consumed("critic")
+    assert dock.get_experience("critic", ["prompts"], 4) == (None, None)
+    values = dock.read_rows(["values"], list(range(12)))["values"]
+    assert [int(v) for v in values] == [(2000 if row in dead else 1000) + row for row in range(12)]
+
+
+def test_groups_back_in_part_are_balanced_as_rows(make_dock):
+    """A batch holding groups that came back without their acked rows is not whole groups: n consecutive
+    rows of it may be of two groups, so it is balanced row by row."""
+    dock = make_dock(prompts_num=4, n=4, columns=("prompts", "response_length"), consumers=("critic",),
+                     length_columns=("response_length",))
+    heavy = {2, 3, 6, 7}  # the unacked rows of groups 0 and 1
+    put_lengths_of(dock, [1] * 16, [100 if r in heavy else 1 for r in range(16)])
+    _, rows = dock.get_experience("critic", ["prompts"], 16, lease=300)
+    dock.ack("critic", [r for r in rows if r % 4 < 2], token=rows.token)  # half of each group
+    dock.reclaim("critic", all_leases=True)
+    _, redo = dock.get_experience("critic", ["prompts"], 16, dp_size=2, balance=["response_length"])
+    assert sorted(redo) == [2, 3, 6, 7, 10, 11, 14, 15]
+    assert len(heavy & set(redo[:4])) == 2  # 202 tokens per rank, not 400 and 4
+
+
+def put_lengths_of(dock, prompt, response):
+    """``put_lengths`` for a dock whose only length column is ``response_length``."""
+    rows = list(range(len(prompt)))
+    dock.put_experience({"prompts": [torch.ones(p, dtype=torch.int32) for p in prompt],
+                         "response_length": [torch.tensor([r]) for r in response]}, rows)
 
 
 def mindspeed_first_partition(costs: list[int], count: int) -> list[int]:

@@ -159,6 +159,7 @@ GARBAGE = {
     "gready type": lambda c, k: (c.delete(k.group_ready("prompts")), c.hset(k.group_ready("prompts"), "a", "b")),
     "consumed type": lambda c, k: c.hset(k.consumed("train"), "a", "b"),
     "gtaken type": lambda c, k: c.rpush(k.group_taken("train"), "a"),
+    "gremnant type": lambda c, k: c.rpush(k.group_remnant("train"), "a"),
     "leases type": lambda c, k: c.set(k.leases("train"), "soon"),
     "leases junk member": lambda c, k: c.zadd(k.leases("train"), {"not-a-row": 0}),
     "redelivered junk": lambda c, k: c.set(k.redelivered("train"), "many"),

@@ -130,17 +130,94 @@ def test_ack_needs_the_lease_it_releases(make_dock):
         dock.ack("actor_rollout", unleased)
 
 
-def test_half_acked_group_comes_back_whole(make_dock):
+def test_half_acked_groups_come_back_without_their_acked_rows(make_dock):
     dock = make_dock(prompts_num=2, n=2)
     fill(dock, columns=["prompts"])
     _, rows = dock.get_experience("actor_train", ["prompts"], 4, lease=0.1)  # groups 0 and 1
     dock.ack("actor_train", [0, 2], token=rows.token)  # half of each group done, then the worker dies
     time.sleep(0.2)
     _, again = dock.get_experience("actor_train", ["prompts"], 4, lease=30)
-    assert again == [0, 1, 2, 3]  # whole groups, the acked rows redone with them
-    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 4, "redelivered": 4, "dead": 0}
+    assert again == [1, 3]  # still two groups, each without its acked row: that result is final
+    assert dock.status()["consumers"]["actor_train"] == {"consumed": 4, "leased": 2, "redelivered": 2, "dead": 0}
     dock.ack("actor_train", again)
     assert dock.all_consumed("actor_train")
+    assert dock.get_experience("actor_train", ["prompts"], 2) == (None, None)
+
+
+def _expired(lease: float, since: float) -> None:
+    """Sleep until a lease of ``lease`` seconds taken at ``since`` (time.monotonic) ran out."""
+    time.sleep(max(0.0, since + lease + 0.05 - time.monotonic()))
+
+
+def _values(dock: TransferDock, column: str, rows: list[int]) -> list[list[int]]:
+    return [v.tolist() for v in dock.read_rows([column], rows)[column]]
+
+
+def test_acked_results_of_a_group_stay_when_the_worker_holding_the_rest_dies(make_dock):
+    """A stage that judges rows one by one puts (and so acks) part of a leased group, then dies: the group
+    comes back with only its unacked rows, so the results already put are never redone nor overwritten."""
+    dock = make_dock(prompts_num=2, n=4, columns=("prompts", "responses"))
+    fill(dock, columns=["prompts"])
+    since = time.monotonic()
+    _, rows = dock.get_experience("actor_rollout", ["prompts"], 4, lease=0.5)
+    assert rows == [0, 1, 2, 3]
+    dock.put_experience({"responses": [torch.tensor([100 + r]) for r in rows[:2]]}, rows[:2])  # fenced, acks
+    assert dock.status()["consumers"]["actor_rollout"]["leased"] == 2
+    _expired(0.5, since)  # the worker dies holding rows 2 and 3
+
+    _, redo = dock.get_experience("actor_rollout", ["prompts"], 8, lease=30)  # group 0's rest, and group 1
+    assert redo == [2, 3, 4, 5, 6, 7]
+    assert dock.status()["consumers"]["actor_rollout"] == {"consumed": 8, "leased": 6, "redelivered": 2, "dead": 0}
+    assert _values(dock, "responses", [0, 1]) == [[100], [101]]  # the acked results, untouched
+    dock.put_experience({"responses": [torch.tensor([200 + r]) for r in redo[:2]]}, redo[:2])  # the redo lands
+    assert not dock.all_consumed("actor_rollout")  # group 1 is still out
+    dock.put_experience({"responses": [torch.tensor([200 + r]) for r in redo[2:]]}, redo[2:])
+    assert dock.all_consumed("actor_rollout")
+    assert _values(dock, "responses", list(range(8))) == [[100], [101], [202], [203], [204], [205], [206], [207]]
+    assert dock.get_experience("actor_rollout", ["prompts"], 4) == (None, None)  # nothing is handed out twice
+    assert dock.get_experience("actor_rollout", ["prompts"], 1, get_n_samples=False) == (None, None)
+    assert dock.status()["consumers"]["actor_rollout"] == {"consumed": 8, "leased": 0, "redelivered": 2, "dead": 0}
+
+
+def test_clear_after_a_partial_ack_and_a_reclaim_starts_the_consumer_afresh(make_dock):
+    dock = make_dock(prompts_num=2, n=4, columns=("prompts", "responses"))
+    fill(dock, columns=["prompts"])
+    _, rows = dock.get_experience("actor_rollout", ["prompts"], 8, lease=300)
+    dock.put_experience({"responses": [torch.tensor([1])] * 3}, rows[1:4])  # acks rows 1..3 of group 0
+    assert dock.reclaim("actor_rollout", all_leases=True) == 0  # the driver restarted the workers
+    assert dock.status()["consumers"]["actor_rollout"] == {"consumed": 3, "leased": 0, "redelivered": 5, "dead": 0}
+
+    # A clear of the acked rows: once written again, group 0 is whole and goes out whole.
+    dock.clear(indexes=[1, 2, 3])
+    fill(dock, columns=["prompts"], rows=[1, 2, 3])
+    _, again = dock.get_experience("actor_rollout", ["prompts"], 8, lease=300)
+    assert again == list(range(8))
+    dock.put_experience({"responses": [torch.tensor([2])] * 2}, again[4:6])  # part of group 1, then a crash
+    assert dock.reclaim("actor_rollout", all_leases=True) == 0
+    assert dock.get_experience("actor_rollout", ["prompts"], 8, lease=300)[1] == [0, 1, 2, 3, 6, 7]
+    assert dock.reclaim("actor_rollout", all_leases=True) == 0
+
+    # A whole clear: nothing of the consumer is left, the remnant mark included; the next batch is whole.
+    dock.clear()
+    assert dock.status()["consumers"]["actor_rollout"] == {"consumed": 0, "leased": 0, "redelivered": 0, "dead": 0}
+    assert not dock.client.exists(dock.keys.group_remnant("actor_rollout"))
+    fill(dock, columns=["prompts"])
+    _, fresh = dock.get_experience("actor_rollout", ["prompts"], 8, lease=300)
+    assert fresh == list(range(8))
+    assert dock.ack("actor_rollout", fresh) == 8
+    assert dock.all_consumed("actor_rollout")
+
+
+def test_reset_consumer_after_a_partial_ack_offers_every_row_again(make_dock):
+    dock = make_dock(prompts_num=1, n=4)
+    fill(dock, columns=["prompts"])
+    _, rows = dock.get_experience("actor_train", ["prompts"], 4, lease=300)
+    dock.ack("actor_train", rows[:1])
+    dock.reclaim("actor_train", all_leases=True)
+    assert dock.status()["consumers"]["actor_train"]["consumed"] == 1  # the acked row stays handed out
+    assert dock.reset_consumer("actor_train") == 1
+    assert not dock.client.exists(dock.keys.group_remnant("actor_train"))
+    assert dock.get_experience("actor_train", ["prompts"], 4)[1] == [0, 1, 2, 3]
 
 
 def test_expired_explicit_rows_are_reclaimed_without_any_sampling_call(make_dock):

@@ -147,7 +147,10 @@ class Handouts:
         """
         cost = self._row_costs(rows, weigh_by)
         n = self._s.schema.n_samples_per_prompt
-        if groups and len(rows) % n == 0 and (len(rows) // n) % ranks == 0:
+        # A sampled batch is whole groups, but for a group that came back with only its unacked rows (see
+        # lua/include/leases.lua): then every n consecutive rows are not one group, and rows are balanced.
+        whole = groups and len(rows) % n == 0 and all(r // n == rows[i - i % n] // n for i, r in enumerate(rows))
+        if whole and (len(rows) // n) % ranks == 0:
             # Rows of one group are consecutive in the batch: order whole groups.
             group_cost = [sum(cost[g * n : (g + 1) * n]) for g in range(len(rows) // n)]
             order = [g * n + j for g in balanced_order(group_cost, ranks) for j in range(n)]

@@ -148,6 +148,11 @@ class DockKeys:
     def group_taken(self, consumer: str) -> str:
         return f"{self.base}gtaken:{consumer}"
 
+    def group_remnant(self, consumer: str) -> str:
+        """Groups offered to ``consumer`` again with some of their rows still handed to it (acked): what
+        group sampling hands out of such a group is its other rows (lua/include/leases.lua)."""
+        return f"{self.base}gremnant:{consumer}"
+
     def leases(self, consumer: str) -> str:
         return f"{self.base}leases:{consumer}"
 
@@ -331,7 +336,7 @@ class DockKeys:
         """Every key the dock has (but reply keys, which expire by themselves): what ``delete`` removes."""
         per_column = (self.data, self.tail, self.ready, self.group_ready, self.lengths)
         per_consumer = (self.consumed, self.group_taken, self.leases, self.tokens, self.redelivered, self.failures,
-                        self.dead)
+                        self.dead, self.group_remnant)
         keys = [kind(c) for kind in per_column for c in columns]
         keys += [kind(c) for kind in per_consumer for c in consumers]
         return keys + [self.meta, self.scratch, self.scratch2, self.scratch3, self.epoch, self.generations,
@@ -396,6 +401,9 @@ def key_layout() -> list[KeyRow]:
                "sampling and `balance` weigh"),
         KeyRow(k.consumed(consumer), "bitmap", "bit i set when row i was handed to CONSUMER"),
         KeyRow(k.group_taken(consumer), "bitmap", "bit g set when any row of group g was handed to CONSUMER"),
+        KeyRow(k.group_remnant(consumer), "bitmap", "bit g set when group g came back to CONSUMER (its lease ran "
+               "out, or `reclaim`) with some of its rows acked: group sampling may offer it again and hands out only "
+               "its rows not handed out; may list groups that are no longer such (it is a hint: the row bits decide)"),
         KeyRow(k.leases(consumer), "sorted set", "rows handed out under a lease and not yet acked; score = "
                "deadline (ms of server time)"),
         KeyRow(k.tokens(consumer), "hash", "field = leased row, value = token of the call holding its lease "

@@ -226,6 +226,22 @@ local function give_back(consumed_key, gtaken_key, rows, n)
   set_bits(gtaken_key, free, 0)
 end
 
+-- After rows of `groups` handed out as whole groups were given back (give_back) while other rows of
+-- theirs stay handed out (acked: their results are final): offers the groups to group sampling again
+-- all the same, their bit in the consumer's group bitmap cleared, and marks in `remnant_key` those
+-- with a row still handed out, so that sampling hands out only their other rows (see sample.lua). A
+-- group with no row handed out any more is a whole group again (give_back cleared its bit already).
+local function reoffer_groups(consumed_key, gtaken_key, remnant_key, groups, n)
+  if #groups == 0 then return end
+  local _, any = group_states(consumed_key, groups, n)
+  local partly = {}
+  for i = 1, #groups do
+    if any[i] then partly[#partly + 1] = groups[i] end
+  end
+  set_bits(remnant_key, partly, 1)
+  set_bits(gtaken_key, partly, 0)
+end
+
 -- ARGV[first..] as numbers.
 local function numbers_from(first)
   local out = {}
@@ -278,4 +294,16 @@ local function rows_of_groups(groups, n)
     for r = g * n, g * n + n - 1 do rows[#rows + 1] = r end
   end
   return rows
+end
+
+-- The rows of `groups` not set in the consumer's row bitmap `consumed_key`, ascending when `groups` is:
+-- what group sampling hands out of groups marked in its remnant bitmap.
+local function unconsumed_rows_of_groups(consumed_key, groups, n)
+  local rows = rows_of_groups(groups, n)
+  local bits = get_bits(consumed_key, rows)
+  local out = {}
+  for i = 1, #rows do
+    if bits[i] == 0 then out[#out + 1] = rows[i] end
+  end
+  return out
 end

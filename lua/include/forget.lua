@@ -9,7 +9,7 @@ then k keys of each kind, for every column: td:{NAME}:data:COLUMN, td:{NAME}:tai
                   its cut rows, broker/data/fit.py), td:{NAME}:ready:COLUMN, td:{NAME}:gready:COLUMN
 then m keys of each kind, for every consumer: td:{NAME}:consumed:CONSUMER, td:{NAME}:gtaken:CONSUMER,
                   td:{NAME}:leases:CONSUMER, td:{NAME}:tokens:CONSUMER, td:{NAME}:redelivered:CONSUMER,
-                  td:{NAME}:failures:CONSUMER, td:{NAME}:dead:CONSUMER
+                  td:{NAME}:failures:CONSUMER, td:{NAME}:dead:CONSUMER, td:{NAME}:gremnant:CONSUMER
 then              td:{NAME}:len:COLUMN for each of the L length columns
 then              the batch's keys: td:{NAME}:cursor, td:{NAME}:metrics, td:{NAME}:discarded
 then              the generation status: td:{NAME}:finished, gfinished, rfinished, grolled, claimed, gversions,
@@ -57,8 +57,8 @@ local function forget_layout()
   L.ready, L.gready = 3 + 2 * k, 3 + 3 * k
   L.consumed, L.gtaken = 3 + 4 * k, 3 + 4 * k + m
   L.leases, L.tokens, L.redelivered = 3 + 4 * k + 2 * m, 3 + 4 * k + 3 * m, 3 + 4 * k + 4 * m
-  L.failures, L.dead = 3 + 4 * k + 5 * m, 3 + 4 * k + 6 * m
-  L.lengths = 3 + 4 * k + 7 * m                             -- KEYS[L.lengths + j]: j-th length array
+  L.failures, L.dead, L.remnant = 3 + 4 * k + 5 * m, 3 + 4 * k + 6 * m, 3 + 4 * k + 7 * m
+  L.lengths = 3 + 4 * k + 8 * m                             -- KEYS[L.lengths + j]: j-th length array
   L.cursor, L.metrics, L.discarded = L.lengths + nlen + 1, L.lengths + nlen + 2, L.lengths + nlen + 3
   L.finished, L.gfinished, L.rfinished = L.discarded + 1, L.discarded + 2, L.discarded + 3
   L.grolled, L.claimed, L.gversions = L.discarded + 4, L.discarded + 5, L.discarded + 6
@@ -95,7 +95,8 @@ local function forget_wrong_type(L)
   return wrong_type(2, 3, 'string') or wrong_type(L.data + 1, L.tail + L.k, 'hash')
     or wrong_type(L.ready + 1, L.gtaken + L.m, 'string') or wrong_type(L.leases + 1, L.leases + L.m, 'zset')
     or wrong_type(L.tokens + 1, L.tokens + L.m, 'hash') or wrong_type(L.redelivered + 1, L.redelivered + L.m, 'string')
-    or wrong_type(L.failures + 1, L.dead + L.m, 'hash') or wrong_type(L.lengths + 1, L.lengths + L.nlen, 'string')
+    or wrong_type(L.failures + 1, L.dead + L.m, 'hash') or wrong_type(L.remnant + 1, L.remnant + L.m, 'string')
+    or wrong_type(L.lengths + 1, L.lengths + L.nlen, 'string')
     or wrong_type(L.discarded, L.discarded, 'hash') or wrong_type(L.finished, L.claimed, 'string')
     or wrong_type(L.gversions, L.gversions, 'zset') or wrong_type(L.gversions + 1, L.last, 'string')
 end

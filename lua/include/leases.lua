@@ -9,9 +9,36 @@ the row is still leased under the token the ack names. A row whose lease expired
 worker, or a row cleared and handed out again, carries another token, so a late or stale ack changes
 nothing (the row is redone, which at-least-once allows) instead of releasing somebody else's lease.
 
-Tokens of calls that handed out whole groups start with 'g'. When such a lease expires the whole group
-comes back, its already acked rows included: group sampling offers only groups with no row out, so
-giving back half a group would strand it. Rows handed out one by one come back one by one.
+An acked row's result is final: the row stays handed to the consumer (its bit in td:{NAME}:consumed:
+CONSUMER stays set) until a clear or reset_consumer of the row, whatever becomes of the rest of its
+delivery. A lease that expires (or that reclaim.lua's "all" ends) gives back only its own rows, those
+still leased and unacked: never a row acked, nor one handed out for good (taken with no lease), which
+both look the same here (handed out, no lease) and both are done.
+
+Tokens of calls that handed out whole groups start with 'g'. Group sampling offers only groups with no
+row handed out (td:{NAME}:gtaken:CONSUMER), so when such a lease gives back only part of a group (the
+rest was acked: a stage acks the rows it finished with the fenced put of their results, and DP ranks
+put their own share of a batch that split a group between them), the group is offered again all the
+same, and marked in td:{NAME}:gremnant:CONSUMER: sampling then hands out only its rows not handed out
+(include/bits.lua reoffer_groups, sample.lua). Nothing is stranded, and nothing acked is redone.
+Rows handed out one by one ('r' tokens: explicit takes, row sampling) come back one by one, and a group
+with another row still out stays out of group sampling, as before.
+
+How the steps that touch one leased row interleave (each is one script, so they are ordered):
+- ack (or a put that acks) before the lease is reclaimed: the row leaves the lease set and stays handed
+  out; the reclaim gives back only the group's other rows. An ack after the deadline still counts while
+  nothing gave the row back (the deadline says when the row may go, not that it went);
+- ack after the reclaim: the row is no longer leased under that token, so the ack releases nothing (and a
+  put naming the delivery is FENCED, include/delivery.lua): the row is redone, at least once;
+- a clear or reset_consumer of some rows: they are handed out no more and their leases end, acked or
+  not; the remnant mark of their group may outlive its purpose, which costs sampling a look at the
+  group's row bits and nothing else (the row bits decide, the mark only says where to look). A whole
+  clear, reset_consumer of every row and delete remove the mark with the consumer's other keys;
+- a take of expired rows: it reclaims first, then takes them under its own token ('r'), which marks the
+  group handed out: group sampling leaves it alone, as any group with a row taken explicitly, until no
+  row of it is handed out (its acked rows are, until a clear or reset_consumer of them).
+What sampling relies on: a group whose gtaken bit is clear while some of its rows are handed out is
+marked in gremnant (only reoffer_groups makes such a group, and it marks it).
 ]]
 -- @include bits
 
@@ -63,10 +90,12 @@ local function lease_rows(leases, tokens, rows, deadline, token)
   end
 end
 
--- Gives back every row of `leases` whose deadline is before `now` (the whole group where the lease
--- was a group's, see above), and counts the rows given back in `redelivered`. Returns how many, or
--- nil and a CORRUPT error message if the lease set lists something that is not a row.
-local function reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n, now)
+-- Gives back every row of `leases` whose deadline is before `now`, and no other, and counts them in
+-- `redelivered`; the groups of those leased as whole groups (a 'g' token) are offered to group
+-- sampling again even where some of their rows stay handed out (acked, see above), and marked in
+-- `remnant` then. Returns how many rows, or nil and a CORRUPT error message if the lease set lists
+-- something that is not a row.
+local function reclaim_expired(consumed, gtaken, remnant, leases, tokens, redelivered, n, now)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', '(' .. now)
   if #expired == 0 then return 0 end
   for i = 1, #expired do
@@ -75,34 +104,14 @@ local function reclaim_expired(consumed, gtaken, leases, tokens, redelivered, n,
     end
   end
   local holders = holders_of(tokens, expired)
-  local back, is_back, whole = {}, {}, {}
+  local back, grouped = {}, {}
   for i = 1, #expired do
     local row = tonumber(expired[i])
-    back[#back + 1] = row; is_back[row] = true
-    if holders[i] and string.sub(holders[i], 1, 1) == 'g' then whole[#whole + 1] = math.floor(row / n) end
-  end
-  if #whole > 0 then
-    -- The other rows of those groups: give back those acked (consumed, no lease left); rows leased
-    -- again since (by an explicit take) stay with their new holder.
-    local others = {}
-    local seen = {}
-    for _, g in ipairs(whole) do
-      if not seen[g] then
-        seen[g] = true
-        for r = g * n, (g + 1) * n - 1 do
-          if not is_back[r] then others[#others + 1] = r end
-        end
-      end
-    end
-    if #others > 0 then
-      local held = holders_of(tokens, others)
-      local taken = get_bits(consumed, others)
-      for i = 1, #others do
-        if not held[i] and taken[i] == 1 then back[#back + 1] = others[i] end
-      end
-    end
+    back[#back + 1] = row
+    if holders[i] and string.sub(holders[i], 1, 1) == 'g' then grouped[#grouped + 1] = row end
   end
   give_back(consumed, gtaken, back, n)
+  reoffer_groups(consumed, gtaken, remnant, groups_of(grouped, n), n)
   drop_leases(leases, tokens, expired)
   redis.call('INCRBY', redelivered, #back)
   return #back

@@ -26,7 +26,7 @@ class ForgetScripts(ScriptsBase):
         keys = [k.meta, k.epoch, k.generations]
         per_column: tuple[Callable[[str], str], ...] = (k.data, k.tail, k.ready, k.group_ready)
         per_consumer: tuple[Callable[[str], str], ...] = (k.consumed, k.group_taken, k.leases, k.tokens, k.redelivered,
-                                                          k.failures, k.dead)
+                                                          k.failures, k.dead, k.group_remnant)
         keys += [kind(c) for kind in per_column for c in schema.columns]
         keys += [kind(c) for kind in per_consumer for c in schema.consumers]
         keys += [k.lengths(c) for c in schema.length_columns] + k.batch_keys

@@ -39,7 +39,7 @@ class HandOutScripts(ScriptsBase):
         select = select or Selection()
         status = k.group_ready if groups else k.ready
         keys = [k.meta, k.consumed(consumer), k.group_taken(consumer), k.leases(consumer), k.tokens(consumer),
-                k.redelivered(consumer), k.scratch, k.epoch, k.generations,
+                k.redelivered(consumer), k.scratch, k.epoch, k.generations, k.group_remnant(consumer),
                 *(status(c) for c in columns), *select.require, *(k.lengths(c) for c in weigh_by), *select.tiers,
                 *(key for c in select.unready for key in (k.ready(c), k.group_ready(c)))]
         if select.tiers:
@@ -74,7 +74,7 @@ class HandOutScripts(ScriptsBase):
         """
         k = self._keys
         keys = [k.meta, *self._consumer_keys(consumer), k.redelivered(consumer), k.epoch, k.generations,
-                k.named(name), k.named_index, *(k.ready(c) for c in columns)]
+                k.named(name), k.named_index, k.group_remnant(consumer), *(k.ready(c) for c in columns)]
         reply = self._once("take", keys, [self._expected, self._n, lease_ms, token, int(exclusive),
                                           name_ms if name else 0, ",".join(map(str, order)) if name else "",
                                           *runs])

@@ -62,7 +62,7 @@ class LeaseScripts(ScriptsBase):
         often as the dock allows (its whole group if ``groups``: see lua/release.lua)."""
         k = self._keys
         keys = [k.meta, *self._consumer_keys(consumer), k.epoch, k.generations, k.reply(request_id),
-                k.failures(consumer), k.dead(consumer)]
+                k.failures(consumer), k.dead(consumer), k.group_remnant(consumer)]
         bad = [x for row, why in (unreadable or {}).items() for x in (row, why)]
         args = [self._expected, self._n, handout.epoch, handout.generations, token, REPLY_TTL_MS,
                 "groups" if groups else "rows", len(bad) // 2, *bad, *handout.runs]
@@ -77,11 +77,12 @@ class LeaseScripts(ScriptsBase):
     def reclaim(self, consumer: str, all_leases: bool = False) -> tuple[int, int]:
         """Give back ``consumer``'s expired leases (every lease with ``all_leases``); returns (rows consumed,
         rows still leased)."""
-        keys = [self._keys.meta, *self._consumer_keys(consumer), self._keys.redelivered(consumer)]
+        keys = [self._keys.meta, *self._consumer_keys(consumer), self._keys.redelivered(consumer),
+                self._keys.group_remnant(consumer)]
         consumed, leased = self._call("reclaim", keys, [self._expected, self._n, *(["all"] if all_leases else [])])
         return int(consumed), int(leased)
 
     def reset(self, consumer: str, rows: Sequence[int]) -> int:
         """Make ``rows`` (all when empty) available to ``consumer`` again; returns how many were handed out."""
-        keys = [self._keys.meta, *self._consumer_keys(consumer)]
+        keys = [self._keys.meta, *self._consumer_keys(consumer), self._keys.group_remnant(consumer)]
         return int(self._once("reset", keys, [self._expected, self._n, *rows]))
