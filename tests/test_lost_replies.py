@@ -221,6 +221,7 @@ def test_a_slot_map_reload_cut_on_every_node_is_retried(cluster_dock):
     dock = cluster_dock
     fill(dock)
     nodes = len(dock.client.get_nodes())
+    time.sleep(1.1)  # redis-py 8.2 reloads the slot map at most once a second (topology_refresh_min_interval)
     with lose_next_reply("EVALSHA") as cut, lose_next_reply("CLUSTER SLOTS", times=nodes) as reloads_cut:
         batch, rows = dock.get_experience("actor_train", ["prompts"], 4)
     assert (cut, len(reloads_cut)) == ([1], nodes)
