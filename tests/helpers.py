@@ -33,6 +33,23 @@ def small_dock(
                         consumers=consumers, **kwargs)
 
 
+def after_first_slice(monkeypatch: Any, dock: TransferDock, step: Callable[[], Any]) -> None:
+    """Run ``step`` once, right after the first slice of the dock's next put in slices (data/slices.py) landed:
+    another process growing the dock there, the server pausing there."""
+    store = dock._session.store
+    first = store._put_one
+    done: list[bool] = []
+
+    def put_one(*args: Any, **kwargs: Any) -> Any:
+        outcome = first(*args, **kwargs)
+        if not done:
+            done.append(True)
+            step()
+        return outcome
+
+    monkeypatch.setattr(store, "_put_one", put_one)
+
+
 def fill(dock: TransferDock, columns: Sequence[str] | None = None, rows: list[int] | None = None) -> None:
     """Write ``rows`` (default: all) of ``columns`` (default: all); row r of column c holds ``[r, len(c)]``."""
     rows = list(range(dock.capacity)) if rows is None else rows

@@ -28,7 +28,7 @@ from broker import BrokerConnectionError, BrokerTimeoutError, FencedError, Repli
 from broker.connection import call_deadline, extend_call, time_left
 from broker.ops.local_cluster import LocalCluster
 from broker.ops.local_redis import RedisServer
-from tests.helpers import redis_server_binary, required
+from tests.helpers import after_first_slice, redis_server_binary, required
 
 pytestmark = pytest.mark.real
 
@@ -445,18 +445,7 @@ def test_a_leased_put_in_slices_cut_short_names_what_landed_and_sent_again_write
     dock.put_experience(rows_of(16), list(range(16)))
     _, handed = dock.get_experience("train", ["prompts"], 16, lease=60)
     out = {"out": torch.randn(16, 4096)}
-    store = dock._session.store
-    first = store._put_one
-    stopped: list[bool] = []
-
-    def put_one(*args, **kwargs):
-        outcome = first(*args, **kwargs)
-        if not stopped:
-            stopped.append(True)
-            os.kill(any_server.proc.pid, signal.SIGSTOP)
-        return outcome
-
-    monkeypatch.setattr(store, "_put_one", put_one)
+    after_first_slice(monkeypatch, dock, lambda: os.kill(any_server.proc.pid, signal.SIGSTOP))
     try:
         error, _ = raises_timeout(lambda: dock.put_experience(out, indexes=handed))
     finally:

@@ -21,7 +21,7 @@ from broker.data import slices as slices_module
 from broker.data.requests import PutRequest
 from broker.data.slices import slices
 from broker.errors import FencedError, QuotaExceededError
-from tests.helpers import bits, lose_next_reply, random_tensor, small_dock
+from tests.helpers import after_first_slice, bits, lose_next_reply, random_tensor, small_dock
 from tests.test_security import _certificates
 
 SEQ = LARGE // 4 * 2  # float32 rows of 32 KiB: framed
@@ -407,22 +407,6 @@ def test_a_put_whose_first_slice_is_refused_sends_no_other(real_url, monkeypatch
     admin.close()
 
 
-def _after_first_slice(monkeypatch, dock: TransferDock, step) -> None:
-    """Run ``step`` once, right after the first slice of the dock's next put in slices landed."""
-    store = dock._session.store
-    first = store._put_one
-    done: list[bool] = []
-
-    def put_one(*args, **kwargs):
-        outcome = first(*args, **kwargs)
-        if not done:
-            done.append(True)
-            step()
-        return outcome
-
-    monkeypatch.setattr(store, "_put_one", put_one)
-
-
 @pytest.mark.parametrize("leased", [True, False], ids=["leased", "producer"])
 def test_a_put_in_slices_goes_on_from_the_slice_that_did_not_land_when_the_dock_grew(client, monkeypatch, leased):
     """Another process grows the dock between two slices: the later slices are refused (SCHEMA), and the
@@ -441,7 +425,7 @@ def test_a_put_in_slices_goes_on_from_the_slice_that_did_not_land_when_the_dock_
 
     dock.put_experience({"prompts": [torch.tensor([r]) for r in range(8)]}, indexes=list(range(8)))
     handed = dock.get_experience("actor_train", ["prompts"], experience_count=8, lease=30)[1] if leased else None
-    _after_first_slice(monkeypatch, dock, meanwhile)
+    after_first_slice(monkeypatch, dock, meanwhile)
     dock.put_experience(mine, indexes=handed if leased else list(range(8)))
     assert "extra" in dock.columns
     got = dock.read_rows(["out"], list(range(8)))["out"]
