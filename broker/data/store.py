@@ -219,7 +219,7 @@ class SlotStore:
         """The slices of a put but those ``landed`` before: the first alone, the others back to back; raises
         naming the rows that landed where one did not, or where the put was cut short."""
         todo = [i for i in range(len(parts)) if i not in landed]
-        outcomes: list[BaseException | None | _Unknown] = [None if i in landed else _UNKNOWN for i in range(len(parts))]
+        outcomes: list[BaseException | None | _Unknown] = [None if i in landed else _UNSENT for i in range(len(parts))]
         try:
             if not todo:
                 return
@@ -229,12 +229,17 @@ class SlotStore:
             # the next travels.
             first, rest = todo[0], todo[1:]
             ahead = [r for i in rest for r in rows_of(parts[i].runs)]
-            outcomes[first] = self._put_one(parts[first], request_ids[first],
-                                            ahead=(sum(_nbytes(parts[i]) for i in rest), runs_of(ahead)))
+            outcomes[first] = _UNKNOWN
+            try:
+                outcomes[first] = self._put_one(parts[first], request_ids[first],
+                                                ahead=(sum(_nbytes(parts[i]) for i in rest), runs_of(ahead)))
+            except redis.ResponseError as exc:  # refused as it was queued (OOM): a reply, the slice not run
+                outcomes[first] = exc
             if outcomes[first] is None and rest:  # refused, the others would be too (fenced, the dock gone, ...)
                 self._put_slices(parts, request_ids, rest, outcomes)
         except redis.RedisError as exc:  # cut short (the call's time bound, the connection): say what is known
-            exc.outcome = _landed(parts, outcomes, cut=True)  # type: ignore[attr-defined]  # see translate.py
+            if any(o is None or o is _UNKNOWN for o in outcomes):
+                exc.outcome = _landed(parts, outcomes, cut=True)  # type: ignore[attr-defined]  # see translate.py
             raise
         failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
         if not failed:
@@ -259,8 +264,11 @@ class SlotStore:
         hold disjoint rows, so their order between lanes does not matter."""
         if isinstance(self._client, RedisCluster):  # no pipeline of several transactions there: one by one
             for i in todo:
+                outcomes[i] = _UNKNOWN
                 outcomes[i] = self._put_one(parts[i], request_ids[i])
             return
+        for i in todo:
+            outcomes[i] = _UNKNOWN  # sent, by the time a lane could fail
         lanes = [list(todo[first::PUT_LANES]) for first in range(min(PUT_LANES, len(todo)))]
         failures: list[BaseException] = []
 
@@ -785,10 +793,10 @@ def _outcome(replies: list[Any], columns: int) -> BaseException | None:
 
 
 class _Unknown:
-    """The outcome of a slice whose reply has not come (yet)."""
+    """The outcome of a slice not sent yet (``_UNSENT``), or sent and whose reply has not come (``_UNKNOWN``)."""
 
 
-_UNKNOWN = _Unknown()
+_UNSENT, _UNKNOWN = _Unknown(), _Unknown()
 
 
 def _landed(parts: Sequence[PutRequest], outcomes: Sequence[BaseException | None | _Unknown], *, cut: bool) -> str:
