@@ -4,10 +4,11 @@
 consumed status, n-sample-aware sampling) in Redis, so any number of processes can share one dock.
 """
 
-from broker.api.delivery import HandedRows, LeasedRows
-from broker.api.dock import TransferDock
-from broker.connection.replication import ReplicationError
-from broker.control.rollout import Rollout
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from broker.errors import (
     BrokerConnectionError,
     BrokerError,
@@ -36,6 +37,37 @@ from broker.errors import (
     UnknownConsumerError,
     VersionError,
 )
+
+if TYPE_CHECKING:
+    from broker.api.delivery import HandedRows, LeasedRows
+    from broker.api.dock import TransferDock
+    from broker.connection.replication import ReplicationError
+    from broker.control.rollout import Rollout
+
+#: The public names whose modules are imported on first use (PEP 562): the dock needs torch and numpy, and
+#: ``import broker.anything`` runs this file first, so importing them here would make every command (``broker
+#: status``, the exporter) and every plane's module pay for torch, which an operator's tools never touch.
+_LAZY = {
+    "TransferDock": "broker.api.dock",
+    "HandedRows": "broker.api.delivery",
+    "LeasedRows": "broker.api.delivery",
+    "ReplicationError": "broker.connection.replication",
+    "Rollout": "broker.control.rollout",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'broker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "TransferDock",

@@ -24,7 +24,6 @@ from typing import Any
 from redis.cluster import RedisCluster
 from redis.connection import parse_url
 
-from broker.api.dock import TransferDock
 from broker.connection import DEFAULT_CALL_TIMEOUT, bounded, connect, default_url, disconnect, redact, redis_errors
 from broker.control.scripts.functions import LIBRARY, load_library
 from broker.control.status import Survey
@@ -93,6 +92,8 @@ def _clear(args: argparse.Namespace) -> int:
     if not args.yes:
         print(f"broker: clearing dock {args.name!r} deletes all its rows; add --yes to do it", file=sys.stderr)
         return 2
+    from broker.api.dock import TransferDock  # the dock (and torch) only for the commands that use one
+
     with TransferDock.attach(args.url, args.name) as dock:
         if args.delete:
             dock.delete()
@@ -107,6 +108,8 @@ def _dead(args: argparse.Namespace) -> int:
         print(f"broker: dropping the dead letters of dock {args.name!r} deletes their rows; add --yes to do it",
               file=sys.stderr)
         return 2
+    from broker.api.dock import TransferDock
+
     with TransferDock.attach(args.url, args.name) as dock:
         letters = dock.dead_letters(args.consumer)
         for consumer, rows in letters.items():
@@ -252,7 +255,11 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser. ``command``: the command about to run, where known (``main``): the demo's and the
+    benchmark's options, whose modules belong to those packages, are added only for their own command, so
+    that ``broker status`` or ``exporter`` loads neither (nor torch or Ray, which the dock and the workers
+    load: the commands that use them import them when they run). None: every command's options."""
     parser = argparse.ArgumentParser(prog="broker", description="Redis-backed experience broker (TransferDock).")
     url = argparse.ArgumentParser(add_help=False)
     url.add_argument("--url", default=default_url(), help="Redis URL (default: $REDIS_URL or %(default)s)")
@@ -328,26 +335,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     functions.set_defaults(run=_functions)
 
-    # workers.options is argparse only, so building the parser stays cheap; the demo itself loads lazily.
-    from workers.options import add_demo_arguments
-
     demo = commands.add_parser(
         "demo", help="run GRPO, PPO or DAPO on a toy task with Ray worker groups exchanging data through the broker",
         description="GRPO, PPO (with a critic) or DAPO on a digit-reversal task: Ray worker groups (DP x TP) pass "
                     "every sample through a TransferDock in Redis. Writes metrics.jsonl and ALGO.png into --out.",
     )
-    add_demo_arguments(demo)
-    demo.set_defaults(run=_demo)
+    if command in (None, "demo"):
+        from workers.options import add_demo_arguments  # argparse only; the demo itself loads in _demo
 
-    # bench.options is argparse only, like workers.options; the benchmark itself loads in _bench.
-    from broker.bench.options import add_bench_arguments
+        add_demo_arguments(demo)
+    demo.set_defaults(run=_demo)
 
     bench = commands.add_parser(
         "bench", help="measure the broker against a single-actor Ray dock, the Redis floor and an in-process dict",
         description="Benchmark of a synthetic GRPO global batch through the broker and three reference systems, "
                     "with concurrent, sampling-latency, memory and soak modes. Prints a table and one JSON line.",
     )
-    add_bench_arguments(bench)
+    if command in (None, "bench"):
+        from broker.bench.options import add_bench_arguments  # argparse only; the benchmark loads in _bench
+
+        add_bench_arguments(bench)
     bench.set_defaults(run=_bench)
     return parser
 
@@ -357,7 +364,9 @@ EXIT_PIPE_CLOSED = 128 + signal.SIGPIPE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), "")  # the command: the first word (no option before)
+    args = build_parser(chosen).parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)

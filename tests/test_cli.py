@@ -120,3 +120,35 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(url):
     finally:
         os.close(write)
     assert out.returncode == 141 and out.stderr == ""
+
+
+#: What an operator's command must not load: the dock's data plane with torch, Ray and the workers, the benchmarks.
+HEAVY = ("torch", "ray", "workers", "broker.bench", "broker.api.dock")
+
+
+def _imported(*argv: str) -> set[str]:
+    """The modules ``python -m broker.cli ARGV`` imported (python -X importtime lists each on stderr)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "broker.cli", *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("argv", [["status"], ["exporter"], ["acl", "x"], ["clear"], ["dead"], ["functions"], []],
+                         ids=["status", "exporter", "acl", "clear", "dead", "functions", "broker"])
+def test_an_operators_command_loads_no_torch_ray_demo_or_benchmark(argv, url):
+    """Every command's help, and status and acl run against a server, import none of HEAVY. Before, importing
+    any part of the package imported all of it: ``broker status --help`` took 1.9 s here, 1.5 s of it torch
+    (9.3 s on a loaded 2-core machine), for a command that never touches a tensor."""
+    runs = [[*argv, "--help"]]
+    if argv and argv[0] in ("status", "acl"):
+        make(url, "light")
+        runs.append([*argv, "--url", url] if argv[0] == "status" else ["acl", "light", "--url", url])
+    for run in runs:
+        heavy = sorted(m for m in _imported(*run) if m.split(".")[0] in HEAVY or m.startswith(HEAVY))
+        assert not heavy, f"broker {' '.join(run)} imported {heavy[:8]}"
+
+
+def test_the_commands_that_need_them_still_load_the_demo_and_the_benchmark():
+    assert "broker.bench.options" in _imported("bench", "--help")
+    assert "workers.options" in _imported("demo", "--help")
