@@ -29,6 +29,7 @@ from broker.errors import (
     MissingDataError,
     QuotaExceededError,
     RedisCommandError,
+    ReplicationError,
     RowIndexError,
     SchemaError,
     ServerConfigError,
@@ -41,7 +42,6 @@ from broker.errors import (
 if TYPE_CHECKING:
     from broker.api.delivery import HandedRows, LeasedRows
     from broker.api.dock import TransferDock
-    from broker.connection.replication import ReplicationError
     from broker.control.rollout import Rollout
 
 #: The public names whose modules are imported on first use (PEP 562): the dock needs torch and numpy, and
@@ -51,7 +51,6 @@ _LAZY = {
     "TransferDock": "broker.api.dock",
     "HandedRows": "broker.api.delivery",
     "LeasedRows": "broker.api.delivery",
-    "ReplicationError": "broker.connection.replication",
     "Rollout": "broker.control.rollout",
 }
 

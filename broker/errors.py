@@ -7,6 +7,7 @@ Each class also derives from the closest built-in exception, so callers that alr
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 class BrokerError(Exception):
@@ -158,3 +159,38 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 class CheckpointRestoreError(CheckpointError, RuntimeError):
     """The server refused to restore a checkpoint's keys (an older Redis than the one that saved it cannot
     read its RDB payloads), or the staged keys went away before the swap. Nothing of the dock changed."""
+
+
+class ReplicationError(ClusterError):
+    """Fewer replicas than asked acknowledged a call's writes in time, although that many are attached, or
+    the wait for them failed (``wait_replicas``, broker/connection/replication.py). The call's writes were
+    made on the primaries first: ``applied`` says whether its effect is in place (False only for a sharded
+    put whose bytes, but no marks, were written), ``result`` holds what the call returns, and
+    ``repeat_safe`` (and the message) whether repeating the call at once is safe."""
+
+    def __init__(self, message: str, result: Any = None, applied: bool = True, repeat_safe: bool = True):
+        super().__init__(message)
+        self.result = result
+        self.applied = applied
+        #: Whether the call may be repeated at once with no other effect (the message says why not).
+        self.repeat_safe = repeat_safe
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # keeps its attributes across processes (Ray)
+        return type(self), (str(self), self.result, self.applied, self.repeat_safe)
+
+
+# broker.transfer_queue's errors where TransferQueue raises a built-in the hierarchy above has no class for: each
+# is a BrokerError and that built-in, so code written for TransferQueue that catches the built-in keeps working.
+
+
+class SampleNotFoundError(BrokerError, KeyError, ValueError):
+    """A key (or global index) that its partition does not hold; TransferQueue's StorageKeyNotFoundError (a
+    KeyError), and a ValueError as TransferQueue's kv_batch_get raises for keys, partitions or fields it lacks."""
+
+
+class MetaIndexTypeError(BrokerError, TypeError):
+    """A ``BatchMeta`` indexed with something other than an int or a slice."""
+
+
+class MissingKeysError(BrokerError, RuntimeError):
+    """``KVBatchMeta.select_keys`` named keys the batch does not hold (TransferQueue: ``RuntimeError``)."""

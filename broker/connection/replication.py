@@ -65,7 +65,7 @@ from redis.cluster import RedisCluster
 from broker.connection import fanout
 from broker.connection.client import Client
 from broker.connection.deadlines import slow_reply, time_left
-from broker.errors import ClusterError
+from broker.errors import ClusterError, ReplicationError
 
 log = logging.getLogger("broker")
 
@@ -83,24 +83,6 @@ REPLY_MARGIN_SECONDS = 1.0
 
 #: What a ReplicationError says of a call that a repeat made at once does again with no other effect.
 REPEAT_SAFE = "repeating it is safe"
-
-
-class ReplicationError(ClusterError):
-    """Fewer replicas than asked acknowledged a call's writes in time, although that many are attached, or
-    the wait for them failed. The call's writes were made on the primaries first: ``applied`` says whether
-    its effect is in place (False only for a sharded put whose bytes, but no marks, were written),
-    ``result`` holds what the call returns, and ``repeat_safe`` (and the message) whether repeating the call
-    at once is safe."""
-
-    def __init__(self, message: str, result: Any = None, applied: bool = True, repeat_safe: bool = True):
-        super().__init__(message)
-        self.result = result
-        self.applied = applied
-        #: Whether the call may be repeated at once with no other effect (the message says why not).
-        self.repeat_safe = repeat_safe
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # keeps its attributes across processes (Ray)
-        return type(self), (str(self), self.result, self.applied, self.repeat_safe)
 
 
 class Replication:

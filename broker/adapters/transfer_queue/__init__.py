@@ -36,7 +36,7 @@ from broker.adapters.transfer_queue.sampler import (
     SeqlenBalancedSampler,
     SequentialSampler,
 )
-from broker.adapters.transfer_queue.system import SampleNotFoundError
+from broker.errors import SampleNotFoundError
 
 #: TransferQueue's name for a key or index its storage does not hold.
 StorageKeyNotFoundError = SampleNotFoundError

@@ -20,7 +20,7 @@ from broker.adapters.transfer_queue import tensors
 from broker.adapters.transfer_queue.metadata import DELIVERY, BatchMeta
 from broker.adapters.transfer_queue.names import dock_name_of
 from broker.adapters.transfer_queue.sampler import BaseSampler
-from broker.adapters.transfer_queue.system import SampleNotFoundError, Snapshot, System, delivery_of
+from broker.adapters.transfer_queue.system import Snapshot, System, delivery_of
 from broker.api.delivery import HandedRows, LeasedRows
 from broker.errors import (
     BrokerError,
@@ -28,6 +28,7 @@ from broker.errors import (
     GetMetaTimeoutError,
     InvalidArgumentTypeError,
     InvalidExperienceError,
+    SampleNotFoundError,
 )
 
 MODES = ("fetch", "force_fetch", "insert")

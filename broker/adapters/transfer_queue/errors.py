@@ -8,22 +8,15 @@ the broker's own classes (``InvalidExperienceError`` is a ``ValueError``, ``RowI
 
 from __future__ import annotations
 
-from broker.errors import (  # TransferQueue's checkpoint errors are the broker's own
-    BrokerError,
+from broker.errors import (  # every error class lives in broker/errors.py; these are the adapter's names for them
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointRestoreError,
+    MetaIndexTypeError,
+    MissingKeysError,
 )
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError",
            "CheckpointRestoreError", "MetaIndexTypeError", "MissingKeysError"]
-
-
-class MetaIndexTypeError(BrokerError, TypeError):
-    """A ``BatchMeta`` indexed with something other than an int or a slice."""
-
-
-class MissingKeysError(BrokerError, RuntimeError):
-    """``KVBatchMeta.select_keys`` named keys the batch does not hold (TransferQueue: ``RuntimeError``)."""

@@ -32,10 +32,10 @@ from broker.adapters.transfer_queue.client import TransferQueueClient, _keys, _p
 from broker.adapters.transfer_queue.config import capacity_of, merged
 from broker.adapters.transfer_queue.metadata import KVBatchMeta
 from broker.adapters.transfer_queue.sampler import BaseSampler
-from broker.adapters.transfer_queue.system import SampleNotFoundError, System, delivery_of, dock_name
+from broker.adapters.transfer_queue.system import System, delivery_of, dock_name
 from broker.connection import connect, disconnect, redact, redis_errors
 from broker.control.keys import DockKeys
-from broker.errors import BrokerError, FencedError, InvalidExperienceError, SchemaError
+from broker.errors import BrokerError, FencedError, InvalidExperienceError, SampleNotFoundError, SchemaError
 from broker.ops.local_redis import RedisServer
 
 log = logging.getLogger(__name__)

@@ -65,6 +65,7 @@ from broker.errors import (
     DockNotFoundError,
     ExperienceTooLargeError,
     InvalidExperienceError,
+    SampleNotFoundError,
     SchemaError,
 )
 
@@ -78,11 +79,6 @@ Chooser = Callable[[list[int]], tuple[list[int], list[int]]]
 
 #: How many times ``claim`` reads and chooses again after another caller took one of its rows first.
 CLAIM_RETRIES = 64
-
-
-class SampleNotFoundError(BrokerError, KeyError, ValueError):
-    """A key (or global index) that its partition does not hold; TransferQueue's StorageKeyNotFoundError (a
-    KeyError), and a ValueError as TransferQueue's kv_batch_get raises for keys, partitions or fields it lacks."""
 
 
 def dock_name(namespace: str) -> str:
