@@ -1,6 +1,6 @@
 """What several test files need: filling docks, comparing tensors bit for bit, running the CLI,
 and facts about the machine. Test files import from here, never from each other; starting
-redis-servers is ``broker.local_redis``'s job (the demo and the benchmark use it too)."""
+redis-servers is ``broker.ops.local_redis``'s job (the demo and the benchmark use it too)."""
 
 from __future__ import annotations
 

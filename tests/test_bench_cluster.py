@@ -8,9 +8,9 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from broker import local_redis
 from broker.bench import cluster as bench_cluster
 from broker.cli import main
+from broker.ops import local_redis
 from tests.helpers import redis_server_binary, required
 
 pytestmark = pytest.mark.real

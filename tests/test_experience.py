@@ -1,4 +1,4 @@
-"""Tests for broker.experience: the seed document's examples, round trips, and bad input.
+"""Tests for broker.api.batches: the seed document's examples, round trips, and bad input.
 
 No Redis needed. Every comparison is exact (values, dtype and shape), so a wrong pad value, width
 or dtype fails.

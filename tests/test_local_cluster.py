@@ -1,4 +1,4 @@
-"""broker.local_cluster: a local Redis Cluster on Redis 7 and 6.2, stopped whatever happens, failing over."""
+"""broker.ops.local_cluster: a local Redis Cluster on Redis 7 and 6.2, stopped whatever happens, failing over."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one redis-server launcher (broker.local_redis), where the tests, the demo and the bench share it."""
+"""The one redis-server launcher (broker.ops.local_redis), where the tests, the demo and the bench share it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A worker's own dock calls as Prometheus metrics (broker.metrics), on every backend."""
+"""A worker's own dock calls as Prometheus metrics (broker.api.metrics), on every backend."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import UnknownConsumerError, metrics
+from broker import UnknownConsumerError
+from broker.api import metrics
 from tests.helpers import data_cell, small_dock
 
 

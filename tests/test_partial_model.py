@@ -13,7 +13,7 @@ every step, the status counts, the stop signal and ``all_consumed``.
 
 ``MindSpeedReference`` is MindSpeed-RL's ``GRPOTransferDock`` under partial rollout, written out here:
 per-row status vectors, and after each ``clear(consumer)`` a stable re-sort of the whole dock by group
-age. ``run_trainer_flow`` runs MindSpeed's trainer loop on it and on ``broker.mindspeed.GRPOTransferDock``
+age. ``run_trainer_flow`` runs MindSpeed's trainer loop on it and on ``broker.adapters.mindspeed.GRPOTransferDock``
 and the two logs must agree: which prompts the rollout is handed, in which order, with what age and
 partial response, the stop signal after every step, and which prompts are trained in which iteration.
 Indexes are not compared: the adapter's rows never move (a documented difference).

@@ -7,7 +7,7 @@ names in MindSpeed-RL (``mindspeed_rl/trainer/utils/transfer_dock.py`` and
 ``mindspeed_rl/utils/pad_process.py``) so that worker code can be ported unchanged, except that:
 
 * every padded batch is a plain ``dict[str, torch.Tensor]`` (no TensorDict dependency; the
-  ``broker.mindspeed`` adapter wraps it in a TensorDict where tensordict is installed);
+  ``broker.adapters.mindspeed`` adapter wraps it in a TensorDict where tensordict is installed);
 * dtypes are preserved (MindSpeed narrows int64 to int32 in ``trans_input_to_experience``);
 * rows of 2 and more dimensions: ``padding_dict_to_tensor_dict`` pads them along their first
   dimension (which ``original_length`` records, as in MindSpeed) into ``(rows, longest, *rest)``;

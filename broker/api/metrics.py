@@ -4,7 +4,7 @@ The exporter (``broker exporter``) shows what is in Redis; this shows what one p
 latency included, which only the caller can measure. Nothing is recorded until :func:`enable` (or
 :func:`start_http_server`) is called, so a worker that does not ask pays one attribute test per call.
 
-    from broker import metrics
+    from broker.api import metrics
     metrics.start_http_server(9809)     # /metrics on every interface, this process's calls
 
 or, in a process that already serves Prometheus metrics (vLLM, a trainer), ``metrics.enable()`` to

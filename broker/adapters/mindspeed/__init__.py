@@ -9,7 +9,7 @@ TransferQueue client (``mindspeed_rl/utils/transfer_queue/tq_client.py``); a top
 same server. Both keep everything in Redis, so any number of processes on any number of machines
 may hold one, all attached to the same dock::
 
-    from broker.mindspeed import GRPOTransferDock, Metric     # was: from mindspeed_rl.trainer.utils import ...
+    from broker.adapters.mindspeed import GRPOTransferDock, Metric     # was: from mindspeed_rl.trainer.utils import ...
     td = GRPOTransferDock(prompts_num, n_samples_per_prompt, metrics=Metric(), url="redis://host:6379/0")
 
 Recommended: create one in each worker process (no actor hop: each call goes straight to Redis).
