@@ -15,7 +15,7 @@ from broker.api import metrics
 from broker.api.checks import check_flag, metric_values
 from broker.api.session import RACE_RETRIES, DockSession
 from broker.connection import call_deadline, redis_errors
-from broker.connection.replication import REPEAT_SAFE
+from broker.connection.replication import REPEAT_SAFE, do_not_repeat
 from broker.control.keys import DockKeys
 from broker.control.schema import CHECKED_FIELDS, Schema
 from broker.control.status import DockRef, read_statuses
@@ -35,7 +35,7 @@ class Admin:
     def update_metrics(self, key: str | Mapping[str, Any] = "", value: Any = None, cumulate: bool = False) -> None:
         """Set or append to shared metrics."""
         values = metric_values(key, value, cumulate)
-        repeat = "do not repeat it: a repeat appends the values again" if cumulate else REPEAT_SAFE
+        repeat = do_not_repeat("a repeat appends the values again") if cumulate else REPEAT_SAFE
         self._s.write("update_metrics", lambda: self._s.scripts.metrics(values, cumulate), repeat=repeat, returns=False)
 
     def get_metrics(self) -> dict[str, Any]:
@@ -91,8 +91,8 @@ class Admin:
                 check_flag("age", age)
                 self._s.forget(
                     f"clear(consumer={consumer!r})", lambda: self._s.scripts.clear(iteration_of=consumer, age=age),
-                    returns=False, repeat="do not repeat it: a repeat would age the groups kept again and start "
-                    "the cursor and the metrics again",
+                    returns=False, repeat=do_not_repeat("a repeat would age the groups kept again and start "
+                    "the cursor and the metrics again"),
                 )
                 return
             rows = [] if indexes is None else self._s.check.rows(indexes)

@@ -17,6 +17,7 @@ import torch
 from broker.api.checks import bitmap_count, check_flag, check_version, encode_column, is_int
 from broker.api.delivery import HandedRows, check_delivery, fence_of
 from broker.api.session import DockSession
+from broker.connection.replication import do_not_repeat
 from broker.control.rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE
 from broker.control.scripts import Reservation, Selection
 from broker.errors import DataLostError, DecodeError, InvalidExperienceError
@@ -102,7 +103,7 @@ class Generation:
         """Make every generated group one iteration older."""
         self._s.partial_rollout("age_groups")
         self._s.forget("age_groups", lambda: self._s.scripts.clear(iteration_of=""), returns=False,
-                     repeat="do not repeat it: a repeat would age the groups again")
+                     repeat=do_not_repeat("a repeat would age the groups again"))
 
     def unready(self, columns: Sequence[str], indexes: Sequence[int]) -> int:
         """Mark rows of columns not ready, keeping their bytes; how many cells were ready."""
@@ -206,8 +207,8 @@ class Generation:
             n = self._s.schema.n_samples_per_prompt
             rows = [g * n + j for g in sorted(set(picked)) for j in range(n)]
             fence = fence_of(check_delivery(delivery, consumer), rows)
-        repeat = ("do not repeat it: a repeat would be refused (FencedError)" if fence is not None
-                  else "do not repeat it: a repeat would count the groups as discarded again")
+        repeat = (do_not_repeat("a repeat would be refused (FencedError)") if fence is not None
+                  else do_not_repeat("a repeat would count the groups as discarded again"))
         return self._s.forget("drop_groups", lambda: self._s.scripts.discard(
             picked, regenerate=False, field=consumer, max_staleness=None, fence=fence), repeat=repeat)
 

@@ -27,7 +27,7 @@ from broker.api.delivery import HandedRows, LeasedRows, check_delivery, fence_of
 from broker.api.generation import Generation
 from broker.api.session import DockSession
 from broker.connection import Framed, sizes_unchecked, value_limit
-from broker.connection.replication import REPEAT_SAFE
+from broker.connection.replication import REPEAT_SAFE, do_not_repeat
 from broker.control.schema import Schema
 from broker.control.scripts import Finish, rows_of, runs_of
 from broker.data import groups
@@ -67,7 +67,7 @@ class Puts:
             request = self._request(data, rows, flags, version, delivery, ack)
             repeat = REPEAT_SAFE
             if request.fence is not None and request.fence.token and ack:
-                repeat = "do not repeat it: it acked its lease, so a repeat is refused (FencedError)"
+                repeat = do_not_repeat("it acked its lease, so a repeat is refused (FencedError)")
             # The server would refuse an oversized value only by closing the connection mid-send, and the
             # client's retries would send it again and again.
             limit = self._s.run(lambda: value_limit(self._s.client))

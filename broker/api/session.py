@@ -35,7 +35,7 @@ from broker.connection import (
     redact,
     redis_errors,
 )
-from broker.connection.replication import REPEAT_SAFE, Replication
+from broker.connection.replication import REPEAT_SAFE, Repeat, Replication
 from broker.control import server_checks
 from broker.control.keys import DockKeys
 from broker.control.put_listener import PutListener
@@ -260,7 +260,7 @@ class DockSession:
         return call()
 
     def write(
-        self, what: str, call: Callable[[], T], *, hands_out: bool = False, repeat: str = REPEAT_SAFE,
+        self, what: str, call: Callable[[], T], *, hands_out: bool = False, repeat: Repeat = REPEAT_SAFE,
         shards: Sequence[str] = (), returns: bool = True, drop: bool = False,
         give_back: Callable[[T], T] | None = None,
     ) -> T:
@@ -282,7 +282,7 @@ class DockSession:
 
     def forget(
         self, what: str, script: Callable[[], Forgot], *, whole: bool = False, hands_out: bool = False,
-        repeat: str = REPEAT_SAFE, returns: bool = True,
+        repeat: Repeat = REPEAT_SAFE, returns: bool = True,
     ) -> int:
         """A call that forgets rows: ``script`` (clear.lua, discard.lua), the deletion of the bytes it ended
         from the data shards, then the wait for the replicas of the control slot and of those shards
@@ -294,7 +294,7 @@ class DockSession:
         return value
 
     def replicated(
-        self, what: str, result: Any, keys: Sequence[str], *, hands_out: bool = False, repeat: str = REPEAT_SAFE,
+        self, what: str, result: Any, keys: Sequence[str], *, hands_out: bool = False, repeat: Repeat = REPEAT_SAFE,
         drop: bool = False, hands_out_outcome: str | None = None,
     ) -> bool:
         """The one place where, with ``wait_replicas``, a call that wrote waits until the replicas of the

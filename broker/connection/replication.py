@@ -57,6 +57,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -81,8 +82,22 @@ _SILENT_GRACE_SECONDS = 5.0
 #: the node is taken as not answering: the server answers a WAIT only at its timeout when replicas lag.
 REPLY_MARGIN_SECONDS = 1.0
 
-#: What a ReplicationError says of a call that a repeat made at once does again with no other effect.
-REPEAT_SAFE = "repeating it is safe"
+@dataclass(frozen=True)
+class Repeat:
+    """What a ReplicationError says of repeating its call at once: whether that is ``safe`` (its
+    ``repeat_safe``), and the words saying so or why not (its message)."""
+
+    safe: bool
+    said: str
+
+
+#: A call that a repeat made at once does again with no other effect.
+REPEAT_SAFE = Repeat(True, "repeating it is safe")
+
+
+def do_not_repeat(because: str) -> Repeat:
+    """A call a repeat would apply again: ``because`` says what it would do."""
+    return Repeat(False, f"do not repeat it: {because}")
 
 
 class Replication:
@@ -99,7 +114,7 @@ class Replication:
 
     def wait(
         self, keys: Sequence[str], what: str, *, hands_out: bool = False, result: Any = None,
-        outcome: str = "it was applied on the primaries", repeat: str = REPEAT_SAFE, applied: bool = True,
+        outcome: str = "it was applied on the primaries", repeat: Repeat = REPEAT_SAFE, applied: bool = True,
         drop: bool = False, hands_out_outcome: str | None = None,
     ) -> bool:
         """Block until the replicas of every node holding one of ``keys`` (counters of the dock, one per
@@ -144,7 +159,7 @@ class Replication:
             log.warning("%s; the call was applied and %s", message,
                         hands_out_outcome or "returned what it handed out (raising would lose it)")
             return False
-        raise ReplicationError(f"{message}; {outcome}; {repeat}", result, applied, repeat == REPEAT_SAFE) from cause
+        raise ReplicationError(f"{message}; {outcome}; {repeat.said}", result, applied, repeat.safe) from cause
 
     def _wait_node(self, node_client: redis.Redis, key: str, want: int, drop: bool) -> int:
         """INCR ``key`` (then DEL it, with ``drop``) and WAIT for ``want`` replicas, on one connection of
