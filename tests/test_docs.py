@@ -140,6 +140,15 @@ def test_the_lua_scripts_listed_in_the_docs_are_the_ones_in_lua():
     assert names == shipped, f"only listed: {sorted(names - shipped)}; only in lua/: {sorted(shipped - names)}"
 
 
+def test_every_test_file_is_in_the_layout_of_the_tests():
+    """docs/development.md's table of the tests names every tests/test_*.py (and no file that is gone)."""
+    text = (DOCS / "development.md").read_text(encoding="utf-8")
+    section = text[text.index("## Layout of the tests"):text.index("## The Lua scripts")]
+    listed = set(re.findall(r"`(test_\w+\.py)`", section))
+    present = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert listed == present, f"missing from the table: {sorted(present - listed)}; gone: {sorted(listed - present)}"
+
+
 def write_key_table() -> None:
     """Write the code's key layout table into docs/operations.md between its markers."""
     text = OPERATIONS.read_text(encoding="utf-8")
