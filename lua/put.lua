@@ -128,11 +128,13 @@ end
 -- other rows hold the next prompt now or are leased to another worker; a dropped row written anew beside its
 -- group-mates) must not change what the group's other rows read: where any of them is ready in the column,
 -- the put's value for the group (given here too, group_values) must equal the one stored, else GROUP.
+local mine = {}  -- the put's rows, as a set (for the group check only)
+if #group_values > 0 then
+  for _, r in ipairs(rows_of_runs(starts, lengths)) do mine[r] = true end
+end
 for _, given in ipairs(group_values) do
   local k, g, value = given[1], given[2], given[3]
   local others, n = {}, tonumber(ARGV[2])
-  local mine = {}
-  for _, r in ipairs(rows_of_runs(starts, lengths)) do mine[r] = true end
   for r = g * n, (g + 1) * n - 1 do
     if not mine[r] then others[#others + 1] = r end
   end

@@ -12,8 +12,9 @@ KEYS[6]     td:{NAME}:redelivered:CONSUMER
 KEYS[7]     td:{NAME}:gremnant:CONSUMER (see include/leases.lua)
 ARGV[1]     the schema the client expects (see include/schema.lua)
 ARGV[2]     n_samples_per_prompt
-ARGV[3]     optional: "all" gives back every leased row, expired or not (acked rows are not leased: they stay) (the caller knows every holder is
-            gone: a driver that restarted the consumer's whole worker group)
+ARGV[3]     optional: "all" gives back every leased row, expired or not (the caller knows every holder is
+            gone: a driver that restarted the consumer's whole worker group); acked rows are not leased, and
+            stay handed out
 
 Returns {rows handed to the consumer, rows of those still leased}.
 ]]

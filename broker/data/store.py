@@ -65,6 +65,7 @@ then mark ready (lua/mark.lua). The interleavings that matter, and why each is s
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import struct
@@ -376,10 +377,7 @@ class SlotStore:
         position, the group and its value, which lua/put.lua compares with what the group's other rows read."""
         if not self._groups.intersection(put.encoded):
             return []
-        rows = rows_of(put.runs)
-        count: dict[int, int] = {}
-        for row in rows:
-            count[row // self._n] = count.get(row // self._n, 0) + 1
+        count = collections.Counter(row // self._n for row in rows_of(put.runs))
         partial = sorted(g for g, k in count.items() if k < self._n)
         return [(i, g, mapping[group_field(g)]) for i, (col, mapping) in enumerate(put.encoded.items())
                 if col in self._groups for g in partial]
