@@ -2,9 +2,10 @@
 public methods and signatures, and the ``broker`` command's commands and options.
 
 The expected names were read from the release before broker/ moved into plane folders (commit 260bf63):
-a name may be added, none may go. The five shims that kept that release's module paths were removed on
-purpose (issue 39: no release was made, so no user's code imports them; design.md, "Import paths"): their
-names are checked at the modules they named, ``MOVED``.
+a name may be added, none may go. The five shims that kept that release's module paths, and the adapter
+package the TransferQueue slice left (``broker.adapters.transfer_queue``), were removed on purpose (issue 39:
+no release was made, so no user's code imports them; design.md, "Import paths"): their names are checked at
+the modules they named, ``MOVED``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ OLD_ALL = {
         "LENGTH_COLUMNS", "ORIGINAL_LENGTH_KEY", "pack_experience_columns", "pad_experience",
         "padding_dict_to_tensor_dict", "put_prompts_experience", "remove_padding_tensor_dict_to_dict",
         "trans_input_to_experience", "unpack_pad_experience",
+    },
+    "broker.transfer_queue": {
+        "AsyncTransferQueueClient", "BaseSampler", "BatchMeta", "GRPOGroupNSampler", "KVBatchMeta", "RankAwareSampler",
+        "SeqlenBalancedSampler", "SequentialSampler", "StorageKeyNotFoundError", "StreamingDataLoader",
+        "StreamingDataset", "TransferQueueClient", "async_kv_batch_get", "async_kv_batch_get_by_meta",
+        "async_kv_batch_put", "async_kv_clear", "async_kv_list", "async_kv_put", "close", "get_client",
+        "get_metrics_endpoint", "init", "kv_batch_get", "kv_batch_get_by_meta", "kv_batch_put", "kv_clear", "kv_list",
+        "kv_put", "load_checkpoint", "save_checkpoint",
     },
 }
 
@@ -99,7 +108,8 @@ def test_every_name_users_import_from_an_old_path_is_still_there(module):
 #: The shims removed on purpose, and the module each named (docs/design.md, "Import paths").
 MOVED = {"broker.mindspeed": "broker.adapters.mindspeed", "broker.experience": "broker.api.batches",
          "broker.metrics": "broker.api.metrics", "broker.local_redis": "broker.ops.local_redis",
-         "broker.local_cluster": "broker.ops.local_cluster"}
+         "broker.local_cluster": "broker.ops.local_cluster",
+         "broker.adapters.transfer_queue": "broker.transfer_queue"}
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

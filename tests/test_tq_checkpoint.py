@@ -26,20 +26,20 @@ from tensordict import NonTensorStack, TensorDict  # noqa: E402
 
 import broker.transfer_queue as tq  # noqa: E402
 from broker import BrokerError  # noqa: E402
-from broker.adapters.transfer_queue import checkpoint  # noqa: E402
-from broker.adapters.transfer_queue.client import TransferQueueClient  # noqa: E402
-from broker.adapters.transfer_queue.errors import (  # noqa: E402
+from broker.api import snapshot  # noqa: E402
+from broker.ops.acl import worker_rules  # noqa: E402
+from broker.ops.local_redis import RedisServer  # noqa: E402
+from broker.transfer_queue import checkpoint  # noqa: E402
+from broker.transfer_queue.client import TransferQueueClient  # noqa: E402
+from broker.transfer_queue.errors import (  # noqa: E402
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointRestoreError,
 )
-from broker.adapters.transfer_queue.sampler import RankAwareSampler, SequentialSampler  # noqa: E402
-from broker.adapters.transfer_queue.system import System  # noqa: E402
-from broker.api import snapshot  # noqa: E402
-from broker.ops.acl import worker_rules  # noqa: E402
-from broker.ops.local_redis import RedisServer  # noqa: E402
+from broker.transfer_queue.sampler import RankAwareSampler, SequentialSampler  # noqa: E402
+from broker.transfer_queue.system import System  # noqa: E402
 from tests.helpers import dense, empty_cluster, raw_state, restored_from, server_keys, worker_processes  # noqa: E402
 
 

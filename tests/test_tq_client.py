@@ -11,11 +11,11 @@ import pytest
 import torch
 
 pytest.importorskip("tensordict")
-from broker.transfer_queue.sampler import BaseSampler, GRPOGroupNSampler, SequentialSampler  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 import broker.transfer_queue as tq  # noqa: E402
 from broker import BrokerError, FencedError  # noqa: E402
+from broker.transfer_queue.sampler import BaseSampler, GRPOGroupNSampler, SequentialSampler  # noqa: E402
 from tests.helpers import worker_processes  # noqa: E402
 
 
@@ -179,8 +179,8 @@ def test_ranks_of_one_dp_group_get_the_same_rows_across_clients(url):
         c.put(rows(8), partition_id="p")
         first = c.get_meta(["x"], 2, "p", task_name="t", sampling_config={"dp_rank": 0, "batch_index": 0})
         # Another process's client: a sampler of its own, the choice shared through Redis.
-        from broker.adapters.transfer_queue.client import TransferQueueClient
         from broker.transfer_queue import RankAwareSampler
+        from broker.transfer_queue.client import TransferQueueClient
 
         other = TransferQueueClient(c.system, RankAwareSampler(), get_meta_timeout=0.5)
         same = other.get_meta(["x"], 2, "p", task_name="t", sampling_config={"dp_rank": 0, "batch_index": 0})
@@ -321,8 +321,8 @@ def test_a_partition_made_again_does_not_hand_a_dp_group_the_batches_recorded_be
         time.sleep(0.01)  # a new creation time
         c.put(rows(2, start=20), partition_id="q")  # takes the rows p had: the old record names q's rows now
         c.put(rows(2, start=10), partition_id="p")
-        from broker.adapters.transfer_queue.client import TransferQueueClient
         from broker.transfer_queue import RankAwareSampler
+        from broker.transfer_queue.client import TransferQueueClient
 
         fresh = TransferQueueClient(c.system, RankAwareSampler(), get_meta_timeout=0.5)  # no cache of its own
         again = fresh.get_meta(["x"], 2, "p", task_name="t", sampling_config=config)

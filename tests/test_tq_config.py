@@ -17,11 +17,11 @@ import yaml
 pytest.importorskip("tensordict")
 
 import broker.transfer_queue as tq  # noqa: E402
-from broker.adapters.transfer_queue.config import DEFAULTS, merged  # noqa: E402
 from broker.errors import SchemaError  # noqa: E402
+from broker.transfer_queue.config import DEFAULTS, merged  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "broker" / "adapters" / "transfer_queue" / "config.yaml"
+CONFIG = ROOT / "broker" / "transfer_queue" / "config.yaml"
 
 
 def test_the_packaged_config_yaml_is_the_defaults():
@@ -32,7 +32,7 @@ def test_transfer_queues_own_config_is_accepted_and_what_means_nothing_is_logged
     their = pytest.importorskip("transfer_queue")
     omegaconf = pytest.importorskip("omegaconf")
     conf = omegaconf.OmegaConf.load(Path(their.__file__).parent / "config.yaml")
-    with caplog.at_level(logging.INFO, logger="broker.adapters.transfer_queue.config"):
+    with caplog.at_level(logging.INFO, logger="broker.transfer_queue.config"):
         got = merged(conf)
     lines = [r.getMessage() for r in caplog.records if "ignores conf keys" in r.getMessage()]
     assert len(lines) == 1 and "backend.SimpleStorage.num_data_storage_units" in lines[0]

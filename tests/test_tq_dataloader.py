@@ -20,8 +20,8 @@ from tensordict import NonTensorStack, TensorDict  # noqa: E402
 
 import broker.transfer_queue as tq  # noqa: E402
 from broker import BrokerError, InvalidExperienceError  # noqa: E402
-from broker.adapters.transfer_queue.dataloader import chunk_batch_fn, default_fetch_batch_fn  # noqa: E402
-from broker.adapters.transfer_queue.metadata import BatchMeta  # noqa: E402
+from broker.transfer_queue.dataloader import chunk_batch_fn, default_fetch_batch_fn  # noqa: E402
+from broker.transfer_queue.metadata import BatchMeta  # noqa: E402
 from tests.helpers import dense  # noqa: E402
 
 #: Children are forked: they start at once, with this process's modules (each opens its own client from the conf).

@@ -155,9 +155,9 @@ def test_the_async_twins_do_the_same(system):
 
 
 def test_a_get_sees_fields_another_process_added_after_it_attached(system):
-    from broker.adapters.transfer_queue.client import TransferQueueClient
-    from broker.adapters.transfer_queue.sampler import SequentialSampler
-    from broker.adapters.transfer_queue.system import System
+    from broker.transfer_queue.client import TransferQueueClient
+    from broker.transfer_queue.sampler import SequentialSampler
+    from broker.transfer_queue.system import System
 
     tq.kv_batch_put(["a", "b"], "p", batch(2), [{"t": 1}, None])
     mine = tq.get_client().system
@@ -236,7 +236,7 @@ def test_any_str_names_a_field_a_task_or_a_partition(system):
     share a column, and a plain name is still the column ``redis-cli`` shows."""
     import numpy as np
 
-    from broker.adapters.transfer_queue.names import dock_name_of
+    from broker.transfer_queue.names import dock_name_of
 
     odd = ["", "my field é", "a:b{c}*", "f" * 300, "tq.sample", "responses"]
     fields = {name: torch.full((2,), float(i)) for i, name in enumerate(odd)}

@@ -1,4 +1,4 @@
-"""TransferQueue's BatchMeta and KVBatchMeta on the broker (broker.adapters.transfer_queue.metadata).
+"""TransferQueue's BatchMeta and KVBatchMeta on the broker (broker.transfer_queue.metadata).
 
 Our own tests of the behaviour first; then, where the ``transferqueue`` wheel is installed, the same
 inputs through TransferQueue's classes and ours, compared operation by operation (hypothesis).
@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 
-from broker.adapters.transfer_queue.errors import MetaIndexTypeError, MissingKeysError
-from broker.adapters.transfer_queue.metadata import BatchMeta, KVBatchMeta, extract_field_schema
 from broker.errors import BrokerError, InvalidExperienceError, RowIndexError, UnknownColumnError
+from broker.transfer_queue.errors import MetaIndexTypeError, MissingKeysError
+from broker.transfer_queue.metadata import BatchMeta, KVBatchMeta, extract_field_schema
 
 F32 = {"dtype": torch.float32, "shape": (2,), "is_nested": False, "is_non_tensor": False}
 I64 = {"dtype": torch.int64, "shape": (4,), "is_nested": False, "is_non_tensor": False}

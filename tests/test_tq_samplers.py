@@ -1,4 +1,4 @@
-"""TransferQueue's samplers on the broker (broker.adapters.transfer_queue.sampler).
+"""TransferQueue's samplers on the broker (broker.transfer_queue.sampler).
 
 Our own tests of each sampler's choices and of the cache hook the client mirrors in Redis; then, where
 the ``transferqueue`` wheel is installed, TransferQueue's samplers and ours driven through the same
@@ -17,7 +17,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from broker.adapters.transfer_queue.sampler import (
+from broker.errors import BrokerError, GetMetaError, InvalidExperienceError
+from broker.transfer_queue.sampler import (
     BaseSampler,
     CachedResult,
     GRPOGroupNSampler,
@@ -25,8 +26,7 @@ from broker.adapters.transfer_queue.sampler import (
     SeqlenBalancedSampler,
     SequentialSampler,
 )
-from broker.adapters.transfer_queue.sampler.seqlen_balanced_sampler import get_seqlen_balanced_partitions
-from broker.errors import BrokerError, GetMetaError, InvalidExperienceError
+from broker.transfer_queue.sampler.seqlen_balanced_sampler import get_seqlen_balanced_partitions
 
 
 class Lengths:
@@ -281,7 +281,7 @@ def build(module: Any, scenario: dict[str, Any]) -> Any:
 def test_samplers_choose_what_transfer_queues_choose(scenario):
     their = pytest.importorskip("transfer_queue.sampler")
     theirs, ours = build(their, scenario), build(
-        __import__("broker.adapters.transfer_queue.sampler", fromlist=["x"]), scenario)
+        __import__("broker.transfer_queue.sampler", fromlist=["x"]), scenario)
     rng = random.Random(scenario["seed"])
     lengths = Lengths(dict(enumerate(scenario["lengths"])))
     produced: list[int] = []

@@ -1,4 +1,4 @@
-"""TensorDicts through a real dock as TransferQueue 0.1.11 puts and gets them (broker/adapters/transfer_queue/
+"""TensorDicts through a real dock as TransferQueue 0.1.11 puts and gets them (broker/transfer_queue/
 tensors.py): every kind of field round-trips bit-exact into what TransferQueue's own get returns, bad input is
 refused naming the field, and (slow, with the wheel) the same TensorDicts through TransferQueue itself give
 the same TensorDicts."""
@@ -17,9 +17,9 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from broker import TransferDock
-from broker.adapters.transfer_queue import tensors
-from broker.adapters.transfer_queue.tensors import assemble, batch_of_one, columns_of, field_schema
 from broker.errors import BrokerError, DecodeError, InvalidExperienceError
+from broker.transfer_queue import tensors
+from broker.transfer_queue.tensors import assemble, batch_of_one, columns_of, field_schema
 
 _names = itertools.count()
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from broker.adapters.transfer_queue.tensors import put_columns
 from broker.api.dock import TransferDock
 from broker.errors import DockNotFoundError
+from broker.transfer_queue.tensors import put_columns
 
 #: The variable naming the server (set by ``tq_perftest.py`` for the run).
 URL_ENV = "BROKER_BENCH_URL"

@@ -249,7 +249,7 @@ class DockKeys:
     def reply(self, request_id: str) -> str:
         return f"{self.base}reply:{request_id}"
 
-    # The TransferQueue adapter's keys (broker/adapters/transfer_queue): its samples are rows of this dock.
+    # The TransferQueue adapter's keys (broker/transfer_queue): its samples are rows of this dock.
 
     @property
     def tq_next(self) -> str:
@@ -307,7 +307,7 @@ class DockKeys:
         return self.base + "named"
 
     def staged(self, run: str, key: str) -> str:
-        """Where a checkpoint (broker/adapters/transfer_queue/checkpoint.py) keeps its copy of the dock's
+        """Where a checkpoint (broker/transfer_queue/checkpoint.py) keeps its copy of the dock's
         ``key`` during run ``run``: in the dock's slot, under a prefix nothing else of the dock uses."""
         if not key.startswith(self.base):
             raise SchemaError(f"{key!r} is not a key of dock {self.name!r}")

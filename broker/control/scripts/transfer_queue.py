@@ -1,4 +1,4 @@
-"""The TransferQueue adapter's scripts (broker/adapters/transfer_queue): samples as rows of a dock.
+"""The TransferQueue adapter's scripts (broker/transfer_queue): samples as rows of a dock.
 
 - lua/tq_rows.lua: rows for new samples of a partition, or for user keys (``rows``);
 - lua/tq_release.lua: the rows of ended samples back to the free list (``release``);

@@ -51,7 +51,6 @@ import torch
 from redis.client import Pipeline
 
 from broker import ExperienceTimeoutError, TransferDock
-from broker.adapters.transfer_queue.names import dock_name_of
 from broker.api.delivery import HandedRows, fenced_handout
 from broker.connection import MIN_VALUE_LIMIT, bounded, call_deadline, redact, script_error, value_limit
 from broker.control.keys import check_name
@@ -68,6 +67,7 @@ from broker.errors import (
     SampleNotFoundError,
     SchemaError,
 )
+from broker.transfer_queue.names import dock_name_of
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.adapters.transfer_queue.sampler.base import BaseSampler
 from broker.errors import GetMetaError
+from broker.transfer_queue.sampler.base import BaseSampler
 
 
 class RankAwareSampler(BaseSampler):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.adapters.transfer_queue.sampler.base import BaseSampler
+from broker.transfer_queue.sampler.base import BaseSampler
 
 
 class SequentialSampler(BaseSampler):

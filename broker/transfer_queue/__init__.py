@@ -7,10 +7,11 @@ data loader (a reader that dies loses nothing), checkpoints that are consistent 
 pickle of anything read from Redis.
 """
 
-from broker.adapters.transfer_queue.checkpoint import load_checkpoint, save_checkpoint
-from broker.adapters.transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient
-from broker.adapters.transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
-from broker.adapters.transfer_queue.interface import (
+from broker.errors import SampleNotFoundError
+from broker.transfer_queue.checkpoint import load_checkpoint, save_checkpoint
+from broker.transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient
+from broker.transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
+from broker.transfer_queue.interface import (
     async_kv_batch_get,
     async_kv_batch_get_by_meta,
     async_kv_batch_put,
@@ -28,15 +29,14 @@ from broker.adapters.transfer_queue.interface import (
     kv_list,
     kv_put,
 )
-from broker.adapters.transfer_queue.metadata import BatchMeta, KVBatchMeta
-from broker.adapters.transfer_queue.sampler import (
+from broker.transfer_queue.metadata import BatchMeta, KVBatchMeta
+from broker.transfer_queue.sampler import (
     BaseSampler,
     GRPOGroupNSampler,
     RankAwareSampler,
     SeqlenBalancedSampler,
     SequentialSampler,
 )
-from broker.errors import SampleNotFoundError
 
 #: TransferQueue's name for a key or index its storage does not hold.
 StorageKeyNotFoundError = SampleNotFoundError

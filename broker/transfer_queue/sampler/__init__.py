@@ -5,11 +5,11 @@ claims the chosen rows atomically. ``BaseSampler``'s ``cached``/``remember``/``f
 let the client mirror the ``_states`` cache across processes (see ``base.py``).
 """
 
-from broker.adapters.transfer_queue.sampler.base import BaseSampler, CachedResult
-from broker.adapters.transfer_queue.sampler.grpo_group_n_sampler import GRPOGroupNSampler
-from broker.adapters.transfer_queue.sampler.rank_aware_sampler import RankAwareSampler
-from broker.adapters.transfer_queue.sampler.seqlen_balanced_sampler import CustomMetaSource, SeqlenBalancedSampler
-from broker.adapters.transfer_queue.sampler.sequential_sampler import SequentialSampler
+from broker.transfer_queue.sampler.base import BaseSampler, CachedResult
+from broker.transfer_queue.sampler.grpo_group_n_sampler import GRPOGroupNSampler
+from broker.transfer_queue.sampler.rank_aware_sampler import RankAwareSampler
+from broker.transfer_queue.sampler.seqlen_balanced_sampler import CustomMetaSource, SeqlenBalancedSampler
+from broker.transfer_queue.sampler.sequential_sampler import SequentialSampler
 
 __all__ = ["BaseSampler", "SequentialSampler", "GRPOGroupNSampler", "RankAwareSampler", "SeqlenBalancedSampler",
            "CachedResult", "CustomMetaSource"]

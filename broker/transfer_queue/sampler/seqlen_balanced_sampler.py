@@ -6,9 +6,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from broker.adapters.transfer_queue.sampler.grpo_group_n_sampler import GRPOGroupNSampler
 from broker.api.balance import karmarkar_karp
 from broker.errors import GetMetaError, InvalidExperienceError
+from broker.transfer_queue.sampler.grpo_group_n_sampler import GRPOGroupNSampler
 
 logger = logging.getLogger(__name__)
 

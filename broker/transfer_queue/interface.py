@@ -26,17 +26,17 @@ from typing import Any
 
 import redis
 
-from broker.adapters.transfer_queue import sampler as samplers
-from broker.adapters.transfer_queue import tensors
-from broker.adapters.transfer_queue.client import TransferQueueClient, _keys, _partition
-from broker.adapters.transfer_queue.config import capacity_of, merged
-from broker.adapters.transfer_queue.metadata import KVBatchMeta
-from broker.adapters.transfer_queue.sampler import BaseSampler
-from broker.adapters.transfer_queue.system import System, delivery_of, dock_name
 from broker.connection import connect, disconnect, redact, redis_errors
 from broker.control.keys import DockKeys
 from broker.errors import BrokerError, FencedError, InvalidExperienceError, SampleNotFoundError, SchemaError
 from broker.ops.local_redis import RedisServer
+from broker.transfer_queue import sampler as samplers
+from broker.transfer_queue import tensors
+from broker.transfer_queue.client import TransferQueueClient, _keys, _partition
+from broker.transfer_queue.config import capacity_of, merged
+from broker.transfer_queue.metadata import KVBatchMeta
+from broker.transfer_queue.sampler import BaseSampler
+from broker.transfer_queue.system import System, delivery_of, dock_name
 
 log = logging.getLogger(__name__)
 

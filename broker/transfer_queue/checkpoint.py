@@ -55,8 +55,6 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from broker.adapters.transfer_queue.sampler import BaseSampler
-from broker.adapters.transfer_queue.system import System
 from broker.api.snapshot import DockSnapshot, fsync_dir, saved_schema, verify_file, write_file
 from broker.control.schema import Schema
 from broker.errors import (
@@ -66,6 +64,8 @@ from broker.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
+from broker.transfer_queue.sampler import BaseSampler
+from broker.transfer_queue.system import System
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike[str], *, include_storage: 
     progress. ``include_storage=False`` is ignored, as TransferQueue ignores it for its SimpleStorage: the
     data lives beside the status, and a checkpoint without it would lose rows.
     """
-    from broker.adapters.transfer_queue.interface import get_client
+    from broker.transfer_queue.interface import get_client
 
     client = get_client()
     system = client.system
@@ -167,7 +167,7 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
     checkpoint of another namespace or dock size, CheckpointRestoreError when the server cannot restore
     its keys (an older Redis than the one that saved it); in each case the system is left as it was.
     """
-    from broker.adapters.transfer_queue.interface import get_client
+    from broker.transfer_queue.interface import get_client
 
     client = get_client()
     system = client.system

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from broker.adapters.transfer_queue.field_schema import FieldSchema, extract_field_schema
 from broker.errors import DecodeError, InvalidExperienceError
+from broker.transfer_queue.field_schema import FieldSchema, extract_field_schema
 
 #: A column as ``put_experience`` takes it and ``read_rows(..., stack=True)`` returns it.
 Column = torch.Tensor | list[Any]

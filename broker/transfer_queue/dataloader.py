@@ -71,13 +71,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from broker.adapters.transfer_queue.client import TransferQueueClient
-from broker.adapters.transfer_queue.config import capacity_of, merged, plain
-from broker.adapters.transfer_queue.interface import _sampler_of, _stored_conf, get_client
-from broker.adapters.transfer_queue.metadata import DELIVERY, BatchMeta
-from broker.adapters.transfer_queue.system import System
 from broker.api.delivery import LeasedRows
 from broker.errors import BrokerError, ExperienceTimeoutError, InvalidArgumentTypeError, InvalidExperienceError
+from broker.transfer_queue.client import TransferQueueClient
+from broker.transfer_queue.config import capacity_of, merged, plain
+from broker.transfer_queue.interface import _sampler_of, _stored_conf, get_client
+from broker.transfer_queue.metadata import DELIVERY, BatchMeta
+from broker.transfer_queue.system import System
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from broker.adapters.transfer_queue import tensors
-from broker.adapters.transfer_queue.metadata import DELIVERY, BatchMeta
-from broker.adapters.transfer_queue.names import dock_name_of
-from broker.adapters.transfer_queue.sampler import BaseSampler
-from broker.adapters.transfer_queue.system import Snapshot, System, delivery_of
 from broker.api.delivery import HandedRows, LeasedRows
 from broker.errors import (
     BrokerError,
@@ -30,6 +25,11 @@ from broker.errors import (
     InvalidExperienceError,
     SampleNotFoundError,
 )
+from broker.transfer_queue import tensors
+from broker.transfer_queue.metadata import DELIVERY, BatchMeta
+from broker.transfer_queue.names import dock_name_of
+from broker.transfer_queue.sampler import BaseSampler
+from broker.transfer_queue.system import Snapshot, System, delivery_of
 
 MODES = ("fetch", "force_fetch", "insert")
 

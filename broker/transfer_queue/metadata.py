@@ -37,15 +37,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from broker.adapters.transfer_queue.errors import MetaIndexTypeError, MissingKeysError
-from broker.adapters.transfer_queue.field_schema import (
+from broker.errors import InvalidExperienceError, RowIndexError, UnknownColumnError
+from broker.transfer_queue.errors import MetaIndexTypeError, MissingKeysError
+from broker.transfer_queue.field_schema import (
     FieldSchema,
     batch_rows,
     concat_field_schema,
     extract_field_schema,
 )
-from broker.adapters.transfer_queue.sample_views import SampleView, SampleViews
-from broker.errors import InvalidExperienceError, RowIndexError, UnknownColumnError
+from broker.transfer_queue.sample_views import SampleView, SampleViews
 
 __all__ = ["BatchMeta", "KVBatchMeta", "SampleView", "SampleViews", "extract_field_schema"]
 
