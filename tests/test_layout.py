@@ -8,6 +8,7 @@ fails here, naming the file and the import.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,15 @@ ALLOWED = {
     "data": {"control", "connection", "errors"},
     "api": {"data", "control", "connection", "errors"},
     "adapters": {"face", "api", "ops", "control", "connection", "errors"},
+    # TransferQueue's drop-in, one slice owning its Lua, wrappers, keys and system code: it may import what
+    # an adapter may, and nothing of the core imports it (its scripts and keys join the core's by hooks).
+    "transfer_queue": {"face", "api", "ops", "control", "connection", "errors"},
     "ops": {"api", "data", "control", "connection", "errors"},
-    "bench": {"face", "adapters", "ops", "api", "data", "control", "connection", "errors"},
+    "bench": {"face", "adapters", "transfer_queue", "ops", "api", "data", "control", "connection", "errors"},
     "face": {"adapters", "ops", "api", "control", "connection", "errors"},
-    "cli": {"face", "bench", "adapters", "ops", "api", "data", "control", "connection", "errors"},
+    "cli": {"face", "bench", "adapters", "transfer_queue", "ops", "api", "data", "control", "connection", "errors"},
 }
-FOLDERS = {"connection", "control", "data", "api", "adapters", "ops", "bench"}
+FOLDERS = {"connection", "control", "data", "api", "adapters", "transfer_queue", "ops", "bench"}
 
 
 def plane_of(module: str) -> str:
@@ -53,18 +57,22 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def broker_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every import of a broker module in ``path``, relative ones resolved."""
+def broker_imports(path: Path, *, module_level: bool = False) -> list[tuple[int, str]]:
+    """(line, module) of every import of a broker module in ``path``, relative ones resolved (``module_level``:
+    see ``imports_in``)."""
     package = module_name(path).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
-    return imports_in(path.read_text(), package)
+    return imports_in(path.read_text(), package, module_level=module_level)
 
 
-def imports_in(source: str, package: list[str]) -> list[tuple[int, str]]:
-    """(line, module) of every import of a broker module in ``source``, a module of ``package``."""
+def imports_in(source: str, package: list[str], *, module_level: bool = False) -> list[tuple[int, str]]:
+    """(line, module) of every import of a broker module in ``source``, a module of ``package``; with
+    ``module_level``, only those run when the module is imported (not inside a function or class, nor under
+    ``if TYPE_CHECKING:``)."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    for node in _module_level(tree.body) if module_level else ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "broker"]
         elif isinstance(node, ast.ImportFrom):
@@ -79,6 +87,22 @@ def imports_in(source: str, package: list[str]) -> list[tuple[int, str]]:
             subs = [f"{target}.{a.name}" for a in node.names if is_module(f"{target}.{a.name}")]
             found += [(node.lineno, s) for s in subs] or [(node.lineno, target)]
     return found
+
+
+def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements of ``body`` run at import: into ``if``/``try``/``with`` blocks, not into functions,
+    classes or ``if TYPE_CHECKING:``."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                yield from _module_level(node.body)
+            yield from _module_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                yield from _module_level(block)
+        elif isinstance(node, ast.With):
+            yield from _module_level(node.body)
 
 
 def is_module(dotted: str) -> bool:
@@ -116,3 +140,48 @@ def test_the_rules_catch_an_upward_import():
         (2, "broker.api.dock"), (4, "broker.api.handout")]
     assert {plane_of(t) for _, t in found} == {"api"}
     assert "api" not in ALLOWED["control"]
+
+
+def import_circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of the import graph ``edges`` (module -> modules it imports): each one found once, as the
+    chain of modules from its first back to it."""
+    circles, done = [], set()
+    for start in sorted(edges):
+        stack, on_path = [(start, iter(sorted(edges.get(start, ()))))], [start]
+        while stack:
+            node, todo = stack[-1]
+            nxt = next(todo, None)
+            if nxt is None:
+                stack.pop()
+                on_path.pop()
+                done.add(node)
+            elif nxt in on_path:
+                circle = on_path[on_path.index(nxt):] + [nxt]
+                if not any(set(circle) == set(c) for c in circles):
+                    circles.append(circle)
+            elif nxt not in done:
+                stack.append((nxt, iter(sorted(edges.get(nxt, ())))))
+                on_path.append(nxt)
+    return circles
+
+
+def test_broker_has_no_import_circle():
+    """No module of broker/ imports, at import time, one that imports it back (directly or through others):
+    a circle makes the import order matter and leaves half-made modules to whoever comes first. Imports
+    inside functions and under ``TYPE_CHECKING`` run later, and are left out."""
+    edges = {module_name(p): {t for _, t in broker_imports(p, module_level=True)} - {module_name(p)}
+             for p in SOURCES}
+    circles = import_circles(edges)
+    assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_circle_check_can_fail():
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import broker.api\ndef f():\n" \
+             "    import broker.data\ntry:\n    import broker.ops\nexcept ImportError:\n    pass\n"
+    assert imports_in(source, ["broker"], module_level=True) == [(7, "broker.ops")]
+
+
+def test_no_core_plane_may_import_the_transfer_queue_slice():
+    core = ("errors", "connection", "control", "data", "api")
+    assert not [p for p in core if "transfer_queue" in ALLOWED[p]]
