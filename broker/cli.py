@@ -25,7 +25,7 @@ from redis.cluster import RedisCluster
 from redis.connection import parse_url
 
 from broker.connection import DEFAULT_CALL_TIMEOUT, bounded, connect, default_url, disconnect, redact, redis_errors
-from broker.control.scripts.functions import LIBRARY, load_library
+from broker.control.scripts.functions import library_names, load_library
 from broker.control.status import Survey
 from broker.errors import BrokerError, DockNotFoundError
 from broker.ops.acl import SHARDED_PUBSUB_COMMANDS, reader_rules, worker_rules
@@ -201,10 +201,13 @@ def _apply_acl(args: argparse.Namespace) -> int:
 
 
 def _load_functions(client: Any, where: str) -> str:
-    """Load the broker's function library (every primary of a cluster); what to print."""
+    """Load the broker's function libraries (every primary of a cluster): the core's, and the TransferQueue
+    slice's, which confined workers of a TransferQueue system call; what to print."""
+    import broker.transfer_queue.scripts  # noqa: F401 (registers the slice's scripts; loads no torch)
+
     with redis_errors(where):
         load_library(client)
-    return f"loaded the broker's function library {LIBRARY} at {where}"
+    return f"loaded the broker's function libraries {', '.join(library_names())} at {where}"
 
 
 def _functions(args: argparse.Namespace) -> int:

@@ -20,30 +20,29 @@ field ROW, not in a data shard's hash named by the epoch (snapshot.lua). The res
 deadlines, so their rows come back when those pass, but under tokens no delivery has (the old token and
 "~EPOCH"): an ack from before the restore releases nothing, as its put lands nothing.
 
-Which keys the system has is what the client read (its schema, partitions and named takes' records): keys
-are named by the client, never built here. The script checks that this is still so and answers {0} when
-it is not, so the client reads again and retries; a grown schema fails the schema check, and the client
-adopts it and retries.
+Which keys the system has is what the client read (its schema, named takes' records, and the keys of a slice
+beside the dock, such as a TransferQueue system's partitions): keys are named by the client, never built
+here. The script checks that the indexes it read them from still list the same (include/listed_keys.lua) and
+answers {0} when they do not, so the client reads again and retries; a grown schema fails the schema check,
+and the client adopts it and retries.
 
 KEYS[1]                 td:{NAME}:meta
-KEYS[2]                 td:{NAME}:tq:partitions
-KEYS[3]                 td:{NAME}:named
-KEYS[4]                 td:{NAME}:epoch (among the keys below too)
-KEYS[5..4+C]            every key the system may have now (DockKeys.tq_system): all deleted
-KEYS[5+C..4+C+S]        the staged keys (DockKeys.staged)
-KEYS[5+C+S..4+C+2S]     the name each takes, in the same order
-KEYS[5+C+2S..4+C+2S+T]  td:{NAME}:tokens:CONSUMER of every consumer of the restored meta: leases' tokens
+KEYS[2]                 td:{NAME}:epoch (among the keys below too)
+KEYS[3..2+I]            the indexes the keys were listed from (as in snapshot.lua)
+KEYS[3+I..2+I+C]        every key the system may have now: all deleted
+KEYS[3+I+C..2+I+C+S]    the staged keys (DockKeys.staged)
+then S keys             the name each takes, in the same order
+then T keys             td:{NAME}:tokens:CONSUMER of every consumer of the restored meta: leases' tokens
 ARGV[1]                 the schema the client expects (see include/schema.lua)
 ARGV[2]                 C
 ARGV[3]                 S
 ARGV[4]                 T
-ARGV[5]                 P, the number of partitions the client read; ARGV[6..5+P] the partitions
-ARGV[6+P]               R, the number of named takes' records the client read; then their keys
+ARGV[5]                 I; then per index the number of members the client read, and those members
 then S values           when each restored key expires, ms of server time (-1: never); a time passed deletes it
 then M                  twice the number of meta fields; then M values: field, value, ...
 
-Returns {1, S, epoch}: the keys restored and the dock's epoch now; {0} if the partitions or records are
-not those the client read; an error naming a staged key that is gone (its time ran out: the load took
+Returns {1, S, epoch}: the keys restored and the dock's epoch now; {0} if an index does not list what the
+client read; an error naming a staged key that is gone (its time ran out: the load took
 longer than the staging lasts), before anything changed.
 
 last            how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
@@ -51,7 +50,7 @@ last            how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_I
 ]]
 -- @include bits
 -- @include schema
--- @include system_keys
+-- @include listed_keys
 -- @include once
 
 local reply_key, reply_ttl = once_args()
@@ -62,10 +61,11 @@ local wrong_schema = schema_error(KEYS[1], ARGV[1])
 if wrong_schema then return redis.error_reply(wrong_schema) end
 
 local current, staged, tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local current_keys, deadlines = listed_keys_current(KEYS[2], KEYS[3], 5)
+local current_keys, deadlines = listed_keys_current(3, 5)
 if not current_keys then return {0} end
-local first_stage = 5 + current
-for i = first_stage, 4 + current + staged do  -- before the first write: a script is not rolled back
+local first_current = 3 + tonumber(ARGV[5])
+local first_stage = first_current + current
+for i = first_stage, first_stage + staged - 1 do  -- before the first write: a script is not rolled back
   if redis.call('EXISTS', KEYS[i]) == 0 then
     return redis.error_reply('ERR ' .. KEYS[i] .. ' is gone: the checkpoint load took longer than its staged '
       .. 'keys live, or another process deleted them; load it again')
@@ -78,8 +78,8 @@ local function epoch_in(key)
   return tonumber(redis.call('GET', key)) or 0
 end
 
-local epoch_before = epoch_in(KEYS[4])
-for i = 5, 4 + current do redis.call('DEL', KEYS[i]) end
+local epoch_before = epoch_in(KEYS[2])
+for i = first_current, first_stage - 1 do redis.call('DEL', KEYS[i]) end
 for j = 0, staged - 1 do
   local target = KEYS[first_stage + staged + j]
   redis.call('RENAME', KEYS[first_stage + j], target)
@@ -98,8 +98,8 @@ end
 
 -- Forward, never back (see above): past the epoch the dock had, the saved one, and the server's time.
 local t = redis.call('TIME')
-local epoch = math.max(tonumber(t[1]) * 1000000 + tonumber(t[2]), epoch_before + 1, epoch_in(KEYS[4]) + 1)
-redis.call('SET', KEYS[4], int_text(epoch))
+local epoch = math.max(tonumber(t[1]) * 1000000 + tonumber(t[2]), epoch_before + 1, epoch_in(KEYS[2]) + 1)
+redis.call('SET', KEYS[2], int_text(epoch))
 local suffix = '~' .. int_text(epoch)
 for i = first_stage + 2 * staged, first_stage + 2 * staged + tokens - 1 do
   if redis.call('TYPE', KEYS[i])['ok'] == 'hash' then  -- another type is the scripts' CORRUPT error later

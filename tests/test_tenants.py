@@ -146,10 +146,13 @@ def test_workers_are_granted_exactly_the_commands_the_scripts_call():
     import re
     from pathlib import Path
 
+    import broker.transfer_queue.scripts  # noqa: F401 (the slice's scripts, which its workers run too)
     from broker.control.scripts import lua_dir
+    from broker.control.scripts.loader import SLICES
     from broker.ops.acl import SCRIPT_COMMANDS
 
-    text = "\n".join(p.read_text() for p in sorted(Path(lua_dir()).rglob("*.lua")))
+    folders = {Path(lua_dir()), *(entry.folder for entry in SLICES.values())}
+    text = "\n".join(p.read_text() for folder in sorted(folders) for p in sorted(folder.rglob("*.lua")))
     called = {m.lower() for m in re.findall(r"(?:redis\.call|call_in_chunks)\('([A-Za-z]+)'", text)}
     called.add("publish")  # put notifications: redis.call(ARGV[4], ...), PUBLISH (SPUBLISH on a cluster)
     assert set(SCRIPT_COMMANDS) == called

@@ -150,8 +150,8 @@ def test_the_keys_a_checkpoint_names_are_every_key_the_system_has(system, tmp_pa
     records = [r.decode() for r in c.zrange(k.named_index, 0, -1)]
     assert records, "no named take was recorded: the test exercises too little"
     schema = system.dock.refresh()
-    named = set(k.tq_system(schema.columns, schema.consumers, schema.rollout.age_buckets, system.partitions(),
-                            records))
+    named = {*k.every_key(schema.columns, schema.consumers, schema.rollout.age_buckets), *records,
+             *system.checkpoint_keys().keys}
     found = {raw.decode() for raw in server_keys(c, k.base + "*")} - {
         raw.decode() for raw in server_keys(c, k.base + "reply:*")}
     assert found - named == set()

@@ -29,9 +29,10 @@ encoding of one key, restored with RESTORE (a server older than the one that dum
 ``CheckpointRestoreError``); nothing is ever pickled. Replies that calls keep for their resends
 (``reply:*``, a minute) are not saved.
 
-**Which keys.** The client names them (``DockKeys.tq_system``: the dock's from its schema, the TransferQueue
-adapter's partitions, the named takes' records); the scripts check that the partitions and records are
-still those the client read, and it reads again on a mismatch. A plain dock has none of the adapter's keys.
+**Which keys.** The client names them: the dock's from its schema and its named takes' records, and those a
+slice keeps beside the dock (a TransferQueue system's partitions, keys and tags) as the slice lists them
+(``extra``: a ``SliceKeys``, with the indexes they were listed from); the scripts check that the indexes
+still list what the client read, and it reads again on a mismatch. The core knows no slice's keys.
 
 **Other processes** must not write while a restore runs (a put naming a plain list of rows, which nothing
 fences, lands on the restored rows); the restored meta is the saved one grown by the columns and consumers the dock
@@ -52,7 +53,7 @@ from typing import IO, TYPE_CHECKING, Any
 import msgpack
 
 from broker.control.schema import Schema
-from broker.control.scripts.snapshot import Copied, SnapshotScripts
+from broker.control.scripts.snapshot import Copied, SliceKeys, SnapshotScripts
 from broker.errors import (
     BrokerError,
     CheckpointCorruptError,
@@ -73,34 +74,34 @@ log = logging.getLogger(__name__)
 STAGING_TTL_MS = 3_600_000
 #: About how many bytes one read or write of a snapshot's keys moves (a hash's HMGET, a pipeline of RESTOREs).
 PART_BYTES = 8 << 20
-#: How often the snapshot or the swap reads the keys again when partitions or named takes changed under it.
+#: A dock without a slice's keys beside it.
+NO_SLICE_KEYS = SliceKeys([], [])
+
+#: How often the snapshot or the swap reads the keys again when an index of them (the named takes', a
+#: slice's) changed under it.
 RETRIES = 64
 
 
 class DockSnapshot:
     """Save a dock's keys to a file at one moment, and restore them from it (see the module docstring).
 
-    ``partitions``: the TransferQueue adapter's partitions of the dock now (their keys are saved too);
-    ``run``: how a Redis call is run (bounded, its errors the broker's), given what it does for messages;
+    ``extra``: the hook through which a slice keeping keys beside the dock (a TransferQueue system) names
+    them, as they are now, and the indexes it listed them from (their keys are saved and restored too);
     ``quiet``: a context the copy and the swap run in, holding off writers whose several steps a copy must
-    not cut (the TransferQueue adapter's puts and clears: ``System.quiet``).
+    not cut (the TransferQueue system's puts and clears: ``System.quiet``).
     """
 
-    def __init__(self, dock: TransferDock, *, partitions: Callable[[], list[str]] = list,
-                 run: Callable[[str, Callable[[], Any]], Any] | None = None,
+    def __init__(self, dock: TransferDock, *, extra: Callable[[], SliceKeys] = lambda: NO_SLICE_KEYS,
                  quiet: Callable[[], AbstractContextManager[Any]] = nullcontext):
         self.dock = dock
         self.keys = dock.keys
         self.client = dock.client
         self.scripts = SnapshotScripts(dock.client, dock.keys, allow_oom=False)
-        self._partitions = partitions
-        self._run = run
+        self._extra = extra
         self._quiet = quiet
 
     def run(self, what: str, call: Callable[[], Any]) -> Any:
-        """``call`` as ``run`` was given (the dock's own bounds and error translation by default)."""
-        if self._run is not None:
-            return self._run(what, call)
+        """``call`` through the dock's session: bounded, its errors the broker's (``what`` says what it does)."""
         return self.dock._session.run(call)
 
     # -- saving ------------------------------------------------------------------------------------------------
@@ -142,25 +143,25 @@ class DockSnapshot:
             raise CheckpointError(f"dock {self.dock.name!r} keeps its bytes on data shards: a checkpoint needs them "
                                   "in the dock's slot (a dock made with shards=0)")
         for _ in range(RETRIES):
-            partitions, records = self._enumerate()
+            extra, records = self._enumerate()
             try:
                 got: tuple[int, list[Copied]] | None = self.run("checkpoint snapshot", lambda: self.scripts.snapshot(
-                    run, partitions, records, STAGING_TTL_MS))  # noqa: B023 (run at once)
+                    run, extra, records, STAGING_TTL_MS))  # noqa: B023 (run at once)
             except SchemaError:
                 self.dock.refresh()  # a column or consumer was added: its keys too
                 continue
             if got is not None:
                 return got
-        raise CheckpointError(f"the partitions or named takes of dock {self.dock.name!r} changed under "
-                              f"{RETRIES} snapshots in a row; save again")
+        raise CheckpointError(f"the keys of dock {self.dock.name!r} (its named takes, or a slice's beside "
+                              f"it) changed under {RETRIES} snapshots in a row; save again")
 
-    def _enumerate(self) -> tuple[list[str], list[str]]:
-        """What the scripts need to name every key: the partitions and the named takes' records, with the
-        scripts bound to the dock's schema as this process knows it."""
+    def _enumerate(self) -> tuple[SliceKeys, list[str]]:
+        """What the scripts need to name every key: a slice's keys beside the dock and the named takes'
+        records, with the scripts bound to the dock's schema as this process knows it."""
         self.scripts.bind(*self.dock.binding)
-        partitions = self._partitions()
+        extra = self._extra()
         records = self.run("named takes", lambda: self.client.zrange(self.keys.named_index, 0, -1))
-        return partitions, [r.decode() for r in records]
+        return extra, [r.decode() for r in records]
 
     def _hash_parts(self, c: Copied) -> Iterator[list[bytes]]:
         """A hash copy's fields and values, flat, in parts of about PART_BYTES (a part's size is guessed from
@@ -269,14 +270,14 @@ class DockSnapshot:
         saved one grown by the columns and consumers the dock has now, so every process's schema is inside it,
         and the epoch moves forward past every delivery handed out before."""
         for _ in range(RETRIES):
-            partitions, records = self._enumerate()
+            extra, records = self._enumerate()
             current = self.dock.schema
             grown = saved.grown(columns=[c for c in current.columns if c not in saved.columns],
                                 consumers=[c for c in current.consumers if c not in saved.consumers])
             meta = {**{str(k): str(v) for k, v in saved_meta.items()}, **grown.to_meta()}
             try:
                 epoch = self.run("checkpoint swap", lambda: self.scripts.restore(
-                    run, partitions, records, deadlines, meta, grown.consumers))  # noqa: B023 (run at once)
+                    run, extra, records, deadlines, meta, grown.consumers))  # noqa: B023 (run at once)
             except SchemaError:
                 self.dock.refresh()
                 continue
@@ -285,8 +286,8 @@ class DockSnapshot:
                     from exc
             if epoch is not None:
                 return
-        raise CheckpointError(f"the partitions or named takes of dock {self.dock.name!r} changed under "
-                              f"{RETRIES} restores in a row; stop the other processes and load again")
+        raise CheckpointError(f"the keys of dock {self.dock.name!r} (its named takes, or a slice's beside "
+                              f"it) changed under {RETRIES} restores in a row; stop the other processes and load again")
 
     def _drop(self, keys: list[str]) -> None:
         """Delete a snapshot's copies or a restore's staged keys; what is left expires anyway."""

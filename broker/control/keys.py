@@ -15,7 +15,7 @@ clash with another dock's: ``~`` is not allowed in names.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from broker.errors import SchemaError
@@ -249,54 +249,6 @@ class DockKeys:
     def reply(self, request_id: str) -> str:
         return f"{self.base}reply:{request_id}"
 
-    # The TransferQueue adapter's keys (broker/transfer_queue): its samples are rows of this dock.
-
-    @property
-    def tq_next(self) -> str:
-        return self.base + "tq:next"
-
-    @property
-    def tq_free(self) -> str:
-        return self.base + "tq:free"
-
-    @property
-    def tq_partitions(self) -> str:
-        return self.base + "tq:partitions"
-
-    @property
-    def tq_seq(self) -> str:
-        return self.base + "tq:seq"
-
-    @property
-    def tq_conf(self) -> str:
-        return self.base + "tq:conf"
-
-    @property
-    def tq_writing(self) -> str:
-        return self.base + "tq:writing"
-
-    @property
-    def tq_saving(self) -> str:
-        return self.base + "tq:saving"
-
-    def tq_rows(self, partition: str) -> str:
-        return f"{self.base}tq:rows:{partition}"
-
-    def tq_keys(self, partition: str) -> str:
-        return f"{self.base}tq:keys:{partition}"
-
-    def tq_rkeys(self, partition: str) -> str:
-        return f"{self.base}tq:rkeys:{partition}"
-
-    def tq_order(self, partition: str) -> str:
-        return f"{self.base}tq:order:{partition}"
-
-    def tq_tags(self, partition: str) -> str:
-        return f"{self.base}tq:tags:{partition}"
-
-    def tq_fields(self, partition: str) -> str:
-        return f"{self.base}tq:fields:{partition}"
-
     def named(self, label: str) -> str:
         """The record of a named take (lua/take.lua): the rows the first take under ``label`` handed out."""
         return f"{self.base}named:{label}"
@@ -307,25 +259,12 @@ class DockKeys:
         return self.base + "named"
 
     def staged(self, run: str, key: str) -> str:
-        """Where a checkpoint (broker/transfer_queue/checkpoint.py) keeps its copy of the dock's
+        """Where a checkpoint (broker/api/snapshot.py) keeps its copy of the dock's
         ``key`` during run ``run``: in the dock's slot, under a prefix nothing else of the dock uses."""
         if not key.startswith(self.base):
             raise SchemaError(f"{key!r} is not a key of dock {self.name!r}")
         check_name("checkpoint run", run)
         return f"{self.base}ckpt:{run}:{key[len(self.base):]}"
-
-    def tq_system(self, columns: Sequence[str], consumers: Sequence[str], age_buckets: int,
-                  partitions: Sequence[str], named: Sequence[str]) -> list[str]:
-        """Every key a TransferQueue system on this dock may have (but reply keys, which expire by themselves,
-        and keys that live only inside one script or MULTI): the dock's, the adapter's for ``partitions``,
-        and the records of named takes ``named`` (the members of ``named_index``). What a checkpoint copies
-        and what restoring one replaces."""
-        keys = self.every_key(columns, consumers, age_buckets)
-        keys += [self.tq_next, self.tq_free, self.tq_partitions, self.tq_seq, self.tq_conf]
-        for p in partitions:
-            keys += [self.tq_rows(p), self.tq_keys(p), self.tq_rkeys(p), self.tq_order(p), self.tq_tags(p),
-                     self.tq_fields(p)]
-        return keys + list(named)
 
     @property
     def reply_pattern(self) -> str:
@@ -376,8 +315,25 @@ class _Placeholder(int):
         return self.label
 
 
+#: Rows of the key layout that slices outside the core add (``register_layout``), after the core's.
+_SLICE_LAYOUTS: list[Callable[[], list[KeyRow]]] = []
+
+
+def register_layout(rows: Callable[[], list[KeyRow]]) -> None:
+    """The hook a slice outside the core (``broker/transfer_queue/``) calls at its import to add the rows of its
+    own keys (beside a dock's, in its slot) to ``key_layout``; the slice builds those keys itself (its own
+    ``DockKeys`` subclass), so the core never imports it. Registering the same function again is a no-op."""
+    if rows not in _SLICE_LAYOUTS:
+        _SLICE_LAYOUTS.append(rows)
+
+
 def key_layout() -> list[KeyRow]:
-    """Every key of dock NAME (COLUMN, CONSUMER, K, W, S, EPOCH, REQUEST standing for their parts)."""
+    """Every key of dock NAME (COLUMN, CONSUMER, K, W, S, EPOCH, REQUEST standing for their parts), then those
+    of the slices registered (``register_layout``)."""
+    return _core_layout() + [row for rows in _SLICE_LAYOUTS for row in rows()]
+
+
+def _core_layout() -> list[KeyRow]:
     k = DockKeys("NAME")
     column, consumer = "COLUMN", "CONSUMER"
     age, waited = _Placeholder("K"), _Placeholder("W")
@@ -420,29 +376,8 @@ def key_layout() -> list[KeyRow]:
                "time to live (a day by default): what later takes under LABEL get"),
         KeyRow(k.named_index, "sorted set", "member = the key of a named take's record, score = when it expires (ms "
                "of server time); records gone are dropped at the next named take"),
-        KeyRow(k.staged("RUN", k.base + "KEY"), "any", "a TransferQueue checkpoint's copy of td:{NAME}:KEY while run "
+        KeyRow(k.staged("RUN", k.base + "KEY"), "any", "a checkpoint's copy of td:{NAME}:KEY while run "
                "RUN saves or loads it (expires within the hour if the run dies)"),
-        KeyRow(k.tq_next, "string", "TransferQueue adapter: rows below it have held samples"),
-        KeyRow(k.tq_free, "list", "TransferQueue adapter: rows released by clears, oldest first; new samples take "
-               "them first"),
-        KeyRow(k.tq_partitions, "hash", "TransferQueue adapter: partition → its place in creation order (a number "
-               "from td:{NAME}:tq:seq, new with each creation of the partition)"),
-        KeyRow(k.tq_seq, "string", "TransferQueue adapter: a counter giving partitions and keys their place in "
-               "creation order (`kv_list`'s order, as TransferQueue's)"),
-        KeyRow(k.tq_conf, "string", "TransferQueue adapter: the system's configuration (JSON), written by the first "
-               "`init`"),
-        KeyRow(k.tq_writing, "sorted set", "TransferQueue adapter: member = a put or clear of several steps under "
-               "way, score = when it is given up (ms of server time); a checkpoint waits until none is left"),
-        KeyRow(k.tq_saving, "sorted set", "TransferQueue adapter: member = a checkpoint being taken or loaded, score = "
-               "when it is given up (ms); puts and clears wait while one is"),
-        KeyRow(k.tq_rows("P"), "bitmap", "TransferQueue adapter: bit i set when row i holds a sample of partition P"),
-        KeyRow(k.tq_keys("P"), "hash", "TransferQueue adapter: user key → row, in partition P"),
-        KeyRow(k.tq_rkeys("P"), "hash", "TransferQueue adapter: row → user key, in partition P"),
-        KeyRow(k.tq_order("P"), "sorted set", "TransferQueue adapter: member = a user key of partition P, score = "
-               "its place in the order keys were first given rows (`kv_list`'s order)"),
-        KeyRow(k.tq_tags("P"), "hash", "TransferQueue adapter: row → the sample's tags / custom meta (msgpack)"),
-        KeyRow(k.tq_fields("P"), "hash", "TransferQueue adapter: field → its schema in partition P (msgpack: dtype, "
-               "shape, nested, non-tensor)"),
         KeyRow(k.aside(column), "hash", "a data hash a put's bar sets aside until `put` lets the put land (a "
                "string in its place fails the HSETs of a put that does not); exists only inside the put's MULTI/EXEC"),
         KeyRow(k.tail_aside(column), "hash", "the same for td:{NAME}:tail:COLUMN"),

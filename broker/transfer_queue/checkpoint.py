@@ -111,7 +111,7 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike[str], *, include_storage: 
     tmp.mkdir(parents=True)
     try:
         # The conf is written once, when the system is made (SET NX): read beside the snapshot, not in it.
-        conf = system.run("checkpoint conf", lambda: system.client.get(system.keys.tq_conf))
+        conf = system.read(lambda: system.client.get(system.keys.tq_conf))
         info = _snapshot(system).save(tmp / KEYS_FILE)
         files = {KEYS_FILE: info.pop("file"), SAMPLER_FILE: write_file(tmp / SAMPLER_FILE, sampler_bytes)}
         document = {"format": FORMAT, "version": VERSION, "namespace": system.namespace, "dock": system.dock.name,
@@ -136,10 +136,10 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike[str], *, include_storage: 
 
 
 def _snapshot(system: System) -> DockSnapshot:
-    """The system's keys (its dock's and the adapter's, of every partition), run as the system runs calls; the
+    """The system's keys (its dock's and the slice's, of every partition: ``System.checkpoint_keys``); the
     copy and the swap wait for the puts and clears under way and hold new ones off (``System.quiet``), so a
     checkpoint holds no put or clear half done, and none lands half on what a load restores."""
-    return DockSnapshot(system.dock, partitions=system.partitions, run=system.run, quiet=system.quiet)
+    return DockSnapshot(system.dock, extra=system.checkpoint_keys, quiet=system.quiet)
 
 
 def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -27,13 +27,13 @@ from typing import Any
 import redis
 
 from broker.connection import connect, disconnect, redact, redis_errors
-from broker.control.keys import DockKeys
 from broker.errors import BrokerError, FencedError, InvalidExperienceError, SampleNotFoundError, SchemaError
 from broker.ops.local_redis import RedisServer
 from broker.transfer_queue import sampler as samplers
 from broker.transfer_queue import tensors
 from broker.transfer_queue.client import TransferQueueClient, _keys, _partition
 from broker.transfer_queue.config import capacity_of, merged
+from broker.transfer_queue.keys import SystemKeys
 from broker.transfer_queue.metadata import KVBatchMeta
 from broker.transfer_queue.sampler import BaseSampler
 from broker.transfer_queue.system import System, delivery_of, dock_name
@@ -267,7 +267,7 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
     client = get_client()
     partition = _partition(partition_id)
     keys = _keys(keys)
-    got = client.system.run("kv_clear", lambda: client.system.client.hmget(client.system.keys.tq_keys(partition),
+    got = client.system.read(lambda: client.system.client.hmget(client.system.keys.tq_keys(partition),
                                                                             keys))
     rows = [int(r) for r in got if r is not None]  # a key cleared already is not an error, as in TransferQueue
     if rows:
@@ -391,7 +391,7 @@ def _stored_conf(url: str, namespace: str) -> dict[str, Any] | None:
     client, _ = connect(url)
     try:
         with redis_errors(redact(url)):
-            raw = client.get(DockKeys(dock_name(namespace)).tq_conf)
+            raw = client.get(SystemKeys(dock_name(namespace)).tq_conf)
     finally:
         disconnect(url)
     if raw is None:
@@ -406,7 +406,7 @@ def _stored_conf(url: str, namespace: str) -> dict[str, Any] | None:
 
 def _store_conf(system: System, conf: dict[str, Any]) -> None:
     text = _conf_json(conf)
-    system.run("store conf", lambda: system.client.set(system.keys.tq_conf, text, nx=True))
+    system.write("store conf", lambda: system.client.set(system.keys.tq_conf, text, nx=True))
 
 
 def _conf_json(conf: dict[str, Any]) -> str:

@@ -1,5 +1,9 @@
-"""One TransferQueue system on Redis: its samples are rows of one dock, its partitions and keys the adapter's
-own keys beside the dock's (``DockKeys.tq_*``, all in the dock's slot).
+"""One TransferQueue system on Redis: its samples are rows of one dock, its partitions and keys the slice's
+own keys beside the dock's (``SystemKeys``, keys.py, all in the dock's slot).
+
+Every call to Redis goes through the dock's session (``DockSession``, broker/api/session.py): ``read`` runs
+one bounded, its errors the broker's, a grown schema adopted; ``write`` does that and then waits for the
+replicas, as the dock's own writes do. There is no other path to Redis.
 
 How TransferQueue's model maps onto the dock:
 
@@ -52,11 +56,11 @@ from redis.client import Pipeline
 
 from broker import ExperienceTimeoutError, TransferDock
 from broker.api.delivery import HandedRows, fenced_handout
-from broker.connection import MIN_VALUE_LIMIT, bounded, call_deadline, redact, script_error, value_limit
+from broker.connection import MIN_VALUE_LIMIT, call_deadline, value_limit
 from broker.control.keys import check_name
 from broker.control.scripts import Handout
 from broker.control.scripts.pipelines import read_pipeline
-from broker.control.scripts.transfer_queue import SampleRows, TransferQueueScripts
+from broker.control.scripts.snapshot import Index, SliceKeys
 from broker.errors import (
     BrokerError,
     BrokerTimeoutError,
@@ -67,7 +71,9 @@ from broker.errors import (
     SampleNotFoundError,
     SchemaError,
 )
+from broker.transfer_queue.keys import SystemKeys
 from broker.transfer_queue.names import dock_name_of
+from broker.transfer_queue.scripts import SampleRows, TransferQueueScripts
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +97,10 @@ class System:
     def __init__(self, url: str, namespace: str, capacity: int, call_timeout: float):
         self.url, self.namespace = url, namespace
         self.dock = _open(url, dock_name(namespace), capacity, call_timeout)
-        self.keys = self.dock.keys
+        #: The dock's session: the one door to Redis of the dock's parts, and of this system (``read``,
+        #: ``write``). The dock keeps it private to its parts; this slice is one of them by design.
+        self.session = self.dock._session
+        self.keys = SystemKeys(self.dock.name)
         self.client = self.dock.client
         self.call_timeout = call_timeout
         self.scripts = TransferQueueScripts(self.client, self.keys, allow_oom=False)
@@ -102,20 +111,16 @@ class System:
 
     # -- running -------------------------------------------------------------------------------------------
 
-    def run(self, what: str, call: Callable[[], Any]) -> Any:
-        """``call`` bounded by the call timeout, with Redis errors as broker errors naming ``what``."""
-        import redis
+    def read(self, call: Callable[[], Any]) -> Any:  # Any: redis-py's replies are typed loosely
+        """``call``, which only reads, through the dock's session: bounded by the call timeout, its Redis
+        errors the broker's."""
+        return self.session.run(call)
 
-        try:
-            with bounded(f"{redact(self.url)} ({what})", self.call_timeout):
-                return call()
-        except redis.ResponseError as exc:
-            known = script_error(exc)
-            if known is not None:
-                raise known from exc
-            if "rows free" in str(exc):  # tq_rows.lua: the dock is full
-                raise InvalidExperienceError(str(exc).removeprefix("ERR ")) from exc
-            raise
+    def write(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call``, which writes, through the dock's session: as ``read``, then the wait for the replicas of
+        the dock's slot (where every key of the system is) if the dock has ``wait_replicas``; ``what`` names
+        the call in a ReplicationError."""
+        return self.session.write(f"TransferQueue: {what}", call)
 
     # -- writes of several steps, and checkpoints (lua/tq_begin.lua, lua/tq_settled.lua) ----------------------
 
@@ -127,13 +132,13 @@ class System:
         checkpoints off no longer than that."""
         write = uuid.uuid4().hex
         with call_deadline(self.call_timeout):
-            self.wait_ready(time.monotonic() + self.call_timeout, lambda: bool(self.run(
+            self.wait_ready(time.monotonic() + self.call_timeout, lambda: bool(self.write(
                 "begin a write", lambda: self.scripts.begin(write, self._writing_ms))), raising=True)
         try:
             yield
         finally:
             try:
-                self.run("end a write", lambda: self.client.zrem(self.keys.tq_writing, write))
+                self.write("end a write", lambda: self.client.zrem(self.keys.tq_writing, write))
             except BrokerError as exc:  # the registration ends at its deadline anyway
                 log.debug("could not unregister write %s: %s", write, exc)
 
@@ -143,7 +148,7 @@ class System:
         inside this). CheckpointError if writes are still under way after twice the call timeout."""
         checkpoint, hold = uuid.uuid4().hex, self._writing_ms + int(self.call_timeout * 1000)
         try:
-            settled = self.wait_ready(time.monotonic() + 2 * self.call_timeout, lambda: not self.run(
+            settled = self.wait_ready(time.monotonic() + 2 * self.call_timeout, lambda: not self.write(
                 "wait for writes", lambda: self.scripts.settled(checkpoint, hold)))
             if not settled:
                 raise CheckpointError(f"TransferQueue system {self.namespace!r}: puts or clears still under way "
@@ -151,7 +156,7 @@ class System:
             yield
         finally:
             try:
-                self.run("end a checkpoint", lambda: self.client.zrem(self.keys.tq_saving, checkpoint))
+                self.write("end a checkpoint", lambda: self.client.zrem(self.keys.tq_saving, checkpoint))
             except BrokerError as exc:  # it expires by itself
                 log.warning("could not unregister checkpoint %s (writes wait until it expires): %s", checkpoint, exc)
 
@@ -207,26 +212,19 @@ class System:
         return self._rows("new rows", partition, count=count)
 
     def _rows(self, what: str, partition: str, *, count: int = 0, keys: Sequence[str] = ()) -> SampleRows:
-        with call_deadline(self.call_timeout):  # every try below, and the refreshes between them
-            while True:
-                schema, fingerprint = self.dock.binding  # together: another thread may adopt a growth
-                try:
-                    got: SampleRows = self.run(what, lambda: self.scripts.rows(
-                        partition, schema, fingerprint, count=count, keys=keys))  # noqa: B023 (run at once)
-                    return got
-                except SchemaError:
-                    # Another process added a field or a task (a normal event here: each new field or task
-                    # name grows the dock): adopt it and try again, as long as it keeps growing. A dock
-                    # recreated with another schema makes refresh raise.
-                    self.dock.refresh()
-                    if self.dock.fingerprint == fingerprint:
-                        raise
+        # The schema and its fingerprint are read together as the script goes out: when another process added
+        # a field or a task (a normal event here: each new field or task name grows the dock), the session
+        # adopts the grown schema and runs the call again, as long as it keeps growing; a dock recreated with
+        # another schema stays a SchemaError.
+        given: SampleRows = self.write(what, lambda: self.scripts.rows(partition, *self.dock.binding, count=count,
+                                                                       keys=keys))
+        return given
 
     def rows_of_keys(self, partition: str, keys: Sequence[str]) -> list[int]:
         """The rows of existing ``keys``; SampleNotFoundError names those the partition lacks."""
         if not keys:
             return []
-        got = self.run("rows of keys", lambda: self.client.hmget(self.keys.tq_keys(partition), list(keys)))
+        got = self.read(lambda: self.client.hmget(self.keys.tq_keys(partition), list(keys)))
         missing = [k for k, r in zip(keys, got) if r is None]
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -236,12 +234,12 @@ class System:
     def keys_of_rows(self, partition: str, rows: Sequence[int]) -> list[str | None]:
         if not rows:
             return []
-        got = self.run("keys of rows", lambda: self.client.hmget(self.keys.tq_rkeys(partition), list(rows)))
+        got = self.read(lambda: self.client.hmget(self.keys.tq_rkeys(partition), list(rows)))
         return [None if k is None else k.decode() for k in got]
 
     def partition_rows(self, partition: str) -> list[int]:
         """Every row of ``partition``, ascending."""
-        raw = self.run("partition rows", lambda: self.client.get(self.keys.tq_rows(partition)))
+        raw = self.read(lambda: self.client.get(self.keys.tq_rows(partition)))
         return [int(r) for r in np.flatnonzero(_bits(raw))]
 
     def release(self, partition: str, rows: Sequence[int] | None) -> list[int]:
@@ -256,7 +254,7 @@ class System:
         todo = self.partition_rows(partition) if rows is None else list(rows)
         if todo:  # an empty list would clear the whole dock
             self.dock.clear(todo)
-        return list(self.run("release", lambda: self.scripts.release(partition, [] if whole else todo,
+        return list(self.write("release", lambda: self.scripts.release(partition, [] if whole else todo,
                                                                       whole=whole)))
 
     def give_back(self, partition: str, given: SampleRows) -> None:
@@ -288,15 +286,21 @@ class System:
                 pipe.getrange(self.keys.generations, 4 * start, 4 * (start + length) - 1)
             return list(pipe.execute())
 
-        epoch, *parts = self.run("generations", read)
+        epoch, *parts = self.read(read)
         padded = [bytes(p or b"").ljust(4 * n, b"\0") for p, n in zip(parts, runs[1::2])]
         return int(epoch or 0), b"".join(padded)
 
     def partitions(self) -> list[str]:
         """The partitions, in the order they were made (as TransferQueue lists them)."""
-        got = self.run("partitions", lambda: self.client.hgetall(self.keys.tq_partitions))
+        got = self.read(lambda: self.client.hgetall(self.keys.tq_partitions))
         # places are small numbers; a partition stamped in ms (before places were kept) comes after them
         return [p.decode() for p, _ in sorted(got.items(), key=lambda item: (int(item[1]), item[0]))]
+
+    def checkpoint_keys(self) -> SliceKeys:
+        """The slice's keys of every partition now, and the index they were listed from (the partitions hash):
+        what a checkpoint of the dock takes beside the dock's own (``DockSnapshot``'s ``extra``)."""
+        partitions = self.partitions()
+        return SliceKeys(self.keys.tq_system(partitions), [Index(self.keys.tq_partitions, tuple(partitions))])
 
     # -- tags and schemas -------------------------------------------------------------------------------------
 
@@ -322,7 +326,7 @@ class System:
                 after = [_pack({**(_unpack(old, "tags") if old else {}), **pairs[r]}, "tags")
                          for r, old in zip(order, before)]
                 self._check_sizes(partition, order, after)
-                if self.run("set tags", lambda: self.scripts.tags(  # noqa: B023 (run at once)
+                if self.write("set tags", lambda: self.scripts.tags(  # noqa: B023 (run at once)
                         partition, order, before, after, fence, compare=merge)):  # noqa: B023
                     return
         raise BrokerError(f"partition {partition!r}: other puts kept changing the tags of rows {order[:8]} "
@@ -340,7 +344,7 @@ class System:
         largest = max(range(len(packed)), key=lambda i: len(packed[i]), default=None)
         if largest is None or len(packed[largest]) <= MIN_VALUE_LIMIT:
             return  # fits on any server: no need to ask this one
-        limit = self.run("server limits", lambda: value_limit(self.client))
+        limit = self.read(lambda: value_limit(self.client))
         if len(packed[largest]) > limit.bytes:
             raise ExperienceTooLargeError(
                 f"partition {partition!r}, {names[largest]!r}: tags of {len(packed[largest]):,} bytes (msgpack) are "
@@ -348,13 +352,13 @@ class System:
                 "values in fields, not tags")
 
     def _raw_tags(self, partition: str, rows: Sequence[int]) -> list[bytes | None]:
-        got = self.run("tags", lambda: self.client.hmget(self.keys.tq_tags(partition), [str(r) for r in rows]))
+        got = self.read(lambda: self.client.hmget(self.keys.tq_tags(partition), [str(r) for r in rows]))
         return list(got)
 
     def tags(self, partition: str, rows: Sequence[int]) -> list[dict[str, Any]]:
         if not rows:
             return []
-        got = self.run("tags", lambda: self.client.hmget(self.keys.tq_tags(partition), [str(r) for r in rows]))
+        got = self.read(lambda: self.client.hmget(self.keys.tq_tags(partition), [str(r) for r in rows]))
         return [{} if raw is None else _unpack(raw, "tags") for raw in got]
 
     def listing(self, partition: str) -> dict[str, dict[str, Any]]:
@@ -371,7 +375,7 @@ class System:
             pipe.hgetall(self.keys.tq_tags(partition))
             return list(pipe.execute())
 
-        rows, order, tags = self.run("kv_list", read)
+        rows, order, tags = self.read(read)
         place = {k: i for i, k in enumerate(order)}
         keys = sorted(rows, key=lambda k: (place.get(k, len(place)), int(rows[k])))
         return {k.decode(): _unpack(tags[rows[k]], "tags") if rows[k] in tags else {} for k in keys}
@@ -380,16 +384,16 @@ class System:
         """Record each field's schema for ``partition`` (what reads rebuild the TensorDict from)."""
         if schema:
             mapping = {f: _pack(_schema_out(s), "field schema") for f, s in schema.items()}
-            self.run("field schema", lambda: self.client.hset(self.keys.tq_fields(partition), mapping=mapping))  # type: ignore[arg-type]
+            self.write("field schema", lambda: self.client.hset(self.keys.tq_fields(partition), mapping=mapping))  # type: ignore[arg-type]
 
     def field_schema(self, partition: str, fields: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         key = self.keys.tq_fields(partition)
         if fields is None:
-            got = self.run("field schema", lambda: self.client.hgetall(key))
+            got = self.read(lambda: self.client.hgetall(key))
             return {f.decode(): _schema_in(_unpack(v, "field schema")) for f, v in sorted(got.items())}
         if not fields:
             return {}
-        values = self.run("field schema", lambda: self.client.hmget(key, list(fields)))
+        values = self.read(lambda: self.client.hmget(key, list(fields)))
         return {f: _schema_in(_unpack(v, "field schema")) for f, v in zip(fields, values) if v is not None}
 
     def snapshot(self, partition: str, *, keys: Sequence[str] = (), tag_rows: Sequence[int] = ()) -> Snapshot:
@@ -409,7 +413,7 @@ class System:
                 if tag_rows:
                     pipe.hmget(self.keys.tq_tags(partition), [str(r) for r in tag_rows])
 
-            raw = self.run("partition state", lambda: read_pipeline(  # noqa: B023 (run at once)
+            raw = self.read(lambda: read_pipeline(  # noqa: B023 (run at once)
                 self.client, self.scripts.load_all, build, transaction=True))
             schema = {f.decode(): _schema_in(_unpack(v, "field schema")) for f, v in sorted(raw[0].items())}
             if attempt == 0 and any(dock_name_of(f) not in columns for f in schema):
@@ -443,7 +447,7 @@ class System:
                 pipe.get(key)
             return list(pipe.execute())
 
-        raw = iter(self.run("status", read))
+        raw = iter(self.read(read))
         members = _bits(next(raw))
         ready = [_bits(next(raw)) if c is not None else np.zeros(0, dtype=bool) for c in known]
         bits = [members, *ready, *(_bits(r) for r in raw)]
@@ -496,13 +500,13 @@ class System:
     def created(self, partition: str) -> str:
         """Which creation of ``partition`` this is (its place in creation order, as tq_rows.lua stamps it: new
         each time the partition is made again after a clear_partition); "0" if it does not exist."""
-        raw = self.run("partition", lambda: self.client.hget(self.keys.tq_partitions, partition))
+        raw = self.read(lambda: self.client.hget(self.keys.tq_partitions, partition))
         return "0" if raw is None else raw.decode()
 
     def recorded(self, label: str) -> list[int] | None:
         """The rows the named take ``label`` handed out (lua/take.lua's record), in its caller's order; None
         if no take under that name happened (or its record expired)."""
-        raw = self.run("named take", lambda: self.client.get(self.keys.named(label)))
+        raw = self.read(lambda: self.client.get(self.keys.named(label)))
         if raw is None:
             return None
         _, _, order = raw.decode().partition("|")
@@ -558,7 +562,7 @@ class System:
             for key in list(self.client.scan_iter(match=pattern, count=1000)):
                 self.client.delete(key)
 
-        self.run("delete", drop)
+        self.write("delete", drop)
         self.dock.delete()
 
 

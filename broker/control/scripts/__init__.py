@@ -20,12 +20,12 @@ module          lua/ files                                              class
 ==============  ======================================================  ===================
 
 Outside ``DockScripts``: ``snapshot`` (snapshot, restore: a dock's checkpoints, ``SnapshotScripts``, used by
-``broker/api/snapshot.py``) and ``transfer_queue`` (tq_rows, tq_release: ``TransferQueueScripts``, the
-TransferQueue adapter's).
+``broker/api/snapshot.py``). A slice's scripts (the TransferQueue slice's, ``broker/transfer_queue/lua/``)
+are its own, wrapped in the slice and registered with ``loader.register_scripts`` when it is imported.
 
 Beside them: ``functions`` (on Redis 7 the scripts run as one function library: FCALL, which confined
 workers are granted instead of EVAL; EVALSHA elsewhere), ``loader`` (which file each script is, where
-``lua/`` is, includes, request ids), ``base`` (the loaded scripts and how a wrapper runs one),
+``lua/`` is, includes, request ids, the slices' scripts), ``base`` (the loaded scripts and how a wrapper runs one),
 ``pipelines`` (running queued scripts when the server lost them) and ``results`` (the values the wrappers
 return, and row runs).
 """

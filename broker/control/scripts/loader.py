@@ -12,6 +12,12 @@ once per call (``new_request_id``) and the same in every resend of it, and keeps
 ``REPLY_TTL_MS`` (lua/include/once.lua): a client retrying after a lost reply gets that reply back instead
 of applying the call twice. The others are idempotent as they are (fence, reclaim, grow, columns_of,
 version, unready, status, claim).
+
+A slice outside the core (``broker/transfer_queue/``) brings its own scripts without the core importing it:
+at its import it calls ``register_scripts`` with its folder of Lua files and their names. They join
+``SCRIPT_FILES`` (so every wrapper can run them), their includes are looked up in the slice's ``include/``
+first and then in the core's, and on Redis 7 they form the slice's own function library (``functions.py``),
+so the core's library is the same in every process whichever slices it imported.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from __future__ import annotations
 import functools
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -49,15 +56,46 @@ SCRIPT_FILES = {
     "unready": "unready.lua",
     "status": "status.lua",
     "mark": "mark.lua",
-    "tq_rows": "tq_rows.lua",
-    "tq_release": "tq_release.lua",
-    "tq_lookup": "tq_lookup.lua",
-    "tq_tags": "tq_tags.lua",
-    "tq_begin": "tq_begin.lua",
-    "tq_settled": "tq_settled.lua",
     "snapshot": "snapshot.lua",
     "restore": "restore.lua",
 }
+
+#: The core's own scripts (``SCRIPT_FILES`` before any slice registered its own).
+CORE_SCRIPTS = tuple(SCRIPT_FILES)
+
+
+@dataclass(frozen=True)
+class SliceScripts:
+    """Scripts a slice registered (``register_scripts``): its library's name, its folder, the scripts' names
+    and those of them that only read (flagged ``no-writes`` in its function library)."""
+
+    library: str
+    folder: Path
+    names: tuple[str, ...]
+    read_only: frozenset[str]
+
+
+#: Script name -> the slice that registered it (none for the core's).
+SLICES: dict[str, SliceScripts] = {}
+
+
+def register_scripts(library: str, folder: Path, files: Mapping[str, str], *, read_only: Sequence[str] = ()) -> None:
+    """Make a slice's scripts (name -> file in ``folder``) known: the hook a slice outside the core calls at
+    its import, so the core runs them without importing it (see the module docstring). ``library`` names the
+    slice's Redis 7 function library (``functions.py``); ``read_only`` lists its scripts that only read. The
+    files are read at once, so a missing one fails the slice's import. Registering the same again is a no-op;
+    a name the core or another slice has raises ValueError."""
+    entry = SliceScripts(library, Path(folder), tuple(files), frozenset(read_only))
+    for name in files:
+        known = SLICES.get(name)
+        if (known is None and name in SCRIPT_FILES) or (known is not None and known != entry):
+            raise ValueError(f"Lua script {name!r} is registered already")
+    for name, file in files.items():
+        SCRIPT_FILES[name] = file
+        SLICES[name] = entry
+    for name in files:
+        script_text(name)
+
 
 #: How long a script keeps its reply for a resend of the same call (lua/include/once.lua). A resend
 #: comes within the client's retries, seconds after the call; a minute leaves room for slow retries.
@@ -95,12 +133,34 @@ def lua_dir() -> Path:
     raise FileNotFoundError(f"broker Lua scripts not found in {packaged} nor in {source}")
 
 
+def script_path(name: str) -> Path:
+    """The Lua file of script ``name``: in ``lua/``, or in the folder of the slice that registered it."""
+    entry = SLICES.get(name)
+    return (lua_dir() if entry is None else entry.folder) / SCRIPT_FILES[name]
+
+
+def include_dirs(name: str) -> list[Path]:
+    """Where the includes of script ``name`` are looked up, first to last: its slice's ``include/``, if it is a
+    slice's, then the core's."""
+    entry = SLICES.get(name)
+    core = lua_dir() / "include"
+    return [core] if entry is None else [entry.folder / "include", core]
+
+
 @functools.cache
 def script_text(name: str) -> str:
-    """Source of script ``name`` with its includes pasted in (see ``expand_includes``)."""
-    folder = lua_dir()
-    return expand_includes((folder / SCRIPT_FILES[name]).read_text(encoding="utf-8"),
-                           lambda include: (folder / "include" / f"{include}.lua").read_text(encoding="utf-8"))
+    """Source of script ``name`` with its includes pasted in (see ``expand_includes``); a slice's script looks
+    for its includes in the slice's ``include/`` first."""
+    folders = include_dirs(name)
+
+    def read(include: str) -> str:
+        for folder in folders:
+            path = folder / f"{include}.lua"
+            if path.is_file():
+                return path.read_text(encoding="utf-8")
+        raise FileNotFoundError(include)
+
+    return expand_includes(script_path(name).read_text(encoding="utf-8"), read)
 
 
 class IncludeError(Exception):
@@ -138,5 +198,5 @@ def expand_includes(text: str, read: Callable[[str], str]) -> str:
     return expand(text, ())
 
 
-for _name in SCRIPT_FILES:  # fail at import if the package was built without its Lua files
+for _name in CORE_SCRIPTS:  # fail at import if the package was built without its Lua files
     script_text(_name)

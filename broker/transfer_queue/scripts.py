@@ -1,4 +1,8 @@
-"""The TransferQueue adapter's scripts (broker/transfer_queue): samples as rows of a dock.
+"""The TransferQueue slice's scripts (``lua/`` beside this module): samples as rows of a dock.
+
+Registered with the core's script loader at import (``register_scripts``): the core runs them as it runs its
+own (EVALSHA, or on Redis 7 FCALL of the slice's function library ``broker_tq_...``) without importing this
+slice.
 
 - lua/tq_rows.lua: rows for new samples of a partition, or for user keys (``rows``);
 - lua/tq_release.lua: the rows of ended samples back to the free list (``release``);
@@ -8,22 +12,30 @@
 - lua/tq_begin.lua and lua/tq_settled.lua: a put or clear of several steps announces itself unless a checkpoint
   is under way (``begin``), and a checkpoint holds new ones off and counts those under way (``settled``).
 
-They touch only the adapter's keys (``DockKeys.tq_*``) and the dock's status bitmaps, all in the dock's
-slot; the dock's own scripts never read the adapter's keys. A checkpoint of the system is the dock's
-(``snapshot.py``), which names the adapter's keys too.
+They touch only the slice's keys (``SystemKeys``, ``keys.py``) and the dock's status bitmaps, all in the
+dock's slot; the dock's own scripts never read the slice's keys. A checkpoint of the system is the dock's
+(``broker/api/snapshot.py``), given the slice's keys too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from redis.client import Pipeline
 
 from broker.control.schema import Schema
 from broker.control.scripts.base import ScriptsBase
+from broker.control.scripts.loader import register_scripts
 from broker.control.scripts.results import Handout, runs_of
+from broker.transfer_queue.keys import SystemKeys
+
+#: The slice's scripts: name -> file in lua/ beside this module.
+FILES = {name: f"{name}.lua" for name in ("tq_rows", "tq_release", "tq_lookup", "tq_tags", "tq_begin", "tq_settled")}
+
+register_scripts("tq", Path(__file__).resolve().parent / "lua", FILES, read_only=("tq_lookup",))
 
 
 @dataclass(frozen=True)
@@ -38,7 +50,9 @@ class SampleRows:
 
 
 class TransferQueueScripts(ScriptsBase):
-    """Wrappers of tq_rows and tq_release, for the dock named by the keys they are made with."""
+    """Wrappers of the slice's scripts, for the system whose dock is named by the keys they are made with."""
+
+    _keys: SystemKeys
 
     def rows(
         self, partition: str, schema: Schema, fingerprint: str, *, count: int = 0, keys: Sequence[str] = (),
