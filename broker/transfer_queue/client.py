@@ -1,6 +1,9 @@
 """``TransferQueueClient``: TransferQueue's low-level client on the broker (``get_meta``, ``put``, ``get_data``,
 statuses, clears), and ``AsyncTransferQueueClient``, the same as coroutines.
 
+Over 400 lines: TransferQueue's ``transfer_queue.client`` holds both clients, and code written for it imports
+them from this one module; the work they share is in system.py, partition_data.py and tensors.py.
+
 Every call goes to Redis from the caller's process; there is no controller. A sampler runs here over the rows
 Redis says are ready and unconsumed, and its choice is taken atomically (``System.claim``).
 """
@@ -28,8 +31,9 @@ from broker.errors import (
 from broker.transfer_queue import tensors
 from broker.transfer_queue.metadata import DELIVERY, BatchMeta
 from broker.transfer_queue.names import dock_name_of
+from broker.transfer_queue.partition_state import Snapshot
 from broker.transfer_queue.sampler import BaseSampler
-from broker.transfer_queue.system import Snapshot, System, delivery_of
+from broker.transfer_queue.system import System, delivery_of
 
 MODES = ("fetch", "force_fetch", "insert")
 

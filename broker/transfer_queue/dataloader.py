@@ -2,6 +2,9 @@
 yields ``(TensorDict, BatchMeta)`` micro-batches of a task's rows as they become ready, and the DataLoader that
 wraps it (``num_workers`` / ``prefetch_factor`` fetch ahead in worker processes).
 
+Over 400 lines: TransferQueue's ``StreamingDataset`` and ``StreamingDataLoader`` share their fetch, lease and
+worker-process logic, which TransferQueue also keeps in one module.
+
 As in TransferQueue: each batch is ``get_meta(data_fields, batch_size, partition_id, task_name, sampling_config=
 {"dp_rank", "task_name", "batch_index", "partition_id"})`` then ``get_data``, kept in ``buffer`` and cut into
 micro-batches by ``process_batch_fn``; the ranks of one DP group (same ``dp_rank``) get the same rows under

@@ -2,6 +2,9 @@
 ``kv_batch_put``, ``kv_batch_get``, ``kv_batch_get_by_meta``, ``kv_list``, ``kv_clear`` and their ``async_``
 twins) and ``get_client``.
 
+Over 400 lines: TransferQueue's module-level API is one module there too (``init``, the twelve KV functions and
+their checks); each function is short, and the work is in client.py and system.py.
+
 ``init`` finds Redis, in this order: the conf's ``broker.url``; ``$REDIS_URL``; the system an earlier
 ``init`` published (a Ray actor named ``TransferQueueController`` in namespace ``transfer_queue`` when Ray is
 running, as TransferQueue's tutorials look it up; else a file in this machine's temporary folder); else it

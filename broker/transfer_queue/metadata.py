@@ -1,4 +1,5 @@
-"""TransferQueue's batch metadata: ``BatchMeta`` (sampled rows, columnar) and ``KVBatchMeta`` (rows by key).
+"""TransferQueue's batch metadata: ``BatchMeta`` (sampled rows, columnar) and ``KVBatchMeta`` (rows by key,
+in ``kv_metadata.py``, exported here too; what both share is ``meta_common.py``).
 
 The constructor arguments, attributes, properties, methods and error classes of
 ``transfer_queue.metadata`` 0.1.11, as plain data: both are dataclasses of lists, dicts and one numpy
@@ -29,111 +30,36 @@ from __future__ import annotations
 import copy
 import logging
 import operator
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from broker.errors import InvalidExperienceError, RowIndexError, UnknownColumnError
-from broker.transfer_queue.errors import MetaIndexTypeError, MissingKeysError
+from broker.transfer_queue.errors import MetaIndexTypeError
 from broker.transfer_queue.field_schema import (
     FieldSchema,
     batch_rows,
     concat_field_schema,
     extract_field_schema,
 )
+from broker.transfer_queue.kv_metadata import KVBatchMeta
+from broker.transfer_queue.meta_common import (
+    DELIVERY,
+    chunk_bounds,
+    merged_extra_info,
+    positions,
+)
 from broker.transfer_queue.sample_views import SampleView, SampleViews
 
-__all__ = ["BatchMeta", "KVBatchMeta", "SampleView", "SampleViews", "extract_field_schema"]
+__all__ = ["DELIVERY", "BatchMeta", "KVBatchMeta", "SampleView", "SampleViews", "extract_field_schema"]
 
 logger = logging.getLogger(__name__)
 
 #: ``production_status`` of a sample whose fields are all written (TransferQueue's READY_FOR_CONSUME).
 READY = 1
-
-
-def _values_equal(a: Any, b: Any) -> bool:
-    """Whether two extra_info values agree: tensors and arrays by content, anything else by ``==``."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return bool(np.array_equal(a, b))
-    try:
-        return bool(a == b)
-    except Exception:  # an == that raises or gives something without a truth value: not equal
-        return False
-
-
-#: Where a leased ``get_meta`` keeps its delivery (the broker's, beyond TransferQueue): one delivery, or after
-#: ``concat`` of batches from several takes, the tuple of theirs (client.py's ``deliveries_of`` reads either).
-DELIVERY = "broker_delivery"
-
-
-def _merged_extra_info(infos: Sequence[dict[str, Any] | None], what: str) -> dict[str, Any]:
-    """The union of batch-level infos; a key whose values differ between chunks cannot be merged, but for the
-    broker's deliveries: each batch's lease stays its own, so the concatenation keeps them all."""
-    keys = [set(info or ()) for info in infos]
-    if any(k != keys[0] for k in keys[1:]):
-        logger.warning(f"{what}.concat: extra_info key sets differ across chunks, performing union of keys.")
-    merged: dict[str, Any] = {}
-    for key in dict.fromkeys(k for info in infos for k in info or ()):  # first seen first
-        values = [info[key] for info in infos if info and key in info]
-        if key == DELIVERY:
-            merged[key] = _deliveries(values)
-            continue
-        for i, v in enumerate(values[1:], start=1):
-            if not _values_equal(values[0], v):
-                raise InvalidExperienceError(
-                    f"{what}.concat: extra_info key '{key}' has conflicting values across chunks and cannot be "
-                    f"merged. chunk[0]={values[0]!r}, chunk[{i}]={v!r}"
-                )
-        merged[key] = values[0]
-    return merged
-
-
-def _deliveries(values: Sequence[Any]) -> Any:
-    """The deliveries of concatenated batches, each once, in order: one stays one (not a tuple of one)."""
-    flat: list[Any] = []
-    for value in values:
-        for delivery in value if isinstance(value, tuple) else (value,):
-            if not any(d is delivery or (type(d) is type(delivery) and d == delivery
-                                         and getattr(d, "token", None) == getattr(delivery, "token", None))
-                       for d in flat):
-                flat.append(delivery)
-    return flat[0] if len(flat) == 1 else tuple(flat)
-
-
-def _chunk_bounds(size: int, chunks: int, what: str) -> list[tuple[int, int]]:
-    """``chunks`` consecutive ranges covering ``range(size)``, the first ``size % chunks`` one longer."""
-    try:
-        chunks = operator.index(chunks)
-    except TypeError:
-        raise MetaIndexTypeError(f"{what}.chunk: chunks must be an int, got {chunks!r}") from None
-    if chunks < 1:
-        raise InvalidExperienceError(f"{what}.chunk: chunks must be at least 1, got {chunks}")
-    if size < chunks:
-        logger.warning(f"Chunk size {chunks} > number of samples in {what} {size}, this will return some "
-                       f"empty {what} chunks.")
-    base, extra = divmod(size, chunks)
-    bounds, start = [], 0
-    for i in range(chunks):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-def _positions(indices: Iterable[Any], what: str) -> list[int]:
-    """Row positions as ints (numpy ints too); anything else is refused by name."""
-    try:
-        return [operator.index(i) for i in indices]
-    except TypeError:
-        raise MetaIndexTypeError(f"{what} takes a list of int positions, got {indices!r}") from None
 
 
 @dataclass(init=False, eq=False)
@@ -309,7 +235,7 @@ class BatchMeta:
 
     def select_samples(self, sample_indices: Sequence[int]) -> BatchMeta:
         """A new batch of the samples at these positions (in this order; repeats allowed)."""
-        rows = _positions(sample_indices, "select_samples")
+        rows = positions(sample_indices, "select_samples")
         if any(i < 0 or i >= self.size for i in rows):
             raise InvalidExperienceError(f"Sample indices must be in range [0, {self.size})")
         schema = copy.deepcopy(self.field_schema)
@@ -375,7 +301,7 @@ class BatchMeta:
 
     def chunk(self, chunks: int) -> list[BatchMeta]:
         """``chunks`` consecutive batches; the first ``size % chunks`` hold one sample more (some may be empty)."""
-        return [self.select_samples(list(range(a, b))) for a, b in _chunk_bounds(self.size, chunks, "BatchMeta")]
+        return [self.select_samples(list(range(a, b))) for a, b in chunk_bounds(self.size, chunks, "BatchMeta")]
 
     def chunk_by_partition(self) -> list[BatchMeta]:
         """One batch per partition id, in the order the ids first appear."""
@@ -450,14 +376,14 @@ class BatchMeta:
             partition_ids=[p for b in batches for p in b.partition_ids],
             field_schema=concat_field_schema(batches),
             production_status=np.concatenate([b.production_status for b in batches]),
-            extra_info=_merged_extra_info([b.extra_info for b in batches], "BatchMeta"),
+            extra_info=merged_extra_info([b.extra_info for b in batches], "BatchMeta"),
             custom_meta=[m for b in batches for m in b.custom_meta],
             _custom_backend_meta=[m for b in batches for m in b._custom_backend_meta],
         )
 
     def reorder(self, indices: Sequence[int]) -> None:
         """Put the samples in this order, in place: ``indices`` is a permutation of ``range(size)``."""
-        order = _positions(indices, "reorder")
+        order = positions(indices, "reorder")
         if len(order) != self.size:
             raise InvalidExperienceError(f"Indices length {len(order)} mismatch batch size {self.size}")
         if len(set(order)) != self.size:
@@ -481,124 +407,3 @@ class BatchMeta:
     def __str__(self) -> str:
         return (f"BatchMeta(size={self.size}, field_names={self.field_names}, is_ready={self.is_ready}, "
                 f"global_indexes={self.global_indexes}, extra_info={self.extra_info})")
-
-
-@dataclass
-class KVBatchMeta:
-    """Metadata of rows addressed by key (TransferQueue's KV interface): keys, one tag dict per key, and
-    optionally the partition, the fields to read and batch-level extra_info.
-
-    Keys must be unique, as must fields; tags and extra_info are deep-copied.
-    """
-
-    keys: list[str] = field(default_factory=list)
-    tags: list[dict[str, Any]] = field(default_factory=list)
-    partition_id: str | None = None
-    fields: list[str] | None = None
-    extra_info: dict[str, Any] | None = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if len(self.keys) != len(self.tags):
-            raise InvalidExperienceError(
-                f"keys and tags must have same length, but got {len(self.keys)} and {len(self.tags)}"
-            )
-        if len(self.keys) != len(set(self.keys)):
-            raise InvalidExperienceError(f"Got duplicated keys: {_repeated(self.keys)}")
-        if self.fields is not None and len(self.fields) != len(set(self.fields)):
-            raise InvalidExperienceError(f"Got duplicated fields: {_repeated(self.fields)}")
-        self.keys = list(self.keys)
-        self.fields = None if self.fields is None else list(self.fields)
-        # deep copies: chunks and concats must not share a tag with the batch they came from
-        self.tags = copy.deepcopy(list(self.tags))
-        self.extra_info = copy.deepcopy(self.extra_info)
-
-    @property
-    def size(self) -> int:
-        """The number of keys."""
-        return len(self.keys)
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __str__(self) -> str:
-        return f"KVBatchMeta(size={self.size}, field_names={self.fields}, extra_info={self.extra_info})"
-
-    def select_keys(self, keys_to_select: Sequence[str]) -> KVBatchMeta:
-        """A new batch of these keys (in this order) with their tags."""
-        if len(set(keys_to_select)) != len(keys_to_select):
-            raise InvalidExperienceError(f"Contain duplicate keys: {_repeated(keys_to_select)}")
-        position = {k: i for i, k in enumerate(self.keys)}
-        missing = [k for k in keys_to_select if k not in position]
-        if missing:
-            raise MissingKeysError(f"Keys {missing} not found in current batch.")
-        return KVBatchMeta(
-            keys=list(keys_to_select),
-            tags=[self.tags[position[k]] for k in keys_to_select],
-            partition_id=self.partition_id,
-            fields=self.fields,
-            extra_info=self.extra_info,
-        )
-
-    def reorder(self, indexes: Sequence[int]) -> None:
-        """Put the keys in this order, in place: ``indexes`` is a permutation of ``range(size)``."""
-        order = _positions(indexes, "reorder")
-        if len(order) != self.size:
-            raise InvalidExperienceError(
-                f"Attempted to reorder with indexes length {len(order)} that does not match the batch size "
-                f"{self.size}."
-            )
-        if len(set(order)) != len(order):
-            raise InvalidExperienceError(f"Contain duplicate indexes: {_repeated(order)}")
-        outside = [i for i in order if not 0 <= i < self.size]
-        if outside:
-            raise RowIndexError(f"reorder indexes {outside} are outside [0, {self.size})")
-        self.keys = [self.keys[i] for i in order]
-        self.tags = [self.tags[i] for i in order]
-
-    def chunk(self, chunks: int) -> list[KVBatchMeta]:
-        """``chunks`` consecutive batches; the first ``size % chunks`` hold one key more (some may be empty)."""
-        return [
-            KVBatchMeta(keys=self.keys[a:b], tags=self.tags[a:b], partition_id=self.partition_id,
-                        fields=self.fields, extra_info=self.extra_info)
-            for a, b in _chunk_bounds(self.size, chunks, "KVBatchMeta")
-        ]
-
-    @classmethod
-    def concat(cls, data: Sequence[KVBatchMeta | None]) -> KVBatchMeta:
-        """The keys of every batch, one after the other (empty batches skipped); all must share the
-        partition and the fields. extra_info is the union of theirs (None if empty), a key whose values
-        differ refused."""
-        batches = [b for b in data if b is not None and b.size > 0]
-        if not batches:
-            logger.warning("No valid KVBatchMeta chunks to concatenate. Returning empty KVBatchMeta.")
-            return cls()
-        first = batches[0]
-        fields = set(first.fields or ())
-        for b in batches:
-            if b.fields is not None and set(b.fields) != fields:
-                raise InvalidExperienceError(
-                    f"Field names do not match for concatenation: {first.fields} and {b.fields}"
-                )
-            if b.partition_id != first.partition_id:
-                raise InvalidExperienceError(
-                    f"Partition do not match for concatenation: {first.partition_id!r} and {b.partition_id!r}"
-                )
-        extra = _merged_extra_info([b.extra_info for b in batches], "KVBatchMeta")
-        return cls(
-            keys=[k for b in batches for k in b.keys],
-            tags=[t for b in batches for t in b.tags],
-            partition_id=first.partition_id,
-            fields=first.fields,
-            extra_info=extra or None,  # as TransferQueue: no info at all is None, not {}
-        )
-
-
-def _repeated(values: Iterable[Any]) -> list[Any]:
-    """The values that occur more than once, each once, in first-seen order."""
-    seen: set[Any] = set()
-    repeated: dict[Any, None] = {}
-    for v in values:
-        if v in seen:
-            repeated[v] = None
-        seen.add(v)
-    return list(repeated)

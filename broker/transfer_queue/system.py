@@ -1,6 +1,10 @@
 """One TransferQueue system on Redis: its samples are rows of one dock, its partitions and keys the slice's
 own keys beside the dock's (``SystemKeys``, keys.py, all in the dock's slot).
 
+Over 400 lines: ``System`` is one class (a system's rows, writes, checkpoints and claims, each method a few
+lines against the session); its tags and schemas (partition_data.py), partition state (partition_state.py)
+and stored values (values.py) are apart.
+
 Every call to Redis goes through the dock's session (``DockSession``, broker/api/session.py): ``read`` runs
 one bounded, its errors the broker's, a grown schema adopted; ``write`` does that and then waits for the
 replicas, as the dock's own writes do. There is no other path to Redis.
@@ -45,53 +49,46 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import msgpack
 import numpy as np
-import torch
-from redis.client import Pipeline
 
 from broker import ExperienceTimeoutError, TransferDock
 from broker.api.delivery import HandedRows, fenced_handout
-from broker.connection import MIN_VALUE_LIMIT, call_deadline, value_limit
+from broker.connection import call_deadline
 from broker.control.keys import check_name
 from broker.control.scripts import Handout
-from broker.control.scripts.pipelines import read_pipeline
 from broker.control.scripts.snapshot import Index, SliceKeys
 from broker.errors import (
     BrokerError,
     BrokerTimeoutError,
     CheckpointError,
     DockNotFoundError,
-    ExperienceTooLargeError,
     InvalidExperienceError,
     SampleNotFoundError,
     SchemaError,
 )
 from broker.transfer_queue.keys import SystemKeys
 from broker.transfer_queue.names import dock_name_of
+from broker.transfer_queue.partition_data import CLAIM_RETRIES, PLACEHOLDER, PartitionData
 from broker.transfer_queue.scripts import SampleRows, TransferQueueScripts
+from broker.transfer_queue.values import bitmap_bits
 
 log = logging.getLogger(__name__)
 
-#: The dock's first column and consumer: a dock needs one of each before any field or task exists.
-PLACEHOLDER = "tq.sample"
 
 #: A sampler's choice among the ready rows: ``(sampled, consumed)``.
 Chooser = Callable[[list[int]], tuple[list[int], list[int]]]
 
-#: How many times ``claim`` reads and chooses again after another caller took one of its rows first.
-CLAIM_RETRIES = 64
 
 
 def dock_name(namespace: str) -> str:
     return f"tq.{check_name('namespace', namespace)}"
 
 
-class System:
+class System(PartitionData):
     """The system's dock and the adapter's keys beside it, on one Redis (or Redis Cluster)."""
 
     def __init__(self, url: str, namespace: str, capacity: int, call_timeout: float):
@@ -240,7 +237,7 @@ class System:
     def partition_rows(self, partition: str) -> list[int]:
         """Every row of ``partition``, ascending."""
         raw = self.read(lambda: self.client.get(self.keys.tq_rows(partition)))
-        return [int(r) for r in np.flatnonzero(_bits(raw))]
+        return [int(r) for r in np.flatnonzero(bitmap_bits(raw))]
 
     def release(self, partition: str, rows: Sequence[int] | None) -> list[int]:
         """End the samples on ``rows`` (None: the whole partition): clear them in the dock, then free them (two
@@ -302,133 +299,6 @@ class System:
         partitions = self.partitions()
         return SliceKeys(self.keys.tq_system(partitions), [Index(self.keys.tq_partitions, tuple(partitions))])
 
-    # -- tags and schemas -------------------------------------------------------------------------------------
-
-    def set_tags(self, partition: str, rows: Sequence[int], tags: Sequence[Mapping[str, Any] | None],
-                 merge: bool = True, delivery: HandedRows | None = None) -> None:
-        """Store each row's tags (msgpack), merged over what it had when ``merge``; fenced by ``delivery`` (the
-        rows as their keys were looked up) when given: FencedError, nothing written, once a clear took any.
-
-        The merge is the client's, so the write compares (lua/tq_tags.lua): a put of the same key that wrote
-        tags between this one's read and its write makes this one read and merge again, and neither loses
-        the other's tags."""
-        pairs: dict[int, dict[str, Any]] = {}
-        for r, t in zip(rows, tags):
-            if t is not None:
-                pairs[int(r)] = {**pairs.get(int(r), {}), **dict(t)}  # a row twice in one call: both merged
-        if not pairs:
-            return
-        fence = None if delivery is None else fenced_handout(delivery, sorted(pairs))
-        order = sorted(pairs)
-        with call_deadline(self.call_timeout):
-            for _ in range(CLAIM_RETRIES):
-                before = self._raw_tags(partition, order) if merge else [None] * len(order)
-                after = [_pack({**(_unpack(old, "tags") if old else {}), **pairs[r]}, "tags")
-                         for r, old in zip(order, before)]
-                self._check_sizes(partition, order, after)
-                if self.write("set tags", lambda: self.scripts.tags(  # noqa: B023 (run at once)
-                        partition, order, before, after, fence, compare=merge)):  # noqa: B023
-                    return
-        raise BrokerError(f"partition {partition!r}: other puts kept changing the tags of rows {order[:8]} "
-                          f"between this put's read and its write, {CLAIM_RETRIES} times in a row")
-
-    def check_tags(self, partition: str, keys: Sequence[str], tags: Sequence[Mapping[str, Any] | None]) -> None:
-        """Refuse tags that are not plain values, or whose msgpack is longer than the server takes in one value
-        (ExperienceTooLargeError naming the key): a put checks them before it writes anything."""
-        packed = [b"" if t is None else _pack(dict(t), "tags") for t in tags]
-        self._check_sizes(partition, keys, packed)
-
-    def _check_sizes(self, partition: str, names: Sequence[Any], packed: Sequence[bytes]) -> None:
-        """ExperienceTooLargeError if a row's packed tags (``names``: its keys or rows) pass the server's limit on
-        one value: the server would close the connection mid-send (and the client send it again)."""
-        largest = max(range(len(packed)), key=lambda i: len(packed[i]), default=None)
-        if largest is None or len(packed[largest]) <= MIN_VALUE_LIMIT:
-            return  # fits on any server: no need to ask this one
-        limit = self.read(lambda: value_limit(self.client))
-        if len(packed[largest]) > limit.bytes:
-            raise ExperienceTooLargeError(
-                f"partition {partition!r}, {names[largest]!r}: tags of {len(packed[largest]):,} bytes (msgpack) are "
-                f"over the server's {limit.setting} ({limit.bytes:,} bytes); nothing was written. Keep large "
-                "values in fields, not tags")
-
-    def _raw_tags(self, partition: str, rows: Sequence[int]) -> list[bytes | None]:
-        got = self.read(lambda: self.client.hmget(self.keys.tq_tags(partition), [str(r) for r in rows]))
-        return list(got)
-
-    def tags(self, partition: str, rows: Sequence[int]) -> list[dict[str, Any]]:
-        if not rows:
-            return []
-        got = self.read(lambda: self.client.hmget(self.keys.tq_tags(partition), [str(r) for r in rows]))
-        return [{} if raw is None else _unpack(raw, "tags") for raw in got]
-
-    def listing(self, partition: str) -> dict[str, dict[str, Any]]:
-        """``{key: tags}`` of every key of ``partition``, in the order the keys were first given rows (as
-        TransferQueue lists them: verl's replay buffers take batches in this order).
-
-        The keys, their places and their tags are read in one transaction, so a key cleared meanwhile is
-        either listed with its tags or not at all. A key without a place (written before places were kept)
-        comes after those with one, by row."""
-        def read() -> list[Any]:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.hgetall(self.keys.tq_keys(partition))
-            pipe.zrange(self.keys.tq_order(partition), 0, -1)
-            pipe.hgetall(self.keys.tq_tags(partition))
-            return list(pipe.execute())
-
-        rows, order, tags = self.read(read)
-        place = {k: i for i, k in enumerate(order)}
-        keys = sorted(rows, key=lambda k: (place.get(k, len(place)), int(rows[k])))
-        return {k.decode(): _unpack(tags[rows[k]], "tags") if rows[k] in tags else {} for k in keys}
-
-    def record_schema(self, partition: str, schema: Mapping[str, Mapping[str, Any]]) -> None:
-        """Record each field's schema for ``partition`` (what reads rebuild the TensorDict from)."""
-        if schema:
-            mapping = {f: _pack(_schema_out(s), "field schema") for f, s in schema.items()}
-            self.write("field schema", lambda: self.client.hset(self.keys.tq_fields(partition), mapping=mapping))  # type: ignore[arg-type]
-
-    def field_schema(self, partition: str, fields: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
-        key = self.keys.tq_fields(partition)
-        if fields is None:
-            got = self.read(lambda: self.client.hgetall(key))
-            return {f.decode(): _schema_in(_unpack(v, "field schema")) for f, v in sorted(got.items())}
-        if not fields:
-            return {}
-        values = self.read(lambda: self.client.hmget(key, list(fields)))
-        return {f: _schema_in(_unpack(v, "field schema")) for f, v in zip(fields, values) if v is not None}
-
-    def snapshot(self, partition: str, *, keys: Sequence[str] = (), tag_rows: Sequence[int] = ()) -> Snapshot:
-        """The partition's field schemas and their ready bits, with the rows of ``keys`` and the tags of
-        ``tag_rows`` if asked, in one transaction (one round trip): what a get checks before it reads, and
-        what a put's KVBatchMeta reports after it wrote. The ready bits of every column of the dock are read,
-        since which are the partition's is in the same reply."""
-        for attempt in range(2):
-            columns = [c for c in self.dock.columns if c != PLACEHOLDER]
-
-            def build(pipe: Pipeline) -> None:
-                pipe.hgetall(self.keys.tq_fields(partition))
-                for column in columns:  # noqa: B023 (run at once)
-                    pipe.get(self.keys.ready(column))
-                if keys:  # the rows with the epoch and generations that fence their read (lua/tq_lookup.lua)
-                    self.scripts.queue_lookup(pipe, partition, keys)
-                if tag_rows:
-                    pipe.hmget(self.keys.tq_tags(partition), [str(r) for r in tag_rows])
-
-            raw = self.read(lambda: read_pipeline(  # noqa: B023 (run at once)
-                self.client, self.scripts.load_all, build, transaction=True))
-            schema = {f.decode(): _schema_in(_unpack(v, "field schema")) for f, v in sorted(raw[0].items())}
-            if attempt == 0 and any(dock_name_of(f) not in columns for f in schema):
-                self.dock.refresh()  # another process added a field since this one looked: read its bits too
-                continue
-            ready = {c: _bits(r) for c, r in zip(columns, raw[1 : 1 + len(columns)])}
-            rest = raw[1 + len(columns):]
-            found: list[int | None] | None = None
-            fence: Handout | None = None
-            if keys:
-                found, fence = self.scripts.looked_up(rest.pop(0))
-            tags = [{} if t is None else _unpack(t, "tags") for t in rest.pop(0)] if tag_rows else []
-            return Snapshot(partition, schema, ready, list(keys), found, tags, fence)
-        raise AssertionError("unreachable")
-
     # -- status ------------------------------------------------------------------------------------------------
 
     def status(self, partition: str, fields: Sequence[str], task: str | None) -> tuple[np.ndarray, ...]:
@@ -448,9 +318,9 @@ class System:
             return list(pipe.execute())
 
         raw = iter(self.read(read))
-        members = _bits(next(raw))
-        ready = [_bits(next(raw)) if c is not None else np.zeros(0, dtype=bool) for c in known]
-        bits = [members, *ready, *(_bits(r) for r in raw)]
+        members = bitmap_bits(next(raw))
+        ready = [bitmap_bits(next(raw)) if c is not None else np.zeros(0, dtype=bool) for c in known]
+        bits = [members, *ready, *(bitmap_bits(r) for r in raw)]
         width = max((len(b) for b in bits), default=0)
         return tuple(np.pad(b, (0, width - len(b))) for b in bits)
 
@@ -566,55 +436,6 @@ class System:
         self.dock.delete()
 
 
-class Snapshot:
-    """A partition's state read in one transaction (``System.snapshot``): its fields' schemas, their ready
-    bits, and the rows of the keys (with the delivery that fences their read) and the tags (of ``tag_rows``;
-    none if not asked) asked for."""
-
-    def __init__(self, partition: str, schema: dict[str, dict[str, Any]], ready: dict[str, np.ndarray],
-                 keys: list[str], found: list[int | None] | None, tags: list[dict[str, Any]],
-                 fence: Handout | None = None):
-        self.partition, self.schema, self.tags = partition, schema, tags
-        self._ready, self._keys, self._found = ready, keys, found
-        #: The rows of the keys asked for as a delivery of that moment: a read naming it fails once a clear
-        #: took any of them (their bytes may be another key's by then). None when no keys were asked for.
-        self.delivery = None if fence is None or found is None else HandedRows(
-            [r for r in found if r is not None], fence.epoch, fence.runs, fence.generations)
-
-    def found_rows(self) -> list[int | None]:
-        """The rows of the keys asked for, in their order, None for a key the partition lacks."""
-        return list(self._found or [])
-
-    def rows_of_keys(self) -> list[int]:
-        """The rows of the keys asked for; SampleNotFoundError names those the partition lacks (as
-        ``System.rows_of_keys``)."""
-        found = self._found or []
-        missing = [k for k, r in zip(self._keys, found) if r is None]
-        if missing:
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise SampleNotFoundError(f"partition {self.partition!r} holds no key {missing[:5]!r}{more}")
-        return [r for r in found if r is not None]
-
-    def produced_each(self, rows: Sequence[int], fields: Sequence[str]) -> list[np.ndarray]:
-        """Per field, per row: whether it is produced (as ``System.produced_each``)."""
-        index = np.asarray(rows, dtype=np.int64)
-        out = []
-        for field in fields:
-            bits = self._ready.get(dock_name_of(field), np.zeros(0, dtype=bool))
-            has = np.zeros(len(index), dtype=bool)
-            inside = index < len(bits)
-            has[inside] = bits[index[inside]]
-            out.append(has)
-        return out
-
-    def common_fields(self, rows: Sequence[int]) -> list[str]:
-        """The partition's fields produced for every one of ``rows`` (as ``System.common_fields``)."""
-        if not rows:
-            return []
-        fields = list(self.schema)
-        return [f for f, ok in zip(fields, self.produced_each(rows, fields)) if ok.all()]
-
-
 def delivery_of(given: SampleRows) -> HandedRows:
     """Rows tq_rows.lua gave, as the delivery that fences a write into them (``put_experience(delivery=)``):
     refused once a clear took any of them (their key ended, and the row may be another sample's)."""
@@ -637,53 +458,3 @@ def _open(url: str, name: str, capacity: int, call_timeout: float) -> TransferDo
         except SchemaError:
             continue  # grown between our attach and our create: attach again
     raise SchemaError(f"dock {name!r} could neither be attached nor made; is it a TransferQueue system's dock?")
-
-
-def _bits(raw: bytes | None) -> np.ndarray:
-    """A Redis bitmap as a bool array (bit 0 is the most significant bit of byte 0, as SETBIT numbers them)."""
-    if not raw:
-        return np.zeros(0, dtype=bool)
-    return np.unpackbits(np.frombuffer(raw, dtype=np.uint8)).astype(bool)
-
-
-def _schema_out(schema: Mapping[str, Any]) -> dict[str, Any]:
-    """A field's schema as plain values: the dtype by name, the shape a list. Shapes of single rows
-    (``per_sample_shapes``) belong to one put, not to the partition's field: they are not kept."""
-    out = {k: v for k, v in schema.items() if k != "per_sample_shapes"}
-    dtype = out.get("dtype")
-    if dtype is not None:
-        out["dtype"] = str(dtype)
-    if out.get("shape") is not None:
-        out["shape"] = [int(d) for d in out["shape"]]
-    return out
-
-
-def _schema_in(stored: Any) -> dict[str, Any]:
-    """The inverse of ``_schema_out``: torch dtypes and sizes again."""
-    if not isinstance(stored, dict):
-        raise SchemaError(f"stored field schema is not a map: {stored!r:.80}")
-    out = dict(stored)
-    dtype = out.get("dtype")
-    if isinstance(dtype, str):
-        found = getattr(torch, dtype.removeprefix("torch."), None)
-        out["dtype"] = found if isinstance(found, torch.dtype) else dtype
-    if isinstance(out.get("shape"), list):
-        out["shape"] = torch.Size(out["shape"])
-    return out
-
-
-def _pack(value: Any, what: str) -> bytes:
-    try:
-        packed: bytes = msgpack.packb(value, use_bin_type=True)
-        return packed
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise InvalidExperienceError(
-            f"{what} must hold plain values (str, int, float, bool, None, bytes, lists and dicts of them): {exc}; "
-            "the broker never pickles what it stores") from exc
-
-
-def _unpack(raw: bytes, what: str) -> Any:
-    try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise SchemaError(f"stored {what} is not msgpack: {exc}") from exc

@@ -1,6 +1,9 @@
 """TensorDicts in and out of the dock's columns, as TransferQueue 0.1.11 (its default SimpleStorage) puts
 and gets them: ``columns_of`` for a put, ``field_schema`` for its metadata, ``assemble`` for a get.
 
+Over 400 lines: TransferQueue's put and get of a TensorDict are one contract (every kind of field, nested or not,
+its markers and its metadata), kept in one place so the two sides cannot drift apart.
+
 What TransferQueue gives back is a function of the rows alone, not of how they were put (found by running
 ``kv_batch_put`` / ``kv_batch_get`` of the wheel, and read in its ``AsyncSimpleStorageManager``: it
 stores one value per row and packs each field's values again at a get, ``_pack_field_values``):
