@@ -115,6 +115,37 @@ def test_the_dock_keeps_its_public_api_and_constructor():
     assert str(inspect.signature(broker.TransferDock.__init__)) == OLD_INIT
 
 
+#: ``get_experience`` as users call it: the dock's, and MindSpeed's two (the dock hands its arguments down as one
+#: ``GetRequest``; the signatures callers see stay these).
+OLD_GET = {
+    "broker.TransferDock": (
+        "(self, consumer: 'str', experience_columns: 'Sequence[str] | None' = None, experience_count: 'int | None' = "
+        "None, indexes: 'Sequence[int] | None' = None, get_n_samples: 'bool' = True, timeout: 'float | None' = None, "
+        "policy: 'str | None' = None, lease: 'float | None' = None, *, dp_size: 'int' = 1, balance: 'bool | "
+        "Sequence[str]' = False, dp_padding: 'bool' = False, max_staleness: 'int | None' = None, stack: 'bool' = "
+        "False) -> 'tuple[StackedBatch, list[int]] | tuple[None, None]'"
+    ),
+    "broker.adapters.mindspeed.GRPOTransferDock": (
+        "(self, consumer: 'str', experience_columns: 'list[str]', experience_count: 'int | None' = None, dp_size: "
+        "'int' = 1, indexes: 'list[int] | None' = None, get_n_samples: 'bool' = True, use_batch_seqlen_balance: "
+        "'bool' = False, allow_partial_ready_data: 'bool' = False) -> 'tuple[Any, list[int]] | tuple[None, None]'"
+    ),
+    "broker.adapters.mindspeed.TransferQueueClient": (
+        "(self, consumer: 'str', experience_columns: 'list[str] | None' = None, experience_count: 'int | None' = "
+        "None, indexes: 'list[int] | None' = None, get_n_samples: 'bool' = True, pad: 'bool' = True, topic: 'str' = "
+        "'default_topic', use_batch_seqlen_balance: 'bool' = False, dp_size: 'int' = 1, require_dp_padding: 'bool' "
+        "= False, allow_partial_ready_data: 'bool' = False) -> 'tuple[Any, list[int]] | tuple[None, None]'"
+    ),
+}
+
+
+@pytest.mark.parametrize("owner", sorted(OLD_GET))
+def test_get_experience_keeps_its_signature(owner):
+    module, _, name = owner.rpartition(".")
+    method = getattr(importlib.import_module(module), name).get_experience
+    assert str(inspect.signature(method)) == OLD_GET[owner]
+
+
 def _options(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, set[str]]:
     out = {prefix or "broker": {o for a in parser._actions for o in a.option_strings}}
     for action in parser._actions:

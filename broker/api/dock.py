@@ -24,6 +24,7 @@ from broker.api.admin import Admin
 from broker.api.checks import is_int
 from broker.api.delivery import HandedRows
 from broker.api.generation import Generation
+from broker.api.get_request import GetRequest
 from broker.api.handout import Handouts
 from broker.api.puts import Puts
 from broker.api.reads import Batch, RowReader, StackedBatch
@@ -374,9 +375,9 @@ class TransferDock:
         (plain values, mixed dtypes or ranks) the list as without it. In the order of ``rows``, balanced
         and DP padding included. The tensors are writable and own their memory.
         """
-        return self._handouts.get(consumer, experience_columns, experience_count, indexes, get_n_samples, timeout,
-                                  policy, lease, dp_size=dp_size, balance=balance, dp_padding=dp_padding,
-                                  max_staleness=max_staleness, stack=stack)
+        return self._handouts.get(GetRequest(
+            consumer, experience_columns, experience_count, indexes, get_n_samples, timeout, policy, lease,
+            dp_size=dp_size, balance=balance, dp_padding=dp_padding, max_staleness=max_staleness, stack=stack))
 
     def take(
         self, consumer: str, indexes: Sequence[int], columns: Sequence[str] | None = None, *,
