@@ -1,7 +1,7 @@
 """What a dock does for generation: partial rollout (ages, finished groups, the stop signal), versions
 and the staleness bound, and discarding groups (see ``rollout.py`` for the settings).
 
-``Generation`` is a part of ``TransferDock``: the dock's facade (``dock.py``) checks nothing twice and
+``Generation`` is a part of ``TransferDock``: the dock's facade (``dock_generation.py``) checks nothing twice and
 delegates its generation calls here; the hand-out (``handout.py``) asks it how partial rollout and the
 staleness bound shape a sampling call, and the put (``puts.py``) for the placeholders of new prompts.
 """
