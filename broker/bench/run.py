@@ -16,8 +16,9 @@ from broker import __version__
 from broker.bench.docks import BenchDock
 from broker.bench.options import CLUSTER_REPEAT, MODES, REPEAT
 from broker.bench.pipeline import RunResult, run_pipeline
-from broker.bench.report import json_line, table, targets
+from broker.bench.report import json_line, table
 from broker.bench.servers import admin, is_cluster, primaries, server_version
+from broker.bench.targets import targets
 from broker.bench.workload import Checksums, Workload
 from broker.ops.clients import redact
 from broker.ops.keys import dock_patterns
