@@ -4,7 +4,8 @@ public methods and signatures, and the ``broker`` command's commands and options
 The expected names were read from the release before broker/ moved into plane folders (commit 260bf63):
 a name may be added, none may go. The five shims that kept that release's module paths were removed on
 purpose (issue 39: no release was made, so no user's code imports them; design.md, "Import paths"): their
-names are checked at the modules they named, ``MOVED``.
+names are checked at the modules they named, ``MOVED``. MindSpeed's padding helpers moved from
+``broker.api.batches`` into its adapter on purpose too, ``MOVED_NAMES``.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ OLD_ALL = {
     },
     "broker.api.batches": {
         "LENGTH_COLUMNS", "ORIGINAL_LENGTH_KEY", "pack_experience_columns", "pad_experience",
-        "padding_dict_to_tensor_dict", "put_prompts_experience", "remove_padding_tensor_dict_to_dict",
-        "trans_input_to_experience", "unpack_pad_experience",
+        "put_prompts_experience", "unpack_pad_experience",
     },
 }
+
+#: Names moved on purpose (issue 39: MindSpeed's padding helpers are its adapter's), and where each is now.
+MOVED_NAMES = {name: "broker.adapters.mindspeed.padding" for name in (
+    "padding_dict_to_tensor_dict", "remove_padding_tensor_dict_to_dict", "trans_input_to_experience")}
 
 OLD_NAMES = {
     "broker.api.metrics": {"Call", "LATENCY_BUCKETS", "disable", "enable", "enabled", "observe", "start_http_server"},
@@ -107,6 +111,13 @@ def test_a_removed_shim_is_gone_and_its_names_are_at_the_module_it_named(old):
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(old)
     assert MOVED[old] in OLD_ALL or MOVED[old] in OLD_NAMES
+
+
+@pytest.mark.parametrize("name", sorted(MOVED_NAMES))
+def test_a_moved_name_is_at_its_new_module_and_gone_from_the_old(name):
+    assert name in importlib.import_module(MOVED_NAMES[name]).__all__
+    assert name in importlib.import_module("broker.adapters.mindspeed").__all__
+    assert not hasattr(importlib.import_module("broker.api.batches"), name)
 
 
 def test_the_dock_keeps_its_public_api_and_constructor():

@@ -24,7 +24,7 @@ ALLOWED = {
     "api": {"data", "control", "connection", "errors"},
     "adapters": {"face", "api", "ops", "control", "connection", "errors"},
     "ops": {"api", "data", "control", "connection", "errors"},
-    "bench": {"face", "adapters", "ops", "api", "data", "control", "connection", "errors"},
+    "bench": {"face", "adapters", "ops", "api", "errors"},
     "face": {"adapters", "ops", "api", "control", "connection", "errors"},
     "cli": {"face", "bench", "adapters", "ops", "api", "data", "control", "connection", "errors"},
 }

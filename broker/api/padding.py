@@ -8,12 +8,10 @@ shared by several of them. Every failure is an InvalidExperienceError naming the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
 from broker.errors import InvalidExperienceError
 
@@ -160,63 +158,12 @@ def pack_2d(column: str, rows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     return torch.cat(list(rows), dim=1), torch.tensor([row.shape[1] for row in rows], dtype=torch.int64)
 
 
-def is_value_column(value: object) -> bool:
-    """A list of plain values (labels, metadata): not padded, not in ``original_length``."""
-    return isinstance(value, (list, tuple)) and bool(value) and not any(isinstance(v, Tensor) for v in value)
 
 
-def pad_nd(column: str, rows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Rows of 2+ dimensions -> ``(rows, longest, *rest)`` padded with 0 along dim 0, and their lengths."""
-    first = rows[0]
-    for i, row in enumerate(rows):
-        if not isinstance(row, Tensor) or row.dim() != first.dim() or row.shape[1:] != first.shape[1:]:
-            shape = tuple(row.shape) if isinstance(row, Tensor) else type(row).__name__
-            raise InvalidExperienceError(
-                f"column {column!r} row {i} is {shape}; rows of 2+ dimensions must agree past their first "
-                f"dimension ({tuple(first.shape)} for row 0)"
-            )
-    one_dtype(column, rows)
-    lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.int64)
-    out = first.new_zeros((len(rows), int(lengths.max()), *first.shape[1:]))
-    for i, row in enumerate(rows):
-        out[i, : row.shape[0]] = row
-    return out, lengths
 
 
-def numpy_view(tensor: Tensor) -> np.ndarray | None:
-    """A numpy view of a CPU tensor; None where numpy cannot view it (GPU, bfloat16, autograd)."""
-    try:
-        return tensor.numpy()
-    except (RuntimeError, TypeError):
-        return None
 
 
-def pad_rows(column: str, value: object) -> tuple[Tensor, Tensor]:
-    """A list of 1-D rows -> ``(rows, longest)`` padded with 0, and the rows' lengths.
-
-    Copied row by row into a numpy array where numpy can view every row (CPU tensors of one dtype):
-    a third faster than ``pad_sequence`` on one thread, and, unlike torch's copies, never split over
-    threads, which on a loaded machine made each batch several times slower. Anything else takes
-    ``pad_sequence``, after ``check_rows`` names what is wrong.
-    """
-    arrays: list[np.ndarray | None] = []
-    if isinstance(value, (list, tuple)) and value and all(isinstance(row, Tensor) for row in value):
-        dtype = value[0].dtype
-        if all(row.shape == (1,) and row.dtype is dtype and row.is_cpu for row in value):
-            # One value per row (prompt_length, a score): one concatenation instead of a copy per row.
-            return torch.cat(value).unsqueeze(1), torch.ones(len(value), dtype=torch.int64)
-        arrays = [numpy_view(row) for row in value]
-    first = arrays[0] if arrays else None
-    if first is None or any(a is None or a.ndim != 1 or a.dtype != first.dtype for a in arrays):
-        rows = check_rows(column, value)
-        lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.int64)
-        return pad_sequence(rows, batch_first=True), lengths
-    views = cast("list[np.ndarray]", arrays)
-    counts = [a.shape[0] for a in views]
-    out = np.zeros((len(views), max(counts)), dtype=views[0].dtype)
-    for row, array, n in zip(out, views, counts):
-        row[:n] = array
-    return torch.from_numpy(out), torch.tensor(counts, dtype=torch.int64)
 
 
 def checked_packed(
