@@ -23,12 +23,12 @@ from broker.api.checks import (
     check_lease,
     check_policy,
     check_timeout,
-    drop_padding,
     is_int,
     lease_token,
 )
 from broker.api.delivery import HandedRows, LeasedRows, reordered
 from broker.api.generation import AGE_COLUMN, AGES_KEY, Generation
+from broker.api.padding import drop_padding
 from broker.api.reads import Batch, RowReader, StackedBatch, Unreadable
 from broker.api.session import RACE_RETRIES, DockSession
 from broker.connection import LAST_TRY_SECONDS, extend_call, waiting_call

@@ -43,7 +43,9 @@ from broker.control.rollout import Rollout
 from broker.control.schema import Schema, fingerprint
 from broker.control.scripts import DockScripts, Forgot, read_pipeline
 from broker.control.scripts.functions import library_lost, load_library
-from broker.data.store import DataStore, ShardedStore, SlotStore, choose_shards
+from broker.data.sharded_store import ShardedStore, choose_shards
+from broker.data.slot_store import SlotStore
+from broker.data.store import DataStore
 from broker.errors import BrokerError, DecodeError, DockNotFoundError, InvalidExperienceError, SchemaError
 
 T = TypeVar("T")

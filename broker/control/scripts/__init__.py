@@ -1,7 +1,7 @@
 """The control plane's scripts: the Lua files of ``lua/``, one per atomic operation, and one typed wrapper per
 script. Everything they touch lives in the dock's own slot ``{NAME}`` (status bitmaps, leases, replies); the
-row bytes are the data plane's (``broker.data.store``), which a script reaches only when the dock keeps them
-in its own slot too.
+row bytes are the data plane's (``broker.data.slot_store``, ``broker.data.sharded_store``), which a script
+reaches only when the dock keeps them in its own slot too.
 
 Each wrapper is the single place that knows its script's contract: it builds the KEYS and ARGV in the order
 the script's header gives, and turns the reply into Python values. The dock calls only these, through one
