@@ -41,6 +41,7 @@ from broker.control.scripts import (
     Forgot,
     Handout,
     read_pipeline,
+    resent_once,
     rows_of,
     run_pipeline,
     runs_of,
@@ -48,7 +49,7 @@ from broker.control.scripts import (
 )
 from broker.data import fit, groups, stacking
 from broker.data.requests import PutRequest, step_id
-from broker.data.slices import slices
+from broker.data.slices import UNKNOWN, UNSENT, Outcome, said_landed, slices
 from broker.data.store import few, unhold
 from broker.errors import BrokerError, FencedError
 
@@ -133,7 +134,7 @@ class SlotStore:
         """The slices of a put but those ``landed`` before: the first alone, the others back to back; raises
         naming the rows that landed where one did not, or where the put was cut short."""
         todo = [i for i in range(len(parts)) if i not in landed]
-        outcomes: list[BaseException | None | _Unknown] = [None if i in landed else _UNSENT for i in range(len(parts))]
+        outcomes: list[Outcome] = [None if i in landed else UNSENT for i in range(len(parts))]
         try:
             if not todo:
                 return
@@ -143,7 +144,7 @@ class SlotStore:
             # the next travels.
             first, rest = todo[0], todo[1:]
             ahead = [r for i in rest for r in rows_of(parts[i].runs)]
-            outcomes[first] = _UNKNOWN
+            outcomes[first] = UNKNOWN
             try:
                 outcomes[first] = self._put_one(parts[first], request_ids[first],
                                                 ahead=(sum(parts[i].nbytes for i in rest), runs_of(ahead)))
@@ -152,14 +153,14 @@ class SlotStore:
             if outcomes[first] is None and rest:  # refused, the others would be too (fenced, the dock gone, ...)
                 self._put_slices(parts, request_ids, rest, outcomes)
         except redis.RedisError as exc:  # cut short (the call's time bound, the connection): say what is known
-            if any(o is None or o is _UNKNOWN for o in outcomes):
-                exc.outcome = _landed(parts, outcomes, cut=True)  # type: ignore[attr-defined]  # see translate.py
+            if any(o is None or o is UNKNOWN for o in outcomes):
+                exc.outcome = said_landed(parts, outcomes, cut=True)  # type: ignore[attr-defined]  # see translate.py
             raise
         failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
         if not failed:
             return
         i, error = failed[0]
-        said = _landed(parts, outcomes, cut=False)
+        said = said_landed(parts, outcomes, cut=False)
         if isinstance(error, redis.ResponseError) and script_error(error) is not None:  # refused: it says why
             if not any(o is None for o in outcomes):
                 raise type(error)(f"{error}; no slice of this put landed") from error
@@ -171,18 +172,18 @@ class SlotStore:
 
     def _put_slices(
         self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: Sequence[int],
-        outcomes: list[BaseException | None | _Unknown],
+        outcomes: list[Outcome],
     ) -> None:
         """Slices ``todo`` of ``parts``, each as its own MULTI, over ``PUT_LANES`` connections at once; sets the
         outcome of each (its error if it did not land, else None) in ``outcomes`` as its reply comes. Slices
         hold disjoint rows, so their order between lanes does not matter."""
         if isinstance(self._client, RedisCluster):  # no pipeline of several transactions there: one by one
             for i in todo:
-                outcomes[i] = _UNKNOWN
+                outcomes[i] = UNKNOWN
                 outcomes[i] = self._put_one(parts[i], request_ids[i])
             return
         for i in todo:
-            outcomes[i] = _UNKNOWN  # sent, by the time a lane could fail
+            outcomes[i] = UNKNOWN  # sent, by the time a lane could fail
         lanes = [list(todo[first::PUT_LANES]) for first in range(min(PUT_LANES, len(todo)))]
         failures: list[BaseException] = []
 
@@ -207,19 +208,22 @@ class SlotStore:
 
     def _lane(
         self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: list[int],
-        outcomes: list[BaseException | None | _Unknown],
+        outcomes: list[Outcome],
     ) -> None:
-        """The slices ``todo`` back to back on one connection: one pipeline of MULTI ... EXEC per slice."""
-        for attempt in range(2):
+        """The slices ``todo`` back to back on one connection: one pipeline of MULTI ... EXEC per slice. A slice
+        whose put.lua the server could not run (it lost the scripts since the first slice: the bar kept its
+        bytes out) is sent again once the scripts are loaded, alone with the others that were not run."""
+        todo = list(todo)
+
+        def send() -> list[int]:
+            """Send the slices ``todo``, set their outcomes; those whose script did not run, to send again."""
             sizes: dict[int, int] = {}
-
-            def build(pipe: Pipeline, todo: list[int] = todo, sizes: dict[int, int] = sizes) -> None:
-                for i in todo:
-                    pipe.execute_command("MULTI")
-                    sizes[i] = self._queue(pipe, parts[i], request_ids[i])
-                    pipe.execute_command("EXEC")
-
-            replies = run_pipeline(self._client, self._scripts.load_all, build, transaction=False)
+            pipe = self._client.pipeline(transaction=False)
+            for i in todo:
+                pipe.execute_command("MULTI")
+                sizes[i] = self._queue(pipe, parts[i], request_ids[i])
+                pipe.execute_command("EXEC")
+            replies = pipe.execute(raise_on_error=False)
             lost: list[int] = []
             for i in todo:  # per slice: MULTI's OK, a QUEUED per command, EXEC's array
                 size = sizes[i]
@@ -231,14 +235,14 @@ class SlotStore:
                     cause = next((r for r in queued[1:-1] if isinstance(r, Exception)), executed)
                     outcomes[i] = cause if isinstance(cause, Exception) else BrokerError(
                         f"dock {self._keys.name!r}: a put's transaction was not run (EXEC answered {executed!r})")
-                elif attempt == 0 and scripts_lost(self._scripts.verdict(executed, len(parts[i].encoded))):
-                    lost.append(i)  # the server lost the scripts since the first slice: the bar kept the bytes out
-                else:
-                    outcomes[i] = self._scripts.outcome(executed, len(parts[i].encoded))
-            if not lost:
-                return
-            self._scripts.load_all(self._client)
-            todo = lost
+                    continue
+                outcomes[i] = self._scripts.outcome(executed, len(parts[i].encoded))
+                if scripts_lost(self._scripts.verdict(executed, len(parts[i].encoded))):
+                    lost.append(i)
+            todo[:] = lost
+            return lost
+
+        resent_once(send, lambda: self._scripts.load_all(self._client), lost=bool)
 
     def _put_one(
         self, put: PutRequest, request_id: str, ahead: tuple[int, Sequence[int]] = (0, ()),
@@ -362,9 +366,7 @@ class SlotStore:
             if handout is not None:
                 units.append([self._scripts.fence_command(handout.runs)])  # after the HMGETs: it vouches for them
 
-            def read(
-                reader: RespReader, tails: set[str] = tails,
-            ) -> tuple[list[torch.Tensor | Sequence[bytes | bytearray | None]], Any]:
+            def read(reader: RespReader, tails: set[str] = tails) -> _Received:
                 values: list[torch.Tensor | Sequence[bytes | bytearray | None]] = []
                 for col in columns:
                     reader.advance()
@@ -375,11 +377,14 @@ class SlotStore:
                 reader.advance()
                 return values, reader.reply() if handout is not None else None
 
-            values, fence = exchange(self._client, units, read)
+            def send(units: list[list[tuple[Any, ...]]] = units, read: Callable[..., _Received] = read) -> _Received:
+                assert isinstance(self._client, redis.Redis)  # _receives
+                return exchange(self._client, units, read)
+
+            # Where the server lost the fence script (it did not run), it is loaded and the reads sent again.
+            values, fence = resent_once(send, lambda: self._scripts.load_all(self._client),
+                                        lost=lambda got: scripts_lost(got[1]))
             if handout is not None:
-                if isinstance(fence, redis.exceptions.NoScriptError):  # the server lost the scripts: the usual path
-                    self._scripts.load_all(self._client)
-                    return self._read_either(columns, rows, handout)
                 if isinstance(fence, Exception):
                     raise fence
                 if not self._scripts.fence_holds(fence, handout):
@@ -400,21 +405,5 @@ class SlotStore:
         return [kind(c) for kind in (self._keys.data, self._keys.tail) for c in self._columns]
 
 
-
-class _Unknown:
-    """The outcome of a slice not sent yet (``_UNSENT``), or sent and whose reply has not come (``_UNKNOWN``)."""
-
-
-_UNSENT, _UNKNOWN = _Unknown(), _Unknown()
-
-
-def _landed(parts: Sequence[PutRequest], outcomes: Sequence[BaseException | None | _Unknown], *, cut: bool) -> str:
-    """What of a put in slices ``parts`` landed, by their ``outcomes``: the rows that did, whole, and (``cut``: the
-    put was cut short) those whose slices' replies did not come."""
-    landed = sorted(r for part, o in zip(parts, outcomes) if o is None for r in rows_of(part.runs))
-    unknown = sorted(r for part, o in zip(parts, outcomes) if o is _UNKNOWN for r in rows_of(part.runs))
-    said = f"rows {few(landed)} of this put landed, whole, in its slices" if landed else "no slice of this put landed"
-    if cut and unknown:
-        said += f"; whether rows {few(unknown)} did is not known (their slices' replies did not come)"
-    return said
-
+#: What a read received straight into tensors gives: per column a tensor or the bytes, and the fence's reply.
+_Received = tuple[list[torch.Tensor | Sequence[bytes | bytearray | None]], Any]
