@@ -15,8 +15,8 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-from broker.api.checks import PAD_INDEX
 from broker.api.delivery import like
+from broker.api.dp_padding import PAD_INDEX
 from broker.errors import InvalidExperienceError
 
 

@@ -88,7 +88,7 @@ class TransferDock(RowVerbs, LeaseVerbs, GenerationVerbs, AdminVerbs):
         (the prompt's tokens, an image): puts give a value per row as for any column, and the rows of a
         group must hold equal values; reads give each row its own tensor (see data/groups.py).
 
-        ``shards`` spreads the rows' bytes over that many data shards (see ``data/store.py``); None: on a Redis
+        ``shards`` spreads the rows' bytes over that many data shards (see ``data/sharded_store.py``); None: on a Redis
         Cluster one per primary, each on its own, and on one server none (the bytes stay in the dock's
         slot, as does a dock with partial rollout or a staleness bound). Only a dock being made uses it:
         an existing dock keeps the shards it was made with.

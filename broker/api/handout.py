@@ -23,16 +23,16 @@ from broker.api.checks import (
     check_lease,
     check_policy,
     check_timeout,
-    drop_padding,
     is_int,
     lease_token,
 )
 from broker.api.delivery import HandedRows, LeasedRows, reordered
+from broker.api.dp_padding import drop_padding
 from broker.api.generation import AGE_COLUMN, AGES_KEY, Generation
 from broker.api.get_request import GetRequest
 from broker.api.reads import Batch, RowReader, StackedBatch, Unreadable
 from broker.api.session import RACE_RETRIES, DockSession
-from broker.connection import LAST_TRY_SECONDS, extend_call, waiting_call
+from broker.connection import LAST_TRY_SECONDS, call_deadline, extend_call, waiting_call
 from broker.control.scripts import AlreadyTaken, Handout, Selection, new_request_id, rows_of, runs_of
 from broker.errors import DecodeError, ExperienceTimeoutError, InvalidExperienceError
 
@@ -168,7 +168,8 @@ class Handouts:
             missing.clear()
             for _ in range(_FENCE_RETRIES):
                 token = "r" + new_request_id() if lease_ms else ""
-                got = self._s.scripts.take(consumer, columns, runs, lease_ms=lease_ms, token=token)
+                got = self._s.run(functools.partial(self._s.scripts.take, consumer, columns, runs, lease_ms=lease_ms,
+                                                    token=token))
                 if isinstance(got, dict):
                     for col, cells in got.items():  # the script goes by runs; report in the caller's order
                         unwritten = set(cells)
@@ -222,11 +223,11 @@ class Handouts:
                 request_id = new_request_id()
                 token = ("g" if groups else "r") + request_id if lease_ms else ""
                 seed = self._s.seeds.peek() if policy != "fifo" else 0  # "seqlen" may fall back to random
-                sampled = self._s.scripts.sample(
-                    consumer, status_columns, groups=groups, count=count, policy=policy, seed=seed,
-                    lease_ms=lease_ms, request_id=request_id, token=token,
-                    weigh_by=weigh_by, select=select,
-                )
+                sampled = self._s.run(functools.partial(
+                    self._s.scripts.sample, consumer, status_columns, groups=groups, count=count, policy=policy,
+                    seed=seed, lease_ms=lease_ms, request_id=request_id, token=token, weigh_by=weigh_by,
+                    select=select,
+                ))
                 if sampled.stale:
                     self._generation.discard_stale(list(sampled.stale), select.max_staleness)
                 handout = sampled.handout
@@ -267,7 +268,10 @@ class Handouts:
         the last one made at ``timeout`` too, has at least LAST_TRY_SECONDS to answer."""
         def attempt_in_time() -> T | None:
             extend_call(LAST_TRY_SECONDS)
-            return self._s.run(attempt)
+            # Each Redis call of the attempt goes through the session (``run``, ``write``, ``forget``) on its
+            # own; the attempt as a whole is bounded by call_timeout, as one call.
+            with call_deadline(self._s.call_timeout):
+                return attempt()
 
         return self._s.listener.wait(attempt_in_time, timeout, _RECHECK_SECONDS)
 

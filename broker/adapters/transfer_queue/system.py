@@ -56,7 +56,7 @@ from broker.api.delivery import HandedRows, fenced_handout
 from broker.connection import MIN_VALUE_LIMIT, bounded, call_deadline, redact, script_error, value_limit
 from broker.control.keys import check_name
 from broker.control.scripts import Handout
-from broker.control.scripts.pipelines import read_pipeline
+from broker.control.scripts.runner import read_pipeline
 from broker.control.scripts.transfer_queue import SampleRows, TransferQueueScripts
 from broker.errors import (
     BrokerError,
