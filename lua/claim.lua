@@ -6,7 +6,7 @@ put ends, whatever its outcome.
 A sharded put writes its bytes to the data shards (other nodes) before mark.lua marks them ready, so
 the fence (include/delivery.lua) is checked twice: here, before any byte is sent, and again by
 mark.lua. Between the two, a clear moves the rows' generations, and the bytes go under fields no
-reader asks for (see broker/data/store.py); but a lease that ran out and went to another worker would not:
+reader asks for (see broker/data/sharded_store.py); but a lease that ran out and went to another worker would not:
 both workers write the same fields. So this also holds the lease: its deadline moves to at least now
 plus the put's own time bound, and the rows cannot be given back to anyone else while the put may
 still be writing. (Only an explicit take of the rows, or reset_consumer, takes a lease over regardless;
@@ -29,7 +29,7 @@ ARGV[7..6+S] how many rows of the runs each step writes, in run order
 ARGV[7+S..] the rows, as runs: start, length, ... (ascending, disjoint)
 
 A put resumed (the same call run again after another process grew the dock, or the same put sent again
-after it was cut short: its steps keep their request ids, see broker/data/store.py) finds the steps that
+after it was cut short: its steps keep their request ids, see broker/data/slot_store.py) finds the steps that
 landed by their kept replies: their rows are left out of the check and the hold (a step that acked its rows
 ended their lease, so the check would refuse them), and the client skips those steps.
 

@@ -1,7 +1,7 @@
 --[[ mark: the second step of a put on a sharded dock: mark rows ready whose bytes were just written,
 and record what a rollout put says of them (include/finish.lua).
 
-On a sharded dock (Redis Cluster, see broker/data/store.py) the rows' bytes live on other slots than this
+On a sharded dock (Redis Cluster, see broker/data/sharded_store.py) the rows' bytes live on other slots than this
 script's keys, so a put cannot be one MULTI: the client reads the rows' epoch and generations (the
 read fence, include/generations.lua; claim.lua for a put naming a delivery), writes the bytes into the
 data hashes of that epoch under fields "ROW:GENERATION", and then runs this script. A clear landing

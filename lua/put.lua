@@ -1,7 +1,7 @@
 --[[ put: a put on one slot: check that it may land, mark its rows written in some columns, record what
 a rollout put says of them, and wake waiting readers.
 
-A put on one slot is one MULTI/EXEC of plain commands around this script (broker/data/store.py, ``_queue``):
+A put on one slot is one MULTI/EXEC of plain commands around this script (broker/data/slot_store.py, ``_queue``):
 1. the bar: each hash the put's HSETs write (data and tail per column) is set aside (RENAME, O(1) whatever
    its size; an error where it does not exist) and a string left in its place, on which HSET fails with
    WRONGTYPE, writing nothing;
@@ -152,7 +152,7 @@ end
 -- The quota (include/quota.lua): what the put adds, less what the fields it rewrites hold now. The first
 -- slice of a put in slices counts the rest of the put too (its rows, ahead_runs; its bytes, ahead_bytes)
 -- and adds only its own: a later slice checks its own bytes again, and is refused only if other puts
--- filled the dock meanwhile (its error then names the rows that landed, broker/data/store.py).
+-- filled the dock meanwhile (its error then names the rows that landed, broker/data/slot_store.py).
 local quota = quota_of(KEYS[1])
 if quota then
   local n = tonumber(ARGV[2])

@@ -11,7 +11,7 @@ import torch
 
 from broker import InvalidExperienceError, RowIndexError
 from broker.api.balance import balanced_order, imbalance, karmarkar_karp
-from broker.api.checks import PAD_INDEX
+from broker.api.dp_padding import PAD_INDEX
 
 
 def skewed_lengths(count: int, seed: int = 0) -> list[int]:

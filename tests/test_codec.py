@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from broker import DecodeError, InvalidExperienceError
-from broker.data.codec import DTYPES, decode, decode_rows, encode, encode_rows, encode_stacked
+from broker.data.codec import decode, decode_rows, encode, encode_rows, encode_stacked
+from broker.data.row_header import DTYPES
 from tests.helpers import bits, random_tensor
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (2, 3, 4)]

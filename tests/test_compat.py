@@ -5,7 +5,8 @@ The expected names were read from the release before broker/ moved into plane fo
 a name may be added, none may go. The five shims that kept that release's module paths, and the adapter
 package the TransferQueue slice left (``broker.adapters.transfer_queue``), were removed on purpose (issue 39:
 no release was made, so no user's code imports them; design.md, "Import paths"): their names are checked at
-the modules they named, ``MOVED``.
+the modules they named, ``MOVED``. MindSpeed's padding helpers moved from ``broker.api.batches`` into its
+adapter on purpose too, ``MOVED_NAMES``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ OLD_ALL = {
     },
     "broker.api.batches": {
         "LENGTH_COLUMNS", "ORIGINAL_LENGTH_KEY", "pack_experience_columns", "pad_experience",
-        "padding_dict_to_tensor_dict", "put_prompts_experience", "remove_padding_tensor_dict_to_dict",
-        "trans_input_to_experience", "unpack_pad_experience",
+        "put_prompts_experience", "unpack_pad_experience",
     },
     "broker.transfer_queue": {
         "AsyncTransferQueueClient", "BaseSampler", "BatchMeta", "GRPOGroupNSampler", "KVBatchMeta", "RankAwareSampler",
@@ -45,6 +45,10 @@ OLD_ALL = {
         "kv_put", "load_checkpoint", "save_checkpoint",
     },
 }
+
+#: Names moved on purpose (issue 39: MindSpeed's padding helpers are its adapter's), and where each is now.
+MOVED_NAMES = {name: "broker.adapters.mindspeed.padding" for name in (
+    "padding_dict_to_tensor_dict", "remove_padding_tensor_dict_to_dict", "trans_input_to_experience")}
 
 OLD_NAMES = {
     "broker.api.metrics": {"Call", "LATENCY_BUCKETS", "disable", "enable", "enabled", "observe", "start_http_server"},
@@ -119,10 +123,48 @@ def test_a_removed_shim_is_gone_and_its_names_are_at_the_module_it_named(old):
     assert MOVED[old] in OLD_ALL or MOVED[old] in OLD_NAMES
 
 
+@pytest.mark.parametrize("name", sorted(MOVED_NAMES))
+def test_a_moved_name_is_at_its_new_module_and_gone_from_the_old(name):
+    assert name in importlib.import_module(MOVED_NAMES[name]).__all__
+    assert name in importlib.import_module("broker.adapters.mindspeed").__all__
+    assert not hasattr(importlib.import_module("broker.api.batches"), name)
+
+
 def test_the_dock_keeps_its_public_api_and_constructor():
     public = {n for n in dir(broker.TransferDock) if not n.startswith("_")}
     assert OLD_DOCK_API <= public, OLD_DOCK_API - public
     assert str(inspect.signature(broker.TransferDock.__init__)) == OLD_INIT
+
+
+#: ``get_experience`` as users call it: the dock's, and MindSpeed's two (the dock hands its arguments down as one
+#: ``GetRequest``; the signatures callers see stay these).
+OLD_GET = {
+    "broker.TransferDock": (
+        "(self, consumer: 'str', experience_columns: 'Sequence[str] | None' = None, experience_count: 'int | None' = "
+        "None, indexes: 'Sequence[int] | None' = None, get_n_samples: 'bool' = True, timeout: 'float | None' = None, "
+        "policy: 'str | None' = None, lease: 'float | None' = None, *, dp_size: 'int' = 1, balance: 'bool | "
+        "Sequence[str]' = False, dp_padding: 'bool' = False, max_staleness: 'int | None' = None, stack: 'bool' = "
+        "False) -> 'tuple[StackedBatch, list[int]] | tuple[None, None]'"
+    ),
+    "broker.adapters.mindspeed.GRPOTransferDock": (
+        "(self, consumer: 'str', experience_columns: 'list[str]', experience_count: 'int | None' = None, dp_size: "
+        "'int' = 1, indexes: 'list[int] | None' = None, get_n_samples: 'bool' = True, use_batch_seqlen_balance: "
+        "'bool' = False, allow_partial_ready_data: 'bool' = False) -> 'tuple[Any, list[int]] | tuple[None, None]'"
+    ),
+    "broker.adapters.mindspeed.TransferQueueClient": (
+        "(self, consumer: 'str', experience_columns: 'list[str] | None' = None, experience_count: 'int | None' = "
+        "None, indexes: 'list[int] | None' = None, get_n_samples: 'bool' = True, pad: 'bool' = True, topic: 'str' = "
+        "'default_topic', use_batch_seqlen_balance: 'bool' = False, dp_size: 'int' = 1, require_dp_padding: 'bool' "
+        "= False, allow_partial_ready_data: 'bool' = False) -> 'tuple[Any, list[int]] | tuple[None, None]'"
+    ),
+}
+
+
+@pytest.mark.parametrize("owner", sorted(OLD_GET))
+def test_get_experience_keeps_its_signature(owner):
+    module, _, name = owner.rpartition(".")
+    method = getattr(importlib.import_module(module), name).get_experience
+    assert str(inspect.signature(method)) == OLD_GET[owner]
 
 
 def _options(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, set[str]]:

@@ -28,7 +28,7 @@ from broker import (
     UnknownConsumerError,
 )
 from broker.control.keys import DockKeys
-from broker.data.codec import DTYPES
+from broker.data.row_header import DTYPES
 from tests.helpers import (
     bits,
     data_cell,

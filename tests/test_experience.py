@@ -1,4 +1,5 @@
-"""Tests for broker.api.batches: the seed document's examples, round trips, and bad input.
+"""Tests for broker.api.batches and MindSpeed's padded batches (broker.adapters.mindspeed.padding): the seed
+document's examples, round trips, and bad input.
 
 No Redis needed. Every comparison is exact (values, dtype and shape), so a wrong pad value, width
 or dtype fails.
@@ -13,15 +14,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import broker.adapters.mindspeed.padding as padding_module
 import broker.api.batches as experience_module
+from broker.adapters.mindspeed.padding import (
+    padding_dict_to_tensor_dict,
+    remove_padding_tensor_dict_to_dict,
+    trans_input_to_experience,
+)
 from broker.api.batches import (
     ORIGINAL_LENGTH_KEY,
     pack_experience_columns,
     pad_experience,
-    padding_dict_to_tensor_dict,
     put_prompts_experience,
-    remove_padding_tensor_dict_to_dict,
-    trans_input_to_experience,
     unpack_pad_experience,
 )
 from broker.errors import InvalidExperienceError
@@ -215,9 +219,9 @@ def test_seed_padding_dict_to_tensor_dict():
 
 
 def test_docstring_examples():
-    result = doctest.testmod(experience_module)
-    assert result.attempted >= 7
-    assert result.failed == 0
+    results = [doctest.testmod(module) for module in (experience_module, padding_module)]
+    assert sum(r.attempted for r in results) >= 7
+    assert not any(r.failed for r in results)
 
 
 def test_pad_experience_float_columns_pad_with_zero_and_round_to_multiple():

@@ -28,7 +28,7 @@ ALLOWED = {
     # an adapter may, and nothing of the core imports it (its scripts and keys join the core's by hooks).
     "transfer_queue": {"face", "api", "ops", "control", "connection", "errors"},
     "ops": {"api", "data", "control", "connection", "errors"},
-    "bench": {"face", "adapters", "transfer_queue", "ops", "api", "data", "control", "connection", "errors"},
+    "bench": {"face", "adapters", "transfer_queue", "ops", "api", "errors"},
     "face": {"adapters", "ops", "api", "control", "connection", "errors"},
     "cli": {"face", "bench", "adapters", "transfer_queue", "ops", "api", "data", "control", "connection", "errors"},
 }

@@ -24,7 +24,8 @@ from broker.adapters.mindspeed import (
     TransferQueueClient,
     get_transfer_queue_client,
 )
-from broker.api.batches import padding_dict_to_tensor_dict, put_prompts_experience, remove_padding_tensor_dict_to_dict
+from broker.adapters.mindspeed.padding import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
+from broker.api.batches import put_prompts_experience
 from tests.helpers import server_keys, worker_processes
 
 _names = itertools.count()

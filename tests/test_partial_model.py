@@ -42,7 +42,7 @@ from hypothesis.stateful import (
 
 from broker import Rollout, TransferDock
 from broker.adapters.mindspeed import GRPOTransferDock
-from broker.api.batches import remove_padding_tensor_dict_to_dict
+from broker.adapters.mindspeed.padding import remove_padding_tensor_dict_to_dict
 
 ROLLOUT, REWARD, TRAIN = "actor_rollout", "reward", "actor_train"
 COLUMNS = ("prompts", "prompt_length", "responses", "response_length")

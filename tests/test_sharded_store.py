@@ -1,4 +1,4 @@
-"""The sharded data plane (broker/data/store.py): a put is two steps, write bytes then mark, and every
+"""The sharded data plane (broker/data/sharded_store.py): a put is two steps, write bytes then mark, and every
 interleaving with clears and reads must leave no ready row without its bytes and no orphan bytes past
 a whole clear.
 
@@ -21,7 +21,7 @@ import torch
 
 from broker import BrokerError, FencedError, StoreFullError, TransferDock
 from broker.control.keys import shard_pattern
-from broker.data.store import ShardedStore
+from broker.data.sharded_store import ShardedStore
 from tests.helpers import small_dock
 
 _names = itertools.count()
@@ -238,7 +238,7 @@ def test_a_full_shard_fails_the_put_and_marks_nothing(request):
 
 
 def _encoded(value: int) -> bytes:
-    from broker.api.checks import encode_column
+    from broker.data.codec import encode_column
 
     return encode_column("prompts", [torch.tensor([value])], 1)[0]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from broker import DecodeError
-from broker.data import codec, stacking
+from broker.data import codec, row_header, stacking
 from tests.helpers import data_cell, fill
 
 FIELDS = [str(i) for i in range(64)]
@@ -39,7 +39,7 @@ def decode_stacked(rows: list[object]) -> torch.Tensor | list[object]:
     return stacking.decode_stacked([codec.encode_row(r) for r in rows], where="td:{d}:data:c", fields=FIELDS)
 
 
-@pytest.mark.parametrize("dtype", list(codec.DTYPES.values()), ids=list(codec.DTYPES))
+@pytest.mark.parametrize("dtype", list(row_header.DTYPES.values()), ids=list(row_header.DTYPES))
 @pytest.mark.parametrize("shape", [(), (7,), (3, 5), (0, 4)])
 def test_uniform_rows_stack_bit_exact(dtype, shape):
     rows = random_rows(dtype, [shape] * 6)
@@ -49,7 +49,7 @@ def test_uniform_rows_stack_bit_exact(dtype, shape):
     assert torch.equal(bits(out), bits(torch.stack(rows)))
 
 
-@pytest.mark.parametrize("dtype", list(codec.DTYPES.values()), ids=list(codec.DTYPES))
+@pytest.mark.parametrize("dtype", list(row_header.DTYPES.values()), ids=list(row_header.DTYPES))
 def test_ragged_rows_become_a_jagged_nested_tensor(dtype):
     rows = random_rows(dtype, [(3, 2), (0, 2), (5, 2), (1, 2)])
     out = decode_stacked(rows)

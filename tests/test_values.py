@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from broker import DecodeError, InvalidExperienceError
-from broker.data.codec import KIND_VALUE, KIND_VERSION, MAGIC, VERSION, decode, encode, encode_value
+from broker.data.codec import decode, encode, encode_value
+from broker.data.row_header import KIND_VALUE, KIND_VERSION, MAGIC, VERSION
 from tests.helpers import held_rows
 
 VALUES = [

@@ -364,7 +364,7 @@ def test_a_corrupt_row_received_is_given_back_as_in_the_list_form(real_url):
         with pytest.raises(DecodeError, match=r"field 6"):
             dock.get_experience("actor_train", ["a"], experience_count=8, stack=True)
         assert dock.status()["consumers"]["actor_train"]["consumed"] == 0  # every row given back
-        admin.script_flush()  # the fence script lost: the read takes the usual path once, and loads it
+        admin.script_flush()  # the fence script lost: loaded again, and the read sent again (control/scripts/runner.py)
         admin.hset(dock.keys.data("a"), "6", admin.hget(dock.keys.data("a"), "7"))
         batch, rows = dock.get_experience("actor_train", ["a"], experience_count=8, stack=True)
         assert isinstance(batch["a"], torch.Tensor) and batch["a"].shape == (8, SEQ)

@@ -12,7 +12,7 @@ import redis
 import torch
 
 from broker.api import metrics
-from broker.api.checks import check_flag, metric_values
+from broker.api.checks import check_flag
 from broker.api.session import RACE_RETRIES, DockSession
 from broker.connection import call_deadline, redis_errors
 from broker.connection.replication import REPEAT_SAFE, do_not_repeat
@@ -202,3 +202,41 @@ def _setting_field(name: Any) -> str:
             f"got {name!r:.60}"
         )
     return name
+
+
+def metric_values(key: Any, value: Any, cumulate: bool) -> dict[str, str]:
+    """Metric name -> JSON text of its value, for lua/metrics.lua; with ``cumulate`` every value a list."""
+    check_flag("cumulate", cumulate)
+    if not isinstance(key, (str, Mapping)):
+        raise InvalidExperienceError(f"a metric name must be a non-empty str (or a dict of them), got {key!r}")
+    pairs = dict(key) if isinstance(key, Mapping) else {key: value}
+    if not pairs:
+        raise InvalidExperienceError("update_metrics: no metrics given")
+    out = {}
+    for name, v in pairs.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidExperienceError(f"a metric name must be a non-empty str, got {name!r}")
+        number = _metric_number(name, v)
+        if number is not None:
+            out[name] = json.dumps([number] if cumulate else number)
+            continue
+        if isinstance(v, (torch.Tensor, np.ndarray)):
+            v = v.tolist()
+        if not isinstance(v, (list, tuple)):
+            raise InvalidExperienceError(f"metric {name!r}: a number or a list of numbers, got {type(v).__name__}")
+        numbers = [_metric_number(name, x) for x in v]
+        if any(x is None for x in numbers):
+            raise InvalidExperienceError(f"metric {name!r}: every item must be a number, got {list(v)[:5]!r}")
+        out[name] = json.dumps(numbers)
+    return out
+
+
+def _metric_number(name: str, v: Any) -> float | int | None:
+    """``v`` as a plain number (also from a one-element tensor or a numpy scalar), or None if it is no number."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and v.dim() == 0:
+        v = v.item()
+    elif isinstance(v, np.generic) or (isinstance(v, np.ndarray) and v.ndim == 0):
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return v

@@ -5,8 +5,8 @@ length, so a naive cut gives one rank far more tokens than another, and every ra
 slowest. ``balanced_order`` reorders the batch so the chunks carry nearly equal load.
 
 Run on the client, after sampling: the order of a batch already handed out needs no atomicity, so
-the sampling script stays as cheap as it is; the lengths come from the dock's length arrays in the
-same round trip as the rows' bytes (see ``TransferDock._read``).
+the sampling script stays as cheap as it is; the lengths come from the dock's length arrays, one
+BITFIELD per column in one round trip (see ``Handouts._row_costs`` in handout.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-from broker.api.checks import PAD_INDEX
 from broker.api.delivery import like
+from broker.api.dp_padding import PAD_INDEX
 from broker.errors import InvalidExperienceError
 
 

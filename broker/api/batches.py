@@ -2,9 +2,13 @@
 
 The dock stores one 1-D tensor per (column, row). Workers, however, hand over and expect whole
 batches: padded ``(rows, width)`` matrices, or "packed" 1-D tensors plus per-row lengths for cheap
-broadcasting. The helpers here convert between those layouts. They mirror the functions of the same
+broadcasting. The helpers here convert between those layouts (the checks of what they are handed, and the
+kernels that pad and pack, are in ``padding.py``). They mirror the functions of the same
 names in MindSpeed-RL (``mindspeed_rl/trainer/utils/transfer_dock.py`` and
-``mindspeed_rl/utils/pad_process.py``) so that worker code can be ported unchanged, except that:
+``mindspeed_rl/utils/pad_process.py``) so that worker code can be ported unchanged. Those of MindSpeed's
+own padded batches (``original_length``), which its dock's API takes and gives, are its adapter's:
+``padding_dict_to_tensor_dict``, ``remove_padding_tensor_dict_to_dict`` and ``trans_input_to_experience``
+in ``broker.adapters.mindspeed.padding``. Here, as there, except that:
 
 * every padded batch is a plain ``dict[str, torch.Tensor]`` (no TensorDict dependency; the
   ``broker.adapters.mindspeed`` adapter wraps it in a TensorDict where tensordict is installed);
@@ -28,13 +32,11 @@ Three layouts appear below, shown for the column ``"prompts"`` with rows ``[1, 1
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
 
-import numpy as np
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
+from broker.api import padding
 from broker.errors import InvalidExperienceError
 
 __all__ = [
@@ -42,10 +44,7 @@ __all__ = [
     "ORIGINAL_LENGTH_KEY",
     "pack_experience_columns",
     "pad_experience",
-    "padding_dict_to_tensor_dict",
     "put_prompts_experience",
-    "remove_padding_tensor_dict_to_dict",
-    "trans_input_to_experience",
     "unpack_pad_experience",
 ]
 
@@ -59,124 +58,6 @@ LENGTH_COLUMNS = frozenset({"prompt_length", "response_length", "age"})
 
 #: One column as callers hand it over: a list of 1-D rows, or an already padded 2-D tensor.
 ColumnValue = Tensor | Sequence[Tensor]
-
-
-# --------------------------------------------------------------------------------------------------
-# Internal helpers
-# --------------------------------------------------------------------------------------------------
-
-
-def _positive_int(name: str, value: object) -> int:
-    # bool is an int subclass; True as a multiple is certainly a mistake
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidExperienceError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _require_non_empty(name: str, mapping: object) -> Mapping[Any, Any]:
-    if not isinstance(mapping, Mapping):
-        raise InvalidExperienceError(f"{name} must be a dict of columns, got {type(mapping).__name__}")
-    if not mapping:
-        raise InvalidExperienceError(f"{name} is empty: there are no columns")
-    return mapping
-
-
-def _check_rows(column: str, value: object) -> list[Tensor]:
-    """Validate a list of 1-D rows sharing one dtype; return it as a list."""
-    if not isinstance(value, (list, tuple)):
-        raise InvalidExperienceError(
-            f"column {column!r} must be a list of 1-D tensors or a 2-D tensor, got {type(value).__name__}"
-        )
-    if not value:
-        raise InvalidExperienceError(f"column {column!r} has no rows")
-    dtype = None
-    for i, row in enumerate(value):
-        if not isinstance(row, Tensor):
-            raise InvalidExperienceError(f"column {column!r} row {i} is a {type(row).__name__}, not a tensor")
-        if row.dim() != 1:
-            raise InvalidExperienceError(
-                f"column {column!r} row {i} has shape {tuple(row.shape)}; rows must be 1-D"
-            )
-        if dtype is None:
-            dtype = row.dtype
-        elif row.dtype != dtype:
-            # torch.cat would silently promote; a column has exactly one dtype
-            raise InvalidExperienceError(
-                f"column {column!r} mixes dtypes: row 0 is {dtype}, row {i} is {row.dtype}"
-            )
-    return list(value)
-
-
-def _check_matrix(column: str, value: Tensor) -> Tensor:
-    if value.dim() != 2:
-        raise InvalidExperienceError(
-            f"column {column!r} is a tensor of shape {tuple(value.shape)}; "
-            "a tensor column must be 2-D (rows, width)"
-        )
-    if value.shape[0] == 0:
-        raise InvalidExperienceError(f"column {column!r} has no rows")
-    return value
-
-
-def _flatten(column: str, value: object) -> tuple[Tensor, Tensor]:
-    """Any column -> (packed 1-D data, int64 per-row lengths)."""
-    if isinstance(value, Tensor):
-        matrix = _check_matrix(column, value)
-        lengths = torch.full((matrix.shape[0],), matrix.shape[1], dtype=torch.int64)
-        return matrix.reshape(-1), lengths
-    rows = _check_rows(column, value)
-    lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.int64)
-    return torch.cat(rows), lengths
-
-
-def _pad_flat(flat: Tensor, lengths: Tensor, pad_value: float | int | bool, multiple: int) -> Tensor:
-    """Packed rows -> ``(rows, width)``, width = max length rounded up to a multiple of ``multiple``.
-
-    One ``masked_scatter_`` instead of a per-row copy loop: the mask is row-major, exactly the order
-    in which the rows were concatenated.
-    """
-    longest = int(lengths.max()) if lengths.numel() else 0
-    width = -(-longest // multiple) * multiple
-    # Cast through a tensor so that e.g. -1 wraps for uint8 and 0.5 truncates for ints, like torch does.
-    fill = torch.tensor(pad_value).to(flat.dtype).item()
-    out = torch.full((lengths.numel(), width), fill, dtype=flat.dtype, device=flat.device)
-    mask = torch.arange(width, device=flat.device) < lengths.to(flat.device).unsqueeze(1)
-    bits = _SCATTER_AS.get(flat.dtype)
-    if bits is not None:  # a move of bits: the same through an integer view
-        out.view(bits).masked_scatter_(mask, flat.view(bits))
-        return out
-    return out.masked_scatter_(mask, flat)
-
-
-#: Dtypes ``masked_scatter_`` has no kernel for, and the integer dtype of the same size it moves them as.
-_SCATTER_AS: dict[torch.dtype, torch.dtype] = {
-    dtype: as_int
-    for name, as_int in (("uint16", torch.int16), ("uint32", torch.int32), ("uint64", torch.int64),
-                         ("float8_e4m3fn", torch.int8), ("float8_e5m2", torch.int8))
-    if isinstance(dtype := getattr(torch, name, None), torch.dtype)  # uint16 and wider: torch 2.3 and later
-}
-
-
-def _pad_value(flat: Tensor, pad_id: float | int) -> float | int:
-    # MindSpeed pads floating columns (log-probs, advantages, ...) with 0.0 whatever pad_id is:
-    # pad_id is a token id and means nothing in a float column (nor in a complex one).
-    return 0.0 if flat.is_floating_point() or flat.is_complex() else pad_id
-
-
-def _length_column(column: str, flat: Tensor, lengths: Tensor) -> Tensor:
-    if not bool((lengths == 1).all()):
-        raise InvalidExperienceError(
-            f"length column {column!r} must hold exactly one value per row, "
-            f"got row lengths {lengths.tolist()}"
-        )
-    return flat.reshape(-1, 1)
-
-
-def _same_row_count(counts: Mapping[str, int]) -> int:
-    distinct = set(counts.values())
-    if len(distinct) > 1:
-        raise InvalidExperienceError(f"columns have mismatched row counts: {dict(counts)}")
-    return distinct.pop()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,74 +83,20 @@ def pad_experience(
     {'attention_mask': tensor([[1, 0],
             [2, 2]])}
     """
-    _require_non_empty("experience_batch", experience_batch)
-    multiple = _positive_int("multiple", multiple)
-    flattened = {column: _flatten(column, value) for column, value in experience_batch.items()}
-    _same_row_count({column: lengths.numel() for column, (_, lengths) in flattened.items()})
+    padding.require_non_empty("experience_batch", experience_batch)
+    multiple = padding.positive_int("multiple", multiple)
+    flattened = {column: padding.flatten(column, value) for column, value in experience_batch.items()}
+    padding.same_row_count({column: lengths.numel() for column, (_, lengths) in flattened.items()})
 
     batch: dict[str, Tensor] = {}
     for column, (flat, lengths) in flattened.items():
         if column in LENGTH_COLUMNS:
-            batch[column] = _length_column(column, flat, lengths)
+            batch[column] = padding.length_column(column, flat, lengths)
         else:
-            batch[column] = _pad_flat(flat, lengths, _pad_value(flat, pad_id), multiple)
+            batch[column] = padding.pad_flat(flat, lengths, padding.pad_value_of(flat, pad_id), multiple)
     return batch
 
 
-def trans_input_to_experience(
-    experience_dict: Mapping[str, ColumnValue | None],
-) -> tuple[list[str], list[list[Tensor]]]:
-    """Split a data dict into its column names and, per column, the list of 1-D rows to store.
-
-    A 2-D tensor is split into its rows (views, not copies); a list of 1-D tensors is kept as is.
-    Columns whose value is ``None`` are skipped, as in MindSpeed. All kept columns must have the same
-    number of rows, since they are written to the same dock rows.
-
-    Differences from MindSpeed: int64 is *not* narrowed to int32 (dtypes are preserved); the
-    ``num_responses`` argument of old MindSpeed versions is gone there too, so rows are never grouped.
-
-    >>> trans_input_to_experience({"prompts": torch.tensor([[1, 1], [2, 2]])})
-    (['prompts'], [[tensor([1, 1]), tensor([2, 2])]])
-    """
-    _require_non_empty("experience_dict", experience_dict)
-    columns: list[str] = []
-    experience: list[list[Tensor]] = []
-    for column, value in experience_dict.items():
-        if value is None:
-            continue
-        if isinstance(value, Tensor):
-            rows = list(_check_matrix(column, value).unbind(0))
-        else:
-            rows = _check_rows(column, value)
-        columns.append(column)
-        experience.append(rows)
-    if not columns:
-        raise InvalidExperienceError("experience_dict has no columns: every value is None")
-    _same_row_count({column: len(rows) for column, rows in zip(columns, experience, strict=True)})
-    return columns, experience
-
-
-def _one_dtype(column: str, rows: Sequence[Tensor]) -> None:
-    """A column has exactly one dtype (torch.cat would silently promote)."""
-    for i, row in enumerate(rows):
-        if row.dtype != rows[0].dtype:
-            raise InvalidExperienceError(
-                f"column {column!r} mixes dtypes: row 0 is {rows[0].dtype}, row {i} is {row.dtype}"
-            )
-
-
-def _pack_2d(column: str, rows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """2-D rows ``(C, L_i)`` (multimodal ``position_ids``) -> ``(C, sum L_i)`` and the lengths ``L_i``."""
-    first = rows[0]
-    for i, row in enumerate(rows):
-        if not isinstance(row, Tensor) or row.dim() != 2 or row.shape[0] != first.shape[0]:
-            shape = tuple(row.shape) if isinstance(row, Tensor) else type(row).__name__
-            raise InvalidExperienceError(
-                f"column {column!r} row {i} is {shape}: 2-D rows must share their first dimension "
-                f"({first.shape[0]} in row 0)"
-            )
-    _one_dtype(column, rows)
-    return torch.cat(list(rows), dim=1), torch.tensor([row.shape[1] for row in rows], dtype=torch.int64)
 
 
 def pack_experience_columns(
@@ -289,15 +116,15 @@ def pack_experience_columns(
     >>> data, lengths
     ({'prompts': tensor([1, 1, 2])}, {'prompts': tensor([2, 1], dtype=torch.int32)})
     """
-    _require_non_empty("experience_dict", experience_dict)
-    experience_count = _positive_int("experience_count", experience_count)
+    padding.require_non_empty("experience_dict", experience_dict)
+    experience_count = padding.positive_int("experience_count", experience_count)
     batch_data: dict[str, Tensor] = {}
     batch_data_length: dict[str, Tensor] = {}
     for column, value in experience_dict.items():
         if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor) and value[0].dim() == 2:
-            flat, lengths = _pack_2d(column, value)
+            flat, lengths = padding.pack_2d(column, value)
         else:
-            flat, lengths = _flatten(column, value)
+            flat, lengths = padding.flatten(column, value)
         if lengths.numel() != experience_count:
             raise InvalidExperienceError(
                 f"column {column!r} has {lengths.numel()} rows but experience_count is {experience_count}"
@@ -326,231 +153,23 @@ def unpack_pad_experience(
     {'prompts': tensor([[ 1,  1,  1, -1],
             [ 2, -1, -1, -1]])}
     """
-    _require_non_empty("batch_data", batch_data)
+    padding.require_non_empty("batch_data", batch_data)
     if not isinstance(batch_data_length, Mapping):
         raise InvalidExperienceError(
             f"batch_data_length must be a dict of columns, got {type(batch_data_length).__name__}"
         )
-    multiple = _positive_int("multiple", multiple)
-    if set(batch_data) != set(batch_data_length):
-        raise InvalidExperienceError(
-            "batch_data and batch_data_length have different columns: "
-            f"only in batch_data {sorted(set(batch_data) - set(batch_data_length))}, "
-            f"only in batch_data_length {sorted(set(batch_data_length) - set(batch_data))}"
-        )
-
-    checked: dict[str, tuple[Tensor, Tensor]] = {}
-    # MindSpeed iterates the lengths dict; keep its column order.
-    for column, lengths in batch_data_length.items():
-        data = batch_data[column]
-        if not isinstance(data, Tensor) or data.dim() not in (1, 2):
-            raise InvalidExperienceError(f"batch_data[{column!r}] must be a packed 1-D (or 2-D) tensor")
-        if (
-            not isinstance(lengths, Tensor)
-            or lengths.dim() != 1
-            or lengths.dtype == torch.bool
-            or lengths.is_floating_point()
-            or lengths.is_complex()
-        ):
-            raise InvalidExperienceError(f"batch_data_length[{column!r}] must be a 1-D integer tensor")
-        if lengths.numel() == 0:
-            raise InvalidExperienceError(f"column {column!r} has no rows")
-        if bool((lengths < 0).any()):
-            raise InvalidExperienceError(f"column {column!r} has negative row lengths: {lengths.tolist()}")
-        total = int(lengths.sum())
-        if total != data.shape[-1]:
-            raise InvalidExperienceError(
-                f"column {column!r}: row lengths sum to {total} but the packed data has {data.shape[-1]} values"
-            )
-        checked[column] = (data, lengths)
-    _same_row_count({column: lengths.numel() for column, (_, lengths) in checked.items()})
+    multiple = padding.positive_int("multiple", multiple)
+    checked = padding.checked_packed(batch_data, batch_data_length)
 
     padded: dict[str, Tensor] = {}
     for column, (data, lengths) in checked.items():
-        if data.dim() == 2:  # packed 2-D rows (C, sum L_i) -> (rows, C, width)
-            width = -(-int(lengths.max()) // multiple) * multiple
-            fill = torch.tensor(_pad_value(data, pad_id)).to(data.dtype).item()
-            out = torch.full((lengths.numel(), data.shape[0], width), fill, dtype=data.dtype, device=data.device)
-            for i, (start, n) in enumerate(zip((torch.cumsum(lengths, 0) - lengths).tolist(), lengths.tolist())):
-                out[i, :, :n] = data[:, start : start + n]
-            padded[column] = out
+        if data.dim() == 2:
+            padded[column] = padding.pad_packed_2d(data, lengths, pad_id, multiple)
         elif column in LENGTH_COLUMNS:
-            padded[column] = _length_column(column, data, lengths)
+            padded[column] = padding.length_column(column, data, lengths)
         else:
-            padded[column] = _pad_flat(data, lengths, _pad_value(data, pad_id), multiple)
+            padded[column] = padding.pad_flat(data, lengths, padding.pad_value_of(data, pad_id), multiple)
     return padded
-
-
-def _is_value_column(value: object) -> bool:
-    """A list of plain values (labels, metadata): not padded, not in ``original_length``."""
-    return isinstance(value, (list, tuple)) and bool(value) and not any(isinstance(v, Tensor) for v in value)
-
-
-def _pad_nd(column: str, rows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Rows of 2+ dimensions -> ``(rows, longest, *rest)`` padded with 0 along dim 0, and their lengths."""
-    first = rows[0]
-    for i, row in enumerate(rows):
-        if not isinstance(row, Tensor) or row.dim() != first.dim() or row.shape[1:] != first.shape[1:]:
-            shape = tuple(row.shape) if isinstance(row, Tensor) else type(row).__name__
-            raise InvalidExperienceError(
-                f"column {column!r} row {i} is {shape}; rows of 2+ dimensions must agree past their first "
-                f"dimension ({tuple(first.shape)} for row 0)"
-            )
-    _one_dtype(column, rows)
-    lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.int64)
-    out = first.new_zeros((len(rows), int(lengths.max()), *first.shape[1:]))
-    for i, row in enumerate(rows):
-        out[i, : row.shape[0]] = row
-    return out, lengths
-
-
-def _numpy_view(tensor: Tensor) -> np.ndarray | None:
-    """A numpy view of a CPU tensor; None where numpy cannot view it (GPU, bfloat16, autograd)."""
-    try:
-        return tensor.numpy()
-    except (RuntimeError, TypeError):
-        return None
-
-
-def _pad_rows(column: str, value: object) -> tuple[Tensor, Tensor]:
-    """A list of 1-D rows -> ``(rows, longest)`` padded with 0, and the rows' lengths.
-
-    Copied row by row into a numpy array where numpy can view every row (CPU tensors of one dtype):
-    a third faster than ``pad_sequence`` on one thread, and, unlike torch's copies, never split over
-    threads, which on a loaded machine made each batch several times slower. Anything else takes
-    ``pad_sequence``, after ``_check_rows`` names what is wrong.
-    """
-    arrays: list[np.ndarray | None] = []
-    if isinstance(value, (list, tuple)) and value and all(isinstance(row, Tensor) for row in value):
-        dtype = value[0].dtype
-        if all(row.shape == (1,) and row.dtype is dtype and row.is_cpu for row in value):
-            # One value per row (prompt_length, a score): one concatenation instead of a copy per row.
-            return torch.cat(value).unsqueeze(1), torch.ones(len(value), dtype=torch.int64)
-        arrays = [_numpy_view(row) for row in value]
-    first = arrays[0] if arrays else None
-    if first is None or any(a is None or a.ndim != 1 or a.dtype != first.dtype for a in arrays):
-        rows = _check_rows(column, value)
-        lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.int64)
-        return pad_sequence(rows, batch_first=True), lengths
-    views = cast("list[np.ndarray]", arrays)
-    counts = [a.shape[0] for a in views]
-    out = np.zeros((len(views), max(counts)), dtype=views[0].dtype)
-    for row, array, n in zip(out, views, counts):
-        row[:n] = array
-    return torch.from_numpy(out), torch.tensor(counts, dtype=torch.int64)
-
-
-def padding_dict_to_tensor_dict(experience_data: Mapping[str, ColumnValue]) -> dict[str, Tensor]:
-    """Pad each column's rows with 0 into ``(rows, width)`` and record the unpadded lengths.
-
-    ``width`` is the column's longest row (no rounding). The lengths of all columns are concatenated,
-    in column order, into one 1-D int64 tensor under :data:`ORIGINAL_LENGTH_KEY`, which is always the
-    last key: ``[lengths of column 0..., lengths of column 1..., ...]``. An already padded 2-D tensor
-    column is taken as is (not copied); every row then counts as full width. All columns must have the
-    same number of rows. :func:`remove_padding_tensor_dict_to_dict` is the inverse.
-
-    MindSpeed returns a TensorDict; this returns a plain dict.
-
-    >>> out = padding_dict_to_tensor_dict({"prompt": [torch.tensor([1, 1, 1]), torch.tensor([2, 2, 2, 2])],
-    ...                                    "attention_mask": [torch.tensor([1]), torch.tensor([2, 2])]})
-    >>> out["prompt"], out["original_length"]
-    (tensor([[1, 1, 1, 0],
-            [2, 2, 2, 2]]), tensor([3, 4, 1, 2]))
-    """
-    _require_non_empty("experience_data", experience_data)
-    if ORIGINAL_LENGTH_KEY in experience_data:
-        raise InvalidExperienceError(
-            f"experience_data already has a column named {ORIGINAL_LENGTH_KEY!r}; that key is reserved"
-        )
-    flattened: dict[str, tuple[Tensor, Tensor]] = {}
-    values: dict[str, list[Any]] = {}
-    for column, value in experience_data.items():
-        if _is_value_column(value):
-            values[column] = list(value)
-        elif isinstance(value, Tensor) and value.dim() > 2:
-            # Already padded rows of 2+ dimensions: every row counts as full length.
-            flattened[column] = (value, torch.full((value.shape[0],), value.shape[1], dtype=torch.int64))
-        elif isinstance(value, Tensor):
-            # Already padded: keep the matrix itself, every row counts as full width.
-            matrix = _check_matrix(column, value)
-            full = torch.full((matrix.shape[0],), matrix.shape[1], dtype=torch.int64)
-            flattened[column] = (matrix, full)
-        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor) and value[0].dim() > 1:
-            flattened[column] = _pad_nd(column, value)
-        else:
-            flattened[column] = _pad_rows(column, value)
-    counts = {column: lengths.numel() for column, (_, lengths) in flattened.items()}
-    _same_row_count({**counts, **{column: len(v) for column, v in values.items()}})
-
-    batch: dict[str, Any] = {}
-    for column, (data, lengths) in flattened.items():
-        batch[column] = data if data.dim() >= 2 else _pad_flat(data, lengths, 0, 1)
-    batch.update(values)
-    if flattened:
-        batch[ORIGINAL_LENGTH_KEY] = torch.cat([lengths for _, lengths in flattened.values()])
-    return batch
-
-
-def remove_padding_tensor_dict_to_dict(
-    data_dict: Mapping[str, Any] | None,
-) -> dict[str, list[Any]] | dict[str, Any]:
-    """Inverse of :func:`padding_dict_to_tensor_dict`: cut every padded row back to its true length.
-
-    Row ``i`` of the ``k``-th column (counting only data columns, in order) is cut to
-    ``original_length[k * rows + i]``. The rows returned are views of the padded tensors, as
-    MindSpeed's (writing into one writes into the batch), and stay on the input's device (MindSpeed
-    moves them to CPU). As in MindSpeed, ``None`` gives
-    ``{}`` and a dict without :data:`ORIGINAL_LENGTH_KEY` is returned unchanged (as a new plain dict),
-    so already unpadded data passes through.
-
-    >>> remove_padding_tensor_dict_to_dict({"prompt": torch.tensor([[1, 1, 1, 0], [2, 2, 2, 2]]),
-    ...                                     "original_length": torch.tensor([3, 4])})
-    {'prompt': [tensor([1, 1, 1]), tensor([2, 2, 2, 2])]}
-    """
-    if data_dict is None:
-        return {}
-    if not isinstance(data_dict, Mapping):
-        raise InvalidExperienceError(f"data_dict must be a dict of columns, got {type(data_dict).__name__}")
-    if ORIGINAL_LENGTH_KEY not in data_dict:
-        return dict(data_dict)
-
-    original_length = data_dict[ORIGINAL_LENGTH_KEY]
-    if not isinstance(original_length, Tensor) or original_length.dim() != 1:
-        raise InvalidExperienceError(f"{ORIGINAL_LENGTH_KEY!r} must be a 1-D integer tensor")
-    passed: dict[str, Any] = {c: list(v) for c, v in data_dict.items() if _is_value_column(v)}
-    columns = {column: value for column, value in data_dict.items()
-               if column != ORIGINAL_LENGTH_KEY and column not in passed}
-    for column, value in columns.items():
-        if not isinstance(value, Tensor) or value.dim() < 2:
-            raise InvalidExperienceError(f"column {column!r} must be a padded tensor of 2 or more dimensions")
-    rows = _same_row_count({column: value.shape[0] for column, value in columns.items()}) if columns else 0
-    if original_length.numel() != rows * len(columns):
-        raise InvalidExperienceError(
-            f"{ORIGINAL_LENGTH_KEY!r} has {original_length.numel()} entries but {len(columns)} columns "
-            f"of {rows} rows need {rows * len(columns)}"
-        )
-
-    result: dict[str, list[Any]] = {}
-    for k, (column, padded) in enumerate(columns.items()):
-        lengths = original_length[k * rows : (k + 1) * rows].to(padded.device)
-        if bool((lengths < 0).any()) or bool((lengths > padded.shape[1]).any()):
-            raise InvalidExperienceError(
-                f"column {column!r} has width {padded.shape[1]} but {ORIGINAL_LENGTH_KEY!r} gives "
-                f"row lengths {lengths.tolist()}"
-            )
-        # Views, as MindSpeed's truncate_rows makes: no copy (a row is a prefix of a contiguous row of
-        # the matrix, so it is contiguous, and a put encodes it without copying it first). Made through
-        # numpy where it can view the matrix: a third of the cost of indexing the tensor, row by row.
-        if bool((lengths == padded.shape[1]).all()):  # every row full (one value per row): one call makes them
-            result[column] = list(padded.unbind(0))
-            continue
-        array = _numpy_view(padded)
-        if array is None:
-            result[column] = [padded[i, :n] for i, n in enumerate(lengths.tolist())]
-        else:
-            result[column] = [torch.from_numpy(row[:n]) for row, n in zip(array, lengths.tolist())]
-    result.update(passed)
-    return result
 
 
 def put_prompts_experience(
@@ -578,8 +197,8 @@ def put_prompts_experience(
             [8, 0],
             [8, 0]]), tensor([2, 2, 1, 1]), [0, 1, 2, 3])
     """
-    _require_non_empty("batch", batch)
-    n_samples_per_prompt = _positive_int("n_samples_per_prompt", n_samples_per_prompt)
+    padding.require_non_empty("batch", batch)
+    n_samples_per_prompt = padding.positive_int("n_samples_per_prompt", n_samples_per_prompt)
     if "prompts" not in batch:
         raise InvalidExperienceError(f"batch has no 'prompts' column (columns: {sorted(batch)})")
     additional = [] if dataset_additional_keys is None else list(dataset_additional_keys)
@@ -591,15 +210,15 @@ def put_prompts_experience(
     # Pad once per prompt, then repeat whole rows: identical to padding the repeated rows.
     sources = {"prompts": batch["prompts"]}
     sources.update({key: batch[key] for key in additional if key in batch})
-    flattened = {column: _flatten(column, value) for column, value in sources.items()}
-    prompt_count = _same_row_count({column: lengths.numel() for column, (_, lengths) in flattened.items()})
+    flattened = {column: padding.flatten(column, value) for column, value in sources.items()}
+    prompt_count = padding.same_row_count({column: lengths.numel() for column, (_, lengths) in flattened.items()})
     rows = prompt_count * n_samples_per_prompt
 
     prompt_lengths = flattened["prompts"][1].repeat_interleave(n_samples_per_prompt)
     data: dict[str, Tensor] = {"prompt_length": prompt_lengths.unsqueeze(1)}
     original_length = [torch.ones(rows, dtype=torch.int64)]
     for column, (flat, lengths) in flattened.items():
-        data[column] = _pad_flat(flat, lengths, 0, 1).repeat_interleave(n_samples_per_prompt, dim=0)
+        data[column] = padding.pad_flat(flat, lengths, 0, 1).repeat_interleave(n_samples_per_prompt, dim=0)
         original_length.append(lengths.repeat_interleave(n_samples_per_prompt))
     data[ORIGINAL_LENGTH_KEY] = torch.cat(original_length)
 

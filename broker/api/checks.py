@@ -7,20 +7,16 @@ dock's schema (its rows, columns and consumers) are methods of :class:`DockCheck
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from broker.api.delivery import LeasedRows
-from broker.connection import MIN_VALUE_LIMIT, Framed, ValueLimit
 from broker.control.schema import Schema
-from broker.data import codec
 from broker.errors import (
-    ExperienceTooLargeError,
     InvalidExperienceError,
     RowIndexError,
     UnknownColumnError,
@@ -123,74 +119,6 @@ def lease_token(rows: Any, consumer: str, token: Any) -> str:
     return token
 
 
-def encode_column(column: str, value: Any, count: int, *, framed: bool = False) -> list[bytes | Framed]:
-    """The ``count`` rows of one column of a put, encoded; errors name the column. With ``framed``, large
-    tensor rows come as ``Framed`` views of the tensors (for a client that sends them uncopied: ``frames``).
-
-    ``value`` is a stacked tensor or numeric numpy array (split along dim 0), a numpy array of objects
-    or strings (verl's ``non_tensor_batch``: one value per element along dim 0), or a list of rows, each
-    a tensor or a plain value (see ``codec``).
-    """
-    if isinstance(value, np.ndarray) and value.dtype.kind in "OUS":
-        if value.ndim == 0:
-            raise InvalidExperienceError(f"column {column!r}: a 0-d numpy array has no rows; wrap it in a list")
-        value = list(value)
-    try:
-        value = codec.as_tensor(value)
-    except InvalidExperienceError as exc:
-        raise InvalidExperienceError(f"column {column!r}: {exc}") from None
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            raise InvalidExperienceError(f"column {column!r}: a stacked tensor needs a row dimension, got a 0-d tensor")
-        if value.shape[0] != count:
-            raise InvalidExperienceError(
-                f"column {column!r}: stacked tensor of shape {tuple(value.shape)} has {value.shape[0]} rows "
-                f"for {count} indexes"
-            )
-        encode: Callable[..., list[bytes | Framed]] = codec.encode_stacked
-    elif not isinstance(value, (list, tuple)):
-        raise InvalidExperienceError(
-            f"column {column!r}: expected a tensor, a numpy array or a list of rows, got {type(value).__name__}"
-        )
-    elif len(value) != count:
-        raise InvalidExperienceError(f"column {column!r}: {len(value)} rows for {count} indexes")
-    else:
-        encode = codec.encode_rows
-    try:
-        return encode(value, framed=framed)
-    except InvalidExperienceError as exc:
-        raise InvalidExperienceError(f"column {column!r}, {exc}") from None
-
-
-#: Index of a row repeated only to fill a batch up to a multiple of dp_size (MindSpeed's -2): puts skip it.
-PAD_INDEX = -2
-
-
-def drop_padding(data_dict: Any, indexes: Any, every_negative: bool = False) -> tuple[Any, Any]:
-    """``data_dict`` and ``indexes`` without the rows of index ``PAD_INDEX`` (or, with
-    ``every_negative``, of any negative index, as MindSpeed's puts skip them); anything malformed is
-    passed through untouched for the usual checks to name."""
-    if isinstance(indexes, (torch.Tensor, np.ndarray)):
-        indexes = indexes.tolist()
-    if not isinstance(indexes, Sequence) or isinstance(indexes, (str, bytes)) or not isinstance(data_dict, Mapping):
-        return data_dict, indexes
-    try:  # the common case, no padding, costs one C-level pass: puts carry thousands of rows
-        if (min(indexes, default=0) >= 0) if every_negative else (PAD_INDEX not in indexes):
-            return data_dict, indexes
-    except TypeError:
-        return data_dict, indexes
-    keep = [i for i, r in enumerate(indexes) if not (is_int(r) and (r < 0 if every_negative else r == PAD_INDEX))]
-    out: dict[Any, Any] = {}
-    for column, value in data_dict.items():
-        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim and len(value) == len(indexes):
-            out[column] = value[keep]
-        elif isinstance(value, (list, tuple)) and len(value) == len(indexes):
-            out[column] = [value[i] for i in keep]
-        else:
-            out[column] = value  # the wrong number of rows: the row-count check names it
-    return out, [indexes[i] for i in keep]
-
-
 def length_values(column: str, value: Any, count: int) -> list[int]:
     """The integer of each row of a length column (one number per row, as ``prompt_length`` holds)."""
     rows = list(value) if isinstance(value, (list, tuple)) else None
@@ -217,66 +145,6 @@ def length_values(column: str, value: Any, count: int) -> list[int]:
     if bad:
         raise InvalidExperienceError(f"length column {column!r}: rows must be integers in [0, 2**32), got {bad[:5]}")
     return [int(x) for x in numbers]
-
-
-def metric_values(key: Any, value: Any, cumulate: bool) -> dict[str, str]:
-    """Metric name -> JSON text of its value, for lua/metrics.lua; with ``cumulate`` every value a list."""
-    check_flag("cumulate", cumulate)
-    if not isinstance(key, (str, Mapping)):
-        raise InvalidExperienceError(f"a metric name must be a non-empty str (or a dict of them), got {key!r}")
-    pairs = dict(key) if isinstance(key, Mapping) else {key: value}
-    if not pairs:
-        raise InvalidExperienceError("update_metrics: no metrics given")
-    out = {}
-    for name, v in pairs.items():
-        if not isinstance(name, str) or not name:
-            raise InvalidExperienceError(f"a metric name must be a non-empty str, got {name!r}")
-        number = _metric_number(name, v)
-        if number is not None:
-            out[name] = json.dumps([number] if cumulate else number)
-            continue
-        if isinstance(v, (torch.Tensor, np.ndarray)):
-            v = v.tolist()
-        if not isinstance(v, (list, tuple)):
-            raise InvalidExperienceError(f"metric {name!r}: a number or a list of numbers, got {type(v).__name__}")
-        numbers = [_metric_number(name, x) for x in v]
-        if any(x is None for x in numbers):
-            raise InvalidExperienceError(f"metric {name!r}: every item must be a number, got {list(v)[:5]!r}")
-        out[name] = json.dumps(numbers)
-    return out
-
-
-def _metric_number(name: str, v: Any) -> float | int | None:
-    """``v`` as a plain number (also from a one-element tensor or a numpy scalar), or None if it is no number."""
-    if isinstance(v, torch.Tensor) and v.numel() == 1 and v.dim() == 0:
-        v = v.item()
-    elif isinstance(v, np.generic) or (isinstance(v, np.ndarray) and v.ndim == 0):
-        v = v.item()
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return v
-
-
-def check_sizes(encoded: Mapping[str, Mapping[str, bytes | Framed]], limit: int, setting: str) -> None:
-    """Every encoded value of a put fits in one Redis value (``limit`` bytes, from server ``setting``)."""
-    for col, values in encoded.items():
-        for field, value in values.items():
-            if len(value) > limit:
-                raise ExperienceTooLargeError(
-                    f"column {col!r}, row {field}: {len(value):,} bytes encoded, more than the {limit:,} "
-                    f"the Redis server takes in one value ({setting}); nothing was written. Split the row, "
-                    f"or raise {setting} on the server"
-                )
-
-
-def unchecked_value(encoded: Mapping[str, Mapping[str, bytes | Framed]], limit: ValueLimit) -> str | None:
-    """The largest value of a put if the server might refuse its size unseen (its limits could not be read,
-    and it is longer than any server must take), described for an error message; else None."""
-    if limit.read:
-        return None
-    values = ((len(v), c, f) for c, by_field in encoded.items() for f, v in by_field.items())
-    size, col, field = max(values, default=(0, "", ""))
-    return f"column {col!r}, row {field}: {size:,} bytes encoded" if size > MIN_VALUE_LIMIT else None
 
 
 class DockChecks:
@@ -433,11 +301,6 @@ def completion_flags(value: Any, count: int) -> list[bool]:
         else:
             raise InvalidExperienceError(f"rollout_completed[{i}] must be 0 or 1 (or True/False), got {flag!r:.40}")
     return out
-
-
-def bitmap_count(bitmap: bytes) -> int:
-    """Bits set in a bitmap read with GET."""
-    return int.from_bytes(bitmap, "big").bit_count() if bitmap else 0
 
 
 #: Versions and staleness bounds stay below this: a group's version is a sorted-set score (a double),

@@ -1,7 +1,7 @@
 """What a dock does for generation: partial rollout (ages, finished groups, the stop signal), versions
 and the staleness bound, and discarding groups (see ``rollout.py`` for the settings).
 
-``Generation`` is a part of ``TransferDock``: the dock's facade (``dock.py``) checks nothing twice and
+``Generation`` is a part of ``TransferDock``: the dock's facade (``dock_generation.py``) checks nothing twice and
 delegates its generation calls here; the hand-out (``handout.py``) asks it how partial rollout and the
 staleness bound shape a sampling call, and the put (``puts.py``) for the placeholders of new prompts.
 """
@@ -14,12 +14,13 @@ from typing import Any, TypeVar
 import redis
 import torch
 
-from broker.api.checks import bitmap_count, check_flag, check_version, encode_column, is_int
+from broker.api.checks import check_flag, check_version, is_int
 from broker.api.delivery import HandedRows, check_delivery, fence_of
 from broker.api.session import DockSession
 from broker.connection.replication import do_not_repeat
 from broker.control.rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE
 from broker.control.scripts import Reservation, Selection
+from broker.data.codec import encode_column
 from broker.errors import DataLostError, DecodeError, InvalidExperienceError
 
 T = TypeVar("T")
@@ -132,7 +133,7 @@ class Generation:
 
         finished, last_age = self._s.reads(reads, transaction=True)
         finished, last_age = finished or b"", last_age or b""
-        if bitmap_count(finished) < rollout.gbs_train:
+        if _bitmap_count(finished) < rollout.gbs_train:
             return False
         if not require_max_age_all_finished:
             return True
@@ -225,3 +226,8 @@ class Generation:
             groups, regenerate=regenerate, field="regenerated" if regenerate else "stale",
             max_staleness=max_staleness, placeholders=placeholders,
         ), hands_out=True, returns=False)
+
+
+def _bitmap_count(bitmap: bytes) -> int:
+    """Bits set in a bitmap read with GET."""
+    return int.from_bytes(bitmap, "big").bit_count() if bitmap else 0

@@ -23,15 +23,16 @@ from broker.api.checks import (
     check_lease,
     check_policy,
     check_timeout,
-    drop_padding,
     is_int,
     lease_token,
 )
 from broker.api.delivery import HandedRows, LeasedRows, reordered
+from broker.api.dp_padding import drop_padding
 from broker.api.generation import AGE_COLUMN, AGES_KEY, Generation
+from broker.api.get_request import GetRequest
 from broker.api.reads import Batch, RowReader, StackedBatch, Unreadable
 from broker.api.session import RACE_RETRIES, DockSession
-from broker.connection import LAST_TRY_SECONDS, extend_call, waiting_call
+from broker.connection import LAST_TRY_SECONDS, call_deadline, extend_call, waiting_call
 from broker.control.scripts import AlreadyTaken, Handout, Selection, new_request_id, rows_of, runs_of
 from broker.errors import DecodeError, ExperienceTimeoutError, InvalidExperienceError
 
@@ -56,28 +57,14 @@ class Handouts:
     def __init__(self, session: DockSession, generation: Generation, reader: RowReader):
         self._s, self._generation, self._reader = session, generation, reader
 
-    def get(
-        self,
-        consumer: str,
-        experience_columns: Sequence[str] | None = None,
-        experience_count: int | None = None,
-        indexes: Sequence[int] | None = None,
-        get_n_samples: bool = True,
-        timeout: float | None = None,
-        policy: str | None = None,
-        lease: float | None = None,
-        *,
-        dp_size: int = 1,
-        balance: bool | Sequence[str] = False,
-        dp_padding: bool = False,
-        max_staleness: int | None = None,
-        stack: bool = False,
-    ) -> tuple[StackedBatch, list[int]] | tuple[None, None]:
-        """Hand rows to ``consumer`` (see ``TransferDock.get_experience``)."""
+    def get(self, request: GetRequest) -> tuple[StackedBatch, list[int]] | tuple[None, None]:
+        """Hand rows to ``request.consumer`` (see ``TransferDock.get_experience``)."""
+        consumer, indexes, timeout = request.consumer, request.indexes, request.timeout
         # The wait and every attempt end by ``timeout`` (see waiting_call and _wait); reading rows once
         # handed out, by call_timeout (see RowReader.read).
         with metrics.observe(self._s.name, "get") as call, waiting_call(timeout, self._s.call_timeout):
             self._s.check.consumer(consumer)
+            experience_columns = request.experience_columns
             if experience_columns is None:
                 experience_columns = self.consumer_columns(consumer)
             rollout = self._s.schema.rollout
@@ -90,13 +77,13 @@ class Handouts:
                 experience_columns = [c for c in experience_columns if c != AGE_COLUMN]
             columns = self._s.check.columns_to_read(experience_columns)
             check_timeout(timeout)
-            lease_ms = check_lease(lease)
-            groups = check_flag("get_n_samples", get_n_samples)
-            ranks = self._s.check.dp_size(dp_size)
-            weigh_by = self._s.check.balance(balance)
-            check_flag("dp_padding", dp_padding)
-            stack = check_flag("stack", stack)
-            staleness = self._generation.staleness(consumer, max_staleness)
+            lease_ms = check_lease(request.lease)
+            groups = check_flag("get_n_samples", request.get_n_samples)
+            ranks = self._s.check.dp_size(request.dp_size)
+            weigh_by = self._s.check.balance(request.balance)
+            dp_padding = check_flag("dp_padding", request.dp_padding)
+            stack = check_flag("stack", request.stack)
+            staleness = self._generation.staleness(consumer, request.max_staleness)
             got: tuple[Batch, list[int]] | None
             if generating and groups:
                 raise InvalidExperienceError(
@@ -110,11 +97,11 @@ class Handouts:
                         "(oldest first); explicit indexes are not supported for it"
                     )
                 rows = self._s.check.rows(indexes)
-                self._s.check.take_count(experience_count, rows)
+                self._s.check.take_count(request.experience_count, rows)
                 got = self._take_rows(consumer, columns, rows, lease_ms, timeout, call, stack)
             else:
-                count = self._s.check.sample_count(experience_count, groups)
-                policy = check_policy(policy or self._s.policy)
+                count = self._s.check.sample_count(request.experience_count, groups)
+                policy = check_policy(request.policy or self._s.policy)
                 weights = (weigh_by or list(self._s.schema.length_columns)) if policy == "seqlen" else []
                 select = self._generation.selection(consumer, groups, staleness)
                 sampler = self._sampler(consumer, columns, count, groups, policy, lease_ms, call, weights, select,
@@ -181,7 +168,8 @@ class Handouts:
             missing.clear()
             for _ in range(_FENCE_RETRIES):
                 token = "r" + new_request_id() if lease_ms else ""
-                got = self._s.scripts.take(consumer, columns, runs, lease_ms=lease_ms, token=token)
+                got = self._s.run(functools.partial(self._s.scripts.take, consumer, columns, runs, lease_ms=lease_ms,
+                                                    token=token))
                 if isinstance(got, dict):
                     for col, cells in got.items():  # the script goes by runs; report in the caller's order
                         unwritten = set(cells)
@@ -235,11 +223,11 @@ class Handouts:
                 request_id = new_request_id()
                 token = ("g" if groups else "r") + request_id if lease_ms else ""
                 seed = self._s.seeds.peek() if policy != "fifo" else 0  # "seqlen" may fall back to random
-                sampled = self._s.scripts.sample(
-                    consumer, status_columns, groups=groups, count=count, policy=policy, seed=seed,
-                    lease_ms=lease_ms, request_id=request_id, token=token,
-                    weigh_by=weigh_by, select=select,
-                )
+                sampled = self._s.run(functools.partial(
+                    self._s.scripts.sample, consumer, status_columns, groups=groups, count=count, policy=policy,
+                    seed=seed, lease_ms=lease_ms, request_id=request_id, token=token, weigh_by=weigh_by,
+                    select=select,
+                ))
                 if sampled.stale:
                     self._generation.discard_stale(list(sampled.stale), select.max_staleness)
                 handout = sampled.handout
@@ -280,7 +268,10 @@ class Handouts:
         the last one made at ``timeout`` too, has at least LAST_TRY_SECONDS to answer."""
         def attempt_in_time() -> T | None:
             extend_call(LAST_TRY_SECONDS)
-            return self._s.run(attempt)
+            # Each Redis call of the attempt goes through the session (``run``, ``write``, ``forget``) on its
+            # own; the attempt as a whole is bounded by call_timeout, as one call.
+            with call_deadline(self._s.call_timeout):
+                return attempt()
 
         return self._s.listener.wait(attempt_in_time, timeout, _RECHECK_SECONDS)
 

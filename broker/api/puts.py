@@ -1,36 +1,31 @@
-"""The put path, top to bottom: check the call, drop padding, add partial rollout's placeholders and flags,
-encode every value, check sizes, and hand the store one ``PutRequest`` (``data/store.py``), which writes
-the bytes and marks the rows ready through the scripts (``lua/put.lua``, or ``lua/mark.lua`` on data
-shards). Nothing is sent before everything is encoded: a bad tensor never leaves half a put.
+"""The put path, top to bottom and in one direction: check the call (``api/checks.py``: flags, delivery,
+rows with padding dropped, completion flags, columns, lengths), add partial rollout's placeholders, encode
+every value (``data/codec.py``), check the encoded sizes against the server's limit (``connection/sizes.py``),
+and hand the store one ``PutRequest`` (``data/slot_store.py`` or ``data/sharded_store.py``), which writes the
+bytes and marks the rows ready through the scripts (``lua/put.lua``, or ``lua/mark.lua`` on data shards).
+Nothing is sent before everything is encoded: a bad tensor never leaves half a put.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from broker.api import metrics
-from broker.api.checks import (
-    check_flag,
-    check_sizes,
-    check_version,
-    completion_flags,
-    drop_padding,
-    encode_column,
-    length_values,
-    unchecked_value,
-)
+from broker.api.checks import check_flag, check_version, completion_flags, length_values
 from broker.api.delivery import HandedRows, LeasedRows, check_delivery, fence_of, put_id
+from broker.api.dp_padding import drop_padding
 from broker.api.generation import Generation
 from broker.api.session import DockSession
-from broker.connection import Framed, sizes_unchecked, value_limit
+from broker.connection import Framed, check_sizes, sizes_unchecked, unchecked_value, value_limit
 from broker.connection.replication import REPEAT_SAFE, do_not_repeat
 from broker.control.schema import Schema
 from broker.control.scripts import Finish, rows_of, runs_of
 from broker.data import groups
+from broker.data.codec import encode_column
 from broker.data.requests import Encoded, PutRequest
 from broker.errors import InvalidExperienceError
 
@@ -52,19 +47,10 @@ class Puts:
     ) -> None:
         """Check, encode and write rows (see ``TransferDock.put_experience``)."""
         with metrics.observe(self._s.name, "put") as call:
-            check_flag("is_prompt", is_prompt)
-            check_flag("ack", ack)
-            version = None if version is None else check_version(version)
-            if delivery is None and isinstance(indexes, HandedRows):
-                delivery = indexes
-            if delivery is not None:
-                delivery = check_delivery(delivery)
-            shaped = self._shaped(data_dict, indexes, is_prompt, rollout_completed)
-            if shaped is None:
+            checked = self._checked(data_dict, indexes, is_prompt, rollout_completed, version, delivery, ack)
+            if checked is None:
                 return  # nothing but padding
-            data, rows, flags = shaped
-            self._s.check.data(data)
-            request = self._request(data, rows, flags, version, delivery, ack)
+            request = self._request(checked)
             repeat = REPEAT_SAFE
             if request.fence is not None and request.fence.token and ack:
                 repeat = do_not_repeat("it acked its lease, so a repeat is refused (FencedError)")
@@ -75,13 +61,23 @@ class Puts:
             with sizes_unchecked(unchecked_value(request.encoded, limit)):  # a size refused unseen is not resent
                 self._s.write("put", lambda: self._s.store.put(request), repeat=repeat, returns=False)
             if call.live:
-                call.rows, call.nbytes = len(rows), sum(len(v) for m in request.encoded.values() for v in m.values())
+                call.rows = len(checked.rows)
+                call.nbytes = sum(len(v) for m in request.encoded.values() for v in m.values())
 
-    def _shaped(
+    def _checked(
         self, data_dict: Mapping[str, Any], indexes: Sequence[int], is_prompt: bool, rollout_completed: Any,
-    ) -> tuple[Mapping[str, Any], list[int], list[bool] | None] | None:
-        """The columns to write, the rows (checked, padding dropped) and the completion flags; None if
-        the put held padding rows only. Partial rollout adds placeholders to a prompt's put."""
+        version: int | None, delivery: HandedRows | None, ack: bool,
+    ) -> _Checked | None:
+        """Every check of the call, before anything is encoded: the flags, the version, the delivery, the rows
+        (padding dropped), the completion flags, the columns (partial rollout's placeholders added to a
+        prompt's put) and the lengths; None if the put held padding rows only."""
+        check_flag("is_prompt", is_prompt)
+        check_flag("ack", ack)
+        version = None if version is None else check_version(version)
+        if delivery is None and isinstance(indexes, HandedRows):
+            delivery = indexes
+        if delivery is not None:
+            delivery = check_delivery(delivery)
         rollout = self._s.schema.rollout
         given = indexes
         if rollout_completed is not None:
@@ -106,13 +102,14 @@ class Puts:
                 f"dock {self._s.name!r} has partial rollout on: a put of response columns "
                 f"{[c for c in rollout.response_columns if c in data]} must give rollout_completed"
             )
-        return data, rows, flags
+        self._s.check.data(data)
+        lengths = {c: length_values(c, data[c], len(rows)) for c in self._s.schema.length_columns if c in data}
+        return _Checked(data, rows, flags, lengths, version, delivery, ack)
 
-    def _request(
-        self, data: Mapping[str, Any], rows: list[int], flags: list[bool] | None, version: int | None,
-        delivery: HandedRows | None, ack: bool,
-    ) -> PutRequest:
+    def _request(self, checked: _Checked) -> PutRequest:
         """Everything encoded, and the rows' lengths and flags in ascending row order (the scripts' order)."""
+        data, rows, flags, version, delivery, ack = (
+            checked.data, checked.rows, checked.flags, checked.version, checked.delivery, checked.ack)
         fields = [str(r) for r in rows]
         framed = self._s.frames  # large rows sent from the tensors' own memory (connection/framing.py)
         encoded: Encoded = {c: dict(zip(fields, encode_column(c, value, len(rows), framed=framed)))
@@ -120,11 +117,7 @@ class Puts:
                             else encode_group_column(c, value, rows, self._s.schema, framed)
                             for c, value in data.items()}
         in_run_order = sorted(range(len(rows)), key=rows.__getitem__)
-        lengths = {}
-        for c in self._s.schema.length_columns:
-            if c in data:
-                values = length_values(c, data[c], len(rows))
-                lengths[c] = [values[i] for i in in_run_order]
+        lengths = {c: [values[i] for i in in_run_order] for c, values in checked.lengths.items()}
         runs = runs_of(rows)
         finish = None
         if flags is not None or version is not None:
@@ -137,6 +130,18 @@ class Puts:
         if isinstance(delivery, LeasedRows) and ack:  # sent again, it writes only what did not land
             request = dataclasses.replace(request, resend_id=put_id(delivery, encoded, runs))
         return request
+
+
+class _Checked(NamedTuple):
+    """A put's call, checked whole (``Puts._checked``), not yet encoded."""
+
+    data: Mapping[str, Any]  #: column -> its rows, as given (placeholders added)
+    rows: list[int]  #: the rows, in the caller's order, padding dropped
+    flags: list[bool] | None  #: completion flags in the caller's order
+    lengths: dict[str, list[int]]  #: per length column written, its rows' lengths in the caller's order
+    version: int | None
+    delivery: HandedRows | None
+    ack: bool
 
 
 def encode_group_column(

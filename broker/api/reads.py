@@ -1,7 +1,7 @@
 """Reading the bytes of rows handed out, and what happens when they cannot be read.
 
 ``RowReader.read`` fetches the rows' bytes from the store and decodes them, or says a clear took some of
-them since the hand-out (the read fence: ``data/store.py`` and lua/include/generations.lua); rows whose
+them since the hand-out (the read fence: ``data/sharded_store.py`` and lua/include/generations.lua); rows whose
 bytes are corrupt or missing are given back and counted, and become dead letters after
 ``dead_letter_after`` deliveries (lua/release.lua).
 """
@@ -47,7 +47,7 @@ class RowReader:
         self, columns: list[str], rows: list[int], handout: Handout, call: metrics.Call, stack: bool = False,
     ) -> Batch | None:
         """The rows' bytes, decoded; None if a clear took any of them since ``handout`` handed them out
-        (the read fence: see ``data/store.py`` and lua/include/generations.lua). Rows whose bytes cannot be
+        (the read fence: see ``data/sharded_store.py`` and lua/include/generations.lua). Rows whose bytes cannot be
         read raise Unreadable, naming each of them; the caller gives the hand-out back.
 
         With ``stack``, a column whose rows stack is only checked here (every row, as decoding would) and

@@ -42,8 +42,9 @@ from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
 from broker.control.schema import Schema, fingerprint
 from broker.control.scripts import DockScripts, Forgot, read_pipeline
-from broker.control.scripts.functions import library_lost, load_library
-from broker.data.store import DataStore, ShardedStore, SlotStore, choose_shards
+from broker.data.sharded_store import ShardedStore, choose_shards
+from broker.data.slot_store import SlotStore
+from broker.data.store import DataStore
 from broker.errors import BrokerError, DecodeError, DockNotFoundError, InvalidExperienceError, SchemaError
 
 T = TypeVar("T")
@@ -230,7 +231,7 @@ class DockSession:
                 sent = getattr(self, "fingerprint", None)  # the schema held as the call went out
                 try:
                     with redis_errors(self.where):
-                        return busy_retried(lambda: self._library_kept(call))  # another client's long script: wait
+                        return busy_retried(call)  # another client's long script: wait
                 except SchemaError:
                     # Every script refuses to run on a schema other than the one this object knows, and runs
                     # nothing before it checks. If another process only grew the dock, adopt the grown schema
@@ -247,17 +248,6 @@ class DockSession:
                         unmoved += 1
                         if unmoved > RACE_RETRIES:
                             raise
-
-    def _library_kept(self, call: Callable[[], T]) -> T:
-        """``call``, run again once after loading the broker's function library where the server lost it
-        (FUNCTION FLUSH, a primary that never had it): the function did not run, so running it again is safe."""
-        try:
-            return call()
-        except redis.ResponseError as exc:
-            if not library_lost(exc) or not self.scripts.functions:
-                raise
-        load_library(self.client)
-        return call()
 
     def write(
         self, what: str, call: Callable[[], T], *, hands_out: bool = False, repeat: Repeat = REPEAT_SAFE,

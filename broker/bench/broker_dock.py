@@ -7,7 +7,6 @@ import redis
 from broker.api.dock import TransferDock
 from broker.bench.docks import SampleError, dock_target
 from broker.bench.workload import COLUMNS, Rows, Workload
-from broker.control.keys import DockKeys
 
 
 class BrokerDock:
@@ -48,7 +47,7 @@ def delete_dock(dock: TransferDock) -> None:
     try:
         dock.delete()
         try:
-            replies = list(client.scan_iter(match=DockKeys(dock.name).reply_pattern, count=1000))
+            replies = list(client.scan_iter(match=dock.keys.reply_pattern, count=1000))
         except redis.exceptions.NoPermissionError:
             replies = []
         for first in range(0, len(replies), 1000):

@@ -51,8 +51,7 @@ from broker.bench.inprocess import InProcessDock
 from broker.bench.pipeline import RunResult, run_pipeline
 from broker.bench.servers import admin, primaries, server_version
 from broker.bench.workload import Rows, Workload
-from broker.connection import Client
-from broker.control.keys import DockKeys
+from broker.ops.clients import Client
 
 #: What the client sends that commandstats charges once: the scripts (their inner commands included). SCRIPT
 #: LOAD, which a client sends to every primary on first use, is setup, not work per batch: left out.
@@ -160,7 +159,7 @@ class _Target:
             (lambda key: client.get_node_from_key(key).name) if isinstance(client, RedisCluster)
             else (lambda key: self.nodes[0][0])
         )
-        control = node_of(DockKeys(name).meta)
+        control = node_of(self.dock.dock.keys.meta)
         self.stats = {where: _Node(control=where == control) for where, _ in self.nodes}
         #: Per primary, the tensor bytes a pass moves through it: a sharded dock keeps group g on data shard
         #: g % S (store.py), an unsharded one everything in its own slot.

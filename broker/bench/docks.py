@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import numpy as np
 import redis
 
-from broker.api.batches import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
+from broker.adapters.mindspeed.padding import padding_dict_to_tensor_dict, remove_padding_tensor_dict_to_dict
 from broker.bench.workload import Rows, Workload
 
 

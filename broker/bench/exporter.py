@@ -22,9 +22,9 @@ from redis.cluster import RedisCluster
 from broker.api.dock import TransferDock
 from broker.bench.docks import dock_target
 from broker.bench.servers import admin, command_stats, delete_matching, key_count
-from broker.connection import Client
-from broker.control.keys import scan_pattern, shard_pattern
+from broker.ops.clients import Client
 from broker.ops.exporter import DockCollector
+from broker.ops.keys import dock_patterns
 
 
 class _CountingConnection(redis.Connection):
@@ -57,8 +57,8 @@ def scrape_cost(url: str, prefix: str, docks: int = 1000, scrapes: int = 30) -> 
         try:
             return _scrapes(url, client, names, scrapes)
         finally:
-            delete_matching(client, scan_pattern(f"{prefix}-*"))
-            delete_matching(client, shard_pattern(f"{prefix}-*"))
+            for pattern in dock_patterns(f"{prefix}-*"):
+                delete_matching(client, pattern)
 
 
 def _scrapes(url: str, admin: Client, names: list[str], scrapes: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 from broker.bench.large import ProcessActor
 from broker.bench.large_workload import GIB, LargeWorkload
 from broker.bench.servers import admin, is_cluster, used_memory
-from broker.connection import Client
+from broker.ops.clients import Client
 
 REDIS_SYSTEMS = ("broker", "redis-floor")
 LARGE_SYSTEMS = ("broker", "redis-floor", "transferqueue")

@@ -17,7 +17,7 @@ from broker.bench.docks import BenchDock
 from broker.bench.pipeline import run_pipeline
 from broker.bench.servers import admin, used_memory
 from broker.bench.workload import Workload
-from broker.connection import Client
+from broker.ops.clients import Client
 
 
 def _key_usage(client: Client, patterns: tuple[str, ...]) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from broker.api.batches import (
+from broker.adapters.mindspeed.padding import (
     padding_dict_to_tensor_dict,
     remove_padding_tensor_dict_to_dict,
     trans_input_to_experience,

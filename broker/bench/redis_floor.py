@@ -13,7 +13,7 @@ import torch
 
 from broker.bench.docks import LocalStatus, dock_target
 from broker.bench.workload import COLUMNS, DTYPES, Rows, Workload
-from broker.connection import connect, disconnect
+from broker.ops.clients import connect, disconnect
 
 
 class RedisFloorDock:

@@ -16,11 +16,12 @@ from broker import __version__
 from broker.bench.docks import BenchDock
 from broker.bench.options import CLUSTER_REPEAT, MODES, REPEAT
 from broker.bench.pipeline import RunResult, run_pipeline
-from broker.bench.report import json_line, table, targets
+from broker.bench.report import json_line, table
 from broker.bench.servers import admin, is_cluster, primaries, server_version
+from broker.bench.targets import targets
 from broker.bench.workload import Checksums, Workload
-from broker.connection import redact
-from broker.control.keys import scan_pattern, shard_pattern
+from broker.ops.clients import redact
+from broker.ops.keys import dock_patterns
 
 
 def _say(text: str) -> None:
@@ -298,7 +299,7 @@ def _modes(args: argparse.Namespace, selected: list[str], url: str, prefix: str,
         opened = openers(url, prefix, workload)
         report["memory"] = measure(url, workload, {
             # A sharded dock's bytes are under its data shards' tags, {NAME~S}: the second pattern.
-            "broker": (opened["broker"], (scan_pattern(f"{prefix}-broker"), shard_pattern(f"{prefix}-broker"))),
+            "broker": (opened["broker"], dock_patterns(f"{prefix}-broker")),
             "redis-floor": (opened["redis-floor"], (f"bench:{{{prefix}-floor}}:*",)),
         })
     if args.fencing:

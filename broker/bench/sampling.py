@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from broker import Rollout
 from broker.api.checks import POLICIES as ALL_POLICIES
 from broker.api.dock import TransferDock
 from broker.bench.broker_dock import delete_dock
 from broker.bench.docks import dock_target
 from broker.bench.servers import command_stats
-from broker.connection import Client, connect, disconnect
-from broker.control.rollout import Rollout
+from broker.ops.clients import Client, connect, disconnect
 
 #: The benchmark's dock has no length columns, so "seqlen" would be the random policy again.
 POLICIES = tuple(p for p in ALL_POLICIES if p != "seqlen")

@@ -1,6 +1,6 @@
 """The servers behind a benchmark URL, for its admin reads: one Redis, or every primary of a Redis Cluster.
 
-A URL naming a cluster node opens a ``RedisCluster`` (``broker.connection.connect``); the figures the
+A URL naming a cluster node opens a ``RedisCluster`` (``broker.ops.clients.connect``); the figures the
 benchmark reads from the server (``used_memory``, key counts, ``INFO commandstats``) are then summed
 over the primaries, since each holds only its slots' keys and runs only their commands.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from broker.connection import Client, connect, disconnect
+from broker.ops.clients import Client, connect, disconnect
 
 
 @contextlib.contextmanager

@@ -88,24 +88,24 @@ def _hostile(url: str, dock: str, pause: float, stop: Flag, out: str) -> None:
     import torch
 
     from broker import TransferDock
-    from broker.control.keys import DockKeys
+    from broker.ops.keys import meta_key
 
     met: Counter[str] = Counter()
     client = redis.Redis.from_url(url, socket_timeout=30)
-    keys = DockKeys(dock)
-    client.delete(keys.meta)  # its dock afresh: the last round left garbage in its meta
+    meta = meta_key(dock)
+    client.delete(meta)  # its dock afresh: the last round left garbage in its meta
     quota_dock = TransferDock(url, dock, prompts_num=4, n_samples_per_prompt=1, columns=["blob"],
                               consumers=["c"], shards=0)
     quota_dock.set_quota(HOSTILE_PUT_BYTES // 2)
-    columns = client.hget(keys.meta, "columns")
+    columns = client.hget(meta, "columns")
     blob = torch.zeros(HOSTILE_PUT_BYTES // 4, dtype=torch.float32)
 
     def garbage_meta() -> None:
         # Its own dock unreadable for a while (the exporter must show it down, and only it), then mended, so
         # that its puts go on meeting the quota.
-        client.hset(keys.meta, "columns", "[" * 100_000)
+        client.hset(meta, "columns", "[" * 100_000)
         time.sleep(pause)
-        client.hset(keys.meta, "columns", columns)
+        client.hset(meta, "columns", columns)
 
     raw = b"x" * HOSTILE_PUT_BYTES
     attempts: list[tuple[str, Callable[[], Any]]] = [
@@ -114,8 +114,8 @@ def _hostile(url: str, dock: str, pause: float, stop: Flag, out: str) -> None:
         ("function load", lambda: client.execute_command(
             "FUNCTION", "LOAD", "#!lua name=h\nredis.register_function('h', function() while true do end end)")),
         ("put past its quota", lambda: quota_dock.put_experience({"blob": blob.reshape(1, -1)}, indexes=[0])),
-        ("raw hset of its own key", lambda: (client.hset(keys.data("junk"), "0", raw),
-                                             client.delete(keys.data("junk")))),
+        ("raw hset of its own key", lambda: (client.hset(quota_dock.keys.data("junk"), "0", raw),
+                                             client.delete(quota_dock.keys.data("junk")))),
         ("garbage meta", garbage_meta),
         ("stray dock key", lambda: client.hset(f"td:{{{dock}~x}}:meta", "columns", "[" * 100_000)),
     ]
@@ -176,25 +176,24 @@ def run_tenants(url: str, prefix: str, cfg: TenantsConfig) -> dict[str, Any]:
     """Run the rounds on the server of ``url`` (an administrator's: it makes the users, and deletes them and
     their keys after); the report, ``ok`` saying whether every check held."""
     from broker.bench.concurrent import context
-    from broker.control.keys import DockKeys
-    from broker.control.scripts.functions import load_library, uses_functions
+    from broker.ops.acl import load_functions
     from broker.ops.exporter import serve
+    from broker.ops.keys import meta_key
 
     admin = redis.Redis.from_url(url)
     if admin.info("cluster").get("cluster_enabled"):
         admin.close()
         raise Unsupported("the tenants soak runs on one server: its ACL users would be made on one node of the "
                           "cluster only")
-    if not uses_functions(admin):
+    if not load_functions(admin):
         admin.close()
         raise Unsupported("the tenants soak needs Redis 7's functions: on Redis 6.2 a worker may run any Lua, "
                          "and one tenant stalls all (docs/operations.md: 6.2 is for trusted tenants only)")
-    load_library(admin)
     urls = _users(admin, prefix, url)
     normal, hostile = f"{prefix}-normal", f"{prefix}-hostile"
     exporter = serve(redis.Redis.from_url(urls["reader"]), where="reader", port=0, addr="127.0.0.1",
                      rescan_seconds=1.0)
-    scraper = _Scraper(exporter.server_port, normal, admin, DockKeys(normal).meta)
+    scraper = _Scraper(exporter.server_port, normal, admin, meta_key(normal))
     ctx = context()
     folder = Path(tempfile.mkdtemp(prefix="broker-tenants-"))
     soak = SoakConfig(clients=cfg.clients, seconds=cfg.seconds, leases=True, seed=cfg.seed)

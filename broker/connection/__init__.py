@@ -7,8 +7,8 @@ Each module holds one concern; each imports only those above it (no cycles):
 - ``deadlines.py``: a call's bound, per thread: ``call_deadline``, ``extend_call``, ``waiting_call``,
   ``time_left``, ``slow_reply``, ``in_thread`` (a call's bound carried to a helper thread), and
   ``_DeadlinePassed``, the error of a call cut by it.
-- ``sizes.py``: the largest value a server takes (``value_limit``), and puts sent without knowing it
-  (``sizes_unchecked``).
+- ``sizes.py``: the largest value a server takes (``value_limit``), a put's values checked against it
+  (``check_sizes``), and puts sent without knowing it (``sizes_unchecked``, ``unchecked_value``).
 - ``framing.py``: ``Framed``, a large value sent from its own buffers (no copy into the command), and the
   scatter-gather send.
 - ``replies.py``: replies read off a pooled connection by the caller, large values straight into its buffers
@@ -29,8 +29,8 @@ The order, each line importing only from the lines above it::
 
     client
     deadlines
-    sizes        <- client, deadlines
     framing
+    sizes        <- client, deadlines, framing
     sockets      <- client, deadlines, sizes, framing
     retries      <- deadlines
     pools        <- deadlines, sockets
@@ -61,7 +61,14 @@ from broker.connection.deadlines import (
 from broker.connection.framing import Framed
 from broker.connection.retries import busy_retried, default_retry
 from broker.connection.shared import connect, default_url, disconnect
-from broker.connection.sizes import MIN_VALUE_LIMIT, ValueLimit, sizes_unchecked, value_limit
+from broker.connection.sizes import (
+    MIN_VALUE_LIMIT,
+    ValueLimit,
+    check_sizes,
+    sizes_unchecked,
+    unchecked_value,
+    value_limit,
+)
 from broker.connection.sockets import frames
 from broker.connection.translate import bounded, elide_values, redis_errors, script_error
 from broker.connection.urls import redact, uncarried
@@ -78,6 +85,7 @@ __all__ = [
     "call_deadline",
     "connect",
     "busy_retried",
+    "check_sizes",
     "default_retry",
     "default_url",
     "disconnect",
@@ -89,6 +97,7 @@ __all__ = [
     "script_error",
     "sizes_unchecked",
     "time_left",
+    "unchecked_value",
     "uncarried",
     "value_limit",
     "waiting_call",

@@ -16,7 +16,7 @@ write the node applied before it, the call's own included.
 Which calls wait: every call that writes, through one place in the dock (``TransferDock._replicated``),
 after its writes were applied: on the control slot's node, and on the data shards' nodes where the call
 wrote or deleted bytes (a put, a clear or drop on a sharded dock, ``delete``). A sharded put also waits
-for the shards' replicas before it marks its rows ready (see data/store.py). Two outcomes of a shortfall:
+for the shards' replicas before it marks its rows ready (see data/sharded_store.py). Two outcomes of a shortfall:
 
 - A call that hands something out (``get_experience``, ``prefetch_request_index``, ``reserve_groups``)
   logs it and returns what it handed out: raising would lose rows (or groups, or cursor positions)

@@ -1,17 +1,20 @@
 """The largest value a server takes in one command argument (``value_limit``, read once per client), and the
-puts sent without knowing it (``sizes_unchecked``), whose commands the bounded connections (sockets.py) watch."""
+puts sent without knowing it (``sizes_unchecked``), whose commands the bounded connections (sockets.py) watch;
+a put's encoded values checked against it before anything is sent (``check_sizes``, ``unchecked_value``)."""
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import redis
 
 from broker.connection.client import Client
 from broker.connection.deadlines import _bounds
+from broker.connection.framing import Framed
+from broker.errors import ExperienceTooLargeError
 
 #: Redis's defaults for the two limits on one value sent to it, used where CONFIG GET is refused
 #: (ACL users confined to a dock are not granted CONFIG: it would show them the server's settings).
@@ -56,6 +59,28 @@ def value_limit(client: Client) -> ValueLimit:
         setting = min(limits, key=lambda name: limits[name])
         known = _value_limits[client] = ValueLimit(limits[setting], setting, read)
     return known
+
+
+def check_sizes(encoded: Mapping[str, Mapping[str, bytes | Framed]], limit: int, setting: str) -> None:
+    """Every encoded value of a put fits in one Redis value (``limit`` bytes, from server ``setting``)."""
+    for col, values in encoded.items():
+        for field, value in values.items():
+            if len(value) > limit:
+                raise ExperienceTooLargeError(
+                    f"column {col!r}, row {field}: {len(value):,} bytes encoded, more than the {limit:,} "
+                    f"the Redis server takes in one value ({setting}); nothing was written. Split the row, "
+                    f"or raise {setting} on the server"
+                )
+
+
+def unchecked_value(encoded: Mapping[str, Mapping[str, bytes | Framed]], limit: ValueLimit) -> str | None:
+    """The largest value of a put if the server might refuse its size unseen (its limits could not be read,
+    and it is longer than any server must take), described for an error message; else None."""
+    if limit.read:
+        return None
+    values = ((len(v), c, f) for c, by_field in encoded.items() for f, v in by_field.items())
+    size, col, field = max(values, default=(0, "", ""))
+    return f"column {col!r}, row {field}: {size:,} bytes encoded" if size > MIN_VALUE_LIMIT else None
 
 
 @contextlib.contextmanager

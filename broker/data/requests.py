@@ -49,6 +49,12 @@ class PutRequest:
     #: short (its time bound, its connection) writes only the slices that did not land.
     resend_id: str | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the values the put's HSETs write, tails included (what the dock's quota counts)."""
+        return (sum(len(v) for values in self.encoded.values() for v in values.values())
+                + sum(len(v) for values in self.tails.values() for v in values.values()))
+
 
 def step_id(request_id: str, runs: Sequence[int]) -> str:
     """The request id of the step of put ``request_id`` writing rows ``runs`` (a slice): a put cut the same

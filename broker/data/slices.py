@@ -9,17 +9,19 @@ A slice holds whole groups (rows ``[g*n, (g+1)*n)`` of the put): a reader sampli
 finds a group half written by one put. Each slice is a complete put of its rows: its own check (the
 fence), marks, completion flags and request id, and with ``ack`` it ends the lease of its own rows:
 a row is acked in the step that writes its result, and rows of a slice that did not land stay leased,
-to be handed out again.
+to be handed out again. What of a put in slices landed is said from each slice's ``Outcome`` (``said_landed``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TypeVar
 
 from broker.control.keys import group_field
 from broker.control.scripts import Finish, rows_of, runs_of
 from broker.data.requests import PutRequest
+from broker.data.store import few
 
 V = TypeVar("V")
 
@@ -111,3 +113,25 @@ def _part(put: PutRequest, rows: list[int], first: int, end: int, n: int) -> Put
 def _only(per_column: dict[str, dict[str, V]], fields: list[str]) -> dict[str, dict[str, V]]:
     """Each column's values of ``fields`` (those it has)."""
     return {c: {f: mapping[f] for f in fields if f in mapping} for c, mapping in per_column.items()}
+
+
+class Unknown:
+    """The outcome of a slice not sent yet (``UNSENT``), or sent and whose reply has not come (``UNKNOWN``)."""
+
+
+UNSENT, UNKNOWN = Unknown(), Unknown()
+
+#: The outcome of one slice: its error, None if it landed, or not known (yet).
+Outcome = BaseException | None | Unknown
+
+
+def said_landed(parts: Sequence[PutRequest], outcomes: Sequence[Outcome], *, cut: bool) -> str:
+    """What of a put in slices ``parts`` landed, by their ``outcomes``: the rows that did, whole, and (``cut``: the
+    put was cut short) those whose slices' replies did not come."""
+    landed = sorted(r for part, o in zip(parts, outcomes) if o is None for r in rows_of(part.runs))
+    unknown = sorted(r for part, o in zip(parts, outcomes) if o is UNKNOWN for r in rows_of(part.runs))
+    said = f"rows {few(landed)} of this put landed, whole, in its slices" if landed else "no slice of this put landed"
+    if cut and unknown:
+        said += f"; whether rows {few(unknown)} did is not known (their slices' replies did not come)"
+    return said
+

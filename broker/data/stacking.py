@@ -2,7 +2,7 @@
 
 ``decode_rows`` (codec.py) gives one tensor per row, views on one joined copy of the reply. A caller
 that wants the batch as one tensor would stack them: a second copy and a tensor per row on the way.
-Here the rows are checked first, all of them, with ``decode``'s checks (codec's prefix caches make that
+Here the rows are checked first, all of them, with ``decode``'s checks (row_header's prefix caches make that
 a dict lookup per row), and only then is the result allocated once and each row's payload copied from
 the reply bytes into its slice: one copy, no per-row tensor, no joined buffer. Checking everything
 before allocating is what lets a get give back unreadable rows exactly as the list form does
@@ -29,7 +29,7 @@ import redis
 import torch
 
 from broker.connection.replies import RespReader
-from broker.data import codec, fit
+from broker.data import codec, fit, row_header
 from broker.errors import DecodeError
 
 
@@ -51,7 +51,7 @@ def checked_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) ->
     out: list[Checked] = []
     guess = 32  # the prefix length of the last row; the common one for 1-d tensors
     for value, field in zip(values, fields):
-        layout = codec.tensor_layout(value, guess, where, field)
+        layout = row_header.tensor_layout(value, guess, where, field)
         if layout is None:
             return None
         guess = layout[0]
@@ -253,12 +253,12 @@ def _stacking_layout(
     ``head``, ``value`` may also be a cut row's head (data/fit.py), whose prefix alone is checked here:
     its payload is checked whole once its tail is in."""
     if head and fit.whole_of_head(value, len(value)) is not None:
-        layout = codec.prefix_layout(value)
+        layout = row_header.prefix_layout(value)
         if layout is not None:
             start, dtype, shape, whole = layout
             return None if dtype is torch.bool or start > _HEAD or start == whole else (start, dtype, shape)
     try:
-        found = codec.tensor_layout(value, 32, where, field)
+        found = row_header.tensor_layout(value, 32, where, field)
     except DecodeError:
         return None  # the usual decoding names it
     if found is None or found[1] is torch.bool or len(value) == found[0] or found[0] > _HEAD:

@@ -23,7 +23,9 @@ SSUBSCRIBE by waiting readers), which Redis 6.2 does not know: ``redis7=False`` 
 
 from __future__ import annotations
 
+from broker.connection import Client
 from broker.control.keys import PREFIX, DockKeys, shard_pattern
+from broker.control.scripts.functions import load_library, uses_functions
 
 #: Commands sent by the client (dock methods and redis-py's connection set-up).
 CLIENT_COMMANDS = (
@@ -132,3 +134,13 @@ def select_rules(db: int, cluster: bool = False) -> list[str]:
         raise ValueError(f"database {db!r}: " + ("a Redis Cluster has database 0 only" if cluster and db
                                                  else "a database number is an int >= 0"))
     return [f"+select|{db}"] if db else []
+
+
+def load_functions(client: Client) -> bool:
+    """Load the broker's function library, which a worker confined by ``worker_rules`` runs but may not load
+    (``broker functions``; on every primary of a cluster). False, loading nothing, where the server has no
+    functions (Redis 6.2: workers run the scripts with EVALSHA, see ``FUNCTION_COMMANDS``)."""
+    if not uses_functions(client):
+        return False
+    load_library(client)
+    return True

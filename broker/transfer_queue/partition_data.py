@@ -14,7 +14,7 @@ from broker.api.delivery import HandedRows, fenced_handout
 from broker.api.dock import TransferDock
 from broker.connection import MIN_VALUE_LIMIT, Client, call_deadline, value_limit
 from broker.control.scripts import Handout
-from broker.control.scripts.pipelines import read_pipeline
+from broker.control.scripts.runner import read_pipeline
 from broker.errors import BrokerError, ExperienceTooLargeError
 from broker.transfer_queue.keys import SystemKeys
 from broker.transfer_queue.names import dock_name_of

@@ -18,7 +18,7 @@ then              the generation status: td:{NAME}:finished, gfinished, rfinishe
                   td:{NAME}:gbatch
 ARGV[2..6]        k, m, n_samples_per_prompt, L, A
 
-On a sharded dock (its meta has a non-empty "shards" field, see broker/data/store.py) the bytes live on other
+On a sharded dock (its meta has a non-empty "shards" field, see broker/data/sharded_store.py) the bytes live on other
 slots, which no script may touch: the data keys above are then the dock's unused one-slot data hashes
 (always empty), and forget_rows records each forgotten row with the generation its bytes were written
 under; `forgotten_reply` hands them to the client, which deletes those bytes from the data shards.
@@ -29,7 +29,7 @@ rows deletes a group's field once no row of the group is ready in that column an
 forgotten rows' ready bits were cleared), so a clear of some rows of a group keeps the bytes the others
 read, and a clear of all n (or of the last ready ones) deletes them. Why no row is ever ready without them:
 - a put on one slot is one MULTI (put.lua marks its rows, then the HSET of the group's field: see
-  broker/data/store.py), and this script is atomic: a clear runs wholly before or after a put. Before:
+  broker/data/slot_store.py), and this script is atomic: a clear runs wholly before or after a put. Before:
   the put writes the field and marks its rows after the clear deleted it. After: the put's rows are
   ready, so the field stays unless the clear forgot each of them (then none is ready, nobody reads it);
 - a row ready in a column holds bytes there, and nothing but a forget clears a ready bit of a group

@@ -22,14 +22,21 @@ durability); the attribute ``empty_wait`` bounds how long a sampling call that f
 for a put (default 0.05 s). Where MindSpeed's behaviour is a defect, ours differs deliberately: each
 difference and its reason is in docs/mindspeed.md ("Deliberate differences from MindSpeed-RL").
 
-Modules: ``metric`` (``Metric``), ``helpers`` (batch format, indexes, errors), ``docked`` (what the two
-classes share), ``grpo_transfer_dock``, ``transfer_queue_client`` and ``defaults`` (MindSpeed's names).
+Modules: ``metric`` (``Metric``), ``padding`` (MindSpeed's padded batches: ``padding_dict_to_tensor_dict``,
+``remove_padding_tensor_dict_to_dict``, ``trans_input_to_experience``, also exported here), ``helpers`` (batch
+format, indexes, errors), ``docked`` (what the two classes share), ``grpo_transfer_dock``,
+``transfer_queue_client`` and ``defaults`` (MindSpeed's names).
 Every call goes through the native dock's public API (``broker.TransferDock``).
 """
 
 from broker.adapters.mindspeed.defaults import DEFAULT_COLUMNS, DEFAULT_CONSUMERS, DEFAULT_TOPIC
 from broker.adapters.mindspeed.grpo_transfer_dock import GRPOTransferDock
 from broker.adapters.mindspeed.metric import Metric
+from broker.adapters.mindspeed.padding import (
+    padding_dict_to_tensor_dict,
+    remove_padding_tensor_dict_to_dict,
+    trans_input_to_experience,
+)
 from broker.adapters.mindspeed.transfer_queue_client import TransferQueueClient, get_transfer_queue_client
 
 __all__ = [
@@ -40,4 +47,7 @@ __all__ = [
     "Metric",
     "TransferQueueClient",
     "get_transfer_queue_client",
+    "padding_dict_to_tensor_dict",
+    "remove_padding_tensor_dict_to_dict",
+    "trans_input_to_experience",
 ]

@@ -12,10 +12,11 @@ import torch
 from broker.adapters.mindspeed.defaults import COMPLETED, RESPONSE_COLUMNS, SEQLEN_BALANCED
 from broker.adapters.mindspeed.helpers import as_dict, bad, int_rows, narrowed
 from broker.adapters.mindspeed.metric import Metric
-from broker.api.batches import remove_padding_tensor_dict_to_dict
-from broker.api.checks import PAD_INDEX, check_durability, check_lease, drop_padding, is_int
+from broker.adapters.mindspeed.padding import remove_padding_tensor_dict_to_dict
+from broker.api.checks import check_durability, check_lease, is_int
 from broker.api.delivery import HandedRows, LeasedRows
 from broker.api.dock import TransferDock
+from broker.api.dp_padding import PAD_INDEX, drop_padding
 from broker.errors import FencedError, InvalidExperienceError, UnknownColumnError, UnknownConsumerError
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from broker.adapters.mindspeed.defaults import RESPONSE_COLUMNS, ROLLOUT_CONSUMER
-from broker.api.batches import ORIGINAL_LENGTH_KEY, padding_dict_to_tensor_dict
+from broker.adapters.mindspeed.padding import ORIGINAL_LENGTH_KEY, padding_dict_to_tensor_dict
 from broker.api.checks import is_int
 from broker.control.rollout import Rollout
 from broker.errors import BrokerError, InvalidExperienceError, RowIndexError

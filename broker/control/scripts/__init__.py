@@ -1,7 +1,7 @@
 """The control plane's scripts: the Lua files of ``lua/``, one per atomic operation, and one typed wrapper per
 script. Everything they touch lives in the dock's own slot ``{NAME}`` (status bitmaps, leases, replies); the
-row bytes are the data plane's (``broker.data.store``), which a script reaches only when the dock keeps them
-in its own slot too.
+row bytes are the data plane's (``broker.data.slot_store``, ``broker.data.sharded_store``), which a script
+reaches only when the dock keeps them in its own slot too.
 
 Each wrapper is the single place that knows its script's contract: it builds the KEYS and ARGV in the order
 the script's header gives, and turns the reply into Python values. The dock calls only these, through one
@@ -26,7 +26,8 @@ are its own, wrapped in the slice and registered with ``loader.register_scripts`
 Beside them: ``functions`` (on Redis 7 the scripts run as one function library: FCALL, which confined
 workers are granted instead of EVAL; EVALSHA elsewhere), ``loader`` (which file each script is, where
 ``lua/`` is, includes, request ids, the slices' scripts), ``base`` (the loaded scripts and how a wrapper runs one),
-``pipelines`` (running queued scripts when the server lost them) and ``results`` (the values the wrappers
+``runner`` (the one owner of a server that lost the scripts: loaded again and resent only when the
+script did not run; pipelines of scripts) and ``results`` (the values the wrappers
 return, and row runs).
 """
 
@@ -41,7 +42,6 @@ from broker.control.scripts.loader import (
     new_request_id,
     script_text,
 )
-from broker.control.scripts.pipelines import read_pipeline, run_pipeline, scripts_lost
 from broker.control.scripts.results import (
     AlreadyTaken,
     Fence,
@@ -57,6 +57,7 @@ from broker.control.scripts.results import (
     rows_of,
     runs_of,
 )
+from broker.control.scripts.runner import load_scripts, read_pipeline, resent_once, run_pipeline, scripts_lost
 from broker.control.scripts.status import StatusScript
 
 __all__ = [
@@ -78,9 +79,11 @@ __all__ = [
     "Selection",
     "StatusScript",
     "expand_includes",
+    "load_scripts",
     "lua_dir",
     "new_request_id",
     "read_pipeline",
+    "resent_once",
     "rows_of",
     "run_pipeline",
     "scripts_lost",

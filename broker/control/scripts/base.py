@@ -12,13 +12,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import redis
 from redis.client import Pipeline
 
 from broker.connection import Client
 from broker.control.keys import DockKeys
 from broker.control.schema import Schema
-from broker.control.scripts.functions import function_name, library_lost, load_library, uses_functions
+from broker.control.scripts.functions import function_name, uses_functions
 from broker.control.scripts.loader import (
     ALLOW_OOM,
     REPLY_TTL_MS,
@@ -27,6 +26,7 @@ from broker.control.scripts.loader import (
     new_request_id,
     script_text,
 )
+from broker.control.scripts.runner import load_scripts, resent_once
 from broker.control.scripts.status import StatusScript
 
 
@@ -66,16 +66,11 @@ class ScriptsBase:
         return uses_functions(self._client)
 
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        if not self.functions:
-            return self._scripts[name](keys, args)  # a Script loads itself again where the server lost it
+        """Run script ``name`` now: FCALL or EVALSHA, the script (or the library) loaded again and the call
+        resent where the server lost it (``runner.py``: it did not run)."""
         command = self._command(name, keys, args)
-        try:
-            return self._client.execute_command(*command)  # type: ignore[no-untyped-call]
-        except redis.ResponseError as exc:
-            if not library_lost(exc):
-                raise
-        load_library(self._client)  # lost (FUNCTION FLUSH, a new primary): the function did not run
-        return self._client.execute_command(*command)  # type: ignore[no-untyped-call]
+        return resent_once(lambda: self._client.execute_command(*command),  # type: ignore[no-untyped-call]
+                           lambda: load_scripts(self._client, [self._scripts[name].script]))
 
     def _once(self, name: str, keys: list[str], args: list[Any], request_id: str | None = None) -> Any:
         """Run a script that keeps its reply for resends of the call (lua/include/once.lua): the reply key
@@ -100,18 +95,13 @@ class ScriptsBase:
 
     def _queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
         # EVALSHA sent as is rather than through Script(client=pipe), which costs a SCRIPT EXISTS round
-        # trip per call; run_pipeline loads the script and repeats the pipeline on NOSCRIPT.
+        # trip per call; run_pipeline loads the scripts and repeats the pipeline where the server lost them.
         pipe.execute_command(*self._command(name, keys, args))
 
     def load_all(self, client: Client) -> None:
-        """Load every script (after a NOSCRIPT inside a MULTI, where redis-py does not do it), or the function
-        library (after a FUNCTION FLUSH)."""
-        if self.functions:
-            load_library(client)
-            return
-        for script in self._scripts.values():
-            client.script_load(script.script)
-        StatusScript.load(client)
+        """Load every script, or the function library, where the server lost them (the ``load`` of the
+        pipelines of ``runner.py``)."""
+        load_scripts(client, [*(script.script for script in self._scripts.values()), StatusScript.text])
 
     def _consumer_keys(self, consumer: str) -> list[str]:
         k = self._keys

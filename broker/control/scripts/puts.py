@@ -1,4 +1,5 @@
-"""The puts family: the steps of a put that mark rows written (its bytes go through ``broker.data.store``).
+"""The puts family: the steps of a put that mark rows written (its bytes go through ``broker.data.slot_store`` or
+``broker.data.sharded_store``).
 
 - on one slot, one MULTI: a bar on the HSETs (plain commands), lua/put.lua (check, lift the bar, mark), the
   HSETs, then the bar undone where it stayed (``bar``, ``put``, ``unbar``; see lua/put.lua);
@@ -53,6 +54,31 @@ class PutScripts(ScriptsBase):
     def landed(reply: object) -> bool:
         """Whether ``lands``'s reply says the bar was lifted."""
         return reply not in (b"string", "string")
+
+    @classmethod
+    def verdict(cls, replies: list[Any], columns: int) -> Any:
+        """put.lua's reply among the EXEC replies of a put on one slot of ``columns`` columns (after ``bar``'s)."""
+        return replies[cls.barred_commands(columns)]
+
+    @classmethod
+    def outcome(cls, replies: list[Any], columns: int) -> BaseException | None:
+        """The error of a put on one slot of ``columns`` columns from its EXEC replies (``bar``, put.lua,
+        ``lands``, the HSETs, ``unbar``: see lua/put.lua), or None if it landed.
+
+        put.lua's reply is the verdict: an error (refused, fenced, or the script not run: NOSCRIPT, a lost
+        function library) or the put's counts, kept ones for a resend. Only where it lifted the bar did the
+        HSETs write, and can have failed of their own; where the bar stayed they fail by design. The bar's
+        RENAMEs and GETDELs answer errors where there is nothing to move, which change nothing.
+        """
+        barred = cls.barred_commands(columns)
+        verdict, lands = cls.verdict(replies, columns), replies[barred + 1]
+        if isinstance(verdict, Exception):
+            return verdict
+        if cls.landed(lands):
+            for reply in replies[barred + 2 : len(replies) - barred]:
+                if isinstance(reply, Exception):
+                    return reply
+        return None
 
     def put(
         self, pipe: Pipeline, columns: Sequence[str], runs: Sequence[int], lengths: dict[str, list[int]],

@@ -10,8 +10,9 @@ from redis.client import Pipeline
 from broker.connection import Client
 from broker.control.keys import DockKeys
 from broker.control.schema import Schema
-from broker.control.scripts.functions import function_name, load_library, uses_functions
+from broker.control.scripts.functions import function_name
 from broker.control.scripts.loader import script_text
+from broker.control.scripts.runner import load_scripts
 
 
 class StatusScript:
@@ -65,8 +66,6 @@ class StatusScript:
 
     @classmethod
     def load(cls, client: Client) -> None:
-        """Load the script where the server lost it, or the library (``functions.py``) where it has none."""
-        if uses_functions(client):
-            load_library(client)
-        else:
-            client.script_load(cls.text)
+        """Load the script where the server lost it, or the library (``functions.py``) where it has none: the
+        ``load`` of the status pipelines (``runner.run_pipeline``)."""
+        load_scripts(client, [cls.text])
