@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BROKER = Path(__file__).resolve().parent.parent / "broker"
+BROKER = Path(__file__).resolve().parents[2] / "broker"
 
 #: Plane -> the planes its modules may import (besides their own). "face" is broker/__init__.py and the
 #: old import paths kept for users' code; "cli" is the ``broker`` command.
