@@ -144,12 +144,22 @@ def test_every_test_file_is_in_the_layout_of_the_tests():
     """docs/development.md's table of the tests names every tests/FOLDER/test_*.py in its folder's row (and no
     file that is gone); no test file lies at tests/ itself or in a folder the table has no row for."""
     text = (DOCS / "development.md").read_text(encoding="utf-8")
-    section = text[text.index("## Layout of the tests"):text.index("## The Lua scripts")]
+    section = text[text.index("## Layout of the tests"):text.index("## Where the time goes")]
     rows = re.findall(r"^\| `tests/(\w+)/` \|(.*)\|\s*$", section, re.MULTILINE)
     listed = {f"{folder}/{name}" for folder, cells in rows for name in re.findall(r"`(test_\w+\.py)`", cells)}
     present = {p.relative_to(ROOT / "tests").as_posix() for p in (ROOT / "tests").rglob("test_*.py")}
     assert listed == present, (f"missing from the table (or in another folder than its row's): "
                                f"{sorted(present - listed)}; in the table but not there: {sorted(listed - present)}")
+
+
+def test_the_readme_test_command_is_the_one_ci_runs():
+    """The README's test command is, verbatim, a line of .ci/run: CI runs what a developer is told to run."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Run the tests"):]
+    command = re.search(r"^```bash\n(.+)$", section, re.MULTILINE)
+    assert command, "no bash block under the README's 'Run the tests'"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert command.group(1) in ci, f".ci/run does not run the README's test command {command.group(1)!r}"
 
 
 def write_key_table() -> None:
