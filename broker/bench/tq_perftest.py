@@ -56,7 +56,7 @@ PERFTEST = Path("scripts/performance_test/perftest.py")
 CONFIG = Path("transfer_queue/config.yaml")
 
 #: The only edits that make a TransferQueue script use the broker: the package name in its imports (the
-#: same edits as tests/test_tq_tutorials.py makes to the tutorials).
+#: same edits as tests/adapters/test_tq_tutorials.py makes to the tutorials).
 EDITS = [
     (re.compile(r"^import transfer_queue as tq\b", re.M), "import broker.transfer_queue as tq"),
     (re.compile(r"^import transfer_queue$", re.M), "import broker.transfer_queue as transfer_queue"),

@@ -5,7 +5,7 @@ dock's keys hash to one slot, so a Lua script or MULTI touching several of them 
 
 The layout of every key (pattern, type, what it holds) is ``key_layout()`` at the end of this module. It is
 built by calling the key builders below, so it cannot drift from them; docs/operations.md shows it as a table
-that ``tests/test_docs.py`` checks against it (``python -m tests.test_docs`` writes it anew).
+that ``tests/architecture/test_docs.py`` checks against it (``python -m tests.architecture.test_docs`` writes it anew).
 
 On a Redis Cluster the keys of a dock live in the slot of ``{NAME}``, but a sharded dock's bytes are spread
 over the data shards ``{NAME~S}``, whose tags the schema stores (``Schema.shards``). Their names cannot
@@ -290,7 +290,7 @@ class DockKeys:
 
 
 # The key layout as a table: built by calling the builders above with placeholder names, so a renamed key
-# changes the table, and tests/test_docs.py checks that docs/operations.md shows exactly this.
+# changes the table, and tests/architecture/test_docs.py checks that docs/operations.md shows exactly this.
 
 
 class KeyRow(NamedTuple):

@@ -21,7 +21,7 @@ Readers know a head from a whole row by its own prefix, which declares the row's
 
 - *put vs read.* A put writes a row's head and tail in its MULTI, and a put may rewrite a row a reader
   is reading: the reader reads heads and tails in one MULTI too, so both halves are of the same put (read
-  in two commands, a put landing between them gave rows made of two: tests/test_fit.py).
+  in two commands, a put landing between them gave rows made of two: tests/core/test_fit.py).
 - *put vs clear.* A clear deletes both halves of the rows it forgets, in its script (lua/include/
   forget.lua); the put's MULTI runs wholly before or after it.
 - *a row rewritten whole.* Its old tail stays, and is ignored (the head is whole); it goes when the row is

@@ -362,7 +362,7 @@ def summarize(iteration: int, start: float, seconds: float, results: list[dict[s
         # Optimizer steps of the model: DP replicas step together, each counted its own.
         "train_steps": int(total("actor_train", "steps")) // cfg.layout("actor_train").dp,
         # What the trainer took in this iteration: rows, and a sum over them of a CRC of (row, prompt), the
-        # same for a run that was killed and resumed as for one that was not (tests/test_resume.py).
+        # same for a run that was killed and resumed as for one that was not (tests/examples/test_resume.py).
         "ledger": {"rows": int(total("actor_train", "ledger_rows")),
                    "prompts": int(total("actor_train", "ledger_sum"))},
         "busy_seconds": busy_seconds,

@@ -16,7 +16,7 @@ cleared between cases as verl would clear it (so the drop-in reuses freed rows, 
 kv_list's order, which verl's replay buffers build their batches in, follows the keys, not the rows.
 
 Needs verl (``pip install verl==0.9.1``: it is not one of the project's extras) besides TransferQueue and Ray:
-skipped without it. Marked ``once``, as tests/test_tq_differential.py whose module fixture it reuses.
+skipped without it. Marked ``once``, as tests/adapters/test_tq_differential.py whose module fixture it reuses.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from verl.utils.dataset.rl_dataset import collate_fn  # noqa: E402
 from verl.utils.skip import rollout_skip  # noqa: E402
 from verl.utils.transferqueue_utils import tqbridge  # noqa: E402
 
-from tests.test_tq_differential import both  # noqa: E402, F401
+from tests.adapters.test_tq_differential import both  # noqa: E402, F401
 
 VERL_CONFIG = Path(verl.__file__).parent / "trainer" / "config"
 

@@ -1,6 +1,6 @@
 """A dock's keys to a file and back (broker/api/snapshot.py), on a dock with partial rollout: what a run's
 checkpoint holds of the dock when its rows outlive an iteration. The TransferQueue adapter's checkpoints
-(tests/test_tq_checkpoint.py) run on the same code with the adapter's keys added."""
+(tests/adapters/test_tq_checkpoint.py) run on the same code with the adapter's keys added."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from broker import (
     FencedError,
 )
 from broker.api.snapshot import DockSnapshot, verify_file, write_file
+from tests.delivery.test_partial_rollout import CONSUMERS, ROLLOUT_COLUMNS, partial, prompts, respond
 from tests.helpers import raw_state, restored_from, server_keys
-from tests.test_partial_rollout import CONSUMERS, ROLLOUT_COLUMNS, partial, prompts, respond
 
 
 @pytest.fixture(params=["real", "redis62", "cluster"])

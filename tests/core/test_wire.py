@@ -22,7 +22,7 @@ from broker.data.requests import PutRequest
 from broker.data.slices import slices
 from broker.errors import FencedError, QuotaExceededError
 from tests.helpers import after_first_slice, bits, lose_next_reply, random_tensor, small_dock
-from tests.test_security import _certificates
+from tests.ops.test_security import _certificates
 
 SEQ = LARGE // 4 * 2  # float32 rows of 32 KiB: framed
 

@@ -24,7 +24,7 @@ import pytest
 from workers.options import build_demo_parser
 from workers.runtime.report import first_last
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 SECTION = "## Set up and run the demo"
 #: Each command's bound: the set-up installs torch and Ray from the machine's cache; the demo trains 25 iterations.

@@ -157,8 +157,8 @@ def test_a_checkpoint_holds_the_docks_keys_and_puts_them_back(url, tmp_path):
     """What a partial-rollout run's checkpoint holds of its dock: the keys as they were when it was saved,
     back in place whatever the dock held since; a checkpoint without them is refused for such a run."""
     from broker import TransferDock
+    from tests.delivery.test_partial_rollout import COLUMNS, CONSUMERS, ROLLOUT_COLUMNS, partial, prompts, respond
     from tests.helpers import raw_state, restored_from
-    from tests.test_partial_rollout import COLUMNS, CONSUMERS, ROLLOUT_COLUMNS, partial, prompts, respond
 
     def make(prompts_num, n, columns, consumers, name=None, **kwargs):
         return TransferDock(url, name or f"resume-{os.getpid()}", prompts_num=prompts_num, n_samples_per_prompt=n,

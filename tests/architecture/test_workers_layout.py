@@ -9,7 +9,7 @@ import ast
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: What each part of workers/ may import of the others (its own modules aside).
 ALLOWED = {

@@ -57,7 +57,7 @@ def names_on_every_primary(cluster: RedisCluster) -> list[str]:
 
 
 def make(url: str, name: str) -> TransferDock:
-    """A dock with three rows written and two of them consumed (as tests/test_cli.py makes them)."""
+    """A dock with three rows written and two of them consumed (as tests/ops/test_cli.py makes them)."""
     dock = small_dock(url, name, prompts=2)
     dock.put_experience({"prompts": [torch.ones(2)] * 3}, indexes=[0, 1, 2])
     dock.get_experience("actor_train", ["prompts"], 2)

@@ -16,7 +16,7 @@ from broker.cli import build_parser
 
 yaml = pytest.importorskip("yaml")
 
-COMPOSE = yaml.safe_load((Path(__file__).resolve().parent.parent / "docker" / "docker-compose.cluster.yml").read_text())
+COMPOSE = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker" / "docker-compose.cluster.yml").read_text())
 SERVICES = COMPOSE["services"]
 NODES = sorted(name for name in SERVICES if name.startswith("redis-"))
 

@@ -18,7 +18,7 @@ from tests.helpers import cli_output, small_dock
 
 pytestmark = pytest.mark.real
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # One column and one consumer: all an ACL user needs to exercise every dock operation.

@@ -62,7 +62,7 @@ def test_transfer_queues_scripts_run_to_their_end_on_the_broker(tmp_path):
     in their own sleeps (tutorial 06 sleeps 5 s a step, the recipe 8 s), which run side by side; one after
     the other took 160-300 s of the suite."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     env["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
     runs = {}
     for script in SCRIPTS:

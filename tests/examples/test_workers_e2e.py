@@ -76,7 +76,7 @@ def checksums(pipeline: Pipeline, role: str) -> list[int]:
 def check_the_demo_reports(cfg: RunConfig, records: list[dict], folder, line_says: str) -> None:
     """What ``broker demo --algo ALGO`` writes of these iterations: its JSONL records (every role busy, the
     rows, a reward), its progress line (``line_says``: the algorithm's own figure) and its picture with the
-    algorithm's panel. The demo itself runs once in tests/test_demo_smoke.py (GRPO); a demo run per
+    algorithm's panel. The demo itself runs once in tests/examples/test_demo_smoke.py (GRPO); a demo run per
     algorithm would start Ray and every worker again for the same pipeline this test already ran."""
     log = MetricsLog(folder / "metrics.jsonl")
     for metrics in records:

@@ -1,6 +1,6 @@
 """TransferQueue's samplers and its ``StreamingDataset`` / ``StreamingDataLoader`` side by side with the drop-in's:
 the same calls on the real transferqueue 0.1.11 and on broker.transfer_queue, the answers compared through
-``seen`` (tests/test_tq_differential.py: values, dtypes, layouts, metas without their global indexes, errors by
+``seen`` (tests/adapters/test_tq_differential.py: values, dtypes, layouts, metas without their global indexes, errors by
 their built-in bases).
 
 A sampler is chosen as TransferQueue's users choose it: ``controller.sampler`` in the conf given to ``init`` (an
@@ -35,7 +35,7 @@ omegaconf = pytest.importorskip("omegaconf")
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorStack, TensorDict  # noqa: E402
 
-from tests.test_tq_differential import answer, both, same  # noqa: E402, F401 - both: the module's Ray and systems
+from tests.adapters.test_tq_differential import answer, both, same  # noqa: E402, F401 - both: the module's Ray and systems
 
 #: How each sampler is named in the conf: a class (as TransferQueue's tutorials pass RankAwareSampler) or an
 #: instance, of the module under test (``transfer_queue`` or ``broker.transfer_queue``).

@@ -294,7 +294,7 @@ def test_unsupported_dtype_is_refused_by_name(dtype):
             encode_it(torch.zeros(3, dtype=dtype))
 
 
-#: Dtypes TransferQueue 0.1.11 stores beyond the first ten the broker took (tests/test_tq_differential.py puts
+#: Dtypes TransferQueue 0.1.11 stores beyond the first ten the broker took (tests/adapters/test_tq_differential.py puts
 #: complex64, uint16 and float8_e4m3fn rows through both); their wider and sibling dtypes come with them.
 TRANSFER_QUEUE_DTYPES = ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128")
 #: numpy has no bfloat16 and no float8: numpy arrays of the others go in as they are.

@@ -20,7 +20,7 @@ import broker.transfer_queue as tq  # noqa: E402
 from broker.errors import SchemaError  # noqa: E402
 from broker.transfer_queue.config import DEFAULTS, merged  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "broker" / "transfer_queue" / "config.yaml"
 
 

@@ -16,7 +16,7 @@ from tests.helpers import interruptible, redis_server_binary, required
 
 pytest.importorskip("ray")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 GRPO_ROLES = {"actor_rollout", "ref_log_prob", "actor_log_prob", "rule_reward", "compute_advantage", "actor_train"}
@@ -33,7 +33,7 @@ def test_demo_module_runs_stops_on_ctrl_c_and_resumes_as_it_says(tmp_path):
     where the user stands (a relative folder handed on as given made the private redis-server fail to start).
     Stopped by Ctrl-C (SIGINT to its process group, as a terminal sends it) after its first iteration, it says so
     in one line with the command that goes on, and that command finishes the run. PPO and DAPO differ from it
-    in the pipeline and in the report's lines and panel, which tests/test_workers_e2e.py checks on their
+    in the pipeline and in the report's lines and panel, which tests/examples/test_workers_e2e.py checks on their
     pipelines' records (each demo run is seconds of Ray and worker start-up for a second of training)."""
     algo, n = "grpo", 4
     required(redis_server_binary(), "redis-server", "the demo")

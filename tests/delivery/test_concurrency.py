@@ -1,7 +1,7 @@
 """Many processes sharing one dock on a real redis-server or a Redis Cluster: every row reaches each consumer
 exactly once.
 
-Run alone with: .venv/bin/python -m pytest tests/test_concurrency.py -v
+Run alone with: .venv/bin/python -m pytest tests/delivery/test_concurrency.py -v
 """
 
 from __future__ import annotations

@@ -2,18 +2,20 @@
 below it, so a change to the data path never has to look up into the dock, the adapters or the tools.
 
 The rules are the table in docs/design.md ("Which plane may import which"); a new import that breaks one
-fails here, naming the file and the import.
+fails here, naming the file and the import. ALLOWED is read against that table too, so changing a rule means
+changing both, and a cell that differs is named.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-BROKER = Path(__file__).resolve().parent.parent / "broker"
+BROKER = Path(__file__).resolve().parents[2] / "broker"
 
 #: Plane -> the planes its modules may import (besides their own). "face" is broker/__init__.py and the
 #: old import paths kept for users' code; "cli" is the ``broker`` command.
@@ -185,3 +187,77 @@ def test_the_circle_check_can_fail():
 def test_no_core_plane_may_import_the_transfer_queue_slice():
     core = ("errors", "connection", "control", "data", "api")
     assert not [p for p in core if "transfer_queue" in ALLOWED[p]]
+DESIGN = BROKER.parent / "docs" / "design.md"
+
+
+def plane_named(word: str) -> str:
+    """The plane a name in design.md's table means: `api/`, `errors.py`, `cli.py`, `__main__.py` (the command),
+    `__init__.py` or `broker` (the face), or the words "the command" and "the face"."""
+    word = word.strip().strip("`").strip()
+    word = re.sub(r"^(the\s+|broker/)", "", word).strip()
+    word = re.sub(r"(/|\.py)$", "", word)
+    return {"__main__": "cli", "command": "cli", "__init__": "face", "broker": "face"}.get(word, word)
+
+
+def without_remarks(cell: str) -> str:
+    """A cell of the table without its remarks, which say why, not which: in parentheses, or after a colon."""
+    while True:
+        shorter = re.sub(r"\s*\([^()]*\)", "", cell)
+        if shorter == cell:
+            return cell.split(":", 1)[0]
+        cell = shorter
+
+
+def design_rules(text: str) -> dict[str, set[str]]:
+    """Plane -> the planes it may import, as design.md's table "Which plane may import which" states them.
+
+    A row is `| planes | may import |`: the first cell names its planes in backticks (`cli.py`, `__main__.py`:
+    one plane), the second lists planes separated by commas or "and", or says "nothing of the broker",
+    "everything" or "everything but ..." (every plane of the table but the row's own and those named);
+    remarks, in parentheses or after a colon, are left out. The header and a row naming no plane in backticks
+    are skipped."""
+    start = text.index("**Which plane may import which**")
+    table = re.search(r"(?:^\|.*\n?)+", text[start:], re.MULTILINE)
+    assert table, "design.md: no table after 'Which plane may import which'"
+    named = {}
+    for planes, imports in re.findall(r"^\|([^|\n]*)\|([^|\n]*)\|", table.group(0), re.MULTILINE):
+        for plane in {plane_named(p) for p in re.findall(r"`([^`]+)`", without_remarks(planes))}:
+            named[plane] = imports.strip()
+    rules = {}
+    for plane, imports in named.items():
+        words = [w for w in re.split(r",|;|\band\b", without_remarks(imports)) if w.strip()]
+        first = words[0].strip() if words else ""
+        if first == "nothing of the broker" and len(words) == 1:
+            rules[plane] = set()
+        elif first.startswith("everything"):
+            but = [re.sub(r"^everything\s*(but)?", "", first), *words[1:]]
+            rules[plane] = set(named) - {plane} - {plane_named(w) for w in but if w.strip()}
+        else:
+            rules[plane] = {plane_named(w) for w in words}
+    return rules
+
+
+def test_the_rules_are_the_ones_design_md_states():
+    """docs/design.md's table "Which plane may import which" and ALLOWED are the same rules, so the doc
+    and the check cannot drift: a row or a cell that differs is named."""
+    stated = design_rules(DESIGN.read_text(encoding="utf-8"))
+    differ = [f"plane {plane!r}: design.md's row says it may import {sorted(stated[plane])}, "
+              f"ALLOWED {sorted(ALLOWED[plane])} (only in design.md: {sorted(stated[plane] - ALLOWED[plane])}; "
+              f"only in ALLOWED: {sorted(ALLOWED[plane] - stated[plane])})"
+              for plane in sorted(stated.keys() & ALLOWED.keys()) if stated[plane] != ALLOWED[plane]]
+    differ += [f"plane {plane!r} has a row in design.md's table but no entry in ALLOWED"
+               for plane in sorted(stated.keys() - ALLOWED.keys())]
+    differ += [f"plane {plane!r} is in ALLOWED but has no row in design.md's table"
+               for plane in sorted(ALLOWED.keys() - stated.keys())]
+    assert not differ, "\n".join(differ)
+
+
+def test_the_table_reader_reads_what_design_md_may_write():
+    """The reader of design.md's table takes remarks, "and", "everything but" and a row of two files."""
+    text = ("**Which plane may import which** (remark):\n\nA paragraph between.\n\n| plane | may import |\n|---|---|\n"
+            "| `errors.py` | nothing of the broker |\n| `data/` | `control/` (its scripts) and errors |\n"
+            "| `tq/` | the face (`broker`), data (the bytes, (nested): x), errors: why (y, z) |\n"
+            "| `bench/` | everything but the command and tq |\n| `cli.py`, `__main__.py` | everything |\n\nWhy")
+    assert design_rules(text) == {
+        "errors": set(), "data": {"control", "errors"}, "tq": {"face", "data", "errors"},
+        "bench": {"errors", "data"}, "cli": {"errors", "data", "tq", "bench"}}

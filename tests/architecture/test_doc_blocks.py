@@ -19,7 +19,7 @@ in the clone. The documented server, ``127.0.0.1:6379``, becomes the private one
 ``$REDIS_URL`` and as ``redis-cli``'s port). A block may use what an earlier block of its document made:
 the README's ``broker status grpo`` reads the dock its first program made.
 
-``python -m tests.test_doc_blocks`` lists every block and what is done with it, without running any.
+``python -m tests.architecture.test_doc_blocks`` lists every block and what is done with it, without running any.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import yaml
 from broker.ops.local_redis import RedisServer
 from tests.helpers import redis_server_binary, required
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 #: Languages of blocks that are run, and of blocks that are not programs (checked as what they are).

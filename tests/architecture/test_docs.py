@@ -1,6 +1,6 @@
 """The README and docs/: links that lead somewhere, a README that stays short, and tables that match the code.
 
-``python -m tests.test_docs`` writes the generated key layout table in docs/operations.md again.
+``python -m tests.architecture.test_docs`` writes the generated key layout table in docs/operations.md again.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import broker.transfer_queue.keys  # noqa: F401 (adds the TransferQueue slice's keys to the layout)
 from broker.control.keys import DockKeys, key_layout, key_layout_markdown
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 OPERATIONS = DOCS / "operations.md"
@@ -112,7 +112,7 @@ def test_the_key_table_in_the_docs_is_the_one_the_code_renders():
     text = OPERATIONS.read_text(encoding="utf-8")
     start, end = generated_table(text)
     assert text[start:end] == key_layout_markdown(), (
-        "the key layout in docs/operations.md differs from the code's: run `python -m tests.test_docs`"
+        "the key layout in docs/operations.md differs from the code's: run `python -m tests.architecture.test_docs`"
     )
 
 
@@ -142,12 +142,25 @@ def test_the_lua_scripts_listed_in_the_docs_are_the_ones_in_lua():
 
 
 def test_every_test_file_is_in_the_layout_of_the_tests():
-    """docs/development.md's table of the tests names every tests/test_*.py (and no file that is gone)."""
+    """docs/development.md's table of the tests names every tests/FOLDER/test_*.py in its folder's row (and no
+    file that is gone); no test file lies at tests/ itself or in a folder the table has no row for."""
     text = (DOCS / "development.md").read_text(encoding="utf-8")
-    section = text[text.index("## Layout of the tests"):text.index("## The Lua scripts")]
-    listed = set(re.findall(r"`(test_\w+\.py)`", section))
-    present = {p.name for p in (ROOT / "tests").glob("test_*.py")}
-    assert listed == present, f"missing from the table: {sorted(present - listed)}; gone: {sorted(listed - present)}"
+    section = text[text.index("## Layout of the tests"):text.index("## Where the time goes")]
+    rows = re.findall(r"^\| `tests/(\w+)/` \|(.*)\|\s*$", section, re.MULTILINE)
+    listed = {f"{folder}/{name}" for folder, cells in rows for name in re.findall(r"`(test_\w+\.py)`", cells)}
+    present = {p.relative_to(ROOT / "tests").as_posix() for p in (ROOT / "tests").rglob("test_*.py")}
+    assert listed == present, (f"missing from the table (or in another folder than its row's): "
+                               f"{sorted(present - listed)}; in the table but not there: {sorted(listed - present)}")
+
+
+def test_the_readme_test_command_is_the_one_ci_runs():
+    """The README's test command is, verbatim, a line of .ci/run: CI runs what a developer is told to run."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Run the tests"):]
+    command = re.search(r"^```bash\n(.+)$", section, re.MULTILINE)
+    assert command, "no bash block under the README's 'Run the tests'"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert command.group(1) in ci, f".ci/run does not run the README's test command {command.group(1)!r}"
 
 
 def write_key_table() -> None:

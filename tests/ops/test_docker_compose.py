@@ -16,7 +16,7 @@ from broker.cli import build_parser
 
 yaml = pytest.importorskip("yaml")
 
-DOCKER = Path(__file__).resolve().parent.parent / "docker"
+DOCKER = Path(__file__).resolve().parents[2] / "docker"
 COMPOSE = yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 

@@ -1,0 +1,1 @@
+"""The adapters: MindSpeed-RL and the TransferQueue drop-in."""

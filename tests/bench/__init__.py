@@ -1,0 +1,1 @@
+"""The benchmark's modes, run small."""

@@ -1,0 +1,1 @@
+"""Faults: lost replies, deadlines, persistence, hostile calls, what a dock needs of its server, tenants."""
