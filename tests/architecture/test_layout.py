@@ -261,3 +261,35 @@ def test_the_table_reader_reads_what_design_md_may_write():
     assert design_rules(text) == {
         "errors": set(), "data": {"control", "errors"}, "tq": {"face", "data", "errors"},
         "bench": {"errors", "data"}, "cli": {"errors", "data", "tq", "bench"}}
+
+
+#: "About 400 lines" (docs/design.md): a module a few lines past 400 is not cut in two for it.
+LONG = 420
+#: What a longer module says near its top, followed by why it is one module.
+REASON = "Over 400 lines:"
+
+
+def long_without_reason(paths: list[Path], root: Path = BROKER.parent) -> list[str]:
+    """The modules of ``paths`` (named from ``root``) over ``LONG`` lines whose first 20 lines do not say why
+    (``REASON``)."""
+    found = []
+    for path in paths:
+        lines = path.read_text().splitlines()
+        if len(lines) > LONG and not any(REASON in line for line in lines[:20]):
+            found.append(f"{path.relative_to(root)} ({len(lines)} lines)")
+    return found
+
+
+def test_no_module_is_long_without_saying_why():
+    """A module over about 400 lines says at its top why it is one ("Over 400 lines: ..."), or is cut along
+    what it holds: a long module is where a newcomer loses the thread."""
+    paths = SOURCES + sorted((BROKER.parent / "workers").rglob("*.py"))
+    assert not long_without_reason(paths), long_without_reason(paths)
+
+
+def test_the_length_check_can_fail(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text('"""A module."""\n' + "x = 1\n" * LONG)
+    said = tmp_path / "said.py"
+    said.write_text(f'"""A module.\n\n{REASON} one contract.\n"""\n' + "x = 1\n" * LONG)
+    assert long_without_reason([long, said], tmp_path) == ["long.py (421 lines)"]
