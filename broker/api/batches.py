@@ -97,8 +97,6 @@ def pad_experience(
     return batch
 
 
-
-
 def pack_experience_columns(
     experience_dict: Mapping[str, ColumnValue],
     experience_count: int,

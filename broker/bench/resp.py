@@ -13,10 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-CRLF = b"\r\n"
+from broker.ops.clients import send_gathered
 
-#: The most buffers one ``sendmsg`` takes (Linux's ``IOV_MAX``).
-BUFFERS_PER_SEND = 1024
+CRLF = b"\r\n"
 
 Value = bytes | memoryview
 
@@ -72,16 +71,7 @@ class RespConnection:
 
     def send(self, parts: list[Value]) -> None:
         """Send every buffer, in order, without joining them (scatter-gather, as the broker's connections do)."""
-        # The floor's own sendmsg loop (a bare socket is its yardstick, not the broker's connections).
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
-        first = 0
-        while first < len(views):
-            sent = self.sock.sendmsg(views[first : first + BUFFERS_PER_SEND])
-            while first < len(views) and sent >= len(views[first]):  # whole buffers went out
-                sent -= len(views[first])
-                first += 1
-            if sent:  # and the start of the next one
-                views[first] = views[first][sent:]
+        send_gathered(self.sock, [memoryview(p).cast("B") for p in parts if len(p)])
 
     def call(self, args: Sequence[Value]) -> Any:
         self.send(command_parts(args))

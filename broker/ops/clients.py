@@ -9,10 +9,14 @@ tool opens connections of its own beside the docks'.
   given a client instead, ``(that client, None)``.
 - ``disconnect(url)``: hand back what ``connect`` gave (the last one handed back closes it).
 - ``redact(url)``: the URL with its password hidden, for logs and reports.
+- ``send_gathered(sock, buffers)``: send buffers in order without joining them (``sendmsg``), as the broker's
+  connections send a large value; the benchmark's bare RESP floor sends the same way, so it measures the
+  wire and the server, not a slower send loop of its own.
 """
 
 from __future__ import annotations
 
 from broker.connection import Client, connect, disconnect, redact
+from broker.connection.framing import send_gathered
 
-__all__ = ["Client", "connect", "disconnect", "redact"]
+__all__ = ["Client", "connect", "disconnect", "redact", "send_gathered"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import socket
-import threading
 
 import pytest
 import redis
@@ -232,32 +230,6 @@ def test_the_raw_floor_frames_commands_around_views_of_the_payload(real_url):
         assert conn.call([b"DEL", b"bench:{raw}:x"]) == 1
     finally:
         conn.close()
-
-
-def test_the_raw_floor_sends_every_buffer_in_order_across_partial_writes():
-    """The floor's own scatter-gather send: more buffers than one sendmsg takes, and a small send buffer that
-    cuts writes inside a buffer; what arrives is every byte, in order."""
-    a, b = socket.socketpair()
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    conn = RespConnection.__new__(RespConnection)  # a connection around the socket, no server
-    conn.sock = a
-    payload = torch.randint(0, 256, (3_000_000,), dtype=torch.uint8).numpy()
-    view = memoryview(payload)
-    parts = [b"head", *(view[i : i + 1001] for i in range(0, len(view), 1001)), b"", b"tail"]  # ~3000 buffers
-    received = bytearray()
-
-    def read() -> None:
-        while len(received) < len(payload) + 8:
-            received.extend(b.recv(65536))
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    conn.send(parts)
-    reader.join(30)
-    a.close()
-    b.close()
-    assert bytes(received) == b"head" + payload.tobytes() + b"tail"
 
 
 PERFTEST_TINY = ["--tq-perftest", "--batch", "16", "--fields", "3", "--seq-len", "64", "--repeat", "1",
