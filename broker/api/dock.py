@@ -256,6 +256,14 @@ class TransferDock(RowVerbs, LeaseVerbs, GenerationVerbs, AdminVerbs):
         """The Redis client the dock talks through."""
         return self._session.client
 
+    @property
+    def session(self) -> DockSession:
+        """The dock's one door to Redis (``broker.api.session.DockSession``): ``run`` a read, ``write`` a change
+        with the dock's deadline, retries, translated errors and replica waits. The hook for code built on
+        a dock that keeps keys of its own beside the dock's (the TransferQueue slice), so its calls get what
+        the dock's own get; a worker uses the dock's methods."""
+        return self._session
+
 
 def _reattach(url: str, name: str, policy: str, seed: int | None, durability: tuple[int, float] = (0, 1.0),
               call_timeout: float = DEFAULT_CALL_TIMEOUT, allow_volatile_eviction: bool = False) -> TransferDock:

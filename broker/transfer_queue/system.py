@@ -94,9 +94,9 @@ class System(PartitionData):
     def __init__(self, url: str, namespace: str, capacity: int, call_timeout: float):
         self.url, self.namespace = url, namespace
         self.dock = _open(url, dock_name(namespace), capacity, call_timeout)
-        #: The dock's session: the one door to Redis of the dock's parts, and of this system (``read``,
-        #: ``write``). The dock keeps it private to its parts; this slice is one of them by design.
-        self.session = self.dock._session
+        #: The dock's session (``TransferDock.session``): the one door to Redis of the dock's parts, and of
+        #: this system (``read``, ``write``).
+        self.session = self.dock.session
         self.keys = SystemKeys(self.dock.name)
         self.client = self.dock.client
         self.call_timeout = call_timeout
