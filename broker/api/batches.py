@@ -88,13 +88,15 @@ def pad_experience(
     flattened = {column: padding.flatten(column, value) for column, value in experience_batch.items()}
     padding.same_row_count({column: lengths.numel() for column, (_, lengths) in flattened.items()})
 
-    batch: dict[str, Tensor] = {}
-    for column, (flat, lengths) in flattened.items():
-        if column in LENGTH_COLUMNS:
-            batch[column] = padding.length_column(column, flat, lengths)
-        else:
-            batch[column] = padding.pad_flat(flat, lengths, padding.pad_value_of(flat, pad_id), multiple)
-    return batch
+    return {column: _padded(column, flat, lengths, pad_id, multiple) for column, (flat, lengths) in flattened.items()}
+
+
+def _padded(column: str, flat: Tensor, lengths: Tensor, pad_id: float | int, multiple: int) -> Tensor:
+    """One packed 1-D column as a padded matrix: a length column as its values, one per row (never padded
+    with ``pad_id``), any other padded with ``pad_id`` to a multiple of ``multiple``."""
+    if column in LENGTH_COLUMNS:
+        return padding.length_column(column, flat, lengths)
+    return padding.pad_flat(flat, lengths, padding.pad_value_of(flat, pad_id), multiple)
 
 
 def pack_experience_columns(
@@ -163,10 +165,8 @@ def unpack_pad_experience(
     for column, (data, lengths) in checked.items():
         if data.dim() == 2:
             padded[column] = padding.pad_packed_2d(data, lengths, pad_id, multiple)
-        elif column in LENGTH_COLUMNS:
-            padded[column] = padding.length_column(column, data, lengths)
         else:
-            padded[column] = padding.pad_flat(data, lengths, padding.pad_value_of(data, pad_id), multiple)
+            padded[column] = _padded(column, data, lengths, pad_id, multiple)
     return padded
 
 
