@@ -15,9 +15,9 @@ version, unready, status, claim).
 
 A slice outside the core (``broker/transfer_queue/``) brings its own scripts without the core importing it:
 at its import it calls ``register_scripts`` with its folder of Lua files and their names. They join
-``SCRIPT_FILES`` (so every wrapper can run them), their includes are looked up in the slice's ``include/``
-first and then in the core's, and on Redis 7 they form the slice's own function library (``functions.py``),
-so the core's library is the same in every process whichever slices it imported.
+``SCRIPT_FILES`` (so every wrapper can run them), they include the core's helpers (``lua/include/``), and on
+Redis 7 they form the slice's own function library (``functions.py``), so the core's library is the same in
+every process whichever slices it imported.
 """
 
 from __future__ import annotations
@@ -139,28 +139,13 @@ def script_path(name: str) -> Path:
     return (lua_dir() if entry is None else entry.folder) / SCRIPT_FILES[name]
 
 
-def include_dirs(name: str) -> list[Path]:
-    """Where the includes of script ``name`` are looked up, first to last: its slice's ``include/``, if it is a
-    slice's, then the core's."""
-    entry = SLICES.get(name)
-    core = lua_dir() / "include"
-    return [core] if entry is None else [entry.folder / "include", core]
-
-
 @functools.cache
 def script_text(name: str) -> str:
-    """Source of script ``name`` with its includes pasted in (see ``expand_includes``); a slice's script looks
-    for its includes in the slice's ``include/`` first."""
-    folders = include_dirs(name)
-
-    def read(include: str) -> str:
-        for folder in folders:
-            path = folder / f"{include}.lua"
-            if path.is_file():
-                return path.read_text(encoding="utf-8")
-        raise FileNotFoundError(include)
-
-    return expand_includes(script_path(name).read_text(encoding="utf-8"), read)
+    """Source of script ``name`` with its includes pasted in (see ``expand_includes``); a slice's scripts
+    include the core's helpers (``lua/include/``), as the core's do."""
+    include = lua_dir() / "include"
+    return expand_includes(script_path(name).read_text(encoding="utf-8"),
+                           lambda helper: (include / f"{helper}.lua").read_text(encoding="utf-8"))
 
 
 class IncludeError(Exception):
