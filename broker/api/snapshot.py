@@ -102,7 +102,7 @@ class DockSnapshot:
 
     def run(self, what: str, call: Callable[[], Any]) -> Any:
         """``call`` through the dock's session: bounded, its errors the broker's (``what`` says what it does)."""
-        return self.dock._session.run(call)
+        return self.dock.session.run(call)
 
     # -- saving ------------------------------------------------------------------------------------------------
 

@@ -237,7 +237,7 @@ class SlotStore:
                         f"dock {self._keys.name!r}: a put's transaction was not run (EXEC answered {executed!r})")
                     continue
                 outcomes[i] = self._scripts.outcome(executed, len(parts[i].encoded))
-                if scripts_lost(self._scripts.verdict(executed, len(parts[i].encoded))):
+                if scripts_lost(outcomes[i]):  # put.lua's own error, the script not run: the bar kept the bytes out
                     lost.append(i)
             todo[:] = lost
             return lost

@@ -61,7 +61,6 @@ class DataStore(Protocol):
         """Every key holding the dock's row bytes now (for ``delete``)."""
 
 
-
 def unhold(scripts: DockScripts, hold: Hold, dock: str) -> None:
     """Give the rows of a put that ended the deadline their lease had before claim.lua held it (see
     lua/unhold.lua). Where that cannot reach the server, the hold runs out by itself at the put's time
@@ -71,7 +70,6 @@ def unhold(scripts: DockScripts, hold: Hold, dock: str) -> None:
     except redis.RedisError as exc:
         log.warning("dock %r: the lease a put held (to its time bound) could not be given its own deadline back: %s",
                     dock, exc)
-
 
 
 def few(rows: Sequence[int]) -> str:
