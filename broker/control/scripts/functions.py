@@ -74,11 +74,6 @@ def _library(prefix: str, scripts: tuple[str, ...]) -> tuple[str, str]:
 LIBRARY = _library("broker", CORE_SCRIPTS)[0]
 
 
-def library_text() -> str:
-    """The ``FUNCTION LOAD`` argument of the core's library."""
-    return _library("broker", CORE_SCRIPTS)[1]
-
-
 def _slice_libraries() -> list[tuple[str, str]]:
     """Name and text of the library of every slice registered."""
     slices = {entry.library: entry.names for entry in SLICES.values()}
