@@ -9,9 +9,12 @@ let a late worker's put land on the new dock's prompts). Whole clears count up f
 
 KEYS[1]     td:{NAME}:meta
 KEYS[2]     td:{NAME}:epoch
+KEYS[3]     td:{NAME}:partitions     the record of a partitioned dock NAME (lua/partition.lua): then no dock of
+                                     one partition may be made under its name
 ARGV        field, value, field, value, ... of the schema to store
 
-Returns {1} when it stored the schema, else {0, field, value, ...} of the schema already there.
+Returns {1} when it stored the schema, {2, record} when NAME is a partitioned dock, else
+{0, field, value, ...} of the schema already there.
 
 last        how long to keep the reply, in ms; and td:{NAME}:reply:REQUEST_ID as the last key
             (include/once.lua): a resend after a lost reply still says the call created the dock
@@ -22,6 +25,8 @@ local reply_key, reply_ttl = once_args()
 local kept = kept_reply(reply_key)
 if kept then return kept end
 
+local record = redis.call('GET', KEYS[3])
+if record then return {2, record} end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local stored = redis.call('HGETALL', KEYS[1])
   table.insert(stored, 1, 0)

@@ -52,8 +52,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if other:
             config.hook.pytest_deselected(items=other)
             items[:] = [item for item in items if _backend(item) in (None, *chosen)]
+    whole = [item for item in items if item.get_closest_marker("one_partition") and _partitions(item) > 1]
+    if whole:  # what a partitioned dock does not promise (its FIFO is per partition; its keys are its partitions')
+        config.hook.pytest_deselected(items=whole)
+        items[:] = [item for item in items if item not in whole]
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)  # stable: the order within each group is kept
+
+
+def _partitions(item: pytest.Item) -> int:
+    callspec = getattr(item, "callspec", None)
+    return int(callspec.params.get("partitions", 1)) if callspec is not None else 1
 
 
 def _backend(item: pytest.Item) -> str | None:
@@ -146,11 +155,21 @@ _names = itertools.count()
 
 
 @pytest.fixture
-def make_dock(client):
-    """Factory of docks on ``client`` with small defaults and a unique name."""
+def partitions() -> int:
+    """Partitions of the docks ``make_dock`` makes: 1 here; a file whose tests hold a partitioned dock to the
+    dock's contract too overrides it with ``params=[1, 3]`` (``tests.helpers.PARTITIONED``)."""
+    return 1
+
+
+@pytest.fixture
+def make_dock(client, partitions):
+    """Factory of docks on ``client`` with small defaults and a unique name (partitioned as ``partitions`` says,
+    where the dock has that many groups and no partial rollout: the rest of a partitioned file stays whole)."""
 
     def make(prompts_num: int = 4, n: int = 2, columns=("prompts", "responses"),
              consumers=("actor_rollout", "actor_train"), name: str | None = None, **kwargs) -> TransferDock:
+        if partitions > 1 and prompts_num >= partitions and "rollout" not in kwargs:
+            kwargs.setdefault("partitions", partitions)
         return small_dock(client, name or f"t{next(_names)}", prompts_num, n, columns, consumers, **kwargs)
 
     return make

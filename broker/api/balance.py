@@ -15,7 +15,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-from broker.api.delivery import like
+from broker.api.delivery import like, reordered
 from broker.api.dp_padding import PAD_INDEX
 from broker.errors import InvalidExperienceError
 
@@ -151,3 +151,23 @@ def dp_padded(batch: dict[str, list[Any]], rows: list[int], ranks: int) -> tuple
     extra = -len(rows) % ranks
     padded = {c: values + [values[-1]] * extra for c, values in batch.items()}
     return padded, like(rows, list(rows) + [PAD_INDEX] * extra)
+
+
+def balanced_batch(
+    batch: dict[str, list[Any]], rows: list[int], ranks: int, cost: Sequence[float], n: int, groups: bool,
+) -> tuple[dict[str, list[Any]], list[int]]:
+    """``batch`` (rows ``rows``, each costing ``cost``) reordered so that ``ranks`` equal chunks of it carry
+    nearly equal load: whole groups of ``n`` rows together when ``groups`` and the batch is whole groups that
+    split evenly, else rows; a batch that does not split into ``ranks`` equal chunks is left as it is."""
+    # A sampled batch is whole groups, but for a group that came back with only its unacked rows (see
+    # lua/include/leases.lua): then every n consecutive rows are not one group, and rows are balanced.
+    whole = groups and len(rows) % n == 0 and all(r // n == rows[i - i % n] // n for i, r in enumerate(rows))
+    if whole and (len(rows) // n) % ranks == 0:
+        # Rows of one group are consecutive in the batch: order whole groups.
+        group_cost = [sum(cost[g * n : (g + 1) * n]) for g in range(len(rows) // n)]
+        order = [g * n + j for g in balanced_order(group_cost, ranks) for j in range(n)]
+    elif len(rows) % ranks == 0:
+        order = balanced_order(cost, ranks)
+    else:
+        return batch, rows
+    return reordered(batch, rows, order)

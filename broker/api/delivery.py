@@ -68,6 +68,10 @@ class HandedRows(list[int]):
             return like(self, list.__getitem__(self, index))
         return list.__getitem__(self, index)
 
+    def with_rows(self, rows: list[int]) -> HandedRows:
+        """``rows`` (a reordering, part or padding of these) as the same delivery."""
+        return HandedRows(rows, self.epoch, self._runs, self._generations)
+
     def _state(self) -> tuple[Any, ...]:
         return (list(self), self.epoch, self._runs, self._generations)
 
@@ -95,6 +99,9 @@ class LeasedRows(HandedRows):
         self.token = token
         self.consumer = consumer
 
+    def with_rows(self, rows: list[int]) -> LeasedRows:
+        return LeasedRows(rows, self.token, self.consumer, self.epoch, self._runs, self._generations)
+
     def _state(self) -> tuple[Any, ...]:
         return (list(self), self.token, self.consumer, self.epoch, self._runs, self._generations)
 
@@ -104,10 +111,8 @@ class LeasedRows(HandedRows):
 
 def like(rows: list[int], new_rows: list[int]) -> list[int]:
     """``new_rows`` (a reordering, part or padding of ``rows``) in the same delivery as ``rows``, if it named one."""
-    if isinstance(rows, LeasedRows):
-        return LeasedRows(new_rows, rows.token, rows.consumer, rows.epoch, rows._runs, rows._generations)
     if isinstance(rows, HandedRows):
-        return HandedRows(new_rows, rows.epoch, rows._runs, rows._generations)
+        return rows.with_rows(new_rows)
     return new_rows
 
 

@@ -36,7 +36,7 @@ from broker.connection import DEFAULT_CALL_TIMEOUT, Client, uncarried
 from broker.control.keys import DockKeys
 from broker.control.rollout import Rollout
 from broker.control.schema import Schema
-from broker.errors import BrokerError, SchemaError
+from broker.errors import BrokerError, DockNotFoundError, SchemaError
 
 __all__ = ["TransferDock", "Batch", "StackedBatch", "DEAD_LETTER_AFTER"]
 
@@ -53,6 +53,14 @@ class TransferDock(RowVerbs, LeaseVerbs, GenerationVerbs, AdminVerbs):
     See docs/guide.md for its use and ``control/keys.py`` for its keys; every method is safe to call
     from many threads and processes.
     """
+
+    def __new__(cls, *args: Any, partitions: int = 1, **kwargs: Any) -> Any:
+        """A dock of one partition; with ``partitions`` other than 1, a ``PartitionedDock`` (see ``__init__``)."""
+        if partitions != 1 and cls is TransferDock:
+            from broker.api.partitioned import PartitionedDock  # it builds on this module
+
+            return PartitionedDock(*args, partitions=partitions, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -74,6 +82,7 @@ class TransferDock(RowVerbs, LeaseVerbs, GenerationVerbs, AdminVerbs):
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         dead_letter_after: int = DEAD_LETTER_AFTER,
         allow_volatile_eviction: bool = False,
+        partitions: int = 1,
     ):
         """Create dock ``name``, or attach to it if it exists with the same schema.
 
@@ -113,6 +122,12 @@ class TransferDock(RowVerbs, LeaseVerbs, GenerationVerbs, AdminVerbs):
         handed to a consumer before it becomes a dead letter for it (see ``get_experience`` and
         ``dead_letters``). Like ``shards``, only a dock being made stores it.
 
+        ``partitions=P`` (P > 1) makes a partitioned dock (``broker/api/partitioned.py``, docs/cluster.md): P
+        docks, each with its own hash tag (on a cluster each on its own primary) holding the groups g with
+        ``g % P == k``, behind one object with these methods and these row indexes, so that one dock's
+        scripts spread over P primaries instead of running on one. Only a dock being made uses it:
+        ``attach`` opens a dock with the partitions it was made with.
+
         Opening checks the server (see control/server_checks.py): a server that may evict the dock's keys
         (``maxmemory-policy`` other than ``noeviction``), or lacks a command the broker needs (renamed or
         denied), raises ServerConfigError. ``allow_volatile_eviction=True`` accepts a ``volatile-*``
@@ -121,6 +136,8 @@ class TransferDock(RowVerbs, LeaseVerbs, GenerationVerbs, AdminVerbs):
         """
         wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout,
                               group_columns)
+        if partitions != 1:
+            raise SchemaError(f"partitions must be an int in 1..1024, got {partitions!r:.40}")
         if shards is not None and (not is_int(shards) or shards < 0):
             raise SchemaError(f"shards must be None or an int >= 0, got {shards!r}")
         if not is_int(dead_letter_after) or dead_letter_after < 1:
@@ -143,8 +160,19 @@ class TransferDock(RowVerbs, LeaseVerbs, GenerationVerbs, AdminVerbs):
         session = DockSession(url_or_client, name, policy, seed, (wait_replicas, wait_timeout), call_timeout,
                               allow_volatile_eviction)
         with session.closed_on_error():
-            session.attach()
-        dock = cls.__new__(cls)
+            try:
+                session.attach()
+            except DockNotFoundError:
+                if not session.run(lambda: session.client.exists(session.keys.partitions)):
+                    raise
+                from broker.api.partitioned import PartitionedDock  # it builds on this module
+
+                session.close()
+                return PartitionedDock.attach(  # type: ignore[return-value]
+                    url_or_client, name, policy=policy, seed=seed, wait_replicas=wait_replicas,
+                    wait_timeout=wait_timeout, call_timeout=call_timeout,
+                    allow_volatile_eviction=allow_volatile_eviction)
+        dock: TransferDock = cls.__new__(cls)
         dock.created = False
         dock._assemble(session)
         return dock

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from broker.api.delivery import HandedRows
+from broker.api.delivery import HandedRows, LeasedRows
 from broker.api.handout import Handouts
+from broker.errors import InvalidExperienceError
 
 
 class LeaseVerbs:
@@ -62,6 +63,23 @@ class LeaseVerbs:
         """
         return self._handouts.ack(consumer, indexes, token)
 
+    def give_back(self, consumer: str, rows: LeasedRows) -> int:
+        """Offer leased rows to ``consumer`` again now, rather than when their lease runs out: a worker that
+        will not process them hands them back (as SQS's visibility timeout set to 0). Returns how many went
+        back.
+
+        ``rows`` is the :class:`LeasedRows` ``get_experience`` or ``take`` returned (or a slice of it). Only
+        rows still leased under its token go back: none acked, none whose lease ran out and went to another
+        call, none a clear took since; so giving back twice gives back nothing more. Rows handed out as whole
+        groups go back as groups. Rows handed out without a lease cannot be given back (InvalidExperienceError):
+        nothing would tell this delivery's rows from the same rows handed out again since.
+        """
+        if not isinstance(rows, LeasedRows):
+            raise InvalidExperienceError(
+                f"give_back takes rows handed out under a lease (LeasedRows), got {type(rows).__name__}: rows "
+                "handed out for good are the consumer's (reset_consumer offers rows again)")
+        return self._handouts.give_back(consumer, rows)
+
     def all_consumed(self, consumer: str) -> bool:
         """True when every row has been handed to ``consumer`` and none is still out on a lease.
 
@@ -103,3 +121,4 @@ class LeaseVerbs:
     def consumer_columns(self, consumer: str | None = None) -> list[str]:
         """The columns registered for ``consumer``; with None, every column of the dock."""
         return self._handouts.consumer_columns(consumer)
+

@@ -33,3 +33,7 @@ class GetRequest:
     dp_padding: bool = False
     max_staleness: int | None = None
     stack: bool = False
+    #: Not a parameter of ``get_experience``: a sampled get hands out what qualifies (at least one unit) when
+    #: fewer than ``experience_count`` units do. A partitioned dock's get asks each partition so
+    #: (``broker/api/partitioned.py``); a partial rollout's rollout consumer samples so anyway.
+    fewer: bool = False

@@ -8,6 +8,7 @@ out come back as their delivery (``delivery.py``), which fences the stage's put 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -16,7 +17,7 @@ from typing import TypeVar
 import redis
 
 from broker.api import metrics
-from broker.api.balance import balanced_order, dp_padded
+from broker.api.balance import balanced_batch, dp_padded
 from broker.api.checks import (
     abbrev,
     check_flag,
@@ -26,7 +27,7 @@ from broker.api.checks import (
     is_int,
     lease_token,
 )
-from broker.api.delivery import HandedRows, LeasedRows, reordered
+from broker.api.delivery import HandedRows, LeasedRows, check_delivery, fenced_handout
 from broker.api.dp_padding import drop_padding
 from broker.api.generation import AGE_COLUMN, AGES_KEY, Generation
 from broker.api.get_request import GetRequest
@@ -104,6 +105,8 @@ class Handouts:
                 policy = check_policy(request.policy or self._s.policy)
                 weights = (weigh_by or list(self._s.schema.length_columns)) if policy == "seqlen" else []
                 select = self._generation.selection(consumer, groups, staleness)
+                if request.fewer and not select.fewer:
+                    select = dataclasses.replace(select, fewer=True)
                 sampler = self._sampler(consumer, columns, count, groups, policy, lease_ms, call, weights, select,
                                         stack)
                 got = self._wait(sampler, timeout)
@@ -133,19 +136,7 @@ class Handouts:
         A batch that does not split into ``ranks`` equal chunks is left as it is.
         """
         cost = self._row_costs(rows, weigh_by)
-        n = self._s.schema.n_samples_per_prompt
-        # A sampled batch is whole groups, but for a group that came back with only its unacked rows (see
-        # lua/include/leases.lua): then every n consecutive rows are not one group, and rows are balanced.
-        whole = groups and len(rows) % n == 0 and all(r // n == rows[i - i % n] // n for i, r in enumerate(rows))
-        if whole and (len(rows) // n) % ranks == 0:
-            # Rows of one group are consecutive in the batch: order whole groups.
-            group_cost = [sum(cost[g * n : (g + 1) * n]) for g in range(len(rows) // n)]
-            order = [g * n + j for g in balanced_order(group_cost, ranks) for j in range(n)]
-        elif len(rows) % ranks == 0:
-            order = balanced_order(cost, ranks)
-        else:
-            return batch, rows
-        return reordered(batch, rows, order)
+        return balanced_batch(batch, rows, ranks, cost, self._s.schema.n_samples_per_prompt, groups)
 
     def _row_costs(self, rows: list[int], columns: list[str]) -> list[int]:
         """Sum of the length columns of each row, from the length arrays the puts keep."""
@@ -318,6 +309,21 @@ class Handouts:
             call.rows = len(got)
             return got
 
+    def give_back(self, consumer: str, delivery: HandedRows, groups: bool | None = None) -> int:
+        """Offer the rows of ``delivery`` (handed to ``consumer``) to it again now; how many went back (see
+        ``TransferDock.give_back``). ``groups``: whether they were handed out as whole groups (None: guess it
+        from the delivery, see ``_as_groups``)."""
+        self._s.check.consumer(consumer)
+        check_delivery(delivery, consumer)
+        if groups is None:
+            groups = _as_groups(delivery, self._s.schema.n_samples_per_prompt)
+        rows = sorted(set(drop_padding({}, delivery)[1]))
+        handout = fenced_handout(delivery, rows)
+        token = delivery.token if isinstance(delivery, LeasedRows) else ""
+        request_id = new_request_id()
+        return self._s.write("give_back", lambda: self._s.scripts.release(
+            consumer, handout, token, request_id, groups=groups).given_back)
+
     def reclaim(self, consumer: str, all_leases: bool = False) -> int:
         """Give back ``consumer``'s rows whose lease ran out (all leased rows with ``all_leases``); how many of
         its rows are still leased."""
@@ -393,3 +399,14 @@ class Handouts:
         if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
             raise DecodeError(f"{self._s.keys.consumer_columns} field {consumer}: not a list of column names")
         return columns
+
+
+def _as_groups(rows: HandedRows, n: int) -> bool:
+    """Whether ``rows`` were handed out as whole groups: a group-mode lease's token says so (lua/sample.lua);
+    rows handed out for good, when they are whole groups of ``n`` rows."""
+    if isinstance(rows, LeasedRows):
+        return rows.token.startswith("g")
+    plain = sorted(set(rows))
+    return bool(plain) and len(plain) % n == 0 and all(
+        plain[i] // n == plain[i - i % n] // n and plain[i] % n == i % n for i in range(len(plain)))
+

@@ -21,7 +21,7 @@ from broker.api.dp_padding import drop_padding
 from broker.api.generation import Generation
 from broker.api.session import DockSession
 from broker.connection import Framed, check_sizes, sizes_unchecked, unchecked_value, value_limit
-from broker.connection.replication import REPEAT_SAFE, do_not_repeat
+from broker.connection.replication import REPEAT_SAFE, Repeat, do_not_repeat
 from broker.control.schema import Schema
 from broker.control.scripts import Finish, rows_of, runs_of
 from broker.data import groups
@@ -47,22 +47,39 @@ class Puts:
     ) -> None:
         """Check, encode and write rows (see ``TransferDock.put_experience``)."""
         with metrics.observe(self._s.name, "put") as call:
-            checked = self._checked(data_dict, indexes, is_prompt, rollout_completed, version, delivery, ack)
-            if checked is None:
-                return  # nothing but padding
-            request = self._request(checked)
-            repeat = REPEAT_SAFE
-            if request.fence is not None and request.fence.token and ack:
-                repeat = do_not_repeat("it acked its lease, so a repeat is refused (FencedError)")
-            # The server would refuse an oversized value only by closing the connection mid-send, and the
-            # client's retries would send it again and again.
-            limit = self._s.run(lambda: value_limit(self._s.client))
-            check_sizes(request.encoded, limit.bytes, limit.setting)
-            with sizes_unchecked(unchecked_value(request.encoded, limit)):  # a size refused unseen is not resent
-                self._s.write("put", lambda: self._s.store.put(request), repeat=repeat, returns=False)
-            if call.live:
-                call.rows = len(checked.rows)
-                call.nbytes = sum(len(v) for m in request.encoded.values() for v in m.values())
+            prepared = self.prepare(data_dict, indexes, is_prompt=is_prompt, rollout_completed=rollout_completed,
+                                    version=version, delivery=delivery, ack=ack)
+            if prepared is not None:
+                self.send(prepared)
+                if call.live:
+                    call.rows = prepared.rows
+                    call.nbytes = sum(len(v) for m in prepared.request.encoded.values() for v in m.values())
+
+    def prepare(
+        self, data_dict: Mapping[str, Any], indexes: Sequence[int], *, is_prompt: bool = False,
+        rollout_completed: Any = None, version: int | None = None, delivery: HandedRows | None = None,
+        ack: bool = True,
+    ) -> Prepared | None:
+        """Everything a put does before it writes: every check, the encoding, the sizes against the server's
+        limit; None if the put held padding rows only. A partitioned dock prepares every partition's part
+        before it sends any, so a bad put writes nothing anywhere."""
+        checked = self._checked(data_dict, indexes, is_prompt, rollout_completed, version, delivery, ack)
+        if checked is None:
+            return None
+        request = self._request(checked)
+        repeat = REPEAT_SAFE
+        if request.fence is not None and request.fence.token and ack:
+            repeat = do_not_repeat("it acked its lease, so a repeat is refused (FencedError)")
+        # The server would refuse an oversized value only by closing the connection mid-send, and the
+        # client's retries would send it again and again.
+        limit = self._s.run(lambda: value_limit(self._s.client))
+        check_sizes(request.encoded, limit.bytes, limit.setting)
+        return Prepared(request, repeat, unchecked_value(request.encoded, limit), len(checked.rows))
+
+    def send(self, prepared: Prepared) -> None:
+        """Write a prepared put (``prepare``)."""
+        with sizes_unchecked(prepared.unchecked):  # a size refused unseen is not resent
+            self._s.write("put", lambda: self._s.store.put(prepared.request), repeat=prepared.repeat, returns=False)
 
     def _checked(
         self, data_dict: Mapping[str, Any], indexes: Sequence[int], is_prompt: bool, rollout_completed: Any,
@@ -130,6 +147,15 @@ class Puts:
         if isinstance(delivery, LeasedRows) and ack:  # sent again, it writes only what did not land
             request = dataclasses.replace(request, resend_id=put_id(delivery, encoded, runs))
         return request
+
+
+class Prepared(NamedTuple):
+    """A put checked, encoded and sized (``Puts.prepare``), ready to send."""
+
+    request: PutRequest
+    repeat: Repeat  #: what a ReplicationError after it says of repeating it
+    unchecked: Any  #: what ``sizes_unchecked`` lets through unseen (``unchecked_value``)
+    rows: int
 
 
 class _Checked(NamedTuple):

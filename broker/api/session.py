@@ -86,7 +86,9 @@ class DockSession:
         #: and unless the server says it allocates otherwise than jemalloc (Redis's default on Linux), whose
         #: classes they fit. On the C allocator a cut row only costs its tail.
         self.cuts = self.frames and found.allocator.split("-")[0] in ("", "jemalloc")
-        self.listener = PutListener(self.client, self.keys.events, sharded=found.publish == "SPUBLISH")
+        #: Whether puts announce with sharded pub/sub (SPUBLISH: Redis 7 clusters).
+        self.sharded_events = found.publish == "SPUBLISH"
+        self.listener = PutListener(self.client, self.keys.events, sharded=self.sharded_events)
         self.seed = seed
         self.seeds = Seeds(seed)
         self.replication = Replication(self.client, self.durability[0], round(self.durability[1] * 1000))
@@ -126,6 +128,10 @@ class DockSession:
         fields = wanted.to_meta()
         fields["dead_letter_after"] = str(int(dead_letter_after))  # read by lua/release.lua; not schema
         stored = self.run(lambda: self.scripts.create(fields))
+        if isinstance(stored, bytes):
+            raise SchemaError(f"dock {self.name!r} exists with partitions (its record: "
+                              f"{stored.decode(errors='replace'):.200}): open it with the same partitions=, or with "
+                              "TransferDock.attach")
         if stored is None:
             # Repeating the constructor after a shortfall attaches to the dock made here.
             self.replicated("creating the dock", None, [self.keys.replicated])

@@ -20,7 +20,8 @@ Each module holds one concern; each imports only those above it (no cycles):
 - ``urls.py``: a client's URL (``url_of``, its TLS query), what a URL cannot carry (``uncarried``), ``redact``.
 - ``translate.py``: redis-py's errors as the broker's (``redis_errors``, ``bounded``), ``script_error``,
   ``elide_values``.
-- ``cluster.py``: the paced cluster client and its opening (``CLUSTER_ATTEMPTS``).
+- ``cluster.py``: the paced cluster client and its opening (``CLUSTER_ATTEMPTS``); hash tags spread over the
+  primaries (``spread_tags``).
 - ``shared.py``: ``connect`` (the client shared per URL in a process), ``disconnect``, ``default_url``.
 - ``fanout.py``: a batch of commands sent to every node of a cluster at once (the data plane's hot path).
 - ``replication.py``: waiting for replicas to hold a call's writes.
@@ -49,7 +50,7 @@ module that holds a name.
 from __future__ import annotations
 
 from broker.connection.client import Client
-from broker.connection.cluster import CLUSTER_ATTEMPTS
+from broker.connection.cluster import CLUSTER_ATTEMPTS, spread_tags
 from broker.connection.deadlines import (
     DEFAULT_CALL_TIMEOUT,
     LAST_TRY_SECONDS,
@@ -75,6 +76,7 @@ from broker.connection.urls import redact, uncarried
 
 __all__ = [
     "CLUSTER_ATTEMPTS",
+    "spread_tags",
     "DEFAULT_CALL_TIMEOUT",
     "LAST_TRY_SECONDS",
     "MIN_VALUE_LIMIT",

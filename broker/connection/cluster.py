@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -219,3 +220,28 @@ def _open_cluster(url: str) -> RedisCluster:
             )
     except ValueError as exc:
         raise BrokerError(f"invalid Redis Cluster URL {redact(url)!r}: {exc}") from None
+
+
+def spread_tags(client: Any, candidate: Callable[[int], str], count: int) -> tuple[str, ...]:
+    """``count`` hash tags out of ``candidate(0), candidate(1), ...``, on as many different primaries of the
+    cluster ``client`` as there are, in round-robin order over them (tag i on a primary other than tag i-1's
+    while there are several); on one server, the first ``count`` candidates. The data shards of a dock and
+    the partitions of a partitioned dock are placed so. A later resharding moves slots, and with them tags:
+    clients follow (MOVED), the tags stay what they are."""
+    if not isinstance(client, RedisCluster):
+        return tuple(candidate(i) for i in range(count))
+    primaries = sorted(node.name for node in client.get_primaries())
+    free: dict[str, list[str]] = {p: [] for p in primaries}  # per primary, candidate tags landing there
+    index = 0
+    while sum(min(len(t), -(-count // len(primaries))) for t in free.values()) < count and index < 100_000:
+        tag = candidate(index)
+        node = client.nodes_manager.get_node_from_slot(client.keyslot("{" + tag + "}"))
+        free.setdefault(node.name, []).append(tag)
+        index += 1
+    # Round robin over the primaries: consecutive tags (consecutive groups) on different nodes.
+    out: list[str] = []
+    while len(out) < count:
+        for p in primaries:
+            if free.get(p) and len(out) < count:
+                out.append(free[p].pop(0))
+    return tuple(out)

@@ -50,6 +50,23 @@ def shard_pattern(dock: str) -> str:
     return f"{PREFIX}:{{{dock}~*}}:*"
 
 
+#: A partition of a partitioned dock is a dock of its own named ``NAME~pK`` (``partition_name``): its own hash tag, so
+#: its own slot. ``~`` is not allowed in the names users give, so it clashes with no dock of theirs.
+_PARTITION_RE = re.compile(r"(?P<dock>[A-Za-z0-9_.\-]{1,128})~p(?P<index>[0-9]{1,6})")
+
+
+def partition_name(dock: str, index: int) -> str:
+    """The name (and hash tag) of candidate partition ``index`` of the partitioned dock ``dock`` (see
+    ``broker/api/partitioned.py``; which candidates a dock uses is in its record, ``DockKeys.partitions``)."""
+    return f"{dock}~p{index}"
+
+
+def partition_of_name(name: str) -> str | None:
+    """The partitioned dock whose partition ``name`` is, or None if ``name`` is not a partition's."""
+    m = _PARTITION_RE.fullmatch(name)
+    return m.group("dock") if m else None
+
+
 def group_field(group: int) -> str:
     """Field of group ``group`` in a group column's data hash: ``g`` and the group in decimal (row fields
     are bare decimals, so the two never clash). lua/include/forget.lua builds it too."""
@@ -57,7 +74,10 @@ def group_field(group: int) -> str:
 
 
 def check_name(kind: str, name: object) -> str:
-    """Return ``name`` if it is a valid dock, column or consumer name, else raise SchemaError."""
+    """Return ``name`` if it is a valid dock, column or consumer name, else raise SchemaError. A dock's name may
+    also be a partition's (``partition_name``): a partition is opened as the dock it is."""
+    if kind == "dock" and isinstance(name, str) and _PARTITION_RE.fullmatch(name):
+        return name
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):  # match() with $ took "grpo\n"
         raise SchemaError(
             f"invalid {kind} name {name!r}: use 1-128 characters from letters, digits, '_', '.', '-'"
@@ -92,6 +112,12 @@ class DockKeys:
     def tail_aside(self, column: str) -> str:
         """Where a put's bar sets ``tail(column)`` aside, as ``aside`` is for the data hash."""
         return f"{self.base}tailaside:{column}"
+
+    @property
+    def partitions(self) -> str:
+        """The record of a partitioned dock: JSON of its partitions' names and its shape (see
+        ``broker/api/partitioned.py``); a dock of one partition has none."""
+        return self.base + "partitions"
 
     @property
     def scratch(self) -> str:
@@ -348,6 +374,10 @@ def _core_layout() -> list[KeyRow]:
                "none), `shards`, `group_columns` (JSON list; absent when none); not part of the schema: "
                "`dead_letter_after`, and `versioned` once `set_version` ran "
                "(a version key missing then was lost)"),
+        KeyRow(k.partitions, "string", "a partitioned dock's record (JSON): `format`, `prompts_num`, "
+               "`n_samples_per_prompt` and `partitions`, the names of its P partitions; partition K is a dock of its "
+               f"own, `{partition_name('NAME', _Placeholder('K'))}`, with every key above in its own slot; group g "
+               "is in partition g mod P"),
         KeyRow(k.data(column), "hash", "field = row index in decimal, value = one encoded row; in a group column "
                f"(meta `group_columns`) field = `{group_field(_Placeholder('G'))}` (G = group), value = the group's "
                "one encoded value, read by its n rows"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -33,15 +33,17 @@ _SUBSCRIBE_WAIT_SECONDS = 2.0
 
 
 class PutListener:
-    """Wakes threads waiting for puts on one channel; see the module docstring.
+    """Wakes threads waiting for puts on one channel, or several (a partitioned dock's partitions: a put into
+    any of them wakes its readers); see the module docstring.
 
     ``wait`` is the whole interface; ``close`` stops the listener thread and frees its connection.
     The thread starts on the first wait that needs it and ends after ``idle_seconds`` with no waiter.
     """
 
-    def __init__(self, client: Client, channel: str, *, idle_seconds: float = 30.0, sharded: bool = False):
+    def __init__(self, client: Client, channel: str | Sequence[str], *, idle_seconds: float = 30.0,
+                 sharded: bool = False):
         self._client = client
-        self._channel = channel
+        self._channels = (channel,) if isinstance(channel, str) else tuple(channel)
         #: Sharded pub/sub (SSUBSCRIBE, Redis 7 clusters): the puts announce with SPUBLISH.
         self._sharded = sharded
         self._idle_seconds = idle_seconds
@@ -100,7 +102,7 @@ class PutListener:
                 self._pid, self._thread, self._subscribed, self._waiters = os.getpid(), None, False, 0
             self._waiters += 1
             if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name=f"put-listener {self._channel}", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=f"put-listener {self._channels[0]}", daemon=True)
                 self._thread.start()
             # Until subscribed, a put can be missed: wait for the subscription, then attempt. If it is
             # slow (server trouble), go on: the re-checks still bound every wait.
@@ -132,24 +134,27 @@ class PutListener:
     def _run(self) -> None:
         """The listener thread: hold the subscription, wake waiters on every message."""
         pubsub: Any = None
+        confirmed = 0  # channels whose subscription the server confirmed
         backoff = 0.05
         try:
             while not self._should_stop():
                 try:
                     if pubsub is None:
+                        confirmed = 0
                         pubsub = self._client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]  # untyped before redis-py 8.2
-                        if self._sharded:
-                            pubsub.ssubscribe(self._channel)
+                        if self._sharded:  # on a cluster, one subscription per node of the channels
+                            pubsub.ssubscribe(*self._channels)
                         else:
-                            pubsub.subscribe(self._channel)
+                            pubsub.subscribe(*self._channels)
                     if self._sharded:
                         message = pubsub.get_sharded_message(timeout=_TICK_SECONDS)
                     else:
                         message = pubsub.get_message(timeout=_TICK_SECONDS)
                     if message is not None:
-                        # A (re)subscription confirms that no put from now on is missed, and puts may
-                        # have landed before it: either way the waiters try again.
-                        self._wake(subscribed=True if message["type"] in ("subscribe", "ssubscribe") else None)
+                        # A (re)subscription confirms that no put from now on is missed, once every channel
+                        # confirmed, and puts may have landed before it: either way the waiters try again.
+                        confirmed += message["type"] in ("subscribe", "ssubscribe")
+                        self._wake(subscribed=True if confirmed >= len(self._channels) else None)
                     backoff = 0.05
                 except (redis.RedisError, OSError, ValueError, TypeError, AttributeError):
                     # Dropped or refused (server restart, CLIENT KILL), or the client was closed under

@@ -46,7 +46,7 @@ import redis
 import torch
 from redis.cluster import RedisCluster
 
-from broker.connection import Client, fanout
+from broker.connection import Client, fanout, spread_tags
 from broker.connection.replication import Replication
 from broker.control.keys import DockKeys, shard_pattern, shard_tag
 from broker.control.scripts import DockScripts, Forgot, Handout, rows_of, runs_of
@@ -270,25 +270,8 @@ def choose_shards(client: Client, dock: str, count: int | None) -> tuple[str, ..
     server), each on a different primary as far as there are primaries, in round-robin order over them."""
     if count == 0 or (count is None and not isinstance(client, RedisCluster)):
         return ()
-    if not isinstance(client, RedisCluster):
-        return tuple(shard_tag(dock, i) for i in range(count or 0))
-    primaries = sorted(node.name for node in client.get_primaries())
-    wanted = len(primaries) if count is None else count
-    free: dict[str, list[str]] = {p: [] for p in primaries}  # per primary, candidate tags landing there
-    index = 0
-    while sum(min(len(t), -(-wanted // len(primaries))) for t in free.values()) < wanted and index < 100_000:
-        tag = shard_tag(dock, index)
-        node = client.nodes_manager.get_node_from_slot(client.keyslot("{" + tag + "}"))
-        free.setdefault(node.name, []).append(tag)
-        index += 1
-    # Round robin over the primaries: consecutive shards (consecutive groups) on different nodes.
-    out: list[str] = []
-    while len(out) < wanted:
-        for p in primaries:
-            if free.get(p) and len(out) < wanted:
-                out.append(free[p].pop(0))
-    return tuple(out)
-
+    wanted = len(client.get_primaries()) if count is None else count  # type: ignore[union-attr]  # a cluster
+    return spread_tags(client, lambda i: shard_tag(dock, i), wanted)
 
 
 def _in_order(rows: Sequence[int], runs: Sequence[int], generations: bytes) -> bytes:

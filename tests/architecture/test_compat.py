@@ -73,7 +73,7 @@ OLD_INIT = (
     "length_columns: 'Sequence[str]' = (), group_columns: 'Sequence[str]' = (), rollout: 'Rollout | None' = None, "
     "shards: 'int | None' = None, "
     "wait_replicas: 'int' = 0, wait_timeout: 'float' = 1.0, call_timeout: 'float' = 30.0, "
-    "dead_letter_after: 'int' = 3, allow_volatile_eviction: 'bool' = False)"
+    "dead_letter_after: 'int' = 3, allow_volatile_eviction: 'bool' = False, partitions: 'int' = 1)"
 )
 
 OLD_CLI = {

@@ -175,6 +175,7 @@ def test_status_counts_rows_and_groups(make_dock):
     assert status["consumers"]["actor_train"] == {"consumed": 0, "leased": 0, "redelivered": 0, "dead": 0}
 
 
+@pytest.mark.one_partition("it reads a dock's raw keys")
 def test_status_is_readable_with_redis_cli_commands(make_dock, client):
     dock = make_dock(name="grpo")
     dock.put_experience({"responses": rows_of(5)}, indexes=[0, 1, 2, 3, 7])
@@ -188,6 +189,7 @@ def test_status_is_readable_with_redis_cli_commands(make_dock, client):
 # -- sampling -----------------------------------------------------------------------------------
 
 
+@pytest.mark.one_partition("global FIFO order (a partitioned dock's is per partition)")
 def test_fifo_hands_out_lowest_whole_groups_first(make_dock):
     dock = make_dock(prompts_num=4, n=2)
     fill(dock, columns=["prompts"])
@@ -209,12 +211,14 @@ def test_group_qualifies_only_when_all_rows_are_ready_in_every_column(make_dock)
     assert dock.get_experience("actor_train", ["prompts", "responses"], 2)[1] == [0, 1]
 
 
-def test_not_enough_rows_returns_none_and_marks_nothing(make_dock):
+def test_not_enough_rows_returns_none_and_marks_nothing(make_dock, partitions):
     dock = make_dock(prompts_num=4, n=2)
     fill(dock, columns=["prompts"], rows=[0, 1, 2, 3])
+    # Partitioned: the groups it took from partitions before it found too few are given back.
     assert dock.get_experience("actor_rollout", ["prompts"], 6) == (None, None)
     assert dock.status()["consumers"]["actor_rollout"]["consumed"] == 0
-    assert dock.get_experience("actor_rollout", ["prompts"], 4)[1] == [0, 1, 2, 3]
+    rows = dock.get_experience("actor_rollout", ["prompts"], 4)[1]
+    assert rows == [0, 1, 2, 3] if partitions == 1 else sorted(rows) == [0, 1, 2, 3]  # FIFO is per partition
 
 
 def test_single_row_sampling_and_its_effect_on_groups(make_dock):
@@ -229,6 +233,7 @@ def test_single_row_sampling_and_its_effect_on_groups(make_dock):
     assert dock.all_consumed("actor_rollout")
 
 
+@pytest.mark.one_partition("global FIFO order")
 def test_consumers_are_independent(make_dock):
     dock = make_dock()
     fill(dock, columns=["prompts"])
@@ -237,6 +242,7 @@ def test_consumers_are_independent(make_dock):
     assert a == b == list(range(8))
 
 
+@pytest.mark.one_partition("one seeded sampler (a partitioned dock starts at a random partition)")
 def test_random_policy_is_reproducible_with_a_seed_and_hands_out_whole_groups(make_dock):
     picks = []
     for name in ("r1", "r2"):
@@ -276,6 +282,7 @@ def test_all_consumed_and_clear(make_dock):
     assert dock.get_experience("actor_train", ["prompts"], 2)[1] == [0, 1]
 
 
+@pytest.mark.one_partition("it reads a dock's raw keys and global FIFO order")
 def test_clear_some_rows_resets_their_status_and_groups(make_dock):
     dock = make_dock(prompts_num=3, n=2)
     fill(dock, columns=["prompts"])
@@ -383,7 +390,7 @@ def test_bad_put_raises_and_writes_nothing(make_dock, client, data, indexes, err
     with pytest.raises(error, match=message):
         dock.put_experience(data, indexes)
     # Only the dock's schema and epoch, and the reply its creation keeps for a resend (lua/include/once.lua).
-    made = (b":meta", b":epoch")
+    made = (b":meta", b":epoch", b":partitions")  # and a partitioned dock's record
     assert [k for k in server_keys(client, "td:*") if not k.endswith(made) and b":reply:" not in k] == []
 
 
@@ -434,6 +441,7 @@ def test_bad_clear_indexes_raise_and_clear_nothing(make_dock):
     assert dock.status()["columns"]["prompts"]["ready"] == 8
 
 
+@pytest.mark.one_partition("it writes a dock's raw keys")
 def test_corrupted_bytes_raise_decode_error_naming_key_and_field(make_dock, client):
     dock = make_dock(name="grpo")
     fill(dock)
@@ -442,6 +450,7 @@ def test_corrupted_bytes_raise_decode_error_naming_key_and_field(make_dock, clie
         dock.get_experience("actor_train", ["prompts", "responses"], indexes=[2, 3])
 
 
+@pytest.mark.one_partition("it deletes a dock's raw keys")
 def test_ready_row_without_bytes_raises_missing_data(make_dock, client):
     dock = make_dock(name="grpo")
     fill(dock)
@@ -450,6 +459,7 @@ def test_ready_row_without_bytes_raises_missing_data(make_dock, client):
         dock.get_experience("actor_train", ["prompts"], 2)
 
 
+@pytest.mark.one_partition("it writes a dock's raw keys")
 def test_a_data_key_of_the_wrong_type_is_reported_not_crashed_on(make_dock, client, request):
     dock = make_dock(name="grpo")
     prompts, _ = data_cell(dock, "prompts", 0)
@@ -459,6 +469,7 @@ def test_a_data_key_of_the_wrong_type_is_reported_not_crashed_on(make_dock, clie
     assert dock.status()["columns"]["responses"]["ready"] == 0  # the failed put marked nothing
 
 
+@pytest.mark.one_partition("it writes a dock's raw keys")
 def test_status_keys_of_the_wrong_type_are_reported_not_crashed_on(make_dock, client):
     dock = make_dock(name="grpo")
     client.hset("td:{grpo}:consumed:actor_train", "a", "b")
@@ -597,6 +608,7 @@ def test_timeout_inf_waits_until_the_rows_come(make_dock):
         dock.get_experience("actor_train", ["prompts"], 2, timeout=float("nan"))
 
 
+@pytest.mark.one_partition("one seeded sampler (a partitioned dock starts at a random partition)")
 def test_seeded_random_picks_do_not_depend_on_waiting(make_dock):
     at_once = make_dock(name="at-once", prompts_num=16, n=1, policy="random", seed=3)
     fill(at_once)
@@ -685,3 +697,9 @@ def test_broker_status_of_many_docks_takes_one_connection_and_one_script_call_pe
     scripts = sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "fcall_ro"))
     assert 300 <= scripts < 320
     assert "cmdstat_exec" not in stats  # no MULTI holding the server for all of them
+
+
+@pytest.fixture(params=[1, 3], ids=["whole", "partitioned"])
+def partitions(request) -> int:
+    """Every dock test of this file also on a dock of three partitions (see tests/conftest.py)."""
+    return request.param

@@ -98,3 +98,9 @@ def test_many_processes_consume_every_row_exactly_once_in_whole_groups(dock_url,
     done = {"consumed": PROMPTS * N, "leased": 0, "redelivered": 0, "dead": 0}
     assert dock.status()["consumers"] == {c: done for c in CONSUMERS}
     dock.delete()
+
+
+@pytest.fixture(params=[1, 3], ids=["whole", "partitioned"])
+def partitions(request) -> int:
+    """Every dock test of this file also on a dock of three partitions (see tests/conftest.py)."""
+    return request.param

@@ -174,3 +174,9 @@ def test_broker_dead_lists_and_drops(url):
     assert listed.startswith("train\t3\t") and "field 3" in listed
     assert "dropped 1 rows" in cli_output(["dead", "dlq", "--url", url, "--drop", "--yes"])
     assert cli_output(["dead", "dlq", "--url", url]).startswith("no dead letters")
+
+
+@pytest.fixture(params=[1, 3], ids=["whole", "partitioned"])
+def partitions(request) -> int:
+    """Every dock test of this file also on a dock of three partitions (see tests/conftest.py)."""
+    return request.param

@@ -163,6 +163,7 @@ def test_a_rewrite_between_sampling_and_reading_is_read_not_refused(make_dock):
     assert dock.get_experience("actor_train", ["prompts"], 2) == (None, None)
 
 
+@pytest.mark.one_partition("its error names the partition's own rows")
 @pytest.mark.parametrize("stack", [False, True])
 def test_read_rows_naming_a_delivery_refuses_rows_a_clear_took_since(make_dock, stack):
     """``read_rows(..., delivery=rows)`` reads what the delivery handed out, or raises FencedError once a clear
@@ -183,6 +184,7 @@ def test_read_rows_naming_a_delivery_refuses_rows_a_clear_took_since(make_dock, 
         dock.read_rows(["prompts"], [rows[0], next(r for r in range(6) if r not in rows)], delivery=rows)
 
 
+@pytest.mark.one_partition("it calls one dock's release script")
 def test_a_resent_release_gives_back_nothing_another_worker_took_meanwhile(make_dock, client):
     """A release whose reply is lost runs again (redis-py resends it): it must not give back twice."""
     dock = make_dock(prompts_num=4, n=2, columns=("prompts",), name="resend")
@@ -273,3 +275,9 @@ def test_put_clear_loop_against_consumer_processes_never_repeats_or_mixes_rows(d
     repeats = {pair: k for pair, k in seen.items() if k > 1}
     assert not repeats, f"{len(repeats)} (batch, row) pairs handed out more than once, e.g. {list(repeats)[:5]}"
     assert batches >= MIN_ROUNDS and len(seen) > 100  # the race really ran
+
+
+@pytest.fixture(params=[1, 3], ids=["whole", "partitioned"])
+def partitions(request) -> int:
+    """Every dock test of this file also on a dock of three partitions (see tests/conftest.py)."""
+    return request.param

@@ -28,6 +28,7 @@ def test_leased_rows_stay_out_until_acked(make_dock):
     assert dock.all_consumed("actor_train")
 
 
+@pytest.mark.one_partition("global FIFO order")
 def test_expired_lease_is_offered_again_to_the_same_consumer_only(make_dock):
     dock = make_dock(prompts_num=3, n=2)
     fill(dock, columns=["prompts"])
@@ -233,6 +234,7 @@ def test_expired_explicit_rows_are_reclaimed_without_any_sampling_call(make_dock
     assert dock.all_consumed("actor_train")
 
 
+@pytest.mark.one_partition("global FIFO order")
 def test_reclaiming_all_leases_gives_back_live_ones_at_once_and_fences_their_holder(make_dock):
     """A driver that restarted a consumer's whole worker group gives back its rows without waiting out the
     leases; the old holder, if it was alive after all, acks nothing and writes nothing."""
@@ -361,3 +363,9 @@ def test_killed_worker_rows_are_redelivered_and_every_row_gets_one_result(dock_u
     # One result per row: the results hash (or hashes, on data shards) has exactly one field per row.
     assert held_rows(dock, "results") == capacity
     dock.delete()
+
+
+@pytest.fixture(params=[1, 3], ids=["whole", "partitioned"])
+def partitions(request) -> int:
+    """Every dock test of this file also on a dock of three partitions (see tests/conftest.py)."""
+    return request.param

@@ -1,6 +1,7 @@
 """The admin family: the scripts that make a dock and keep what its workers share beside the rows.
 
 - lua/create.lua: store a dock's schema unless one exists (``create``);
+- lua/partition.lua: record a partitioned dock's partitions unless a dock of its name exists (``partition``);
 - lua/grow.lua: add columns or consumers, keeping the rows (``grow``);
 - lua/metrics.lua: metrics every worker shares (``metrics``);
 - lua/columns_of.lua: the columns each consumer reads by default (``columns_of``);
@@ -16,12 +17,25 @@ from broker.control.scripts.base import ScriptsBase
 class AdminScripts(ScriptsBase):
     """Wrappers of the scripts that make and describe a dock: create, grow, metrics, columns_of, quota."""
 
-    def create(self, fields: dict[str, str]) -> dict[bytes, bytes] | None:
-        """Store ``fields`` as the dock's meta unless a dock exists; None if stored, else the stored meta."""
-        reply = self._once("create", [self._keys.meta, self._keys.epoch], [x for pair in fields.items() for x in pair])
+    def create(self, fields: dict[str, str]) -> dict[bytes, bytes] | bytes | None:
+        """Store ``fields`` as the dock's meta unless a dock exists; None if stored, else the stored meta, or the
+        record of the partitioned dock of this name (bytes: no dock of one partition may be made under it)."""
+        k = self._keys
+        reply = self._once("create", [k.meta, k.epoch, k.partitions], [x for pair in fields.items() for x in pair])
         if reply[0] == 1:
             return None
+        if reply[0] == 2:
+            return bytes(reply[1])
         return dict(zip(reply[1::2], reply[2::2]))
+
+    def partition(self, record: str) -> bytes | None:
+        """Record a partitioned dock's partitions (``record``, JSON) unless a dock of its name exists: None if
+        stored, else the record stored before; SchemaError-worthy ``b""`` when a dock of one partition has the
+        name (see lua/partition.lua)."""
+        reply = self._call("partition", [self._keys.meta, self._keys.partitions], [record])
+        if reply[0] == 1:
+            return None
+        return b"" if reply[0] == 2 else bytes(reply[1])
 
     def metrics(self, values: dict[str, str], append: bool) -> int:
         """Store metrics (name -> JSON text); ``append`` extends stored lists (see lua/metrics.lua)."""

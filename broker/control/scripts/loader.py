@@ -33,6 +33,7 @@ from pathlib import Path
 #: Script name -> file in lua/. Listed explicitly so a missing file fails at import, not mid-run.
 SCRIPT_FILES = {
     "create": "create.lua",
+    "partition": "partition.lua",
     "put": "put.lua",
     "claim": "claim.lua",
     "unhold": "unhold.lua",

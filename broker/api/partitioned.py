@@ -1,0 +1,473 @@
+"""A partitioned dock: one dock whose control plane is P docks, each in its own slot, on a cluster on its own primary.
+
+Every script of a dock runs on the one primary that owns its slot, so one dock's control plane is one primary's
+CPU however many primaries hold its bytes (docs/cluster.md). ``TransferDock(..., partitions=P)`` makes P
+partitions instead, each a dock of its own (``NAME~pK``, keys ``td:{NAME~pK}:*``) whose names are chosen so that
+their slots fall on different primaries (``spread_tags``), and a record, ``td:{NAME}:partitions``
+(lua/partition.lua), that names them. Group g is partition ``g % P``'s group ``g // P`` (``partition_map.py``):
+a group never spans partitions, so everything a dock promises per group (whole groups handed out, fenced puts,
+leases, dead letters, group columns) is each partition's own promise, kept by its own scripts, unchanged.
+
+What becomes per partition, said plainly:
+
+- **FIFO** holds within a partition: a sampled get takes the lowest ready groups of the partition it takes from.
+- **A sampled get** runs its script on one partition at a time. Each call starts at the next partition of this
+  object's own rotation (it starts at a random one), so consumers spread over the partitions and none is
+  starved. It asks that partition for the whole count, taking what qualifies there (at least one group, or
+  nothing); if that falls short it asks the next partition for the rest, and so on round the partitions. Each
+  take is atomic (one script on one partition). If the partitions together fall short, every take of the call
+  is given back (lua/release.lua, under the take's own lease token when leased: only rows still this take's go
+  back) and the call waits for puts, or returns ``(None, None)``, as a dock of one partition does. So rows are
+  never lost to a call that returned nothing, nor handed out twice: a row given back is offered again, and one
+  that a clear took meanwhile was reset by the clear. While a take is held before it is given back, other
+  callers of the same consumer do not see its rows: they may find too few, and wait or return nothing.
+- **Explicit rows** (``indexes=``, ``take``) are cut by partition and taken partition by partition, each atomic;
+  a part that fails (rows not written in time, already taken by an exclusive take) gives back the parts taken.
+- **A put** is cut by partition: each partition's part is one put there, atomic, fenced by that partition's
+  delivery. A put that fails in one partition may have landed in the partitions before it (named in the
+  error); sending it again is safe: a plain put writes the same bytes again, a leased put's parts that landed
+  are recognised by their request ids and skipped.
+- **clear** and **set_version** reach every partition, in order 0..P-1. Between two of them a reader may see
+  some partitions cleared (or at the new version) and others not: what it reads from a partition not yet
+  cleared is what it would have read just before the clear; nothing it reads is another batch's bytes under
+  an old row's marks (each partition's read fence holds).
+- ``status``, ``all_consumed``, ``get_cur_index``, dead letters and the counts sum or join the partitions;
+  ``version`` is the lowest of the partitions' versions (they differ only while ``set_version`` is between them,
+  or after it failed part way: repeat it); metrics (``update_metrics``) are kept in partition 0;
+  ``set_quota(nbytes)`` gives each partition an equal share.
+
+Not yet on a partitioned dock (each raises BrokerError naming it): partial rollout and the staleness bound
+(``rollout=``), ``grow``, and the hooks that expose one dock's session or keys (the TransferQueue slice's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from broker.api.checks import DockChecks, is_int
+from broker.api.dock import DEAD_LETTER_AFTER, TransferDock
+from broker.api.partition_map import PartitionMap
+from broker.api.partitioned_moves import PartitionedMoves
+from broker.api.session import DockSession
+from broker.connection import DEFAULT_CALL_TIMEOUT, Client, spread_tags
+from broker.control.keys import DockKeys, check_name, partition_name, partition_of_name
+from broker.control.put_listener import PutListener
+from broker.control.rollout import Rollout
+from broker.control.schema import Schema
+from broker.errors import BrokerError, DecodeError, DockNotFoundError, InvalidExperienceError, SchemaError
+
+__all__ = ["PartitionedDock", "RECORD_FORMAT"]
+
+#: Version of the record's JSON (``td:{NAME}:partitions``).
+RECORD_FORMAT = 1
+
+
+class PartitionedDock(PartitionedMoves):
+    """A dock of P partitions (see the module docstring); made by ``TransferDock(..., partitions=P)`` with P > 1
+    and opened by ``TransferDock.attach``, with the dock's methods and the dock's row indexes."""
+
+    def __init__(
+        self, url_or_client: str | Client, name: str, prompts_num: int, n_samples_per_prompt: int,
+        columns: Sequence[str], consumers: Sequence[str], *, partitions: int, policy: str = "fifo",
+        seed: int | None = None, length_columns: Sequence[str] = (), group_columns: Sequence[str] = (),
+        rollout: Rollout | None = None, shards: int | None = None, wait_replicas: int = 0, wait_timeout: float = 1.0,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT, dead_letter_after: int = DEAD_LETTER_AFTER,
+        allow_volatile_eviction: bool = False,
+    ):
+        if partition_of_name(check_name("dock", name)) is not None:
+            raise SchemaError(f"dock name {name!r} is a partition's; a partitioned dock's name has no '~'")
+        if not is_int(partitions) or not 1 < partitions <= 1024:
+            raise SchemaError(f"partitions must be an int in 1..1024, got {partitions!r:.40}")
+        if rollout is not None and rollout != Rollout():
+            raise SchemaError(f"dock {name!r}: partial rollout and the staleness bound (rollout=) are not supported "
+                              "on a partitioned dock yet; make it with partitions=1")
+        wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, None,
+                              group_columns)
+        if partitions > prompts_num:
+            raise SchemaError(f"dock {name!r}: partitions={partitions} exceeds prompts_num={prompts_num} (a group "
+                              "never spans partitions: each holds at least one)")
+        opening: dict[str, Any] = dict(policy=policy, seed=seed, wait_replicas=wait_replicas, wait_timeout=wait_timeout,
+                       call_timeout=call_timeout, allow_volatile_eviction=allow_volatile_eviction)
+        making: dict[str, Any] = dict(length_columns=length_columns, group_columns=group_columns, shards=shards,
+                      dead_letter_after=dead_letter_after)
+        pmap = PartitionMap(int(partitions), prompts_num, n_samples_per_prompt)
+        root = _root(url_or_client, name, opening)
+        made: list[TransferDock] = []
+        try:
+            record = _read_record(root)
+            if record is None:
+                names = root.run(lambda: spread_tags(root.client, lambda i: partition_name(name, i), pmap.count))
+                made = [TransferDock(url_or_client, part, pmap.prompts_of(p), n_samples_per_prompt, columns,
+                                     consumers, **opening, **making) for p, part in enumerate(names)]
+                text = json.dumps({"format": RECORD_FORMAT, "prompts_num": prompts_num,
+                                   "n_samples_per_prompt": n_samples_per_prompt, "partitions": list(names)})
+                stored = root.run(lambda: root.scripts.partition(text))
+                if stored == b"":
+                    raise SchemaError(f"dock {name!r} exists with one partition: open it without partitions=")
+                self.created = stored is None and any(d.created for d in made)
+                record = _parse_record(root, text if stored is None else stored)
+                if list(names) != record["partitions"]:  # another process made it first, on other partitions
+                    for dock in made:
+                        if dock.created:
+                            dock.delete()
+                        dock.close()
+                    made = []
+            else:
+                self.created = False
+            _check_shape(name, record, pmap, lambda: _first_differences(url_or_client, record, wanted, opening))
+            if not made:
+                made = [TransferDock(url_or_client, part, pmap.prompts_of(p), n_samples_per_prompt, columns,
+                                     consumers, **opening, **making) for p, part in enumerate(record["partitions"])]
+        except BaseException:
+            for dock in made:
+                dock.close()
+            raise
+        finally:
+            root.close()
+        self._assemble(name, made, pmap, url_or_client, opening, wanted)
+
+    @classmethod
+    def attach(cls, url_or_client: str | Client, name: str, *, policy: str = "fifo", seed: int | None = None,
+               wait_replicas: int = 0, wait_timeout: float = 1.0, call_timeout: float = DEFAULT_CALL_TIMEOUT,
+               allow_volatile_eviction: bool = False) -> PartitionedDock:
+        """Open the partitioned dock ``name`` from its record (DockNotFoundError if there is none)."""
+        opening: dict[str, Any] = dict(policy=policy, seed=seed, wait_replicas=wait_replicas, wait_timeout=wait_timeout,
+                       call_timeout=call_timeout, allow_volatile_eviction=allow_volatile_eviction)
+        root = _root(url_or_client, name, opening)
+        try:
+            record = _read_record(root)
+            if record is None:
+                raise DockNotFoundError(f"no dock named {name!r} at {root.server}")
+            names = record["partitions"]
+        finally:
+            root.close()
+        parts: list[TransferDock] = []
+        try:
+            for part in names:
+                parts.append(TransferDock.attach(url_or_client, part, **opening))
+        except BaseException:
+            for opened in parts:
+                opened.close()
+            raise
+        pmap = PartitionMap(len(parts), int(record["prompts_num"]), int(record["n_samples_per_prompt"]))
+        _check_shape(name, record, pmap)
+        dock = cls.__new__(cls)
+        dock.created = False
+        s = parts[0].schema
+        wanted = Schema.build(pmap.prompts_num, pmap.n, s.columns, s.consumers, s.length_columns, None,
+                              s.group_columns)
+        dock._assemble(name, parts, pmap, url_or_client, opening, wanted)
+        return dock
+
+    def _assemble(self, name: str, parts: list[TransferDock], pmap: PartitionMap, target: str | Client,
+                  opening: dict[str, Any], schema: Schema) -> None:
+        self._name = name
+        self._parts = parts
+        self._pmap = pmap
+        self._target = target
+        self._opening = opening
+        self._schema = schema
+        self._check = DockChecks(name, schema)
+        first = parts[0].session
+        self._listener = PutListener(first.client, [p.keys.events for p in parts], sharded=first.sharded_events)
+        self._turn = random.randrange(pmap.count)  # where this object's next sampled get starts
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Hand back the connections of every partition (see ``TransferDock.close``). Idempotent."""
+        self._listener.close()
+        for part in self._parts:
+            part.close()
+
+    def __enter__(self) -> PartitionedDock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Callable[..., PartitionedDock], tuple[Any, ...]]:
+        self._parts[0].__reduce__()  # raises, naming why, where a dock opened so would not pickle
+        return _reattach, (self._parts[0].session.url, self._name, self._opening)
+
+    def __repr__(self) -> str:
+        return (f"TransferDock({self._name!r} at {self._parts[0].session.server}, prompts_num={self.prompts_num}, "
+                f"n_samples_per_prompt={self.n_samples_per_prompt}, columns={list(self.columns)}, "
+                f"consumers={list(self.consumers)}, partitions={[p.name for p in self._parts]})")
+
+    # -- what it is -----------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def partitions(self) -> tuple[TransferDock, ...]:
+        """The partitions, each a dock of its own (for inspection: its rows are numbered its own way)."""
+        return tuple(self._parts)
+
+    @property
+    def schema(self) -> Schema:
+        return self._schema
+
+    @property
+    def prompts_num(self) -> int:
+        return self._pmap.prompts_num
+
+    @property
+    def n_samples_per_prompt(self) -> int:
+        return self._pmap.n
+
+    @property
+    def capacity(self) -> int:
+        return self._schema.capacity
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return self._parts[0].columns
+
+    @property
+    def consumers(self) -> tuple[str, ...]:
+        return self._parts[0].consumers
+
+    @property
+    def rollout(self) -> Rollout:
+        return Rollout()
+
+    @property
+    def client(self) -> Client:
+        return self._parts[0].client
+
+    @property
+    def keys(self) -> DockKeys:
+        """The keys of the dock's name: only its record (``keys.partitions``) is there; each partition's are
+        ``dock.partitions[k].keys``."""
+        return DockKeys(self._name)
+
+    @property
+    def session(self) -> DockSession:
+        raise BrokerError(f"dock {self._name!r} has {self._pmap.count} partitions, each with its own session "
+                          "(dock.partitions[k].session): code built on one dock's session (the TransferQueue slice) "
+                          "needs a dock of one partition")
+
+    fingerprint = binding = session
+
+    # -- writes that reach every partition -----------------------------------------------------
+
+    def clear(self, indexes: Sequence[int] | None = None, *, consumer: str | None = None, age: bool = True) -> None:
+        """Forget rows (see ``TransferDock.clear``): ``indexes`` cut by partition, or every partition in order."""
+        if indexes is not None:
+            rows = self._check.rows(indexes)
+            for p, (_, local) in self._pmap.split(rows).parts.items():
+                self._parts[p].clear(local, consumer=consumer, age=age)
+            return
+        for part in self._parts:
+            part.clear(consumer=consumer, age=age)
+
+    def set_version(self, version: int) -> None:
+        for part in self._parts:
+            part.set_version(version)
+
+    def version(self) -> int:
+        """The lowest of the partitions' versions (see the module docstring)."""
+        return min(part.version() for part in self._parts)
+
+    def reset_consumer(self, consumer: str, indexes: Sequence[int] | None = None) -> int:
+        if indexes is None:
+            return sum(part.reset_consumer(consumer) for part in self._parts)
+        rows = self._check.rows(indexes)
+        split = self._pmap.split(rows).parts
+        return sum(self._parts[p].reset_consumer(consumer, local) for p, (_, local) in split.items())
+
+    def register_consumer_columns(self, columns_of: Mapping[str, Sequence[str]]) -> None:
+        for part in self._parts:
+            part.register_consumer_columns(columns_of)
+
+    def consumer_columns(self, consumer: str | None = None) -> list[str]:
+        return self._parts[0].consumer_columns(consumer)
+
+    def set_quota(self, nbytes: int | None) -> int:
+        """Give each partition an equal share of ``nbytes`` (see ``TransferDock.set_quota``); the bytes held."""
+        share = nbytes if nbytes is None or not is_int(nbytes) or nbytes < 0 else -(-int(nbytes) // self._pmap.count)
+        return sum(part.set_quota(share) for part in self._parts)
+
+    def set_setting(self, name: str, value: str) -> None:
+        for part in self._parts:
+            part.set_setting(name, value)
+
+    def setting(self, name: str) -> str | None:
+        return self._parts[0].setting(name)
+
+    def update_metrics(self, key: str | Mapping[str, Any] = "", value: Any = None, cumulate: bool = False) -> None:
+        self._parts[0].update_metrics(key, value, cumulate)
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self._parts[0].get_metrics()
+
+    def refresh(self) -> Schema:
+        for part in self._parts:
+            part.refresh()
+        return self._schema
+
+    def delete(self) -> None:
+        """Delete the dock: its record first (no one opens it after that), then every partition."""
+        first = self._parts[0].session
+        record = DockKeys(self._name).partitions
+        first.write("delete", lambda: first.client.delete(record), returns=False)
+        for part in self._parts:
+            part.delete()
+
+    # -- reads that join the partitions ---------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The partitions' counts summed (each partition's is one consistent snapshot; together they are not)."""
+        statuses = [part.status() for part in self._parts]
+        out = _summed(statuses)
+        out.update(name=self._name, prompts_num=self.prompts_num, n_samples_per_prompt=self.n_samples_per_prompt,
+                   capacity=self.capacity, version=min(s["version"] for s in statuses), partitions=len(statuses))
+        return out
+
+    def all_consumed(self, consumer: str) -> bool:
+        done = [part.all_consumed(consumer) for part in self._parts]  # every partition gives back expired leases
+        return all(done)
+
+    def reclaim(self, consumer: str, *, all_leases: bool = False) -> int:
+        return sum(part.reclaim(consumer, all_leases=all_leases) for part in self._parts)
+
+    def get_cur_index(self) -> int:
+        """Rows ``prefetch_request_index`` handed out so far, over every partition."""
+        return sum(part.get_cur_index() for part in self._parts)
+
+    def prefetch_request_index(self, experience_num: int) -> list[int] | None:
+        """The next rows of one partition's batch, partitions in turn (fewer at a partition's end); None once
+        every partition handed out all of its rows. Rows never repeat: each partition's cursor is atomic."""
+        for p in self._order():
+            local = self._parts[p].prefetch_request_index(experience_num)
+            if local:
+                return self._pmap.global_rows(p, local)
+        return None
+
+    def dead_letters(self, consumer: str | None = None) -> dict[str, dict[int, str]]:
+        out: dict[str, dict[int, str]] = {}
+        for p, part in enumerate(self._parts):
+            for c, letters in part.dead_letters(consumer).items():
+                out.setdefault(c, {}).update({self._pmap.global_row(p, r): why for r, why in letters.items()})
+        return {c: dict(sorted(letters.items())) for c, letters in out.items()}
+
+    def drop_dead_letters(self, consumer: str | None = None) -> list[int]:
+        return sorted(self._pmap.global_row(p, r) for p, part in enumerate(self._parts)
+                      for r in part.drop_dead_letters(consumer))
+
+    def ready_rows(self, columns: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        return self._joined([part.ready_rows(columns) for part in self._parts])
+
+    def consumed_rows(self, consumers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        return self._joined([part.consumed_rows(consumers) for part in self._parts])
+
+    def _joined(self, per_part: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Per-row tensors of the partitions as one of the dock's rows."""
+        out: dict[str, torch.Tensor] = {}
+        for p, tensors in enumerate(per_part):
+            index = torch.tensor(self._pmap.global_rows(p, range(self._pmap.prompts_of(p) * self._pmap.n)),
+                                 dtype=torch.long)
+            for key, values in tensors.items():
+                joined = out.setdefault(key, torch.zeros(self.capacity, dtype=values.dtype))
+                joined[index] = values
+        return out
+
+    # -- not on a partitioned dock yet ----------------------------------------------------------
+
+    def _unsupported(self, what: str) -> BrokerError:
+        return InvalidExperienceError(f"dock {self._name!r} has {self._pmap.count} partitions: {what} is not "
+                                      "supported on a partitioned dock yet (make it with partitions=1)")
+
+    def grow(self, *args: Any, **kwargs: Any) -> Schema:
+        raise self._unsupported("grow")
+
+    def finished_rows(self) -> torch.Tensor:
+        raise self._unsupported("finished_rows (partial rollout)")
+
+    def age_groups(self) -> None:
+        raise self._unsupported("age_groups (partial rollout)")
+
+    def unready(self, columns: Sequence[str], indexes: Sequence[int]) -> int:
+        raise self._unsupported("unready (partial rollout)")
+
+    def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:
+        raise self._unsupported("get_update_ready (partial rollout)")
+
+    def get_incomplete_response_num(self) -> int:
+        raise self._unsupported("get_incomplete_response_num (partial rollout)")
+
+    def reserve_groups(self, count: int, column: str) -> list[int] | None:
+        raise self._unsupported("reserve_groups (partial rollout)")
+
+
+def _root(target: str | Client, name: str, opening: dict[str, Any]) -> DockSession:
+    """A session on the dock's own name: where its record is (and where a dock of one partition would be)."""
+    durability = (opening["wait_replicas"], opening["wait_timeout"])
+    return DockSession(target, name, opening["policy"], opening["seed"], durability, opening["call_timeout"],
+                       opening["allow_volatile_eviction"])
+
+
+def _read_record(root: DockSession) -> dict[str, Any] | None:
+    raw = root.run(lambda: root.client.get(root.keys.partitions))
+    return None if raw is None else _parse_record(root, raw)
+
+
+def _parse_record(root: DockSession, raw: bytes | str) -> dict[str, Any]:
+    try:
+        record = json.loads(raw)
+        names = record["partitions"]
+        ok = (record["format"] == RECORD_FORMAT and isinstance(names, list) and len(names) > 1
+              and all(isinstance(n, str) and partition_of_name(n) == root.name for n in names)
+              and is_int(record["prompts_num"]) and is_int(record["n_samples_per_prompt"]))
+    except (ValueError, TypeError, KeyError, RecursionError):
+        ok = False
+    if not ok:
+        raise DecodeError(f"{root.keys.partitions}: not a partitioned dock's record ({str(raw)[:120]})")
+    return dict(record)
+
+
+def _first_differences(target: str | Client, record: dict[str, Any], wanted: Schema,
+                       opening: dict[str, Any]) -> list[str]:
+    """How partition 0's schema differs from ``wanted`` beside the dock's shape (columns, consumers, ...)."""
+    with TransferDock.attach(target, record["partitions"][0], **opening) as first:
+        mine = dataclasses.replace(wanted, prompts_num=first.prompts_num)
+        return mine.differences(first.schema)
+
+
+def _check_shape(name: str, record: dict[str, Any], pmap: PartitionMap,
+                 more: Callable[[], list[str]] = list) -> None:
+    stored = {"prompts_num": record["prompts_num"], "n_samples_per_prompt": record["n_samples_per_prompt"],
+              "partitions": len(record["partitions"])}
+    wanted = {"prompts_num": pmap.prompts_num, "n_samples_per_prompt": pmap.n, "partitions": pmap.count}
+    diff = [f"{k}: stored {stored[k]}, requested {wanted[k]}" for k in stored if stored[k] != wanted[k]]
+    if diff:
+        diff += more()
+        raise SchemaError(f"dock {name!r} exists with a different schema: " + "; ".join(diff))
+
+
+def _summed(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+    """Numbers added key by key through nested dicts; anything else as the first status has it."""
+    def add(a: Any, b: Any) -> Any:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return {k: add(a[k], b[k]) if k in b else a[k] for k in a} | {k: v for k, v in b.items() if k not in a}
+        if isinstance(a, (int, float)) and not isinstance(a, bool) and isinstance(b, (int, float)):
+            return a + b
+        return a
+    out = statuses[0]
+    for s in statuses[1:]:
+        out = add(out, s)
+    return dict(out)
+
+
+def _reattach(target: str, name: str, opening: dict[str, Any]) -> PartitionedDock:
+    """Unpickle a partitioned dock: open it again from its record."""
+    return PartitionedDock.attach(target, name, **opening)

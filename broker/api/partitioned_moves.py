@@ -1,0 +1,375 @@
+"""Rows in and out of a partitioned dock: puts, gets, reads, takes, acks and drops, cut by partition.
+
+A base of ``PartitionedDock`` (partitioned.py, whose docstring says what is per partition). Every call here
+cuts the dock's rows by partition (``PartitionMap.split``), makes one call of a partition's dock per partition
+touched, each atomic there, and puts the answers back in the caller's order.
+
+The interleavings of a sampled get that takes from several partitions (``_sample``):
+
+- take from partition a, then b has too few: a's take is given back (lua/release.lua under a's lease token, or
+  its epoch and generations when not leased). Between the take and the give-back, a's rows are held by this
+  call: another caller of the consumer does not see them (it may find too few and wait, then is woken by
+  nothing; its re-check, every second, finds them). Given back, they are offered again as they were.
+- take from a, then a clear of a, then the give-back: the clear reset a's rows; release.lua gives back only rows
+  no clear touched since the take, so it gives back nothing of them, and the clear's new rows stay untouched.
+- take from a under a lease, the lease runs out before the give-back, another worker takes the rows: the
+  give-back finds them leased under another token and leaves them (release.lua), so they are not handed out twice.
+- take from a and b, the call returns, the caller dies: as on a dock of one partition, each part's lease runs
+  out and its rows go back to the consumer (each partition's own reclaim).
+- the process dies between a's take and its give-back: a's rows stay handed out: under a lease, until it runs
+  out (the usual recovery); without one, for good, as a dock of one partition loses a batch whose caller died
+  after the sampling script ran. Use leases where workers may die.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from broker.api.balance import balanced_batch, dp_padded
+from broker.api.checks import DockChecks, check_flag, check_lease, check_timeout
+from broker.api.delivery import HandedRows, LeasedRows, check_delivery
+from broker.api.dock import TransferDock
+from broker.api.dp_padding import drop_padding
+from broker.api.get_request import GetRequest
+from broker.api.partition_map import PartitionMap
+from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows
+from broker.control.put_listener import PutListener
+from broker.data.stacking import stack_decoded
+from broker.errors import ExperienceTimeoutError, InvalidExperienceError
+
+#: Longest a waiting get sleeps between attempts without a wake-up (as a dock of one partition: a lost
+#: pub/sub message costs at most this).
+_RECHECK_SECONDS = 1.0
+
+Parts = dict[int, tuple[Any, HandedRows]]
+
+
+class PartitionedMoves:
+    """Rows in and out, cut by partition: a base of ``PartitionedDock``."""
+
+    _name: str
+    _parts: list[TransferDock]
+    _pmap: PartitionMap
+    _check: DockChecks
+    _listener: PutListener
+    _turn: int
+
+    def _ours(self, delivery: Any) -> PartitionedRows | PartitionedLeasedRows:
+        """``delivery`` if it is rows this kind of dock handed out, else InvalidExperienceError."""
+        if not isinstance(delivery, (PartitionedRows, PartitionedLeasedRows)):
+            raise InvalidExperienceError(f"dock {self._name!r} is partitioned: name the rows its own get_experience "
+                                         f"returned, got {type(delivery).__name__}")
+        return delivery
+
+    def _order(self) -> list[int]:
+        """The partitions in the order this call visits them: from this object's next turn round."""
+        count = self._pmap.count
+        start = self._turn
+        self._turn = (start + 1) % count  # a race between threads only shifts where a call starts
+        return [(start + k) % count for k in range(count)]
+
+    # -- puts ----------------------------------------------------------------------------------
+
+    def put_experience(
+        self, data_dict: Mapping[str, Any], indexes: Sequence[int], *, is_prompt: bool = False,
+        rollout_completed: Any = None, version: int | None = None, delivery: HandedRows | None = None,
+        ack: bool = True,
+    ) -> None:
+        """Write rows (see ``TransferDock.put_experience``): one put per partition touched, each atomic and
+        fenced by that partition's part of the delivery. Every part is checked and encoded before any is sent,
+        so a put refused for its input writes nothing anywhere."""
+        if delivery is None and isinstance(indexes, HandedRows):
+            delivery = indexes
+        if delivery is not None:
+            delivery = self._ours(check_delivery(delivery))
+        self._check.data(data_dict)
+        given = indexes
+        data_dict, indexes = drop_padding(data_dict, indexes)
+        if not indexes and indexes is not given:
+            return  # padding rows only
+        rows = self._check.rows(indexes)
+        for column, values in data_dict.items():
+            count = _rows_in(values)
+            if count is not None and count != len(rows):  # said as the codec says it (data/codec.py)
+                tensor = isinstance(values, torch.Tensor)
+                shape = f"stacked tensor of shape {tuple(values.shape)} has " if tensor else ""
+                raise InvalidExperienceError(f"column {column!r}: {shape}{count} rows for {len(rows)} indexes")
+        split = self._pmap.split(rows).parts
+        whole = len(split) == 1
+        prepared = []
+        for p, (positions, local) in split.items():
+            part_data = data_dict if whole else {c: _picked(v, positions) for c, v in data_dict.items()}
+            done = rollout_completed if whole or rollout_completed is None else _picked(rollout_completed, positions)
+            prepared.append((p, self._parts[p]._puts.prepare(
+                part_data, local, is_prompt=is_prompt, rollout_completed=done, version=version,
+                delivery=None if delivery is None else delivery.part(p, local), ack=ack)))
+        for p, put in prepared:
+            if put is not None:
+                self._parts[p]._puts.send(put)
+
+    # -- gets ----------------------------------------------------------------------------------
+
+    def get_experience(
+        self, consumer: str, experience_columns: Sequence[str] | None = None, experience_count: int | None = None,
+        indexes: Sequence[int] | None = None, get_n_samples: bool = True, timeout: float | None = None,
+        policy: str | None = None, lease: float | None = None, *, dp_size: int = 1,
+        balance: bool | Sequence[str] = False, dp_padding: bool = False, max_staleness: int | None = None,
+        stack: bool = False,
+    ) -> tuple[Any, list[int]] | tuple[None, None]:
+        """Hand rows to ``consumer`` (see ``TransferDock.get_experience``; how partitions take part: this
+        module's docstring). A get that one partition's take answers whole returns that take as it is; a get
+        joined from several takes is balanced, padded and stacked here, over the whole batch."""
+        self._check.consumer(consumer)
+        if max_staleness is not None:
+            raise InvalidExperienceError(f"dock {self._name!r} is partitioned: the staleness bound is not "
+                                         "supported on a partitioned dock yet")
+        columns = self._check.columns_to_read(
+            self._parts[0].consumer_columns(consumer) if experience_columns is None else experience_columns)
+        check_timeout(timeout)
+        check_lease(lease)
+        groups = check_flag("get_n_samples", get_n_samples)
+        ranks = self._check.dp_size(dp_size)
+        weigh_by = self._check.balance(balance)
+        check_flag("dp_padding", dp_padding)
+        stack = check_flag("stack", stack)
+        got: tuple[Any, list[int], bool] | None
+        if indexes is not None:
+            rows = self._check.rows(indexes)
+            self._check.take_count(experience_count, rows)
+            got = (*self._get_rows(consumer, columns, rows, groups, timeout, policy, lease), True)
+        else:
+            count = self._check.sample_count(experience_count, groups)
+            got = self._listener.wait(lambda: self._sample(consumer, columns, count, groups, policy, lease, stack),
+                                      timeout, _RECHECK_SECONDS)
+        if got is None:
+            return None, None
+        batch, handed, joined = got
+        if joined:
+            if ranks > 1 and weigh_by and len(handed) >= ranks:
+                cost = self._row_costs(list(handed), weigh_by)
+                batch, handed = balanced_batch(batch, handed, ranks, cost, self._pmap.n, groups and indexes is None)
+            if ranks > 1 and dp_padding and len(handed) % ranks:
+                batch, handed = dp_padded(batch, handed, ranks)
+            if stack:
+                batch = {c: stack_decoded(list(values)) for c, values in batch.items()}
+        return batch, handed
+
+    def _sample(self, consumer: str, columns: list[str], count: int, groups: bool, policy: str | None,
+                lease: float | None, stack: bool) -> tuple[Any, list[int], bool] | None:
+        """One attempt: takes from the partitions in turn until ``count`` rows (whole groups when ``groups``)
+        are taken, or every take given back and None (see the module docstring)."""
+        order = self._order()
+        n = self._pmap.n
+        # ``count`` is in units (groups in group mode): a group offered again with some rows acked hands out only
+        # the rest of its rows, and still counts as one.
+        wanted = count
+        taken: Parts = {}
+        for p in order:
+            held = self._pmap.prompts_of(p)  # no partition is asked for more than it holds
+            ask = min(wanted, held) * n if groups else min(wanted, held * n)
+            if not taken:  # the first partition's take may be the whole call: then returned as it is
+                batch, rows = self._take_some(p, consumer, columns, ask, groups, policy, lease, stack)
+                if rows is not None and _units(rows, n, groups) == wanted:
+                    return batch, self._delivered(consumer, lease, {p: (batch, rows)}, [p]), False
+                if batch is not None and stack:  # a part of a larger batch: rows, to be joined, then stacked
+                    batch = {c: _unstacked(v) for c, v in batch.items()}
+            else:
+                batch, rows = self._take_some(p, consumer, columns, ask, groups, policy, lease, False)
+            if rows is None:
+                continue
+            taken[p] = (batch, rows)
+            wanted -= _units(rows, n, groups)
+            if wanted <= 0:
+                break
+        if wanted > 0:
+            self._give_back(consumer, taken, groups)
+            return None
+        visited = [p for p in order if p in taken]
+        joined = {c: list(itertools.chain.from_iterable(taken[p][0][c] for p in visited)) for c in columns}
+        return joined, self._delivered(consumer, lease, taken, visited), True
+
+    def _take_some(self, p: int, consumer: str, columns: list[str], count: int, groups: bool, policy: str | None,
+                   lease: float | None, stack: bool) -> tuple[Any, HandedRows] | tuple[None, None]:
+        """One take of partition ``p``, no wait: up to ``count`` rows, what qualifies there (at least one unit)."""
+        request = GetRequest(consumer, columns, count, None, groups, None, policy, lease, stack=stack, fewer=True)
+        return self._parts[p]._handouts.get(request)  # type: ignore[return-value]  # a hand-out: HandedRows
+
+    def _get_rows(self, consumer: str, columns: list[str], rows: list[int], groups: bool, timeout: float | None,
+                  policy: str | None, lease: float | None) -> tuple[dict[str, list[Any]], list[int]]:
+        """Explicit rows, partition by partition (each waits up to ``timeout``); a part that fails gives back
+        the parts taken before it."""
+        split = self._pmap.split(rows).parts
+        taken: Parts = {}
+        missing: dict[str, list[int]] = {}
+        wait = timeout
+        try:
+            for p, (_, local) in split.items():
+                try:
+                    batch, handed = self._parts[p].get_experience(consumer, columns, len(local), local, groups, wait,
+                                                                  policy, lease)
+                except ExperienceTimeoutError as short:  # the other partitions' missing cells too, without waiting
+                    for c, unwritten in short.missing.items():
+                        missing.setdefault(c, []).extend(self._pmap.global_row(p, r) for r in unwritten)
+                    wait = None
+                    continue
+                assert isinstance(handed, HandedRows)  # explicit rows: all handed out, or an error
+                taken[p] = (batch, handed)
+        except BaseException:
+            self._give_back(consumer, taken, False)
+            raise
+        if missing:
+            self._give_back(consumer, taken, False)
+            order = {r: i for i, r in enumerate(rows)}
+            cells = {c: sorted(found, key=order.__getitem__) for c, found in missing.items()}
+            detail = "; ".join(f"{c}: rows {where[:8]}" for c, where in cells.items())
+            raise ExperienceTimeoutError(f"dock {self._name!r}, consumer {consumer!r}: rows not written within "
+                                         f"timeout={timeout}: {detail}", cells)
+        out: dict[str, list[Any]] = {c: [None] * len(rows) for c in columns}
+        for p, (positions, _) in split.items():
+            for c in columns:
+                for i, value in zip(positions, taken[p][0][c]):
+                    out[c][i] = value
+        return out, self._delivered(consumer, lease, taken, list(split), rows)
+
+    def _delivered(self, consumer: str, lease: float | None, taken: Parts, order: list[int],
+                   rows: list[int] | None = None) -> PartitionedRows | PartitionedLeasedRows:
+        """The rows taken (the dock's indexes; ``rows`` if given, else the parts' in ``order``) as one delivery."""
+        parts: list[HandedRows | None] = [None] * self._pmap.count
+        for p, (_, handed) in taken.items():
+            parts[p] = handed
+        if rows is None:
+            rows = [r for p in order for r in self._pmap.global_rows(p, taken[p][1])]
+        return partitioned_rows(rows, parts, self._pmap, consumer if lease else None)
+
+    def _give_back(self, consumer: str, taken: Parts, groups: bool) -> None:
+        """Give back what a call took and will not deliver (see the module docstring)."""
+        for p, (_, handed) in taken.items():
+            self._parts[p]._handouts.give_back(consumer, handed, groups)
+
+    def _row_costs(self, rows: list[int], columns: list[str]) -> list[int]:
+        cost = [0] * len(rows)
+        for p, (positions, local) in self._pmap.split(rows).parts.items():
+            for i, c in zip(positions, self._parts[p]._handouts._row_costs(local, columns)):
+                cost[i] = c
+        return cost
+
+    # -- reads, takes, acks, drops --------------------------------------------------------------
+
+    def read_rows(self, columns: Sequence[str], indexes: Sequence[int], *, stack: bool = False,
+                  delivery: HandedRows | None = None) -> Any:
+        """The rows' values as stored now (see ``TransferDock.read_rows``), read partition by partition."""
+        rows = self._check.rows(indexes)
+        cols = self._check.columns_to_read(columns)
+        stack = check_flag("stack", stack)
+        if delivery is not None:
+            delivery = self._ours(delivery)
+        out: dict[str, list[Any]] = {c: [None] * len(rows) for c in cols}
+        for p, (positions, local) in self._pmap.split(rows).parts.items():
+            part = None if delivery is None else delivery.part(p, local)
+            batch = self._parts[p].read_rows(cols, local, delivery=part)
+            for c in cols:
+                for i, value in zip(positions, batch[c]):
+                    out[c][i] = value
+        if stack:
+            return {c: v if any(x is None for x in v) else stack_decoded(v) for c, v in out.items()}
+        return out
+
+    def take(self, consumer: str, indexes: Sequence[int], columns: Sequence[str] | None = None, *,
+             lease: float | None = None, exclusive: bool = False, name: str | None = None,
+             name_ttl: float = 86400.0) -> HandedRows | None:
+        """Hand explicit rows out without reading them (see ``TransferDock.take``), partition by partition; a
+        part refused (exclusive) or failing gives back the parts taken."""
+        rows = self._check.rows(indexes)
+        self._check.consumer(consumer)
+        split = self._pmap.split(rows).parts
+        taken: Parts = {}
+        try:
+            for p, (_, local) in split.items():
+                handed = self._parts[p].take(consumer, local, columns, lease=lease, exclusive=exclusive, name=name,
+                                             name_ttl=name_ttl)
+                if handed is None:
+                    self._give_back(consumer, taken, False)
+                    return None
+                taken[p] = ({}, handed)
+        except BaseException:
+            self._give_back(consumer, taken, False)
+            raise
+        recorded = any(list(taken[p][1]) != split[p][1] for p in split)  # a named take's record answered
+        return self._delivered(consumer, lease, taken, list(split), None if recorded else rows)
+
+    def ack(self, consumer: str, indexes: Sequence[int], token: str | None = None) -> int:
+        """Release leased rows (see ``TransferDock.ack``): each partition's part under its own lease."""
+        self._check.consumer(consumer)
+        rows = self._check.rows(drop_padding({}, indexes)[1])
+        if not isinstance(indexes, PartitionedLeasedRows) or token is not None:
+            raise InvalidExperienceError(f"dock {self._name!r} is partitioned: ack the rows its get_experience "
+                                         "returned (they carry one lease per partition), without token=")
+        return sum(self._parts[p].ack(consumer, indexes.part(p, local))
+                   for p, (_, local) in self._pmap.split(rows).parts.items())
+
+    def give_back(self, consumer: str, rows: LeasedRows) -> int:
+        """Offer leased rows to ``consumer`` again now (see ``TransferDock.give_back``)."""
+        if not isinstance(rows, PartitionedLeasedRows):
+            raise InvalidExperienceError(f"dock {self._name!r} is partitioned: give back rows its get_experience "
+                                         "returned under a lease")
+        plain = self._check.rows(drop_padding({}, rows)[1])
+        given = 0
+        for p, (_, local) in self._pmap.split(plain).parts.items():
+            part = rows.part(p, local)
+            assert isinstance(part, LeasedRows)  # a leased call's parts are leased
+            given += self._parts[p].give_back(consumer, part)
+        return given
+
+    def drop_groups(self, consumer: str, groups: Sequence[int], *, delivery: HandedRows | None = None) -> int:
+        """Discard whole groups (see ``TransferDock.drop_groups``), partition by partition."""
+        wanted = self._check.groups(groups)
+        if delivery is not None:
+            delivery = self._ours(delivery)
+        by_part: dict[int, list[int]] = {}
+        for g in wanted:
+            p, local = self._pmap.local_group(g)
+            by_part.setdefault(p, []).append(local)
+        dropped = 0
+        for p, local_groups in sorted(by_part.items()):
+            part = None if delivery is None else delivery.part(p, [])
+            dropped += self._parts[p].drop_groups(consumer, local_groups, delivery=part)
+        return dropped
+
+
+def _units(rows: Sequence[int], n: int, groups: bool) -> int:
+    """Groups (group mode) or rows a take handed out."""
+    return len({r // n for r in rows}) if groups else len(rows)
+
+
+def _picked(values: Any, positions: list[int]) -> Any:
+    """The rows at ``positions`` of one column of a put: a stacked tensor's rows (one copy), a list's, an array's."""
+    if isinstance(values, torch.Tensor):
+        return values.index_select(0, torch.tensor(positions, dtype=torch.long)) if values.dim() else values
+    if isinstance(values, np.ndarray):
+        return values[positions]
+    if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
+        return [values[i] for i in positions]
+    return values  # malformed: the partition's put names what is wrong
+
+
+def _rows_in(values: Any) -> int | None:
+    """Rows a column of a put gives, or None where the value is malformed (the partition's put names how)."""
+    if isinstance(values, torch.Tensor):
+        return values.shape[0] if values.dim() else None
+    if isinstance(values, np.ndarray):
+        return values.shape[0] if values.ndim else None
+    if isinstance(values, (list, tuple)):
+        return len(values)
+    return None
+
+
+def _unstacked(values: Any) -> list[Any]:
+    """A column a partition stacked, as its rows again (views: no copy)."""
+    if isinstance(values, torch.Tensor):
+        return list(values.unbind(0))
+    return list(values)
