@@ -60,6 +60,7 @@ from broker.control.keys import DockKeys, check_name, partition_name, partition_
 from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
 from broker.control.schema import Schema
+from broker.control.status import summed
 from broker.errors import BrokerError, DecodeError, DockNotFoundError, InvalidExperienceError, SchemaError
 
 __all__ = ["PartitionedDock", "RECORD_FORMAT"]
@@ -328,7 +329,7 @@ class PartitionedDock(PartitionedMoves):
     def status(self) -> dict[str, Any]:
         """The partitions' counts summed (each partition's is one consistent snapshot; together they are not)."""
         statuses = [part.status() for part in self._parts]
-        out = _summed(statuses)
+        out = summed(statuses)
         out.update(name=self._name, prompts_num=self.prompts_num, n_samples_per_prompt=self.n_samples_per_prompt,
                    capacity=self.capacity, version=min(s["version"] for s in statuses), partitions=len(statuses))
         return out
@@ -452,20 +453,6 @@ def _check_shape(name: str, record: dict[str, Any], pmap: PartitionMap,
     if diff:
         diff += more()
         raise SchemaError(f"dock {name!r} exists with a different schema: " + "; ".join(diff))
-
-
-def _summed(statuses: list[dict[str, Any]]) -> dict[str, Any]:
-    """Numbers added key by key through nested dicts; anything else as the first status has it."""
-    def add(a: Any, b: Any) -> Any:
-        if isinstance(a, dict) and isinstance(b, dict):
-            return {k: add(a[k], b[k]) if k in b else a[k] for k in a} | {k: v for k, v in b.items() if k not in a}
-        if isinstance(a, (int, float)) and not isinstance(a, bool) and isinstance(b, (int, float)):
-            return a + b
-        return a
-    out = statuses[0]
-    for s in statuses[1:]:
-        out = add(out, s)
-    return dict(out)
 
 
 def _reattach(target: str, name: str, opening: dict[str, Any]) -> PartitionedDock:

@@ -11,6 +11,7 @@ DecodeError; the other docks are read as usual.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import redis
 from redis.client import Pipeline
 
 from broker.connection import Client, script_error
-from broker.control.keys import META_PATTERN, DockKeys, dock_name_from_meta_key
+from broker.control.keys import META_PATTERN, DockKeys, dock_name_from_meta_key, partition_of_name
 from broker.control.schema import Schema, fingerprint
 from broker.control.scripts import StatusScript, run_pipeline
 from broker.control.scripts.functions import uses_functions
@@ -226,6 +227,7 @@ whatever the number of docks.
         self._scan_took = 0.0
         self._found: list[str] = []
         self._refs: dict[str, DockRef] = {}
+        self._expanded: list[str] | None = None
 
     @property
     def refs(self) -> dict[str, DockRef]:
@@ -234,7 +236,7 @@ whatever the number of docks.
 
     def read(self, also: Callable[[Pipeline], None] | None = None) -> SurveyReading:
         """Every dock's status, by name; ``also`` may queue more commands in the same pipeline, after the statuses."""
-        names = self._fixed or self._discover()
+        names = self._names()
         results: dict[str, dict[str, Any] | BrokerError] = self._learn([n for n in names if n not in self._refs])
         known = [n for n in names if n in self._refs]
         statuses, extra = _read_statuses(self._client, [self._refs[n] for n in known], also)
@@ -249,7 +251,15 @@ whatever the number of docks.
         if again:
             results.update(zip(again, read_statuses(self._client, [self._refs[n] for n in again])))
         docks = [(n, results[n]) for n in names if not self._gone(results[n])]
-        return SurveyReading(docks, extra)
+        return SurveyReading(folded(docks), extra)
+
+    def _names(self) -> list[str]:
+        """The docks to read: the ones named (a partitioned dock's name stands for its partitions), or all found."""
+        if not self._fixed:
+            return self._discover()
+        if self._expanded is None:
+            self._expanded = partitions_of(self._client, self._fixed)
+        return self._expanded
 
     def _discover(self) -> list[str]:
         now = time.monotonic()
@@ -276,3 +286,64 @@ whatever the number of docks.
     def _gone(self, result: dict[str, Any] | BrokerError) -> bool:
         """A dock found by a scan and deleted since is left out; a named one is reported missing."""
         return isinstance(result, DockNotFoundError) and not self._fixed
+
+
+def partitions_of(client: Client, names: Sequence[str]) -> list[str]:
+    """``names`` with each partitioned dock's name replaced by its partitions' (its record, one round trip)."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.get(DockKeys(name).partitions)
+    out: list[str] = []
+    for name, raw in zip(names, pipe.execute()):
+        try:
+            parts = json.loads(raw)["partitions"] if raw is not None else None
+        except (ValueError, TypeError, KeyError, RecursionError):
+            parts = None  # not a record the broker wrote: the name stands for itself, and is reported so
+        if isinstance(parts, list) and all(isinstance(p, str) and partition_of_name(p) == name for p in parts):
+            out.extend(parts)
+        else:
+            out.append(name)
+    return out
+
+
+def folded(docks: list[tuple[str, dict[str, Any] | BrokerError]]) -> list[tuple[str, dict[str, Any] | BrokerError]]:
+    """A survey's docks with the partitions of each partitioned dock (``NAME~pK``) summed into one entry, NAME, in
+    the place of its first partition; a partition that could not be read makes the dock's entry its error."""
+    out: list[tuple[str, dict[str, Any] | BrokerError]] = []
+    parts: dict[str, list[dict[str, Any] | BrokerError]] = {}
+    for name, result in docks:
+        dock = partition_of_name(name)
+        if dock is None:
+            out.append((name, result))
+            continue
+        if dock not in parts:
+            parts[dock] = []
+            out.append((dock, {}))
+        parts[dock].append(result)
+    for i, (name, _) in enumerate(out):
+        if name in parts:
+            found = parts[name]
+            error = next((r for r in found if isinstance(r, BrokerError)), None)
+            if error is not None:
+                out[i] = (name, error)
+                continue
+            statuses = [r for r in found if not isinstance(r, BrokerError)]
+            total = summed(statuses)
+            total.update(name=name, partitions=len(statuses), version=min(s.get("version", 0) for s in statuses))
+            out[i] = (name, total)
+    return out
+
+
+def summed(statuses: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Statuses of partitions as one: numbers added key by key through nested dicts (counts of rows, groups,
+    consumers' rows); anything else as the first has it."""
+    def add(a: Any, b: Any) -> Any:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return {k: add(a[k], b[k]) if k in b else a[k] for k in a} | {k: v for k, v in b.items() if k not in a}
+        if isinstance(a, (int, float)) and not isinstance(a, bool) and isinstance(b, (int, float)):
+            return a + b
+        return a
+    out: dict[str, Any] = dict(statuses[0])
+    for s in statuses[1:]:
+        out = add(out, s)
+    return out

@@ -5,8 +5,9 @@ server-wide commands. ``worker_rules("A")`` gives the rules for ``ACL SETUSER``:
 
     ACL SETUSER worker-a on >PASSWORD <rules...>
 
-Keys: only ``td:{A}:*`` and the data shards ``td:{A~*}:*`` (no other dock's keys match: ``~`` is not
-allowed in names). Channels: only ``td:{A}:*`` (the dock's put notifications). Commands: only what the
+Keys: only ``td:{A}:*`` and the data shards ``td:{A~*}:*``, which are also a partitioned dock's partitions
+(no other dock's keys match: ``~`` is not allowed in names). Channels: only those (the dock's put notifications,
+each partition's). Commands: only what the
 client and the Lua scripts call. Redis checks the keys that scripts touch against the same patterns, so
 a script cannot reach another dock either. Nor another database: SELECT is granted for the database the
 user's URL names only. Server-wide commands (FLUSHDB, KEYS, CONFIG, SCAN, ...) are not granted; INFO is
@@ -120,7 +121,9 @@ def worker_rules(dock: str, *, db: int = 0, cluster: bool = False, redis7: bool 
     commands = set(CLIENT_COMMANDS) | set(SCRIPT_COMMANDS) | set(FUNCTION_COMMANDS if redis7 else EVAL_COMMANDS)
     if cluster:
         commands |= set(CLUSTER_COMMANDS) | (set(SHARDED_PUBSUB_COMMANDS) if redis7 else set())
-    return ["resetkeys", f"~{keys.base}*", f"~{shard_pattern(dock)}", "resetchannels", f"&{keys.base}*", "-@all",
+    # A partitioned dock's partitions (td:{DOCK~pK}:*) match the shards' pattern, keys and channels alike.
+    return ["resetkeys", f"~{keys.base}*", f"~{shard_pattern(dock)}", "resetchannels", f"&{keys.base}*",
+            f"&{shard_pattern(dock)}", "-@all",
             *(f"+{c}" for c in sorted(commands)), *select_rules(db, cluster)]
 
 
