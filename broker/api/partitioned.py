@@ -42,7 +42,6 @@ Not yet on a partitioned dock (each raises BrokerError naming it): partial rollo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -53,6 +52,14 @@ import torch
 from broker.api.checks import DockChecks, is_int
 from broker.api.dock import DEAD_LETTER_AFTER, TransferDock
 from broker.api.partition_map import PartitionMap
+from broker.api.partition_record import (
+    RECORD_FORMAT,
+    check_shape,
+    first_differences,
+    parse_record,
+    read_record,
+    root_session,
+)
 from broker.api.partitioned_moves import PartitionedMoves
 from broker.api.session import DockSession
 from broker.connection import DEFAULT_CALL_TIMEOUT, Client, spread_tags
@@ -61,12 +68,10 @@ from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
 from broker.control.schema import Schema
 from broker.control.status import summed
-from broker.errors import BrokerError, DecodeError, DockNotFoundError, InvalidExperienceError, SchemaError
+from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
 
-__all__ = ["PartitionedDock", "RECORD_FORMAT"]
+__all__ = ["PartitionedDock"]
 
-#: Version of the record's JSON (``td:{NAME}:partitions``).
-RECORD_FORMAT = 1
 
 
 class PartitionedDock(PartitionedMoves):
@@ -98,10 +103,10 @@ class PartitionedDock(PartitionedMoves):
         making: dict[str, Any] = dict(length_columns=length_columns, group_columns=group_columns, shards=shards,
                       dead_letter_after=dead_letter_after)
         pmap = PartitionMap(int(partitions), prompts_num, n_samples_per_prompt)
-        root = _root(url_or_client, name, opening)
+        root = root_session(url_or_client, name, opening)
         made: list[TransferDock] = []
         try:
-            record = _read_record(root)
+            record = read_record(root)
             if record is None:
                 names = root.run(lambda: spread_tags(root.client, lambda i: partition_name(name, i), pmap.count))
                 made = [TransferDock(url_or_client, part, pmap.prompts_of(p), n_samples_per_prompt, columns,
@@ -112,7 +117,7 @@ class PartitionedDock(PartitionedMoves):
                 if stored == b"":
                     raise SchemaError(f"dock {name!r} exists with one partition: open it without partitions=")
                 self.created = stored is None and any(d.created for d in made)
-                record = _parse_record(root, text if stored is None else stored)
+                record = parse_record(root, text if stored is None else stored)
                 if list(names) != record["partitions"]:  # another process made it first, on other partitions
                     for dock in made:
                         if dock.created:
@@ -121,7 +126,7 @@ class PartitionedDock(PartitionedMoves):
                     made = []
             else:
                 self.created = False
-            _check_shape(name, record, pmap, lambda: _first_differences(url_or_client, record, wanted, opening))
+            check_shape(name, record, pmap, lambda: first_differences(url_or_client, record, wanted, opening))
             if not made:
                 made = [TransferDock(url_or_client, part, pmap.prompts_of(p), n_samples_per_prompt, columns,
                                      consumers, **opening, **making) for p, part in enumerate(record["partitions"])]
@@ -140,9 +145,9 @@ class PartitionedDock(PartitionedMoves):
         """Open the partitioned dock ``name`` from its record (DockNotFoundError if there is none)."""
         opening: dict[str, Any] = dict(policy=policy, seed=seed, wait_replicas=wait_replicas, wait_timeout=wait_timeout,
                        call_timeout=call_timeout, allow_volatile_eviction=allow_volatile_eviction)
-        root = _root(url_or_client, name, opening)
+        root = root_session(url_or_client, name, opening)
         try:
-            record = _read_record(root)
+            record = read_record(root)
             if record is None:
                 raise DockNotFoundError(f"no dock named {name!r} at {root.server}")
             names = record["partitions"]
@@ -157,7 +162,7 @@ class PartitionedDock(PartitionedMoves):
                 opened.close()
             raise
         pmap = PartitionMap(len(parts), int(record["prompts_num"]), int(record["n_samples_per_prompt"]))
-        _check_shape(name, record, pmap)
+        check_shape(name, record, pmap)
         dock = cls.__new__(cls)
         dock.created = False
         s = parts[0].schema
@@ -408,51 +413,6 @@ class PartitionedDock(PartitionedMoves):
 
     def reserve_groups(self, count: int, column: str) -> list[int] | None:
         raise self._unsupported("reserve_groups (partial rollout)")
-
-
-def _root(target: str | Client, name: str, opening: dict[str, Any]) -> DockSession:
-    """A session on the dock's own name: where its record is (and where a dock of one partition would be)."""
-    durability = (opening["wait_replicas"], opening["wait_timeout"])
-    return DockSession(target, name, opening["policy"], opening["seed"], durability, opening["call_timeout"],
-                       opening["allow_volatile_eviction"])
-
-
-def _read_record(root: DockSession) -> dict[str, Any] | None:
-    raw = root.run(lambda: root.client.get(root.keys.partitions))
-    return None if raw is None else _parse_record(root, raw)
-
-
-def _parse_record(root: DockSession, raw: bytes | str) -> dict[str, Any]:
-    try:
-        record = json.loads(raw)
-        names = record["partitions"]
-        ok = (record["format"] == RECORD_FORMAT and isinstance(names, list) and len(names) > 1
-              and all(isinstance(n, str) and partition_of_name(n) == root.name for n in names)
-              and is_int(record["prompts_num"]) and is_int(record["n_samples_per_prompt"]))
-    except (ValueError, TypeError, KeyError, RecursionError):
-        ok = False
-    if not ok:
-        raise DecodeError(f"{root.keys.partitions}: not a partitioned dock's record ({str(raw)[:120]})")
-    return dict(record)
-
-
-def _first_differences(target: str | Client, record: dict[str, Any], wanted: Schema,
-                       opening: dict[str, Any]) -> list[str]:
-    """How partition 0's schema differs from ``wanted`` beside the dock's shape (columns, consumers, ...)."""
-    with TransferDock.attach(target, record["partitions"][0], **opening) as first:
-        mine = dataclasses.replace(wanted, prompts_num=first.prompts_num)
-        return mine.differences(first.schema)
-
-
-def _check_shape(name: str, record: dict[str, Any], pmap: PartitionMap,
-                 more: Callable[[], list[str]] = list) -> None:
-    stored = {"prompts_num": record["prompts_num"], "n_samples_per_prompt": record["n_samples_per_prompt"],
-              "partitions": len(record["partitions"])}
-    wanted = {"prompts_num": pmap.prompts_num, "n_samples_per_prompt": pmap.n, "partitions": pmap.count}
-    diff = [f"{k}: stored {stored[k]}, requested {wanted[k]}" for k in stored if stored[k] != wanted[k]]
-    if diff:
-        diff += more()
-        raise SchemaError(f"dock {name!r} exists with a different schema: " + "; ".join(diff))
 
 
 def _reattach(target: str, name: str, opening: dict[str, Any]) -> PartitionedDock:

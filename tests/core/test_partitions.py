@@ -1,0 +1,144 @@
+"""What a partitioned dock adds to the dock's contract (the contract itself: the suites that take ``partitions``).
+
+Its record and its partitions' places, attach and pickling, a get taking from several partitions and giving
+back what it took when they fall short, a clear racing gets that span partitions, and ``broker status``'s view.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+import torch
+
+from broker import SchemaError, TransferDock
+from broker.control.status import Survey
+from broker.errors import InvalidExperienceError
+from tests.helpers import fill
+
+
+def _dock(client, name="pd", prompts=6, n=2, partitions=3, **kwargs):
+    return TransferDock(client, name, prompts, n, ["prompts", "responses"], ["train", "reward"],
+                        partitions=partitions, **kwargs)
+
+
+def test_a_partitioned_dock_is_its_partitions_and_a_record(client):
+    dock = _dock(client)
+    assert [p.name for p in dock.partitions] == ["pd~p0", "pd~p1", "pd~p2"] or client.__class__.__name__ == "RedisCluster"
+    assert [p.prompts_num for p in dock.partitions] == [2, 2, 2] and dock.capacity == 12
+    again = TransferDock.attach(client, "pd")
+    assert [p.name for p in again.partitions] == [p.name for p in dock.partitions]
+    with pytest.raises(SchemaError, match="exists with partitions"):
+        TransferDock(client, "pd", 6, 2, ["prompts", "responses"], ["train", "reward"])
+    with pytest.raises(SchemaError, match="partitions: stored 3, requested 2"):
+        _dock(client, partitions=2)
+    TransferDock(client, "plain", 4, 2, ["prompts"], ["train"])
+    with pytest.raises(SchemaError, match="exists with one partition"):
+        TransferDock(client, "plain", 4, 2, ["prompts"], ["train"], partitions=2)
+    with pytest.raises(SchemaError, match="exceeds prompts_num"):
+        _dock(client, name="small", prompts=2, partitions=3)
+
+
+def test_on_a_cluster_the_partitions_land_on_different_primaries(client):
+    if client.__class__.__name__ != "RedisCluster":
+        pytest.skip("one server has one primary")
+    dock = _dock(client)
+    nodes = {client.nodes_manager.get_node_from_slot(client.keyslot(p.keys.meta)).name for p in dock.partitions}
+    assert len(nodes) == 3
+
+
+def test_rows_round_trip_through_partitions_in_the_callers_order(client):
+    dock = _dock(client)
+    rows = [11, 0, 5, 2, 7]
+    dock.put_experience({"prompts": torch.tensor(rows).view(-1, 1)}, rows)
+    assert dock.read_rows(["prompts"], rows, stack=True)["prompts"].flatten().tolist() == rows
+    ready = dock.ready_rows(["prompts"])["prompts"]
+    assert ready.nonzero().flatten().tolist() == sorted(rows)
+
+
+def test_a_get_spanning_partitions_takes_from_each_and_gives_back_when_short(client):
+    dock = _dock(client)
+    fill(dock, columns=["prompts"], rows=list(range(12)))
+    batch, rows = dock.get_experience("train", ["prompts"], 10, lease=30)
+    assert len(set(rows)) == 10 and all(r // 2 * 2 in rows for r in rows)  # whole groups, from 3 partitions
+    assert [int(v[0]) for v in batch["prompts"]] == list(rows)
+    # One group left: a get of two groups takes it, finds nothing more, and gives it back.
+    assert dock.get_experience("train", ["prompts"], 4) == (None, None)
+    assert dock.status()["consumers"]["train"]["consumed"] == 10
+    assert dock.ack("train", rows) == 10
+    _, last = dock.get_experience("train", ["prompts"], 2)
+    assert sorted(set(range(12)) - set(rows)) == sorted(last)
+
+
+def test_a_bad_put_writes_nothing_in_any_partition(client):
+    dock = _dock(client)
+    values = [torch.ones(1)] * 5 + [{1, 2}]  # the last row, in another partition than the first, cannot be stored
+    with pytest.raises(InvalidExperienceError, match="a set cannot be stored"):
+        dock.put_experience({"prompts": values}, [0, 1, 2, 3, 4, 5])
+    assert dock.status()["columns"]["prompts"]["ready"] == 0
+
+
+def test_a_delivery_fences_each_partitions_part_and_gives_back_only_leased_rows(client):
+    dock = _dock(client)
+    fill(dock, columns=["prompts"], rows=list(range(12)))
+    _, rows = dock.get_experience("train", ["prompts"], 12, lease=30)
+    dock.put_experience({"responses": [torch.ones(1)] * 4}, rows[:4])  # acks those four
+    assert dock.give_back("train", rows) == 8
+    with pytest.raises(InvalidExperienceError, match="lease"):
+        dock.give_back("train", list(rows))
+    dock.clear()
+    with pytest.raises(Exception, match="clear|fenced|Fenced"):
+        dock.put_experience({"responses": [torch.ones(1)] * 8}, rows[4:])
+
+
+def test_a_clear_racing_gets_that_span_partitions_never_mixes_batches(client):
+    """The worst case of a clear reaching the partitions one by one: readers taking batches that span them while a
+    driver clears and refills. Every row a reader gets holds the value of the batch it was put in, never one of
+    another batch, and no row is handed out twice within a batch."""
+    dock = _dock(client, prompts=6, n=2)
+    stop = threading.Event()
+    seen: list[tuple[int, int, int]] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                batch, rows = dock.get_experience("train", ["prompts"], 8, timeout=0.2)
+                if rows is not None:
+                    seen.extend((r, int(v[0]), int(v[1])) for r, v in zip(rows, batch["prompts"]))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for batch_no in range(15):
+        dock.put_experience({"prompts": [torch.tensor([batch_no, r]) for r in range(12)]}, list(range(12)))
+        dock.clear()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(r == row for r, _, row in seen)  # each row's own bytes
+    per_batch: dict[int, list[int]] = {}
+    for r, batch_no, _ in seen:
+        per_batch.setdefault(batch_no, []).append(r)
+    assert all(len(rs) == len(set(rs)) for rs in per_batch.values())  # none handed out twice
+
+
+def test_a_partitioned_dock_pickles_and_shows_in_status_as_one(client, backend, request):
+    dock = _dock(client)
+    fill(dock, columns=["prompts"], rows=[0, 1, 2, 3, 4, 5])
+    found = dict(Survey(client).read().docks)
+    assert found["pd"]["columns"]["prompts"]["ready"] == 6 and found["pd"]["partitions"] == 3
+    assert not any("~" in name for name in found)
+    assert dict(Survey(client, ["pd"]).read().docks)["pd"]["capacity"] == 12
+    if backend == "fake":
+        return  # a fakeredis client has no URL to pickle with
+    url = request.getfixturevalue("cluster_url" if backend == "cluster" else
+                                  "redis62_url" if backend == "redis62" else "real_url")
+    with TransferDock.attach(url, "pd") as opened:
+        again = pickle.loads(pickle.dumps(opened))
+        assert again.status()["columns"]["prompts"]["ready"] == 6
+        again.close()
