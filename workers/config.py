@@ -78,6 +78,9 @@ class RunConfig:
     #: old, and the dock drops groups older than that; None: synchronous (every batch generated with
     #: the weights it is trained against).
     max_staleness: int | None = None
+    #: Partitions of the run's dock (``TransferDock(..., partitions=P)``): its control plane over P slots, on a
+    #: Redis Cluster over P primaries; 1: one dock in one slot. Synchronous runs only, for now.
+    partitions: int = 1
 
     @classmethod
     def for_algorithm(cls, algo: str, **settings: Any) -> RunConfig:
@@ -212,6 +215,11 @@ class RunConfig:
             raise ValueError(f"--overlong-buffer must be in 1..{task.MAX_NEW_TOKENS}, the task's limit of new tokens")
         if self.micro_batch_rows is not None and self.micro_batch_rows < 1:
             raise ValueError("--micro-batch-size must be >= 1")
+        if self.partitions < 1 or self.partitions > self.prompts:
+            raise ValueError(f"--partitions must be in 1..--prompts ({self.prompts}), got {self.partitions}")
+        if self.partitions > 1 and self.tracked:
+            raise ValueError("--partitions runs synchronously: a partitioned dock has no partial rollout or "
+                             "staleness bound yet (--max-age, --max-staleness)")
         if self.tracked and self.guarantee_order:
             raise ValueError("--guarantee-order takes fixed rows; --max-age and --max-staleness hand rows out "
                              "oldest first")

@@ -28,7 +28,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     tuned = {name: getattr(args, name) for name in TUNABLES if getattr(args, name) is not None}
     base = RunConfig.for_algorithm(
         args.algo, seed=args.seed, guarantee_order=args.guarantee_order, max_age=args.max_age,
-        max_staleness=args.max_staleness, mini_batch_prompts=args.mini_batch_size,
+        max_staleness=args.max_staleness, partitions=args.partitions, mini_batch_prompts=args.mini_batch_size,
         micro_batch_rows=args.micro_batch_size, **tuned)
     roles = base.roles
     overrides: dict[str, Layout] = {}

@@ -31,10 +31,17 @@ from tests.helpers import server_keys, worker_processes
 _names = itertools.count()
 
 
+@pytest.fixture(params=[1, 4], ids=["whole", "partitioned"])
+def partitions(request) -> int:
+    """The tests taking ``td`` run on a dock of one partition and of four (see tests/conftest.py)."""
+    return request.param
+
+
 @pytest.fixture
-def td(client):
+def td(client, partitions):
+    """MindSpeed's dock."""
     dock = GRPOTransferDock(prompts_num=16, n_samples_per_prompt=1, metrics=Metric(), url=client,
-                            name=f"ms{next(_names)}")
+                            name=f"ms{next(_names)}", partitions=partitions)
     yield dock
     dock.clear()
 
@@ -171,6 +178,7 @@ def test_a_missing_explicit_row_ends_with_a_clear_error_not_a_hang(client):
     assert not td.get_consumer_status()["actor_train"].any()
 
 
+@pytest.mark.one_partition("seqlen balances a batch within the partition it takes it from")
 def test_seqlen_balance_hands_out_a_batch_of_average_length(td):
     lengths = [5, 100, 7, 90, 6, 95, 8, 99, 4, 97, 9, 96, 3, 98, 2, 94]  # alternating short and long
     td.put_experience({"prompts": [torch.ones(1)] * 16, "prompt_length": [torch.tensor([0])] * 16,

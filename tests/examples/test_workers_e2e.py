@@ -124,6 +124,28 @@ def test_rows_flow_through_every_stage_once(local_ray, real_url):
         dock.delete()
 
 
+def test_rows_flow_through_every_stage_once_on_a_partitioned_dock(local_ray, real_url):
+    """The GRPO pipeline (its rollout as 2 DP ranks, rows leased) on a dock of three partitions: every row reaches
+    every stage exactly once, by the ranks' own records and by the dock's (its partitions summed)."""
+    cfg = make_config({"actor_rollout": Layout(2, 1)}, partitions=3)
+    dock = create_dock(real_url, f"e2e-{uuid.uuid4().hex[:6]}", cfg)
+    assert len(dock.partitions) == 3
+    pipeline = Pipeline(dock, cfg, cluster_cpus=2)
+    try:
+        for iteration in (1, 2):
+            _, results = pipeline.run_iteration(iteration)
+            for role in ROLES:
+                got = sorted(i for r in leaders(results, role) for batch in r["trace"] for i in batch["indexes"])
+                assert got == list(range(CAPACITY)), f"{role} received rows {got}"
+            status = dock.status()
+            assert all(s["consumed"] == CAPACITY and s["leased"] == 0 for s in status["consumers"].values()), status
+            pipeline.clear()
+            assert all(s["ready"] == 0 for s in dock.status()["columns"].values())
+    finally:
+        pipeline.shutdown()
+        dock.delete()
+
+
 def test_guarantee_order_gives_each_dp_rank_its_range(local_ray, real_url):
     cfg = make_config({"actor_rollout": Layout(2, 2), "actor_train": Layout(2, 1)}, guarantee_order=True)
     client = redis.Redis.from_url(real_url)

@@ -56,7 +56,7 @@ def create_dock(url: str, name: str, cfg: RunConfig) -> TransferDock:
     """The run's dock: one row per (prompt, sample), every role a consumer. Emptied if it existed."""
     dock = TransferDock(url, name, prompts_num=cfg.dock_groups, n_samples_per_prompt=cfg.n, columns=cfg.columns,
                         consumers=cfg.roles, length_columns=["prompt_length", "response_length"],
-                        rollout=dock_rollout(cfg))
+                        rollout=dock_rollout(cfg), partitions=cfg.partitions)
     dock.clear()  # a dock left by a crashed run with the same name and schema
     return dock
 

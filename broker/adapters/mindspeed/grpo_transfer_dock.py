@@ -34,14 +34,15 @@ from broker.errors import SchemaError
 
 
 def _open(url: str | Client | None, name: str, prompts_num: int, n: int, columns: Sequence[str],
-          consumers: Sequence[str], rollout: Rollout | None = None, durable: Mapping[str, Any] = {}) -> TransferDock:
+          consumers: Sequence[str], rollout: Rollout | None = None, durable: Mapping[str, Any] = {},
+          partitions: int = 1) -> TransferDock:
     """Create the dock, or attach to it and grow it to hold ``columns`` and ``consumers``; ``durable``: its
-    ``wait_replicas`` and ``wait_timeout``."""
+    ``wait_replicas`` and ``wait_timeout``; ``partitions``: see ``TransferDock``."""
     target = url or default_url()
     lengths = [c for c in LENGTHS if c in columns]
     try:
         return TransferDock(target, name, prompts_num, n, columns, consumers, policy="random",
-                            length_columns=lengths, rollout=rollout, **durable)
+                            length_columns=lengths, rollout=rollout, partitions=partitions, **durable)
     except SchemaError as exc:
         if "exists with a different schema" not in str(exc):
             raise  # our own arguments are wrong (GBS_train=0 with partial rollout, ...)
@@ -84,6 +85,7 @@ class GRPOTransferDock(Docked):
         lease: float | None = None,
         wait_replicas: int = 0,
         wait_timeout: float = 1.0,
+        partitions: int = 1,
     ) -> None:
         if not is_int(max_age) or max_age < 1:
             raise bad(f"max_age must be a positive int, got {max_age!r}")
@@ -103,8 +105,9 @@ class GRPOTransferDock(Docked):
         self._init_leases(lease)
         self._init_durability(wait_replicas, wait_timeout)
         self.enable_partial_rollout = max_age > 1
+        self.partitions = partitions
         self.dock = _open(url, name, prompts_num, n_samples_per_prompt, self.experience_columns,
-                          self.experience_consumers, partial_rollout(max_age, GBS_train), self._durable())
+                          self.experience_consumers, partial_rollout(max_age, GBS_train), self._durable(), partitions)
         self.metrics = metrics
         if metrics is not None and getattr(metrics, "metric", None):
             self._update_metrics(self.dock, "", dict(metrics.metric), False)
@@ -113,7 +116,7 @@ class GRPOTransferDock(Docked):
         pickled_url("GRPOTransferDock", self._url)
         return _grpo_dock, (self.prompts_num, self.n_samples_per_prompt, self.experience_columns,
                             self.experience_consumers, self.timeout, self.timeout_interval, self._url, self._name,
-                            self.max_age, self.GBS_train, self.lease, self._durability)
+                            self.max_age, self.GBS_train, self.lease, self._durability, self.partitions)
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -239,8 +242,9 @@ class GRPOTransferDock(Docked):
 def _grpo_dock(prompts_num: int, n: int, columns: list[str], consumers: list[str], timeout: float,
                interval: float, url: str | Client | None, name: str, max_age: int = 1,
                gbs_train: int = 0, lease: float | None = None,
-               durability: tuple[int, float] = (0, 1.0)) -> GRPOTransferDock:
+               durability: tuple[int, float] = (0, 1.0), partitions: int = 1) -> GRPOTransferDock:
     defaults = set(DEFAULT_COLUMNS), set(DEFAULT_CONSUMERS)
     return GRPOTransferDock(prompts_num, n, None, max_age, gbs_train, [c for c in columns if c not in defaults[0]],
                             [c for c in consumers if c not in defaults[1]], timeout, interval, url=url, name=name,
-                            lease=lease, wait_replicas=durability[0], wait_timeout=durability[1])
+                            lease=lease, wait_replicas=durability[0], wait_timeout=durability[1],
+                            partitions=partitions)
