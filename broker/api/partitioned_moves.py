@@ -37,7 +37,7 @@ from broker.api.dock import TransferDock
 from broker.api.dp_padding import drop_padding
 from broker.api.get_request import GetRequest
 from broker.api.partition_map import PartitionMap
-from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows
+from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows, tokens_of
 from broker.control.put_listener import PutListener
 from broker.data.stacking import stack_decoded
 from broker.errors import ExperienceTimeoutError, InvalidExperienceError
@@ -306,11 +306,15 @@ class PartitionedMoves:
         """Release leased rows (see ``TransferDock.ack``): each partition's part under its own lease."""
         self._check.consumer(consumer)
         rows = self._check.rows(drop_padding({}, indexes)[1])
-        if not isinstance(indexes, PartitionedLeasedRows) or token is not None:
-            raise InvalidExperienceError(f"dock {self._name!r} is partitioned: ack the rows its get_experience "
-                                         "returned (they carry one lease per partition), without token=")
-        return sum(self._parts[p].ack(consumer, indexes.part(p, local))
-                   for p, (_, local) in self._pmap.split(rows).parts.items())
+        split = self._pmap.split(rows).parts
+        if token is None:
+            if not isinstance(indexes, PartitionedLeasedRows):
+                raise InvalidExperienceError(f"dock {self._name!r}: ack the rows get_experience returned under a "
+                                             "lease, or pass token=rows.token")
+            return sum(self._parts[p].ack(consumer, indexes.part(p, local)) for p, (_, local) in split.items())
+        tokens = tokens_of(token)  # a partition the delivery took nothing from has no lease of these rows there
+        return sum(self._parts[p].ack(consumer, local, token=tokens[p]) for p, (_, local) in split.items()
+                   if p in tokens)
 
     def give_back(self, consumer: str, rows: LeasedRows) -> int:
         """Offer leased rows to ``consumer`` again now (see ``TransferDock.give_back``)."""

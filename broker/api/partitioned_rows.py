@@ -59,13 +59,14 @@ class PartitionedRows(_Parts, HandedRows):
 
 
 class PartitionedLeasedRows(_Parts, LeasedRows):
-    """Rows of a partitioned dock handed out under a lease: each partition's part under that partition's lease
-    (``token`` joins their tokens, for display; ``ack`` and ``give_back`` use each part's own)."""
+    """Rows of a partitioned dock handed out under a lease: each partition's part under that partition's lease.
+    ``token`` names them all (``K:TOKEN`` per partition K, joined by ``|``), so that ``ack(consumer, rows,
+    token=delivery.token)`` with a plain list of rows works as on a dock of one partition (``tokens_of``)."""
 
     __slots__ = ("parts", "pmap")
 
     def __init__(self, rows: Iterable[int], consumer: str, parts: Sequence[HandedRows | None], pmap: PartitionMap):
-        token = "|".join(p.token for p in parts if isinstance(p, LeasedRows))
+        token = "|".join(f"{k}:{p.token}" for k, p in enumerate(parts) if isinstance(p, LeasedRows))
         super().__init__(rows, token, consumer, -1, (), b"")
         self.parts = tuple(parts)
         self.pmap = pmap
@@ -86,3 +87,15 @@ def partitioned_rows(rows: list[int], parts: Sequence[HandedRows | None], pmap: 
     if consumer is not None:
         return PartitionedLeasedRows(rows, consumer, parts, pmap)
     return PartitionedRows(rows, parts, pmap)
+
+
+def tokens_of(token: str) -> dict[int, str]:
+    """Partition -> its lease token, from a ``PartitionedLeasedRows.token``; InvalidExperienceError if it is not one."""
+    out: dict[int, str] = {}
+    for part in token.split("|") if isinstance(token, str) else [None]:
+        index, sep, own = part.partition(":") if isinstance(part, str) else ("", "", "")
+        if not sep or not index.isdigit() or not own:
+            raise InvalidExperienceError(f"token {token!r:.80} is not a partitioned dock's lease token "
+                                         "(PartitionedLeasedRows.token)")
+        out[int(index)] = own
+    return out

@@ -67,7 +67,10 @@ def test_a_get_spanning_partitions_takes_from_each_and_gives_back_when_short(cli
     # One group left: a get of two groups takes it, finds nothing more, and gives it back.
     assert dock.get_experience("train", ["prompts"], 4) == (None, None)
     assert dock.status()["consumers"]["train"]["consumed"] == 10
-    assert dock.ack("train", rows) == 10
+    assert dock.ack("train", rows[:4]) == 4
+    assert dock.ack("train", list(rows), token=rows.token) == 6  # a plain list and the token, as workers ack
+    with pytest.raises(InvalidExperienceError, match="not a partitioned dock's lease token"):
+        dock.ack("train", list(rows), token="g1234")
     _, last = dock.get_experience("train", ["prompts"], 2)
     assert sorted(set(range(12)) - set(rows)) == sorted(last)
 
