@@ -91,6 +91,19 @@ class DockSnapshot:
     not cut (the TransferQueue system's puts and clears: ``System.quiet``).
     """
 
+    def __new__(cls, dock: Any, **kwargs: Any) -> Any:
+        """A dock's snapshot; a partitioned dock's is a ``PartitionedSnapshot`` (``partitioned_snapshot.py``)."""
+        from broker.api.partitioned import PartitionedDock  # it builds on the dock, which this module need not load
+
+        if isinstance(dock, PartitionedDock) and cls is DockSnapshot:
+            if kwargs:
+                raise CheckpointError(f"dock {dock.name!r} is partitioned: a slice's keys beside it (extra=, quiet=) "
+                                      "are not saved with its partitions")
+            from broker.api.partitioned_snapshot import PartitionedSnapshot  # it builds on this module
+
+            return PartitionedSnapshot(dock)
+        return super().__new__(cls)
+
     def __init__(self, dock: TransferDock, *, extra: Callable[[], SliceKeys] = lambda: NO_SLICE_KEYS,
                  quiet: Callable[[], AbstractContextManager[Any]] = nullcontext):
         self.dock = dock
