@@ -24,7 +24,8 @@ The interleavings of a sampled get that takes from several partitions (``_sample
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ from broker.api.partition_map import PartitionMap
 from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows, tokens_of
 from broker.control.put_listener import PutListener
 from broker.data.stacking import stack_decoded
-from broker.errors import ExperienceTimeoutError, InvalidExperienceError
+from broker.errors import BrokerError, ExperienceTimeoutError, InvalidExperienceError
 
 #: Longest a waiting get sleeps between attempts without a wake-up (as a dock of one partition: a lost
 #: pub/sub message costs at most this).
@@ -65,6 +66,19 @@ class PartitionedMoves:
             raise InvalidExperienceError(f"dock {self._name!r} is partitioned: name the rows its own get_experience "
                                          f"returned, got {type(delivery).__name__}")
         return delivery
+
+    @contextmanager
+    def _at(self, p: int, local: Sequence[int]) -> Iterator[None]:
+        """Calls of partition ``p`` about its rows ``local``: an error it raises says which of the dock's rows
+        those are (a partition names its own rows, numbered its own way)."""
+        try:
+            yield
+        except BrokerError as exc:
+            if len(exc.args) == 1 and isinstance(exc.args[0], str) and local:
+                shown = list(local)[:8]
+                exc.args = (f"{exc.args[0]} [partition {p} of dock {self._name!r}, whose rows {shown} are the dock's "
+                            f"rows {self._pmap.global_rows(p, shown)}]",)
+            raise
 
     def _order(self) -> list[int]:
         """The partitions in the order this call visits them: from this object's next turn round."""
@@ -105,12 +119,14 @@ class PartitionedMoves:
         for p, (positions, local) in split.items():
             part_data = data_dict if whole else {c: _picked(v, positions) for c, v in data_dict.items()}
             done = rollout_completed if whole or rollout_completed is None else _picked(rollout_completed, positions)
-            prepared.append((p, self._parts[p]._puts.prepare(
-                part_data, local, is_prompt=is_prompt, rollout_completed=done, version=version,
-                delivery=None if delivery is None else delivery.part(p, local), ack=ack)))
-        for p, put in prepared:
+            with self._at(p, local):
+                prepared.append((p, local, self._parts[p]._puts.prepare(
+                    part_data, local, is_prompt=is_prompt, rollout_completed=done, version=version,
+                    delivery=None if delivery is None else delivery.part(p, local), ack=ack)))
+        for p, local, put in prepared:
             if put is not None:
-                self._parts[p]._puts.send(put)
+                with self._at(p, local):
+                    self._parts[p]._puts.send(put)
 
     # -- gets ----------------------------------------------------------------------------------
 
@@ -271,7 +287,8 @@ class PartitionedMoves:
         out: dict[str, list[Any]] = {c: [None] * len(rows) for c in cols}
         for p, (positions, local) in self._pmap.split(rows).parts.items():
             part = None if delivery is None else delivery.part(p, local)
-            batch = self._parts[p].read_rows(cols, local, delivery=part)
+            with self._at(p, local):
+                batch = self._parts[p].read_rows(cols, local, delivery=part)
             for c in cols:
                 for i, value in zip(positions, batch[c]):
                     out[c][i] = value
@@ -290,8 +307,9 @@ class PartitionedMoves:
         taken: Parts = {}
         try:
             for p, (_, local) in split.items():
-                handed = self._parts[p].take(consumer, local, columns, lease=lease, exclusive=exclusive, name=name,
-                                             name_ttl=name_ttl)
+                with self._at(p, local):
+                    handed = self._parts[p].take(consumer, local, columns, lease=lease, exclusive=exclusive,
+                                                 name=name, name_ttl=name_ttl)
                 if handed is None:
                     self._give_back(consumer, taken, False)
                     return None
@@ -326,7 +344,8 @@ class PartitionedMoves:
         for p, (_, local) in self._pmap.split(plain).parts.items():
             part = rows.part(p, local)
             assert isinstance(part, LeasedRows)  # a leased call's parts are leased
-            given += self._parts[p].give_back(consumer, part)
+            with self._at(p, local):
+                given += self._parts[p].give_back(consumer, part)
         return given
 
     def drop_groups(self, consumer: str, groups: Sequence[int], *, delivery: HandedRows | None = None) -> int:
@@ -341,7 +360,8 @@ class PartitionedMoves:
         dropped = 0
         for p, local_groups in sorted(by_part.items()):
             part = None if delivery is None else delivery.part(p, [])
-            dropped += self._parts[p].drop_groups(consumer, local_groups, delivery=part)
+            with self._at(p, [g * self._pmap.n for g in local_groups]):  # each group's first row
+                dropped += self._parts[p].drop_groups(consumer, local_groups, delivery=part)
         return dropped
 
 

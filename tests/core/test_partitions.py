@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from broker import SchemaError, TransferDock
+from broker import FencedError, SchemaError, TransferDock
 from broker.control.status import Survey
 from broker.errors import InvalidExperienceError
 from tests.helpers import fill
@@ -169,3 +169,12 @@ def test_a_checkpoint_saves_and_restores_every_partition(client, backend, tmp_pa
     with pytest.raises(Exception, match="dock.p2"):
         DockSnapshot(dock).restore(tmp_path / "dock", info)
     assert dock.status()["columns"]["prompts"]["ready"] == 0  # a bad file restores no partition
+
+
+def test_an_error_in_a_partition_names_the_docks_rows(client):
+    dock = _dock(client)
+    fill(dock, columns=["prompts"], rows=list(range(12)))
+    _, rows = dock.get_experience("train", ["prompts"], 12)
+    dock.clear([11])
+    with pytest.raises(FencedError, match=r"partition 2 of dock 'pd', whose rows \[3\] are the dock's rows \[11\]"):
+        dock.put_experience({"responses": [torch.ones(1)]}, rows[rows.index(11):rows.index(11) + 1])

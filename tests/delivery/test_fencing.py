@@ -163,7 +163,7 @@ def test_a_rewrite_between_sampling_and_reading_is_read_not_refused(make_dock):
     assert dock.get_experience("actor_train", ["prompts"], 2) == (None, None)
 
 
-@pytest.mark.one_partition("its error names the partition's own rows")
+@pytest.mark.one_partition("its error names the partition's rows first (the dock's after them: test_partitions.py)")
 @pytest.mark.parametrize("stack", [False, True])
 def test_read_rows_naming_a_delivery_refuses_rows_a_clear_took_since(make_dock, stack):
     """``read_rows(..., delivery=rows)`` reads what the delivery handed out, or raises FencedError once a clear
