@@ -11,26 +11,21 @@ leases, dead letters, group columns) is each partition's own promise, kept by it
 What becomes per partition, said plainly:
 
 - **FIFO** holds within a partition: a sampled get takes the lowest ready groups of the partition it takes from.
-- **A sampled get** runs its script on one partition at a time. Each call starts at the next partition of this
-  object's own rotation (it starts at a random one), so consumers spread over the partitions and none is
-  starved. It asks that partition for the whole count, taking what qualifies there (at least one group, or
-  nothing); if that falls short it asks the next partition for the rest, and so on round the partitions. Each
-  take is atomic (one script on one partition). If the partitions together fall short, every take of the call
-  is given back (lua/release.lua, under the take's own lease token when leased: only rows still this take's go
-  back) and the call waits for puts, or returns ``(None, None)``, as a dock of one partition does. So rows are
-  never lost to a call that returned nothing, nor handed out twice: a row given back is offered again, and one
-  that a clear took meanwhile was reset by the clear. While a take is held before it is given back, other
-  callers of the same consumer do not see its rows: they may find too few, and wait or return nothing.
+- **A sampled get** runs its script on one partition at a time, from where this object's rotation stands (it
+  starts at a random partition and moves on each call), so consumers spread and none is starved; it takes
+  what qualifies there, then asks the next partition for the rest. If the partitions together fall short,
+  every take is given back and the call waits or returns ``(None, None)`` (``partitioned_moves.py`` has the
+  interleavings).
 - **Explicit rows** (``indexes=``, ``take``) are cut by partition and taken partition by partition, each atomic;
   a part that fails (rows not written in time, already taken by an exclusive take) gives back the parts taken.
-- **A put** is cut by partition: each partition's part is one put there, atomic, fenced by that partition's
-  delivery. A put that fails in one partition may have landed in the partitions before it (named in the
-  error); sending it again is safe: a plain put writes the same bytes again, a leased put's parts that landed
-  are recognised by their request ids and skipped.
+- **A put** is cut by partition, each part one atomic put there fenced by that partition's delivery, every
+  part prepared before any is sent (bad input writes nothing); one failing in a later partition may leave the
+  earlier ones written, and sending it again is safe (a leased put's landed parts are skipped by request id).
 - **clear** and **set_version** reach every partition, in order 0..P-1. Between two of them a reader may see
   some partitions cleared (or at the new version) and others not: what it reads from a partition not yet
   cleared is what it would have read just before the clear; nothing it reads is another batch's bytes under
-  an old row's marks (each partition's read fence holds).
+  an old row's marks (each partition's read fence holds). A ReplicationError in one partition is raised once
+  every partition had the call (``_every``), so "applied" holds for the whole dock.
 - ``status``, ``all_consumed``, ``get_cur_index``, dead letters and the counts sum or join the partitions;
   ``version`` is the lowest of the partitions' versions (they differ only while ``set_version`` is between them,
   or after it failed part way: repeat it); metrics (``update_metrics``) are kept in partition 0;
@@ -45,7 +40,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -61,6 +56,7 @@ from broker.api.partition_record import (
     root_session,
 )
 from broker.api.partitioned_moves import PartitionedMoves
+from broker.api.partitioned_status import PartitionedRowStatus
 from broker.api.session import DockSession
 from broker.connection import DEFAULT_CALL_TIMEOUT, Client, spread_tags
 from broker.control.keys import DockKeys, check_name, partition_name, partition_of_name
@@ -68,13 +64,15 @@ from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
 from broker.control.schema import Schema
 from broker.control.status import summed
-from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
+from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, ReplicationError, SchemaError
 
 __all__ = ["PartitionedDock"]
 
+T = TypeVar("T")
 
 
-class PartitionedDock(PartitionedMoves):
+
+class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
     """A dock of P partitions (see the module docstring); made by ``TransferDock(..., partitions=P)`` with P > 1
     and opened by ``TransferDock.attach``, with the dock's methods and the dock's row indexes."""
 
@@ -266,6 +264,22 @@ class PartitionedDock(PartitionedMoves):
 
     # -- writes that reach every partition -----------------------------------------------------
 
+    def _every(self, call: Callable[[TransferDock], T]) -> list[T]:
+        """``call`` on every partition in order. A ReplicationError (applied, replicas short) does not stop the
+        others: it is raised once every partition had the call, so that the error's "applied" is true of the
+        whole dock."""
+        results: list[T] = []
+        short: ReplicationError | None = None
+        for part in self._parts:
+            try:
+                results.append(call(part))
+            except ReplicationError as exc:
+                short = short or exc
+                results.append(exc.result)
+        if short is not None:
+            raise short
+        return results
+
     def clear(self, indexes: Sequence[int] | None = None, *, consumer: str | None = None, age: bool = True) -> None:
         """Forget rows (see ``TransferDock.clear``): ``indexes`` cut by partition, or every partition in order."""
         if indexes is not None:
@@ -273,12 +287,10 @@ class PartitionedDock(PartitionedMoves):
             for p, (_, local) in self._pmap.split(rows).parts.items():
                 self._parts[p].clear(local, consumer=consumer, age=age)
             return
-        for part in self._parts:
-            part.clear(consumer=consumer, age=age)
+        self._every(lambda part: part.clear(consumer=consumer, age=age))
 
     def set_version(self, version: int) -> None:
-        for part in self._parts:
-            part.set_version(version)
+        self._every(lambda part: part.set_version(version))
 
     def version(self) -> int:
         """The lowest of the partitions' versions (see the module docstring)."""
@@ -286,14 +298,13 @@ class PartitionedDock(PartitionedMoves):
 
     def reset_consumer(self, consumer: str, indexes: Sequence[int] | None = None) -> int:
         if indexes is None:
-            return sum(part.reset_consumer(consumer) for part in self._parts)
+            return sum(self._every(lambda part: part.reset_consumer(consumer)))
         rows = self._check.rows(indexes)
         split = self._pmap.split(rows).parts
         return sum(self._parts[p].reset_consumer(consumer, local) for p, (_, local) in split.items())
 
     def register_consumer_columns(self, columns_of: Mapping[str, Sequence[str]]) -> None:
-        for part in self._parts:
-            part.register_consumer_columns(columns_of)
+        self._every(lambda part: part.register_consumer_columns(columns_of))
 
     def consumer_columns(self, consumer: str | None = None) -> list[str]:
         return self._parts[0].consumer_columns(consumer)
@@ -301,11 +312,10 @@ class PartitionedDock(PartitionedMoves):
     def set_quota(self, nbytes: int | None) -> int:
         """Give each partition an equal share of ``nbytes`` (see ``TransferDock.set_quota``); the bytes held."""
         share = nbytes if nbytes is None or not is_int(nbytes) or nbytes < 0 else -(-int(nbytes) // self._pmap.count)
-        return sum(part.set_quota(share) for part in self._parts)
+        return sum(self._every(lambda part: part.set_quota(share)))
 
     def set_setting(self, name: str, value: str) -> None:
-        for part in self._parts:
-            part.set_setting(name, value)
+        self._every(lambda part: part.set_setting(name, value))
 
     def setting(self, name: str) -> str | None:
         return self._parts[0].setting(name)
@@ -326,8 +336,7 @@ class PartitionedDock(PartitionedMoves):
         first = self._parts[0].session
         record = DockKeys(self._name).partitions
         first.write("delete", lambda: first.client.delete(record), returns=False)
-        for part in self._parts:
-            part.delete()
+        self._every(lambda part: part.delete())
 
     # -- reads that join the partitions ---------------------------------------------------------
 
@@ -358,34 +367,6 @@ class PartitionedDock(PartitionedMoves):
             if local:
                 return self._pmap.global_rows(p, local)
         return None
-
-    def dead_letters(self, consumer: str | None = None) -> dict[str, dict[int, str]]:
-        out: dict[str, dict[int, str]] = {}
-        for p, part in enumerate(self._parts):
-            for c, letters in part.dead_letters(consumer).items():
-                out.setdefault(c, {}).update({self._pmap.global_row(p, r): why for r, why in letters.items()})
-        return {c: dict(sorted(letters.items())) for c, letters in out.items()}
-
-    def drop_dead_letters(self, consumer: str | None = None) -> list[int]:
-        return sorted(self._pmap.global_row(p, r) for p, part in enumerate(self._parts)
-                      for r in part.drop_dead_letters(consumer))
-
-    def ready_rows(self, columns: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        return self._joined([part.ready_rows(columns) for part in self._parts])
-
-    def consumed_rows(self, consumers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        return self._joined([part.consumed_rows(consumers) for part in self._parts])
-
-    def _joined(self, per_part: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Per-row tensors of the partitions as one of the dock's rows."""
-        out: dict[str, torch.Tensor] = {}
-        for p, tensors in enumerate(per_part):
-            index = torch.tensor(self._pmap.global_rows(p, range(self._pmap.prompts_of(p) * self._pmap.n)),
-                                 dtype=torch.long)
-            for key, values in tensors.items():
-                joined = out.setdefault(key, torch.zeros(self.capacity, dtype=values.dtype))
-                joined[index] = values
-        return out
 
     # -- not on a partitioned dock yet ----------------------------------------------------------
 

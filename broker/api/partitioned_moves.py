@@ -41,7 +41,7 @@ from broker.api.partition_map import PartitionMap
 from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows, tokens_of
 from broker.control.put_listener import PutListener
 from broker.data.stacking import stack_decoded
-from broker.errors import BrokerError, ExperienceTimeoutError, InvalidExperienceError
+from broker.errors import BrokerError, ExperienceTimeoutError, InvalidExperienceError, ReplicationError
 
 #: Longest a waiting get sleeps between attempts without a wake-up (as a dock of one partition: a lost
 #: pub/sub message costs at most this).
@@ -123,10 +123,16 @@ class PartitionedMoves:
                 prepared.append((p, local, self._parts[p]._puts.prepare(
                     part_data, local, is_prompt=is_prompt, rollout_completed=done, version=version,
                     delivery=None if delivery is None else delivery.part(p, local), ack=ack)))
+        short: ReplicationError | None = None  # raised once every part was sent: applied everywhere
         for p, local, put in prepared:
             if put is not None:
                 with self._at(p, local):
-                    self._parts[p]._puts.send(put)
+                    try:
+                        self._parts[p]._puts.send(put)
+                    except ReplicationError as exc:
+                        short = short or exc
+        if short is not None:
+            raise short
 
     # -- gets ----------------------------------------------------------------------------------
 

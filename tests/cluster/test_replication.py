@@ -436,3 +436,26 @@ def test_replicas_that_catch_up_within_the_grace_are_not_called_missing(caplog):
         dock.put_experience(prompts([2, 3]), [2, 3], is_prompt=True)
     said = [r.getMessage() for r in caplog.records if "replicas" in r.getMessage()]
     assert not said, said
+
+
+def test_a_partitioned_dock_waits_on_every_partition_and_raises_once_all_applied(pair, caplog):
+    """Each partition is a dock with its own waits; a shortfall in one partition does not stop the others: the
+    put, the clear and the version reach every partition, then the ReplicationError says it was applied."""
+    primary, replica = pair
+    dock = TransferDock(primary.url, "repl-parts", 4, 2, ["prompts"], ["train"], wait_replicas=1,
+                        wait_timeout=WAIT, partitions=2)
+    with cut(replica):
+        with pytest.raises(ReplicationError, match="repeating it is safe") as raised:
+            dock.put_experience(prompts(list(range(8))), list(range(8)))
+        assert raised.value.applied
+        assert dock.status()["columns"]["prompts"]["ready"] == 8  # both partitions have it
+        with caplog.at_level(logging.WARNING, logger="broker"):
+            _, rows = dock.get_experience("train", ["prompts"], 8)
+        assert sorted(rows) == list(range(8))  # handed out across both partitions; the shortfall is logged
+        with pytest.raises(ReplicationError):
+            dock.set_version(3)
+        assert [p.version() for p in dock.partitions] == [3, 3]
+        with pytest.raises(ReplicationError):
+            dock.clear()
+        assert dock.status()["columns"]["prompts"]["ready"] == 0
+    dock.delete()
