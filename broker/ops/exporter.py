@@ -34,7 +34,7 @@ from prometheus_client.registry import CollectorRegistry
 from redis.client import Pipeline
 
 from broker.connection import Client, bounded
-from broker.control.keys import DockKeys
+from broker.control.keys import DockKeys, partition_of_name
 from broker.control.status import DockRef, Survey
 from broker.errors import BrokerError
 
@@ -211,6 +211,13 @@ class DockCollector:
                     self._memory.enabled = False
         return reading.docks
 
+    def _dock_bytes(self, name: str) -> int | None:
+        """The sampled memory of dock ``name``'s keys; of a partitioned dock, its partitions' summed."""
+        refs = self._survey.refs
+        parts: list[DockRef | None] = [ref for part, ref in refs.items() if partition_of_name(part) == name]
+        sizes = [self._memory.dock_bytes(ref) for ref in parts or [refs.get(name)] if ref is not None]
+        return None if not sizes or None in sizes else sum(s for s in sizes if s is not None)
+
     def _families(self, docks: list[tuple[str, dict[str, Any] | BrokerError]]) -> Iterator[Metric]:
         def gauge(name: str, doc: str, labels: Sequence[str]) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=labels)
@@ -279,8 +286,7 @@ class DockCollector:
             if "quota" in status:
                 quota.add_metric([name], status["quota"]["bytes"])
                 stored.add_metric([name], status["quota"]["stored_bytes"])
-            ref = self._survey.refs.get(name)
-            size = self._memory.dock_bytes(ref) if ref is not None and self._memory.enabled else None
+            size = self._dock_bytes(name) if self._memory.enabled else None
             if size is not None:
                 memory.add_metric([name], size)
         errors = CounterMetricFamily(

@@ -93,6 +93,23 @@ def test_scrape_reports_what_status_says(url, exporter):
     assert value(samples, "broker_scrape_duration_seconds") > 0
 
 
+def test_a_partitioned_dock_is_one_dock_its_partitions_summed(url, exporter):
+    dock = make(url, "grpo", partitions=2)
+    dock.put_experience({"prompts": torch.ones(6, 3)}, indexes=list(range(6)))
+    dock.get_experience("reference", ["prompts"], 4, lease=30)
+    server = exporter(memory_keys=64)
+    samples = scrape(server)
+    assert value(samples, "broker_docks") == 1
+    assert value(samples, "broker_dock_capacity_rows", dock="grpo") == 8
+    assert value(samples, "broker_column_ready_rows", dock="grpo", column="prompts") == 6
+    assert value(samples, "broker_consumer_leased_rows", dock="grpo", consumer="reference") == 4
+    measured = [value(scrape(server), "broker_dock_memory_bytes", dock="grpo") for _ in range(4)]
+    assert measured[-1] > 6 * 3 * 4  # every partition's keys measured by then, summed
+    named = scrape(exporter(["grpo"]))  # the name alone finds its partitions
+    assert value(named, "broker_dock_up", dock="grpo") == 1
+    assert value(named, "broker_dock_capacity_rows", dock="grpo") == 8
+
+
 def test_partial_rollout_and_staleness_series(url, exporter):
     from broker import Rollout
 
