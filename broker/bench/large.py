@@ -31,7 +31,8 @@ import torch
 from broker.bench.large_workload import RAGGED, REGULAR, LargeWorkload, as_bytes, checksum, make_batch
 from broker.bench.resp import RespConnection, Value, command_parts
 
-T, R = TypeVar("T"), TypeVar("R")
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: Consumers of the broker's dock; the large mode reads with read_rows, which involves none.
 CONSUMERS = ["reader"]
