@@ -24,7 +24,7 @@ from broker.connection import Framed, check_sizes, sizes_unchecked, unchecked_va
 from broker.connection.replication import REPEAT_SAFE, do_not_repeat
 from broker.control.schema import Schema
 from broker.control.scripts import Finish, rows_of, runs_of
-from broker.data import groups
+from broker.data import collector, groups
 from broker.data.codec import encode_column
 from broker.data.requests import Encoded, PutRequest
 from broker.errors import InvalidExperienceError
@@ -50,19 +50,25 @@ class Puts:
             checked = self._checked(data_dict, indexes, is_prompt, rollout_completed, version, delivery, ack)
             if checked is None:
                 return  # nothing but padding
-            request = self._request(checked)
-            repeat = REPEAT_SAFE
-            if request.fence is not None and request.fence.token and ack:
-                repeat = do_not_repeat("it acked its lease, so a repeat is refused (FencedError)")
-            # The server would refuse an oversized value only by closing the connection mid-send, and the
-            # client's retries would send it again and again.
-            limit = self._s.run(lambda: value_limit(self._s.client))
-            check_sizes(request.encoded, limit.bytes, limit.setting)
-            with sizes_unchecked(unchecked_value(request.encoded, limit)):  # a size refused unseen is not resent
-                self._s.write("put", lambda: self._s.store.put(request), repeat=repeat, returns=False)
-            if call.live:
-                call.rows = len(checked.rows)
-                call.nbytes = sum(len(v) for m in request.encoded.values() for v in m.values())
+            # A large put's many objects are freed as _write returns, before the collector runs again: see there.
+            with collector.paused(len(checked.rows) * len(checked.data)):
+                self._write(checked, ack, call)
+
+    def _write(self, checked: _Checked, ack: bool, call: metrics.Call) -> None:
+        """Encode and write the rows."""
+        request = self._request(checked)
+        repeat = REPEAT_SAFE
+        if request.fence is not None and request.fence.token and ack:
+            repeat = do_not_repeat("it acked its lease, so a repeat is refused (FencedError)")
+        # The server would refuse an oversized value only by closing the connection mid-send, and the
+        # client's retries would send it again and again.
+        limit = self._s.run(lambda: value_limit(self._s.client))
+        check_sizes(request.encoded, limit.bytes, limit.setting)
+        with sizes_unchecked(unchecked_value(request.encoded, limit)):  # a size refused unseen is not resent
+            self._s.write("put", lambda: self._s.store.put(request), repeat=repeat, returns=False)
+        if call.live:
+            call.rows = len(checked.rows)
+            call.nbytes = sum(len(v) for m in request.encoded.values() for v in m.values())
 
     def _checked(
         self, data_dict: Mapping[str, Any], indexes: Sequence[int], is_prompt: bool, rollout_completed: Any,
