@@ -17,11 +17,13 @@ TransferQueue runs in a child interpreter of its own (``large_tq.py``).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -30,7 +32,6 @@ import torch
 
 from broker.bench.large_workload import RAGGED, REGULAR, LargeWorkload, as_bytes, checksum, make_batch
 from broker.bench.resp import RespConnection, Value, command_parts
-from broker.data import collector
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -63,6 +64,17 @@ def floor_key(prefix: str, column: str, system: str = "redis-floor") -> str:
 def _floor_connections(url: str, systems: list[str]) -> dict[str, list[RespConnection]]:
     """Each raw floor of ``systems`` and its connections."""
     return {s: [RespConnection(url) for _ in range(FLOORS[s])] for s in systems if s in FLOORS}
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _dealt(items: list[T], ways: int) -> list[list[T]]:
@@ -118,7 +130,7 @@ class Writer:
             conns = self.floors[system]
             # The collector paused as the broker's put pauses it (data/collector.py): the floor is the wire's
             # cost, not that of a full pass its one view per row would otherwise bring on every other put.
-            with collector.paused(self.w.batch * self.w.fields):
+            with _collector_paused():
                 _at_once([partial(self._floor_put, system, c, names)
                           for c, names in zip(conns, _dealt(self.w.names(), len(conns)))])
         return time.process_time() - began

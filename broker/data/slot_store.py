@@ -22,9 +22,8 @@ A row just past one of the server allocator's size classes is cut in two, its ta
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any
 
 import redis
 import torch
@@ -32,7 +31,6 @@ from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
 from broker.connection import Client, frames
-from broker.connection.deadlines import in_thread
 from broker.connection.replies import RespReader, exchange, transaction
 from broker.connection.translate import script_error
 from broker.control.keys import DockKeys
@@ -48,17 +46,11 @@ from broker.control.scripts import (
     scripts_lost,
 )
 from broker.data import fit, groups, stacking
+from broker.data.lanes import Lanes
 from broker.data.requests import PutRequest, step_id
 from broker.data.slices import UNKNOWN, UNSENT, Outcome, said_landed, slices
 from broker.data.store import few, unhold
-from broker.errors import BrokerError, FencedError
-
-T = TypeVar("T")
-
-#: Connections a put on one slot sends its slices over at once (see ``SlotStore._put_slices``). The server
-#: takes a large put in faster from two connections than from one, even on one thread (docs/operations.md
-#: has the figures); more gained nothing on 2 cores.
-PUT_LANES = 2
+from broker.errors import FencedError
 
 
 class SlotStore:
@@ -82,6 +74,7 @@ class SlotStore:
         #: Columns known to hold cut rows (cut by a put here, or a head seen in a read): their reads fetch
         #: heads and tails in one transaction. Only ever grows; a set's add is atomic under the GIL.
         self._cut: set[str] = set()
+        self._lanes = Lanes(client, scripts, keys.name, self._queue, self._receives)
 
     def _hmgets(self, pipe: Pipeline, columns: Sequence[str], rows: Sequence[int]) -> list[list[int] | None]:
         """Queue one HMGET per column; per column, the positions to expand a group column's reply by."""
@@ -176,9 +169,8 @@ class SlotStore:
         self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: Sequence[int],
         outcomes: list[Outcome],
     ) -> None:
-        """Slices ``todo`` of ``parts``, each as its own MULTI, over ``PUT_LANES`` connections at once; sets the
-        outcome of each (its error if it did not land, else None) in ``outcomes`` as its reply comes. Slices
-        hold disjoint rows, so their order between lanes does not matter."""
+        """Slices ``todo`` of ``parts``, each as its own MULTI, over ``PUT_LANES`` connections at once (``lanes.py``);
+        sets the outcome of each (its error if it did not land, else None) in ``outcomes`` as its reply comes."""
         if isinstance(self._client, RedisCluster):  # no pipeline of several transactions there: one by one
             for i in todo:
                 outcomes[i] = UNKNOWN
@@ -186,103 +178,7 @@ class SlotStore:
             return
         for i in todo:
             outcomes[i] = UNKNOWN  # sent, by the time a lane could fail
-        lanes = [list(todo[first::PUT_LANES]) for first in range(min(PUT_LANES, len(todo)))]
-        failures: list[BaseException] = []
-
-        def lane(mine: list[int]) -> Callable[[], None]:
-            def run() -> None:
-                try:
-                    self._lane(parts, request_ids, mine, outcomes)
-                except BaseException as exc:  # raised in the caller's thread below
-                    failures.append(exc)
-            return run
-
-        others = [threading.Thread(target=in_thread(lane(mine)), daemon=True) for mine in lanes[1:]]
-        for thread in others:
-            thread.start()
-        try:
-            self._lane(parts, request_ids, lanes[0], outcomes)
-        finally:
-            for thread in others:
-                thread.join()  # each bounded by the call's deadline, as this thread is
-        if failures:
-            raise failures[0]
-
-    def _lane(
-        self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: list[int],
-        outcomes: list[Outcome],
-    ) -> None:
-        """The slices ``todo`` back to back on one connection, each one MULTI ... EXEC. A slice whose put.lua the
-        server could not run (it lost the scripts since the first slice: the bar kept its bytes out) is sent
-        again once the scripts are loaded, alone with the others that were not run.
-
-        On connections opened by broker.connection, each slice is framed as it is sent and its replies read as
-        the next slice goes out (``exchange``): the bytes flow from the first slice on, and the server makes one
-        slice while the next travels, where one pipeline of every slice framed them all first and read every
-        reply after the last byte. Sent again (a connection lost), slices that landed find their kept replies."""
-        todo = list(todo)
-
-        def send() -> list[int]:
-            """Send the slices ``todo``, set their outcomes; those whose script did not run, to send again."""
-            if self._receives:
-                self._exchange(parts, request_ids, todo, outcomes)
-            else:
-                self._pipelined(parts, request_ids, todo, outcomes)
-            todo[:] = [i for i in todo if scripts_lost(outcomes[i])]  # put.lua's own error: the bar kept the bytes out
-            return todo
-
-        resent_once(send, lambda: self._scripts.load_all(self._client), lost=bool)
-
-    def _exchange(
-        self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: list[int], outcomes: list[Outcome],
-    ) -> None:
-        """The slices ``todo`` through ``exchange``, one unit each, framed as they go; sets their outcomes."""
-        assert isinstance(self._client, redis.Redis)  # _receives
-        sizes: dict[int, int] = {}
-
-        def unit(k: int) -> list[tuple[Any, ...]]:
-            i = todo[k]
-            pipe = self._client.pipeline(transaction=False)
-            pipe.execute_command("MULTI")
-            sizes[i] = self._queue(pipe, parts[i], request_ids[i])
-            pipe.execute_command("EXEC")
-            return [args for args, _ in pipe.command_stack]
-
-        def read(reader: RespReader) -> None:
-            for i in todo:
-                reader.advance()  # the next slice goes out as this one's replies are read
-                reader.reply()  # MULTI's OK
-                queued = [reader.reply() for _ in range(sizes[i])]
-                outcomes[i] = self._executed(len(parts[i].encoded), queued, reader.executed())
-
-        exchange(self._client, _Lazy(unit, len(todo)), read)
-
-    def _pipelined(
-        self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: list[int], outcomes: list[Outcome],
-    ) -> None:
-        """The slices ``todo`` as one pipeline of MULTI ... EXEC per slice (clients not opened here); sets their
-        outcomes."""
-        sizes: dict[int, int] = {}
-        pipe = self._client.pipeline(transaction=False)
-        for i in todo:
-            pipe.execute_command("MULTI")
-            sizes[i] = self._queue(pipe, parts[i], request_ids[i])
-            pipe.execute_command("EXEC")
-        replies = pipe.execute(raise_on_error=False)
-        for i in todo:  # per slice: MULTI's OK, a QUEUED per command, EXEC's array
-            size = sizes[i]
-            queued, replies = replies[: size + 2], replies[size + 2 :]
-            outcomes[i] = self._executed(len(parts[i].encoded), queued[1:-1], queued[-1])
-
-    def _executed(self, columns: int, queued: list[Any], executed: Any) -> BaseException | None:
-        """A slice's outcome (of ``columns`` columns) from the replies of its queued commands and of its EXEC."""
-        if isinstance(executed, Exception) or not isinstance(executed, list):
-            # EXECABORT names no cause: the command refused as it was queued does (OOM on a full
-            # server, which the caller's translation makes a StoreFullError).
-            cause = next((r for r in queued if isinstance(r, Exception)), executed)
-            return cause if isinstance(cause, Exception) else BrokerError(
-                f"dock {self._keys.name!r}: a put's transaction was not run (EXEC answered {executed!r})")
-        return self._scripts.outcome(executed, columns)
+        self._lanes.put(parts, request_ids, todo, outcomes)
 
     def _put_one(
         self, put: PutRequest, request_id: str, ahead: tuple[int, Sequence[int]] = (0, ()),
@@ -443,28 +339,6 @@ class SlotStore:
 
     def data_keys(self) -> list[str]:
         return [kind(c) for kind in (self._keys.data, self._keys.tail) for c in self._columns]
-
-
-class _Lazy(Sequence[T]):
-    """``make(k)`` for k in ``range(n)``, made each time it is asked for: the units of an ``exchange`` built as
-    they are sent."""
-
-    def __init__(self, make: Callable[[int], T], n: int):
-        self._make, self._n = make, n
-
-    def __len__(self) -> int:
-        return self._n
-
-    @overload
-    def __getitem__(self, k: int) -> T: ...
-    @overload
-    def __getitem__(self, k: slice) -> Sequence[T]: ...
-    def __getitem__(self, k: int | slice) -> T | Sequence[T]:
-        if isinstance(k, slice):
-            return [self._make(j) for j in range(self._n)[k]]
-        if not -self._n <= k < self._n:
-            raise IndexError(k)
-        return self._make(k % self._n)
 
 
 #: What a read received straight into tensors gives: per column a tensor or the bytes, and the fence's reply.
