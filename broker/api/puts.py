@@ -24,7 +24,7 @@ from broker.connection import Framed, check_sizes, sizes_unchecked, unchecked_va
 from broker.connection.replication import REPEAT_SAFE, Repeat, do_not_repeat
 from broker.control.schema import Schema
 from broker.control.scripts import Finish, rows_of, runs_of
-from broker.data import groups
+from broker.data import collector, groups
 from broker.data.codec import encode_column
 from broker.data.requests import Encoded, PutRequest
 from broker.errors import InvalidExperienceError
@@ -47,13 +47,15 @@ class Puts:
     ) -> None:
         """Check, encode and write rows (see ``TransferDock.put_experience``)."""
         with metrics.observe(self._s.name, "put") as call:
-            prepared = self.prepare(data_dict, indexes, is_prompt=is_prompt, rollout_completed=rollout_completed,
-                                    version=version, delivery=delivery, ack=ack)
-            if prepared is not None:
-                self.send(prepared)
-                if call.live:
-                    call.rows = prepared.rows
-                    call.nbytes = sum(len(v) for m in prepared.request.encoded.values() for v in m.values())
+            # A large put's many objects are freed as it returns, before the collector runs again (data/collector.py).
+            with collector.paused(value_count(data_dict, indexes)):
+                prepared = self.prepare(data_dict, indexes, is_prompt=is_prompt, rollout_completed=rollout_completed,
+                                        version=version, delivery=delivery, ack=ack)
+                if prepared is not None:
+                    self.send(prepared)
+                    if call.live:
+                        call.rows = prepared.rows
+                        call.nbytes = sum(len(v) for m in prepared.request.encoded.values() for v in m.values())
 
     def prepare(
         self, data_dict: Mapping[str, Any], indexes: Sequence[int], *, is_prompt: bool = False,
@@ -147,6 +149,14 @@ class Puts:
         if isinstance(delivery, LeasedRows) and ack:  # sent again, it writes only what did not land
             request = dataclasses.replace(request, resend_id=put_id(delivery, encoded, runs))
         return request
+
+
+def value_count(data_dict: Any, indexes: Any) -> int:
+    """Values a put holds (rows x columns, before any check): what decides whether the collector is paused."""
+    try:
+        return len(indexes) * len(data_dict)
+    except TypeError:  # malformed: the checks name it
+        return 0
 
 
 class Prepared(NamedTuple):

@@ -9,23 +9,32 @@ reader here each host every Redis system of the run, so the batch is built once 
 ``redis-floor``  the same bytes raw: one HSET per column (field = row) framed by hand around views of
                  the arrays and sent with ``sendmsg``, all pipelined; one HMGET per column back, each
                  regular row received straight into one stacked tensor (``resp.py``)
+``redis-floor-2conn``  the same over two connections at once (the broker's put uses two, PUT_LANES): the
+                 columns dealt between them, each connection's commands pipelined in a thread of its own
 
 TransferQueue runs in a child interpreter of its own (``large_tq.py``).
 """
 
 from __future__ import annotations
 
+import gc
 import inspect
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from broker.bench.large_workload import RAGGED, REGULAR, LargeWorkload, as_bytes, checksum, make_batch
 from broker.bench.resp import RespConnection, Value, command_parts
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: Consumers of the broker's dock; the large mode reads with read_rows, which involves none.
 CONSUMERS = ["reader"]
@@ -44,8 +53,56 @@ def reads_stacked(dock: Any) -> bool:
     return "stack" in inspect.signature(dock.read_rows).parameters
 
 
-def floor_key(prefix: str, column: str) -> str:
-    return f"bench:{{{prefix}-large-floor}}:{column}"
+#: The raw floors and how many connections each spreads its columns over.
+FLOORS = {"redis-floor": 1, "redis-floor-2conn": 2}
+
+
+def floor_key(prefix: str, column: str, system: str = "redis-floor") -> str:
+    return f"bench:{{{prefix}-large-{system.replace('redis-', '')}}}:{column}"
+
+
+def _floor_connections(url: str, systems: list[str]) -> dict[str, list[RespConnection]]:
+    """Each raw floor of ``systems`` and its connections."""
+    return {s: [RespConnection(url) for _ in range(FLOORS[s])] for s in systems if s in FLOORS}
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _dealt(items: list[T], ways: int) -> list[list[T]]:
+    """``items`` dealt round-robin into ``ways`` lists (a floor's columns between its connections)."""
+    return [items[i::ways] for i in range(ways)]
+
+
+def _at_once(calls: list[Callable[[], R]]) -> list[R]:
+    """Run ``calls`` at once, the first in this thread and each other in a thread of its own (a socket call
+    lets go of the GIL); their results in order, or the first error raised."""
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # raised in the caller's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, len(calls))]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 class Writer:
@@ -58,7 +115,7 @@ class Writer:
         self.dock = _broker_dock(url, f"{prefix}-large-broker", w) if "broker" in systems else None
         if self.dock is not None:
             self.dock.clear()  # a dock left by an interrupted run of the same name
-        self.raw = RespConnection(url) if "redis-floor" in systems else None
+        self.floors = _floor_connections(url, systems)
 
     def expected(self) -> dict[str, int]:
         return checksum(self.batch, self.w.names())
@@ -70,38 +127,44 @@ class Writer:
             assert self.dock is not None
             self.dock.put_experience(self.batch, indexes=list(range(self.w.batch)))
         else:
-            self._floor_put()
+            conns = self.floors[system]
+            # The collector paused as the broker's put pauses it (data/collector.py): the floor is the wire's
+            # cost, not that of a full pass its one view per row would otherwise bring on every other put.
+            with _collector_paused():
+                _at_once([partial(self._floor_put, system, c, names)
+                          for c, names in zip(conns, _dealt(self.w.names(), len(conns)))])
         return time.process_time() - began
 
-    def _floor_put(self) -> None:
-        assert self.raw is not None
+    def _floor_put(self, system: str, raw: RespConnection, names: list[str]) -> None:
+        """Columns ``names`` on connection ``raw``: one HSET each, all in one pipeline."""
         parts: list[Value] = []
-        for name in self.w.names():
+        for name in names:
             values = self.batch[name]
-            args: list[Value] = [b"HSET", floor_key(self.prefix, name).encode()]
+            args: list[Value] = [b"HSET", floor_key(self.prefix, name, system).encode()]
             for field, row in zip(self.fields, values):
                 args += [field, row.encode() if isinstance(row, str) else as_bytes(row)]
             parts += command_parts(args)
-        self.raw.send(parts)  # every column's HSET in one pipeline
-        for _ in self.w.columns():
-            self.raw.reply()
+        raw.send(parts)
+        for _ in names:
+            raw.reply()
 
     def reset(self, system: str) -> None:
         """Forget the batch in ``system`` (untimed, between passes): a cleared dock, deleted hashes."""
         if system == "broker":
             assert self.dock is not None
             self.dock.clear()
-        elif self.raw is not None:
-            self.raw.call([b"DEL", *(floor_key(self.prefix, n).encode() for n in self.w.names())])
+        elif system in self.floors:
+            self.floors[system][0].call([b"DEL", *(floor_key(self.prefix, n, system).encode() for n in self.w.names())])
 
     def close(self) -> None:
         if self.dock is not None:
             from broker.bench.broker_dock import delete_dock
 
             delete_dock(self.dock)
-        if self.raw is not None:
-            self.reset("redis-floor")
-            self.raw.close()
+        for system, conns in self.floors.items():
+            self.reset(system)
+            for conn in conns:
+                conn.close()
 
 
 class Reader:
@@ -113,7 +176,7 @@ class Reader:
         self.fields = [b"%d" % r for r in self.rows]
         self.dock = _broker_dock(url, f"{prefix}-large-broker", w) if "broker" in systems else None
         self.stacked = self.dock is not None and reads_stacked(self.dock)
-        self.raw = RespConnection(url) if "redis-floor" in systems else None
+        self.floors = _floor_connections(url, systems)
         self.last: dict[str, Any] = {}
 
     def get(self, system: str) -> float:
@@ -125,26 +188,30 @@ class Reader:
             kwargs = {"stack": True} if self.stacked else {}
             self.last = self.dock.read_rows(self.w.names(), self.rows, **kwargs)
         else:
-            self.last = self._floor_get()
+            conns = self.floors[system]
+            got = _at_once([partial(self._floor_get, system, c, cols)
+                            for c, cols in zip(conns, _dealt(self.w.columns(), len(conns)))])
+            columns = {name: value for part in got for name, value in part.items()}
+            self.last = {name: columns[name] for name in self.w.names()}
         return time.process_time() - began
 
-    def _floor_get(self) -> dict[str, Any]:
-        assert self.raw is not None
+    def _floor_get(self, system: str, raw: RespConnection, columns: list[tuple[str, str]]) -> dict[str, Any]:
+        """Columns ``columns`` on connection ``raw``: one HMGET each, all in one pipeline."""
         parts: list[Value] = []
-        for name in self.w.names():
-            parts += command_parts([b"HMGET", floor_key(self.prefix, name).encode(), *self.fields])
-        self.raw.send(parts)
+        for name, _ in columns:
+            parts += command_parts([b"HMGET", floor_key(self.prefix, name, system).encode(), *self.fields])
+        raw.send(parts)
         out: dict[str, Any] = {}
-        for name, kind in self.w.columns():
+        for name, kind in columns:
             if kind == REGULAR:  # rows land in one stacked tensor, allocated once
                 dest = torch.empty(self.w.batch, self.w.seq_len, dtype=torch.float32)
-                self.raw.reply(_rows_of(as_bytes(dest), self.w.seq_len * 4))
+                raw.reply(_rows_of(as_bytes(dest), self.w.seq_len * 4))
                 out[name] = dest
             elif kind == RAGGED:
                 out[name] = [torch.frombuffer(b, dtype=torch.float32) if b else torch.empty(0)
-                             for b in self.raw.reply()]
+                             for b in raw.reply()]
             else:
-                out[name] = [b.decode() for b in self.raw.reply()]
+                out[name] = [b.decode() for b in raw.reply()]
         return out
 
     def reads_stacked(self) -> bool:
@@ -161,8 +228,9 @@ class Reader:
     def close(self) -> None:
         if self.dock is not None:
             self.dock.close()
-        if self.raw is not None:
-            self.raw.close()
+        for conns in self.floors.values():
+            for conn in conns:
+                conn.close()
 
 
 def _rows_of(stacked: memoryview, width: int) -> Callable[[int, int], memoryview | None]:

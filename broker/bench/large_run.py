@@ -24,8 +24,7 @@ from broker.bench.large_workload import GIB, LargeWorkload
 from broker.bench.servers import admin, is_cluster, used_memory
 from broker.ops.clients import Client
 
-REDIS_SYSTEMS = ("broker", "redis-floor")
-LARGE_SYSTEMS = ("broker", "redis-floor", "transferqueue")
+REDIS_SYSTEMS = ("broker", "redis-floor", "redis-floor-2conn")
 
 
 def _say(text: str) -> None:
@@ -221,12 +220,17 @@ def server_cpu(client: Client) -> float:
 
 
 def ratios(systems: dict[str, Any]) -> dict[str, float]:
-    """The issue's ratios, on best times: broker put over the floor's, TransferQueue's get over the broker's."""
+    """The issue's ratios, on best times: broker put over each floor's (one and two connections), TransferQueue's
+    get over the broker's."""
     out: dict[str, float] = {}
     b, f, t = systems.get("broker"), systems.get("redis-floor"), systems.get("transferqueue")
+    f2 = systems.get("redis-floor-2conn")
     if b and f:
         out["broker_put_over_floor"] = b["put_seconds"] / f["put_seconds"]
         out["broker_get_over_floor"] = b["get_seconds"] / f["get_seconds"]
+    if b and f2:  # the broker's put uses two connections too (PUT_LANES): the floor it is held to
+        out["broker_put_over_floor_2conn"] = b["put_seconds"] / f2["put_seconds"]
+        out["broker_get_over_floor_2conn"] = b["get_seconds"] / f2["get_seconds"]
     if b and t:
         out["tq_get_over_broker"] = t["get_seconds"] / b["get_seconds"]
         out["broker_put_over_tq"] = b["put_seconds"] / t["put_seconds"]

@@ -37,7 +37,7 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-LARGE_SYSTEMS = ("broker", "redis-floor", "transferqueue")
+LARGE_SYSTEMS = ("broker", "redis-floor", "redis-floor-2conn", "transferqueue")
 
 
 def _large_systems(text: str) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ GIB_BYTES = 1 << 30
 
 LABELS = {"broker": "broker", "broker-random": "broker, random", "adapter": "mindspeed adapter",
           "adapter-ray": "adapter as actor", "ray": "ray single actor", "redis-floor": "redis floor",
-          "inprocess": "in-process", "transferqueue": "transferqueue"}
+          "redis-floor-2conn": "floor, 2 conns", "inprocess": "in-process", "transferqueue": "transferqueue"}
 
 
 def _ms(seconds: float) -> str:

@@ -156,6 +156,11 @@ class RespReader:
             return self.reply()
         raise redis.ConnectionError(f"protocol error: unknown reply type {head[:40]!r}")
 
+    def executed(self) -> Any:
+        """The reply of an EXEC: the array of its commands' replies (errors as their exception objects), or the
+        error saying the transaction did not run (EXECABORT), as an exception object."""
+        return self.reply()
+
     def _bulk(self, size: int) -> bytes:
         out = bytearray(size)
         self.exactly(memoryview(out))
@@ -193,22 +198,26 @@ def exchange(client: redis.Redis, units: Sequence[Sequence[Sequence[Any]]], read
     columns took 0.36 s so against 0.45 s (7.0.15; 0.34 against 0.43 s on 6.2); two units in flight gave
     0.43 / 0.36 s: more only make the server compete with the client for the cores.
 
-    The units must be safe to send again (reads: a get's HMGETs and its fence): a connection lost or timed
-    out before every reply was read is closed and the whole exchange made again on a new one, with the
-    client's retry policy and within the call's deadline, as redis-py retries a pipeline; ``read`` must
-    start over each time (a stacked get of rows already marked handed out would otherwise lose them)."""
+    A unit is packed as it is sent, not before: a put in slices (data/slot_store.py) sends its first
+    slice's bytes while the others are still to frame, and ``units`` may build each unit as it is asked
+    for it.
+
+    The units must be safe to send again (reads: a get's HMGETs and its fence; the slices of a put, whose
+    kept replies say which landed): a connection lost or timed out before every reply was read is closed
+    and the whole exchange made again on a new one, with the client's retry policy and within the call's
+    deadline, as redis-py retries a pipeline; ``read`` must start over each time (a stacked get of rows
+    already marked handed out would otherwise lose them)."""
     pool = client.connection_pool
     conn: Any = pool.get_connection()
     done = False
-    packed = [conn.pack_commands(unit) for unit in units]
 
     def attempt() -> T:
         sent = 0
 
         def send_next() -> None:
             nonlocal sent
-            if sent < len(packed):
-                conn.send_packed_command(packed[sent], check_health=sent == 0)
+            if sent < len(units):
+                conn.send_packed_command(conn.pack_commands(units[sent]), check_health=sent == 0)
                 sent += 1
 
         send_next()
@@ -219,6 +228,10 @@ def exchange(client: redis.Redis, units: Sequence[Sequence[Sequence[Any]]], read
             if _expired():
                 raise _passed(f"reading a reply ({exc})") from exc
             raise redis.TimeoutError("Timeout reading from socket") from exc
+        except redis.ConnectionError as exc:
+            if getattr(conn, "_sent_unchecked", 0):  # as the connection's own read_response (sockets.py)
+                conn._refused(exc)
+            raise
         except OSError as exc:
             raise redis.ConnectionError(f"Error while reading from socket: {exc}") from exc
         finally:

@@ -31,21 +31,31 @@ V = TypeVar("V")
 #: 64 rows 0.044 s against 0.069, 256 rows 0.140 against 0.197, 1024 rows 0.592 against 0.663); the
 #: per-slice cost (three script calls) stays small beside 8 MiB of bytes.
 SLICE_BYTES = 8 * 1024 * 1024
+#: Bytes of the first slice at most (a group larger than that is the slice). It goes alone and the others only
+#: once it landed (``SlotStore._put_sliced``: checked against the quota for the whole put, a refused put writes
+#: nothing), so the rest of the put waits for its round trip: a small one lets the bytes flow sooner.
+FIRST_SLICE_BYTES = 1024 * 1024
 
 
 def row_bytes(put: PutRequest, n: int) -> list[int]:
     """Encoded bytes per row of ``put``, in ascending row order; a group column's field (data/groups.py)
     counts once, at the first row of its group in the put."""
     rows = rows_of(put.runs)
+    fields = [str(r) for r in rows]
     sizes = [0] * len(rows)
-    first_of_group: dict[int, int] = {}
-    for i, row in enumerate(rows):
-        first_of_group.setdefault(row // n, i)
+    first_of_group: dict[int, int] | None = None
     for mapping in put.encoded.values():
-        for i, row in enumerate(rows):
-            value = mapping.get(str(row))
+        found = 0
+        for i, value in enumerate(map(mapping.get, fields)):
             if value is not None:
                 sizes[i] += len(value)
+                found += 1
+        if found == len(mapping):  # no group fields: a column of rows (a large put's every column, mostly)
+            continue
+        if first_of_group is None:
+            first_of_group = {}
+            for i, row in enumerate(rows):
+                first_of_group.setdefault(row // n, i)
         for g, i in first_of_group.items():
             value = mapping.get(group_field(g))
             if value is not None:
@@ -53,12 +63,14 @@ def row_bytes(put: PutRequest, n: int) -> list[int]:
     return sizes
 
 
-def slices(put: PutRequest, n: int, limit: int | None = None) -> list[PutRequest]:
+def slices(put: PutRequest, n: int, limit: int | None = None, first: int | None = None) -> list[PutRequest]:
     """``put`` cut into puts of whole groups of at most ``limit`` bytes each (default ``SLICE_BYTES``; a group
-    larger than that is a slice of its own); ``[put]`` when it fits in one."""
+    larger than that is a slice of its own), the first of at most ``first`` (default ``FIRST_SLICE_BYTES``, at
+    most ``limit``); ``[put]`` when it fits in one of ``limit``."""
     limit = SLICE_BYTES if limit is None else limit
+    first = min(limit, FIRST_SLICE_BYTES if first is None else first)
     # Most puts are far below the limit: their total says so without the per-row sizes.
-    if sum(len(v) for mapping in put.encoded.values() for v in mapping.values()) <= limit:
+    if not _over(put, limit):
         return [put]
     sizes = row_bytes(put, n)
     rows = rows_of(put.runs)
@@ -66,7 +78,7 @@ def slices(put: PutRequest, n: int, limit: int | None = None) -> list[PutRequest
     held = 0
     for i, row in enumerate(rows):
         new_group = i == 0 or row // n != rows[i - 1] // n
-        if new_group and held and held + _group_bytes(rows, sizes, i, n) > limit:
+        if new_group and held and held + _group_bytes(rows, sizes, i, n) > (first if len(cuts) == 1 else limit):
             cuts.append(i)
             held = 0
         held += sizes[i]
@@ -78,6 +90,17 @@ def slices(put: PutRequest, n: int, limit: int | None = None) -> list[PutRequest
         first, end = cuts[k], cuts[k + 1]
         out.append(_part(put, rows, first, end, n))
     return out
+
+
+def _over(put: PutRequest, limit: int) -> bool:
+    """Whether ``put``'s values hold more than ``limit`` bytes (counted until they do)."""
+    total = 0
+    for mapping in put.encoded.values():
+        for value in mapping.values():
+            total += len(value)
+            if total > limit:
+                return True
+    return False
 
 
 def _group_bytes(rows: list[int], sizes: list[int], i: int, n: int) -> int:

@@ -22,7 +22,6 @@ A row just past one of the server allocator's size classes is cut in two, its ta
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +31,6 @@ from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
 from broker.connection import Client, frames
-from broker.connection.deadlines import in_thread
 from broker.connection.replies import RespReader, exchange, transaction
 from broker.connection.translate import script_error
 from broker.control.keys import DockKeys
@@ -48,15 +46,11 @@ from broker.control.scripts import (
     scripts_lost,
 )
 from broker.data import fit, groups, stacking
+from broker.data.lanes import Lanes
 from broker.data.requests import PutRequest, step_id
 from broker.data.slices import UNKNOWN, UNSENT, Outcome, said_landed, slices
 from broker.data.store import few, unhold
-from broker.errors import BrokerError, FencedError
-
-#: Connections a put on one slot sends its slices over at once (see ``SlotStore._put_slices``). The server
-#: takes a large put in faster from two connections than from one, even on one thread (docs/operations.md
-#: has the figures); more gained nothing on 2 cores.
-PUT_LANES = 2
+from broker.errors import FencedError
 
 
 class SlotStore:
@@ -80,6 +74,7 @@ class SlotStore:
         #: Columns known to hold cut rows (cut by a put here, or a head seen in a read): their reads fetch
         #: heads and tails in one transaction. Only ever grows; a set's add is atomic under the GIL.
         self._cut: set[str] = set()
+        self._lanes = Lanes(client, scripts, keys.name, self._queue, self._receives)
 
     def _hmgets(self, pipe: Pipeline, columns: Sequence[str], rows: Sequence[int]) -> list[list[int] | None]:
         """Queue one HMGET per column; per column, the positions to expand a group column's reply by."""
@@ -174,9 +169,8 @@ class SlotStore:
         self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: Sequence[int],
         outcomes: list[Outcome],
     ) -> None:
-        """Slices ``todo`` of ``parts``, each as its own MULTI, over ``PUT_LANES`` connections at once; sets the
-        outcome of each (its error if it did not land, else None) in ``outcomes`` as its reply comes. Slices
-        hold disjoint rows, so their order between lanes does not matter."""
+        """Slices ``todo`` of ``parts``, each as its own MULTI, over ``PUT_LANES`` connections at once (``lanes.py``);
+        sets the outcome of each (its error if it did not land, else None) in ``outcomes`` as its reply comes."""
         if isinstance(self._client, RedisCluster):  # no pipeline of several transactions there: one by one
             for i in todo:
                 outcomes[i] = UNKNOWN
@@ -184,65 +178,7 @@ class SlotStore:
             return
         for i in todo:
             outcomes[i] = UNKNOWN  # sent, by the time a lane could fail
-        lanes = [list(todo[first::PUT_LANES]) for first in range(min(PUT_LANES, len(todo)))]
-        failures: list[BaseException] = []
-
-        def lane(mine: list[int]) -> Callable[[], None]:
-            def run() -> None:
-                try:
-                    self._lane(parts, request_ids, mine, outcomes)
-                except BaseException as exc:  # raised in the caller's thread below
-                    failures.append(exc)
-            return run
-
-        others = [threading.Thread(target=in_thread(lane(mine)), daemon=True) for mine in lanes[1:]]
-        for thread in others:
-            thread.start()
-        try:
-            self._lane(parts, request_ids, lanes[0], outcomes)
-        finally:
-            for thread in others:
-                thread.join()  # each bounded by the call's deadline, as this thread is
-        if failures:
-            raise failures[0]
-
-    def _lane(
-        self, parts: Sequence[PutRequest], request_ids: Sequence[str], todo: list[int],
-        outcomes: list[Outcome],
-    ) -> None:
-        """The slices ``todo`` back to back on one connection: one pipeline of MULTI ... EXEC per slice. A slice
-        whose put.lua the server could not run (it lost the scripts since the first slice: the bar kept its
-        bytes out) is sent again once the scripts are loaded, alone with the others that were not run."""
-        todo = list(todo)
-
-        def send() -> list[int]:
-            """Send the slices ``todo``, set their outcomes; those whose script did not run, to send again."""
-            sizes: dict[int, int] = {}
-            pipe = self._client.pipeline(transaction=False)
-            for i in todo:
-                pipe.execute_command("MULTI")
-                sizes[i] = self._queue(pipe, parts[i], request_ids[i])
-                pipe.execute_command("EXEC")
-            replies = pipe.execute(raise_on_error=False)
-            lost: list[int] = []
-            for i in todo:  # per slice: MULTI's OK, a QUEUED per command, EXEC's array
-                size = sizes[i]
-                queued, replies = replies[: size + 2], replies[size + 2 :]
-                executed = queued[-1]
-                if isinstance(executed, Exception) or not isinstance(executed, list):
-                    # EXECABORT names no cause: the command refused as it was queued does (OOM on a full
-                    # server, which the caller's translation makes a StoreFullError).
-                    cause = next((r for r in queued[1:-1] if isinstance(r, Exception)), executed)
-                    outcomes[i] = cause if isinstance(cause, Exception) else BrokerError(
-                        f"dock {self._keys.name!r}: a put's transaction was not run (EXEC answered {executed!r})")
-                    continue
-                outcomes[i] = self._scripts.outcome(executed, len(parts[i].encoded))
-                if scripts_lost(outcomes[i]):  # put.lua's own error, the script not run: the bar kept the bytes out
-                    lost.append(i)
-            todo[:] = lost
-            return lost
-
-        resent_once(send, lambda: self._scripts.load_all(self._client), lost=bool)
+        self._lanes.put(parts, request_ids, todo, outcomes)
 
     def _put_one(
         self, put: PutRequest, request_id: str, ahead: tuple[int, Sequence[int]] = (0, ()),

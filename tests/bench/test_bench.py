@@ -166,7 +166,7 @@ def test_large_mode_moves_every_kind_of_column_intact_and_cleans_up(real_url, ca
     client.flushdb()
     # 3 fields: the complex variant has one regular, one ragged and one string column.
     assert main(["bench", "--url", real_url, *LARGE_TINY, "--complex", "--large-sizes", "8,16",
-                 "--large-systems", "broker,redis-floor"]) == 0
+                 "--large-systems", "broker,redis-floor,redis-floor-2conn"]) == 0
     out = capsys.readouterr().out
     report = _json_line(out)
     assert "pipeline" not in report and "workload" not in report  # naming --large runs it alone
@@ -175,16 +175,17 @@ def test_large_mode_moves_every_kind_of_column_intact_and_cleans_up(real_url, ca
     assert [(r["variant"], r["batch"]) for r in large["runs"]] == [("plain", 8), ("plain", 16), ("complex", 8),
                                                                     ("complex", 16)]
     for run in large["runs"]:
-        assert set(run["systems"]) == {"broker", "redis-floor"}
+        assert set(run["systems"]) == {"broker", "redis-floor", "redis-floor-2conn"}
         for s in run["systems"].values():
             assert s["checks_equal"] and s["put_seconds"] > 0 and s["get_seconds"] > 0 and s["first_put_seconds"] > 0
             assert "memory_per_payload_byte" in s  # at a few KB per column, server noise can outweigh it
-        b, f = run["systems"]["broker"], run["systems"]["redis-floor"]
+        b, f, f2 = (run["systems"][s] for s in ("broker", "redis-floor", "redis-floor-2conn"))
         assert run["ratios"]["broker_put_over_floor"] == b["put_seconds"] / f["put_seconds"]
+        assert run["ratios"]["broker_put_over_floor_2conn"] == b["put_seconds"] / f2["put_seconds"]
     assert set(report["targets"]) == {"large_put_over_floor", "large_complex_put_over_floor",
-                                      "large_memory_per_payload_byte"}
+                                      "large_put_over_floor_2conn", "large_memory_per_payload_byte"}
     assert report["targets"]["large_put_over_floor"]["rows"] == 16  # judged at --batch
-    assert "large batches" in out and "complex: 16 rows x 3 columns x 64" in out
+    assert "large batches" in out and "complex: 16 rows x 3 columns x 64" in out and "floor, 2 conns" in out
     assert client.dbsize() == 0
 
 

@@ -12,7 +12,7 @@ The paths that send scripts, each through ``resent_once``:
 - one script now (``ScriptsBase._call``);
 - a pipeline of scripts and plain commands, which must be idempotent (``run_pipeline``, ``read_pipeline``:
   reads, the status of many docks, a put on one slot);
-- the slices of a large put sent back to back (``SlotStore._lane``): only the slices whose script was not
+- the slices of a large put sent back to back (``Lanes._lane``, data/lanes.py): only the slices whose script was not
   run are sent again;
 - the read fence after columns received straight into tensors (``SlotStore.received``).
 
