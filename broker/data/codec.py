@@ -340,8 +340,9 @@ def decode_rows(values: Sequence[Any], *, where: str, fields: Sequence[str]) -> 
             if value[2] == VERSION or value[3] == KIND_TENSOR:  # a tensor: remember its prefix
                 start = header.remember_prefix(value)
         else:
-            _, dtype, shape, count = hit
-            tensor = frombuffer(buffer, dtype=dtype, count=count, offset=at + start)
+            shape = hit[2]
+            # A view of the payload, not count= and offset=: torch parses fewer keywords (a tenth of a row's cost).
+            tensor = frombuffer(view[at + start : at + size], dtype=hit[1])
             out.append(tensor if len(shape) == 1 else tensor.reshape(shape))
         at += size
     return out
