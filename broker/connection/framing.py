@@ -61,8 +61,9 @@ class Framed:
 
 
 def has_framed(args: Iterable[Any]) -> bool:
-    """Whether any argument is ``Framed``."""
-    return any(type(a) is Framed for a in args)
+    """Whether any argument is ``Framed``. (``in`` over the types compares them in C: every command is asked,
+    a put's HSET holds two arguments per row, and a generator's step per argument cost more than packing.)"""
+    return Framed in map(type, args)
 
 
 def pack(args: Sequence[Any], encode: Any, names: dict[str, bytes] | None = None) -> list[bytes | memoryview]:

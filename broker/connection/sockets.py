@@ -139,6 +139,9 @@ class _Bounded(AbstractConnection):
         return sock
 
     def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        conn: Any = self
+        if conn._sock:  # connected: redis-py returns at once (asked at every command), no deadline to apply
+            return
         base: Any = super()
         if self._op_timeout() is None:
             base.connect_check_health(check_health, retry_socket_connect)

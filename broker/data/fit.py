@@ -98,6 +98,9 @@ def cut(rows: Mapping[str, Value]) -> tuple[dict[str, Value], dict[str, bytes]]:
         head = head_length(length)
         if head is None:
             continue
+        if type(value) is bytes:  # one piece: its tail is a slice of it
+            heads[field], tails[field] = Framed((value,), head), value[head:]
+            continue
         pieces = value.pieces if isinstance(value, Framed) else (value,)
         heads[field] = Framed(pieces, head)
         tails[field] = _after(pieces, head, length)
@@ -136,7 +139,10 @@ def is_head(value: bytes | bytearray | None) -> bool:
 
 
 def any_heads(values: Sequence[bytes | bytearray | None]) -> bool:
-    """Whether any of a column's values read from its data hash is a head."""
+    """Whether any of a column's values read from its data hash is a head. Asked of every read of a column not
+    known to hold cut rows: a column of short rows (none as long as a head) is ruled out by their longest, in C."""
+    if max(map(len, filter(None, values)), default=0) < _MIN_HEAD:
+        return False
     return any(is_head(v) for v in values)
 
 
