@@ -48,7 +48,7 @@ from redis.cluster import RedisCluster
 
 from broker.connection import Client, fanout, spread_tags
 from broker.connection.replication import Replication
-from broker.control.keys import DockKeys, shard_pattern, shard_tag
+from broker.control.keys import DockKeys, partition_of_name, shard_pattern, shard_tag
 from broker.control.scripts import DockScripts, Forgot, Handout, rows_of, runs_of
 from broker.data.requests import Encoded, PutRequest
 from broker.data.store import few, unhold
@@ -271,7 +271,19 @@ def choose_shards(client: Client, dock: str, count: int | None) -> tuple[str, ..
     if count == 0 or (count is None and not isinstance(client, RedisCluster)):
         return ()
     wanted = len(client.get_primaries()) if count is None else count  # type: ignore[union-attr]  # a cluster
-    return spread_tags(client, lambda i: shard_tag(dock, i), wanted)
+    tags = spread_tags(client, lambda i: shard_tag(dock, i), wanted)
+    if partition_of_name(dock) is None or not isinstance(client, RedisCluster):
+        return tags
+    # A partition k's group j is the dock's group j*P + k (api/partition_map.py), and the partitions' slots are
+    # dealt round robin over the primaries as shards are. A partition's shards start on its own slot's primary:
+    # the dock's consecutive groups (a batch) then land on different primaries, as their control slots do.
+    # Without it every partition's first shard was on the same primary, and a batch was read from one.
+    def node(tag: str) -> str:
+        return str(client.nodes_manager.get_node_from_slot(client.keyslot("{" + tag + "}")).name)
+
+    own = node(dock)
+    turn = next((i for i, tag in enumerate(tags) if node(tag) == own), 0)
+    return tags[turn:] + tags[:turn]
 
 
 def _in_order(rows: Sequence[int], runs: Sequence[int], generations: bytes) -> bytes:
