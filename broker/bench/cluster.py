@@ -2,9 +2,12 @@
 
 The run starts a private redis-server and a private cluster of ``primaries`` primaries (``LocalCluster``),
 opens the broker's dock on each (on the cluster: one data shard per primary, the dock's control keys in
-its own slot ``{NAME}``), and runs the sequential pipeline through both with one client, passes
-interleaved as in the pipeline mode. It reports the time ratio cluster / one server, that both runs'
-checksums equal the in-process reference, and what each server spent on the bytes moved.
+its own slot ``{NAME}``; with ``partitions`` P > 1 the cluster's dock is a partitioned dock, P docks
+``NAME~pK`` whose slots fall on different primaries, each with a data shard per primary, while the one
+server's stays a dock of one, the ratio's reference), and runs the sequential pipeline through both
+with one client, passes interleaved as in the pipeline mode. It reports the time ratio cluster / one
+server, that both runs' checksums equal the in-process reference, and what each server spent on the
+bytes moved.
 
 Server time, per primary, over the timed passes (each pass's stats are reset before it, read after it):
 
@@ -18,7 +21,9 @@ Server time, per primary, over the timed passes (each pass's stats are reset bef
 
 Bytes moved per pass: the tensor bytes every put writes and every get reads (counted on the in-process
 floor, ``moved_bytes``); a primary's share is the bytes of the rows whose data shard it holds (group g
-on shard g % S; all of them on one server). Seconds per GB of a primary are its seconds over its share.
+on shard g % S; all of them on one server; on a partitioned dock, group g is partition g % P's group
+g // P, on that partition's shard (g // P) % S). Script time is whatever commandstats says per primary:
+a partition's scripts run on the primary holding its slot. Seconds per GB of a primary are its seconds over its share.
 The bytes on its sockets (``INFO stats`` total_net_input_bytes + total_net_output_bytes) are reported
 beside it: the encoded tensors, the protocol and the scripts' own traffic.
 
@@ -27,11 +32,21 @@ small machine the clients fill the cores before any server does, so scaling cann
 
 ``linear``   S primaries move S / c GB/s, c the seconds per GB of the busiest primary: every primary is
              taken to cost what the busiest does per byte through it, with the bytes evenly spread.
-``control``  the scripts stay on the one primary holding the control slot however many primaries there
-             are, while the data spreads: with k its script seconds per GB of the whole workload and d the
-             data seconds per GB summed over the primaries, that primary is busy k + d / S seconds per GB
-             moved, so S primaries move 1 / (k + d / S) GB/s, never more than 1 / k. For process CPU,
-             k is the control primary's excess over the mean of the others.
+             With P = 1 this ignores that the scripts do not spread (``control`` below does not); with
+             P > 1 it is the model, read as P = S: each primary holds one partition's slot (its scripts)
+             and a share of every partition's bytes, so adding primaries with partitions spreads both.
+             It assumes what this run cannot show: that a primary's seconds per GB stay what they were
+             here as S and P grow. Two things move them: a call's groups are cut by partition, so script
+             calls per GB grow with P (one put of 16 groups is 16 scripts at P >= 16; reported as
+             ``script_calls_per_gb``, to compare runs at several P), and a partition's reads fan out to
+             more, smaller HMGETs as S grows. A run with the P and S it projects to measures them; the
+             busiest primary's script seconds over the mean (``script_over_mean``) says how evenly the
+             partitions shared the scripts here.
+``control``  (P = 1 only) the scripts stay on the one primary holding the control slot however many
+             primaries there are, while the data spreads: with k its script seconds per GB of the whole
+             workload and d the data seconds per GB summed over the primaries, that primary is busy
+             k + d / S seconds per GB moved, so S primaries move 1 / (k + d / S) GB/s, never more than
+             1 / k. For process CPU, k is the control primary's excess over the mean of the others.
 """
 
 from __future__ import annotations
