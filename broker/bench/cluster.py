@@ -42,6 +42,14 @@ small machine the clients fill the cores before any server does, so scaling cann
              more, smaller HMGETs as S grows. A run with the P and S it projects to measures them; the
              busiest primary's script seconds over the mean (``script_over_mean``) says how evenly the
              partitions shared the scripts here.
+``spread``   (P > 1) the same with P = S, from the sums over the primaries instead of one primary's bytes:
+             with K the script and D the data seconds per GB of the whole workload summed over the
+             primaries, and r the busiest primary's script seconds over the mean, the busiest primary is
+             busy (r K + D) / S seconds per GB moved: S / (r K + D) GB/s. Bytes are taken to spread
+             evenly (they need not have here: a primary's share can be off when a partition holds fewer
+             groups than there are primaries); K is this run's, with this P's script calls.
+``measured`` at the S of the run: 1 / (k_b + D / S), k_b the busiest primary's script seconds per GB of the
+             whole workload (the control primary's, for P = 1), the data even.
 ``control``  (P = 1 only) the scripts stay on the one primary holding the control slot however many
              primaries there are, while the data spreads: with k its script seconds per GB of the whole
              workload and d the data seconds per GB summed over the primaries, that primary is busy
@@ -269,6 +277,13 @@ def _projection(nodes: dict[str, Any], gb: float, partitions: int) -> dict[str, 
     }
     if partitions == 1:
         out["control_node"] = out["control_nodes"][0]
+    # By command time, at the S measured: the busiest primary's scripts plus an even share of the data.
+    size = len(nodes)
+    out["measured_gb_per_second"] = 1 / (scripts[busiest_script] / gb + out["data_seconds_per_gb"] / size)
+    if partitions > 1 and out["script_over_mean"] is not None:
+        # With P = S, the scripts spread as unevenly as here and the data evenly: S / (r K + D).
+        busy = out["script_over_mean"] * out["script_seconds_per_gb"] + out["data_seconds_per_gb"]
+        out["spread_gb_per_second"] = {str(s): s / busy for s in PROJECTED_PRIMARIES}
     for measure, key in (("command", "command_seconds_per_gb"), ("process", "cpu_seconds_per_gb")):
         busiest = max((where for where in nodes if nodes[where][key] is not None), key=lambda w: nodes[w][key])
         c = nodes[busiest][key]

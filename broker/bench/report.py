@@ -272,6 +272,12 @@ def _cluster(c: dict[str, Any]) -> list[str]:
             ceiling = m["control_ceiling_gb_per_second"]
             lines.append(f"  {bound:<46}" + "".join(f"{v:>8.2f}" for v in m["control_gb_per_second"].values())
                          + (f"{ceiling:>8.2f}" if ceiling else f"{'-':>8}"))
+    if "spread_gb_per_second" in p:
+        spread = f"command: S / ({ratio:.2f} x {p['script_seconds_per_gb']:.3f} + {p['data_seconds_per_gb']:.3f})"
+        lines.append(f"  {spread:<46}" + "".join(f"{v:>8.2f}" for v in p["spread_gb_per_second"].values())
+                     + f"{'-':>8}")
+    lines.append(f"  at S = {c['primaries']} as measured (busiest primary's scripts + data / S): "
+                 f"{p['measured_gb_per_second']:.2f} GB/s")
     if partitions == 1:
         lines.append(f"  the control slot's primary {p['control_node']} runs every script; busiest by command time "
                      f"{p['command']['busiest']}, by process CPU {p['process']['busiest']}")

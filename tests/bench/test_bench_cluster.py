@@ -92,6 +92,9 @@ def test_cluster_mode_compares_one_server_and_a_cluster_and_stops_them(redis_ser
         assert m["linear_gb_per_second"]["6"] == pytest.approx(6 / busiest)
         limit = m["control_ceiling_gb_per_second"]
         assert limit is None or all(v < limit for v in m["control_gb_per_second"].values())
+    # At the measured S, the P = 1 "measured" figure is the control model's.
+    assert p["measured_gb_per_second"] == pytest.approx(p["command"]["control_gb_per_second"]["3"])
+    assert "spread_gb_per_second" not in p
     single = c["single"]["nodes"]
     assert len(single) == 1 and next(iter(single.values()))["payload_bytes"] == c["moved_bytes"]
 
@@ -119,6 +122,11 @@ def test_cluster_mode_with_partitions_spreads_the_scripts_over_the_primaries(red
     assert "control_gb_per_second" not in p["command"]  # no one control primary to bound it
     busiest = max(n["command_seconds_per_gb"] for n in nodes.values())
     assert p["command"]["linear_gb_per_second"]["24"] == pytest.approx(24 / busiest)
+    gb = c["moved_bytes"] / 1e9  # one pass
+    assert p["script_seconds_per_gb"] == pytest.approx(sum(scripts) / gb)
+    assert p["measured_gb_per_second"] == pytest.approx(1 / (max(scripts) / gb + p["data_seconds_per_gb"] / 3))
+    assert p["spread_gb_per_second"]["24"] == pytest.approx(
+        24 / (p["script_over_mean"] * p["script_seconds_per_gb"] + p["data_seconds_per_gb"]))
 
 
 @pytest.mark.parametrize("partitions", [1, 3])
