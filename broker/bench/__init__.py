@@ -32,7 +32,8 @@ Modes (all four by default; naming any runs only those):
 ``--cluster``     instead of the modes: the pipeline through the broker with one client on a private
                   redis-server and on a private ``--primaries``-primary Redis Cluster, in one run: the time
                   ratio, the checksums, server seconds per GB moved per primary (``INFO commandstats``, and
-                  ``INFO cpu``) and the throughput they project for more primaries (``cluster.py``)
+                  ``INFO cpu``) and the throughput they project for more primaries (``cluster.py``);
+                  ``--partitions P`` makes the cluster's dock a partitioned one and projects with P = S
 
 ``--large``       only when named: TransferQueue's published benchmark (``perftest.py`` in the
                   ``transferqueue`` 0.1.11 wheel): a writer process puts one batch of ``--fields``

@@ -5,6 +5,7 @@ from __future__ import annotations
 import redis
 
 from broker.api.dock import TransferDock
+from broker.api.partitioned import PartitionedDock
 from broker.bench.docks import SampleError, dock_target
 from broker.bench.workload import COLUMNS, Rows, Workload
 
@@ -12,12 +13,14 @@ from broker.bench.workload import COLUMNS, Rows, Workload
 class BrokerDock:
     """A TransferDock holding the global batch; calls are exactly what a worker would make."""
 
-    def __init__(self, url: str, name: str, workload: Workload, *, wait_replicas: int = 0, policy: str = "fifo"):
+    def __init__(self, url: str, name: str, workload: Workload, *, wait_replicas: int = 0, policy: str = "fifo",
+                 partitions: int = 1):
         """``policy="random"``: sampling as the MindSpeed adapter asks for it (MindSpeed samples at random),
-        the native call the adapter's cost is measured against."""
-        self.dock = TransferDock(dock_target(url), name, prompts_num=workload.prompts, n_samples_per_prompt=workload.n,
-                                 columns=list(COLUMNS), consumers=list(workload.consumers),
-                                 wait_replicas=wait_replicas, policy=policy)
+        the native call the adapter's cost is measured against. ``partitions`` > 1: a partitioned dock."""
+        self.dock: TransferDock | PartitionedDock = TransferDock(
+            dock_target(url), name, prompts_num=workload.prompts, n_samples_per_prompt=workload.n,
+            columns=list(COLUMNS), consumers=list(workload.consumers), wait_replicas=wait_replicas, policy=policy,
+            partitions=partitions)
         self.dock.clear()  # a dock left by an interrupted run of the same name
 
     def put(self, data: Rows, rows: list[int]) -> None:
@@ -36,18 +39,20 @@ class BrokerDock:
         delete_dock(self.dock)
 
 
-def delete_dock(dock: TransferDock) -> None:
+def delete_dock(dock: TransferDock | PartitionedDock) -> None:
     """Delete a dock and the replies its sampling calls keep for retries, then close it.
 
     ``delete()`` leaves those reply keys to expire (a minute); on a user's server the benchmark
-    takes them away at once (on a cluster they are in the dock's slot, so on one primary), where its user may
-    SCAN (a worker confined by ``broker acl`` may not: its replies expire).
+    takes them away at once (on a cluster they are in the dock's slot, so on one primary; a partitioned
+    dock's in each partition's), where its user may SCAN (a worker confined by ``broker acl`` may not: its
+    replies expire).
     """
     client = dock.client
+    parts = dock.partitions if isinstance(dock, PartitionedDock) else (dock,)
     try:
         dock.delete()
         try:
-            replies = list(client.scan_iter(match=dock.keys.reply_pattern, count=1000))
+            replies = [key for part in parts for key in client.scan_iter(match=part.keys.reply_pattern, count=1000)]
         except redis.exceptions.NoPermissionError:
             replies = []
         for first in range(0, len(replies), 1000):

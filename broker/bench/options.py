@@ -124,6 +124,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "Redis Cluster in one run: time ratio, checksums, server seconds per GB per primary, and "
                         "the throughput that projects for more primaries (uses --repeat, --warmup and the workload)")
     g.add_argument("--primaries", type=int, default=3, help="primaries of the cluster (default: %(default)s)")
+    g.add_argument("--partitions", type=int, default=1, metavar="P",
+                   help="make the cluster's dock with partitions=P (its scripts spread over the primaries holding "
+                        "the partitions' slots; the one server's dock keeps one) and project throughput with P = S "
+                        "(default: %(default)s)")
     g.add_argument("--wait-replicas", type=int, default=0, metavar="K",
                    help="give each primary K replicas and time a third dock on the cluster, opened with "
                         "wait_replicas=K: what the durability option costs (default: %(default)s, off)")

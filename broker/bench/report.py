@@ -206,9 +206,20 @@ def _memory(mem: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _role(n: dict[str, Any], partitions: int) -> str:
+    if not n["control"]:
+        return "data"
+    if partitions == 1:
+        return "control + data"
+    return ",".join(f"p{p}" for p in n["controls"]) + " + data"
+
+
 def _cluster(c: dict[str, Any]) -> list[str]:
     s, k = c["single"], c["cluster"]
-    lines = ["", f"one redis-server vs a {c['primaries']}-primary Redis Cluster ({c['shards']} data shards), "
+    partitions = c.get("partitions", 1)
+    layout = (f"{c['shards']} data shards" if partitions == 1 else
+              f"a dock of {partitions} partitions, each of {c['shards']} data shards")
+    lines = ["", f"one redis-server vs a {c['primaries']}-primary Redis Cluster ({layout}), "
                  f"one client, best of {c['repeat']} (median in brackets)",
              f"  {'':<22}{'end-to-end s':>20}{'dock s':>10}{'client CPU s':>14}  checksum"]
     for label, r in (("one server", s), (f"{c['primaries']}-primary cluster", k)):
@@ -230,31 +241,51 @@ def _cluster(c: dict[str, Any]) -> list[str]:
                   f"{c['written_bytes'] / 1e6:.1f} MB put, {c['read_bytes'] / 1e6:.1f} MB got; {c['repeat']} passes; "
                   "a primary's GB: those of the rows it holds)",
               f"  {'primary':<22}{'role':<16}{'share':>7}{'command s/GB':>14}{'= scripts':>11}{'+ data':>9}"
-              f"{'process CPU s/GB':>18}"]
+              f"{'process CPU s/GB':>18}{'script calls':>14}"]
     for label, nodes, clustered in (("one server", s["nodes"], False), ("cluster", k["nodes"], True)):
         for where, n in nodes.items():
             gb = n["payload_bytes"] / 1e9
-            role = ("control + data" if n["control"] else "data") if clustered else "everything"
+            role = _role(n, partitions) if clustered else "everything"
             figures = (f"{n['command_seconds_per_gb']:>14.3f}{n['script_seconds'] / gb:>11.3f}"
                        f"{n['data_seconds'] / gb:>9.3f}{n['cpu_seconds_per_gb']:>18.3f}" if gb else
                        f"{'-':>14}{'-':>11}{'-':>9}{'-':>18}")
+            calls = sum(v for name, v in n["calls"].items() if name.startswith(("eval", "fcall")))
             share = n["payload_bytes"] / total
-            lines.append(f"  {(where if clustered else label):<22}{role:<16}{share:>7.0%}{figures}")
+            lines.append(f"  {(where if clustered else label):<22}{role:<16}{share:>7.0%}{figures}{calls:>14}")
     p = c["projection"]
-    lines += ["", "  projected GB/s moved by S primaries, if the servers, not the clients, are the bottleneck:",
+    ratio = p.get("script_over_mean")
+    lines += ["", f"  script time: busiest primary {p['busiest_script']} / mean of the primaries "
+                  + (f"{ratio:.2f}" if ratio is not None else "-") + " (target <= 1.3); summed over the primaries, "
+                  f"scripts {p['script_seconds_per_gb']:.3f} s and data {p['data_seconds_per_gb']:.3f} s per GB of "
+                  f"the workload, {p['script_calls_per_gb']:.0f} script calls per GB",
+              "  projected GB/s moved by S primaries" + ("" if partitions == 1 else " with P = S partitions")
+              + ", if the servers, not the clients, are the bottleneck:",
               f"  {'':<46}" + "".join(f"{'S=' + str(n):>8}" for n in p["primaries"]) + f"{'limit':>8}"]
     for measure in ("command", "process"):
         m = p[measure]
-        who = "control" if m["busiest_is_control"] else "data"
+        who = _role({"control": m["busiest_is_control"], "controls": m["busiest_controls"]}, partitions)
         linear = f"{measure}: S / {m['seconds_per_gb']:.3f} (busiest, {who})"
-        bound = f"{measure}: 1 / ({m['control_seconds_per_gb']:.3f} + {m['spread_seconds_per_gb']:.3f} / S)"
-        ceiling = m["control_ceiling_gb_per_second"]
         lines.append(f"  {linear:<46}" + "".join(f"{v:>8.2f}" for v in m["linear_gb_per_second"].values())
                      + f"{'-':>8}")
-        lines.append(f"  {bound:<46}" + "".join(f"{v:>8.2f}" for v in m["control_gb_per_second"].values())
-                     + (f"{ceiling:>8.2f}" if ceiling else f"{'-':>8}"))
-    lines.append(f"  the control slot's primary {p['control_node']} runs every script; busiest by command time "
-                 f"{p['command']['busiest']}, by process CPU {p['process']['busiest']}")
+        if "control_gb_per_second" in m:
+            bound = f"{measure}: 1 / ({m['control_seconds_per_gb']:.3f} + {m['spread_seconds_per_gb']:.3f} / S)"
+            ceiling = m["control_ceiling_gb_per_second"]
+            lines.append(f"  {bound:<46}" + "".join(f"{v:>8.2f}" for v in m["control_gb_per_second"].values())
+                         + (f"{ceiling:>8.2f}" if ceiling else f"{'-':>8}"))
+    if "spread_gb_per_second" in p:
+        spread = f"command: S / ({ratio:.2f} x {p['script_seconds_per_gb']:.3f} + {p['data_seconds_per_gb']:.3f})"
+        lines.append(f"  {spread:<46}" + "".join(f"{v:>8.2f}" for v in p["spread_gb_per_second"].values())
+                     + f"{'-':>8}")
+    lines.append(f"  at S = {c['primaries']} as measured (busiest primary's scripts + data / S): "
+                 f"{p['measured_gb_per_second']:.2f} GB/s")
+    if partitions == 1:
+        lines.append(f"  the control slot's primary {p['control_node']} runs every script; busiest by command time "
+                     f"{p['command']['busiest']}, by process CPU {p['process']['busiest']}")
+    else:
+        lines.append(f"  {partitions} partitions' scripts on {len(p['control_nodes'])} of {c['primaries']} primaries; "
+                     f"busiest by command time {p['command']['busiest']}, by process CPU {p['process']['busiest']}"
+                     + ("" if partitions == c["primaries"] else
+                        f"; measured with P = {partitions} on {c['primaries']} primaries, not P = S"))
     return lines
 
 

@@ -167,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
         print("broker bench: --cluster starts a redis-server and a Redis Cluster of its own; it takes no --url, "
               "--unix or --soak", file=sys.stderr)
         return 2
+    if args.partitions != 1 and not (args.cluster and 1 <= args.partitions <= args.prompts):
+        print("broker bench: --partitions belongs to --cluster, from 1 to --prompts (a group never spans partitions)",
+              file=sys.stderr)
+        return 2
     workload = Workload(prompts=args.prompts, n=args.n, seed=args.seed, groups_per_call=args.groups_per_call)
     named_alone = args.exporter or args.fencing or args.large or args.tq_perftest  # modes run only when named
     selected = [m for m in MODES if getattr(args, m)] or ([] if named_alone else list(MODES))
@@ -182,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         from broker.bench.cluster import compare
 
         report["cluster"] = compare(prefix, workload, primaries_count=args.primaries, repeat=args.repeat,
-                                    warmup=args.warmup, wait_replicas=args.wait_replicas)
+                                    warmup=args.warmup, wait_replicas=args.wait_replicas, partitions=args.partitions)
         report["redis"] = {"version": report["cluster"]["version"], "private": True,
                            "where": f"a private redis-server and a private {args.primaries}-primary Redis Cluster"}
         ok = report["cluster"]["checksums_equal"]

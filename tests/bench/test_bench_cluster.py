@@ -9,6 +9,9 @@ import redis
 from redis.cluster import RedisCluster
 
 from broker.bench import cluster as bench_cluster
+from broker.bench.pipeline import run_pipeline
+from broker.bench.servers import admin, primaries
+from broker.bench.workload import Workload
 from broker.cli import main
 from broker.ops import local_redis
 from tests.helpers import redis_server_binary, required
@@ -89,8 +92,63 @@ def test_cluster_mode_compares_one_server_and_a_cluster_and_stops_them(redis_ser
         assert m["linear_gb_per_second"]["6"] == pytest.approx(6 / busiest)
         limit = m["control_ceiling_gb_per_second"]
         assert limit is None or all(v < limit for v in m["control_gb_per_second"].values())
+    # At the measured S, the P = 1 "measured" figure is the control model's.
+    assert p["measured_gb_per_second"] == pytest.approx(p["command"]["control_gb_per_second"]["3"])
+    assert "spread_gb_per_second" not in p
     single = c["single"]["nodes"]
     assert len(single) == 1 and next(iter(single.values()))["payload_bytes"] == c["moved_bytes"]
+
+
+def test_cluster_mode_with_partitions_spreads_the_scripts_over_the_primaries(redis_server_on_path, capsys):
+    before = set(local_redis._running)
+    assert main(["bench", "--cluster", *TINY, "--repeat", "1", "--warmup", "0", "--partitions", "3"]) == 0
+    out = capsys.readouterr().out
+    assert set(local_redis._running) == before
+    assert "(a dock of 3 partitions, each of 3 data shards)" in out and "(target <= 1.3)" in out
+    c = _json_line(out)["cluster"]
+    assert c["partitions"] == 3 and c["checksums_equal"] and c["cluster"]["checksum"] == c["reference_checksum"]
+    nodes = c["cluster"]["nodes"]
+    # One partition's control slot on each primary, so each runs scripts; every byte on some primary.
+    assert sorted(p for n in nodes.values() for p in n["controls"]) == [0, 1, 2]
+    assert all(len(n["controls"]) == 1 and n["script_seconds"] > 0 and n["data_seconds"] > 0 for n in nodes.values())
+    assert sum(n["payload_bytes"] for n in nodes.values()) == c["moved_bytes"]
+    for n in nodes.values():
+        gb = n["payload_bytes"] / 1e9
+        assert n["script_seconds_per_gb"] == pytest.approx(n["script_seconds"] / gb)
+        assert n["command_seconds_per_gb"] == pytest.approx(n["script_seconds_per_gb"] + n["data_seconds_per_gb"])
+    p = c["projection"]
+    scripts = [n["script_seconds"] for n in nodes.values()]
+    assert p["script_over_mean"] == pytest.approx(max(scripts) / (sum(scripts) / 3))
+    assert "control_gb_per_second" not in p["command"]  # no one control primary to bound it
+    busiest = max(n["command_seconds_per_gb"] for n in nodes.values())
+    assert p["command"]["linear_gb_per_second"]["24"] == pytest.approx(24 / busiest)
+    gb = c["moved_bytes"] / 1e9  # one pass
+    assert p["script_seconds_per_gb"] == pytest.approx(sum(scripts) / gb)
+    assert p["measured_gb_per_second"] == pytest.approx(1 / (max(scripts) / gb + p["data_seconds_per_gb"] / 3))
+    assert p["spread_gb_per_second"]["24"] == pytest.approx(
+        24 / (p["script_over_mean"] * p["script_seconds_per_gb"] + p["data_seconds_per_gb"]))
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_a_primarys_share_is_the_rows_whose_bytes_it_holds(cluster_url, cluster_admin, partitions):
+    # The bench's attribution (group -> partition -> shard -> primary), checked against where the dock put the
+    # bytes: after a pass, each primary's data fields over all of them is its share of the rows.
+    workload = Workload(prompts=16, n=4, groups_per_call=2)
+    one_each = bench_cluster.Moved(0, 0, [1] * workload.capacity, "")
+    with admin(cluster_url) as client:
+        target = bench_cluster._Target("cluster", cluster_url, f"bench-share-{partitions}", workload, client,
+                                       one_each, partitions=partitions)
+        try:
+            run_pipeline("cluster", target.dock, workload)
+            fields = {where: sum(node.hlen(key) for key in node.scan_iter(match="td:{*}:data:*", count=1000))
+                      for where, node in primaries(client)}
+        finally:
+            target.dock.close()
+    total = sum(fields.values())
+    assert total > 0 and sum(target.share.values()) == workload.capacity
+    assert {w: f / total for w, f in fields.items()} == pytest.approx(
+        {w: s / workload.capacity for w, s in target.share.items()})
+    assert len([s for s in target.share.values() if s]) == 3  # spread over every primary
 
 
 def test_cluster_mode_times_wait_replicas_on_a_cluster_with_replicas(redis_server_on_path, capsys):
@@ -121,6 +179,12 @@ def test_cluster_mode_stops_every_server_when_the_run_fails(redis_server_on_path
 def test_cluster_mode_takes_no_url(capsys):
     assert main(["bench", "--cluster", "--url", "redis://127.0.0.1:1/0"]) == 2
     assert "takes no --url" in capsys.readouterr().err
+
+
+def test_partitions_belong_to_the_cluster_mode(capsys):
+    assert main(["bench", "--pipeline", "--partitions", "3"]) == 2
+    assert main(["bench", "--cluster", *TINY, "--partitions", "9"]) == 2  # more partitions than groups
+    assert "--partitions belongs to --cluster" in capsys.readouterr().err
 
 
 def test_a_plain_client_of_a_cluster_node_is_not_what_admin_reads_use(cluster_url):
