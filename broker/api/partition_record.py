@@ -1,9 +1,10 @@
 """A partitioned dock's record, ``td:{NAME}:partitions``: what it holds, how it is read and checked.
 
-The record is JSON: ``format`` (``RECORD_FORMAT``), ``prompts_num``, ``n_samples_per_prompt`` and ``partitions``,
-the names of the P partitions (``NAME~pK``, docks of their own). lua/partition.lua stores it once every partition
-exists, unless a dock of one partition has the name; lua/create.lua refuses to make a dock of one partition where
-it is. It sits in the slot of NAME, read only when the dock is opened.
+The record is JSON: ``format`` (``RECORD_FORMAT``), ``prompts_num``, ``n_samples_per_prompt``, ``block`` (the
+groups dealt to a partition at a time, ``partition_map.py``) and ``partitions``, the names of the P partitions
+(``NAME~pK``, docks of their own). lua/partition.lua stores it once every partition exists, unless a dock of one
+partition has the name; lua/create.lua refuses to make a dock of one partition where it is. It sits in the slot
+of NAME, read only when the dock is opened.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def parse_record(root: DockSession, raw: bytes | str) -> dict[str, Any]:
         names = record["partitions"]
         ok = (record["format"] == RECORD_FORMAT and isinstance(names, list) and len(names) > 1
               and all(isinstance(n, str) and partition_of_name(n) == root.name for n in names)
-              and is_int(record["prompts_num"]) and is_int(record["n_samples_per_prompt"]))
+              and is_int(record["prompts_num"]) and is_int(record["n_samples_per_prompt"])
+              and is_int(record.setdefault("block", 1)) and record["block"] >= 1)  # records before blocks: 1
     except (ValueError, TypeError, KeyError, RecursionError):
         ok = False
     if not ok:

@@ -37,6 +37,7 @@ Not yet on a partitioned dock (each raises BrokerError naming it): partial rollo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +47,7 @@ import torch
 
 from broker.api.checks import DockChecks, is_int
 from broker.api.dock import DEAD_LETTER_AFTER, TransferDock
-from broker.api.partition_map import PartitionMap
+from broker.api.partition_map import PartitionMap, default_block
 from broker.api.partition_record import (
     RECORD_FORMAT,
     check_shape,
@@ -100,7 +101,8 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
                        call_timeout=call_timeout, allow_volatile_eviction=allow_volatile_eviction)
         making: dict[str, Any] = dict(length_columns=length_columns, group_columns=group_columns, shards=shards,
                       dead_letter_after=dead_letter_after)
-        pmap = PartitionMap(int(partitions), prompts_num, n_samples_per_prompt)
+        pmap = PartitionMap(int(partitions), prompts_num, n_samples_per_prompt,
+                            default_block(int(partitions), prompts_num))
         root = root_session(url_or_client, name, opening)
         made: list[TransferDock] = []
         try:
@@ -110,7 +112,8 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
                 made = [TransferDock(url_or_client, part, pmap.prompts_of(p), n_samples_per_prompt, columns,
                                      consumers, **opening, **making) for p, part in enumerate(names)]
                 text = json.dumps({"format": RECORD_FORMAT, "prompts_num": prompts_num,
-                                   "n_samples_per_prompt": n_samples_per_prompt, "partitions": list(names)})
+                                   "n_samples_per_prompt": n_samples_per_prompt, "block": pmap.block,
+                                   "partitions": list(names)})
                 stored = root.run(lambda: root.scripts.partition(text))
                 if stored == b"":
                     raise SchemaError(f"dock {name!r} exists with one partition: open it without partitions=")
@@ -125,6 +128,7 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
             else:
                 self.created = False
             check_shape(name, record, pmap, lambda: first_differences(url_or_client, record, wanted, opening))
+            pmap = dataclasses.replace(pmap, block=record["block"])  # as the dock was made
             if not made:
                 made = [TransferDock(url_or_client, part, pmap.prompts_of(p), n_samples_per_prompt, columns,
                                      consumers, **opening, **making) for p, part in enumerate(record["partitions"])]
@@ -159,7 +163,8 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
             for opened in parts:
                 opened.close()
             raise
-        pmap = PartitionMap(len(parts), int(record["prompts_num"]), int(record["n_samples_per_prompt"]))
+        pmap = PartitionMap(len(parts), int(record["prompts_num"]), int(record["n_samples_per_prompt"]),
+                            record["block"])
         check_shape(name, record, pmap)
         dock = cls.__new__(cls)
         dock.created = False
@@ -210,6 +215,11 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def partition_map(self) -> PartitionMap:
+        """Which partition holds which of the dock's rows, and as which of its own (``partition_map.py``)."""
+        return self._pmap
 
     @property
     def partitions(self) -> tuple[TransferDock, ...]:

@@ -21,8 +21,9 @@ Server time, per primary, over the timed passes (each pass's stats are reset bef
 
 Bytes moved per pass: the tensor bytes every put writes and every get reads (counted on the in-process
 floor, ``moved_bytes``); a primary's share is the bytes of the rows whose data shard it holds (group g
-on shard g % S; all of them on one server; on a partitioned dock, group g is partition g % P's group
-g // P, on that partition's shard (g // P) % S). Script time is whatever commandstats says per primary:
+on shard g % S; all of them on one server; on a partitioned dock, a row is in the partition the dock's
+map says (blocks of groups dealt round robin, ``broker/api/partition_map.py``), its group j there on that
+partition's shard j % S). Script time is whatever commandstats says per primary:
 a partition's scripts run on the primary holding its slot. Seconds per GB of a primary are its seconds over its share.
 The bytes on its sockets (``INFO stats`` total_net_input_bytes + total_net_output_bytes) are reported
 beside it: the encoded tensors, the protocol and the scripts' own traffic.
@@ -189,16 +190,17 @@ class _Target:
         controls = [node_of(part.keys.meta) for part in parts]
         self.stats = {where: _Node(controls=[p for p, c in enumerate(controls) if c == where])
                       for where, _ in self.nodes}
-        #: Per primary, the tensor bytes a pass moves through it. Group g is in partition g % P as its group
-        #: g // P (partition_map.py); a sharded partition keeps its group j on its data shard j % S
-        #: (sharded_store.py), an unsharded one everything in its own slot.
+        #: Per primary, the tensor bytes a pass moves through it. Row r is in the partition and is the row there
+        #: that the dock's map says (``PartitionedDock.partition_map``); a sharded partition keeps its group j on
+        #: its data shard j % S (sharded_store.py), an unsharded one everything in its own slot.
         self.share = {where: 0 for where, _ in self.nodes}
         holders = [[node_of("{" + tag + "}") for tag in part.schema.shards] or [controls[p]]
                    for p, part in enumerate(parts)]
+        pmap = dock.partition_map if isinstance(dock, PartitionedDock) else None
         for row, size in enumerate(moved.per_row):
-            group = row // workload.n
-            on = holders[group % len(parts)]
-            self.share[on[(group // len(parts)) % len(on)]] += size
+            p, local = (pmap.partition_of(row), pmap.local(row)) if pmap is not None else (0, row)
+            on = holders[p]
+            self.share[on[(local // workload.n) % len(on)]] += size
 
     def timed(self, workload: Workload) -> RunResult:
         before: dict[str, tuple[float, int]] = {}

@@ -178,3 +178,30 @@ def test_an_error_in_a_partition_names_the_docks_rows(client):
     dock.clear([11])
     with pytest.raises(FencedError, match=r"partition 2 of dock 'pd', whose rows \[3\] are the dock's rows \[11\]"):
         dock.put_experience({"responses": [torch.ones(1)]}, rows[rows.index(11):rows.index(11) + 1])
+
+
+def test_groups_are_dealt_in_blocks_and_every_row_maps_back():
+    from broker.api.partition_map import PartitionMap, default_block
+
+    assert default_block(24, 256) == 4 and default_block(3, 256) == 16 and default_block(3, 6) == 1
+    for count, prompts, n, block in [(3, 16, 2, 1), (3, 16, 2, 2), (2, 9, 3, 4), (5, 33, 1, 2)]:
+        pmap = PartitionMap(count, prompts, n, block)
+        seen = {(pmap.partition_of(r), pmap.local(r)) for r in range(prompts * n)}
+        assert len(seen) == prompts * n
+        assert all(pmap.global_row(p, local) == r for r in range(prompts * n)
+                   for p, local in [(pmap.partition_of(r), pmap.local(r))])
+        assert all(local < pmap.prompts_of(p) * n for p, local in seen)  # each partition's rows from 0, no gap
+        assert sum(pmap.prompts_of(p) for p in range(count)) == prompts
+    pmap = PartitionMap(2, 16, 1, 4)
+    assert [pmap.partition_of(g) for g in range(16)] == [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
+
+
+def test_a_call_of_one_block_is_one_partitions_take(client):
+    dock = TransferDock(client, "blocks", 16, 2, ["prompts"], ["train"], partitions=2)  # blocks of 4 groups
+    assert dock.partition_map.block == 4
+    fill(dock, rows=list(range(32)))
+    _, rows = dock.get_experience("train", ["prompts"], 8)  # 4 groups: one block, one partition
+    assert len({dock.partition_map.partition_of(r) for r in rows}) == 1
+    again = TransferDock.attach(client, "blocks")
+    assert again.partition_map == dock.partition_map
+    assert again.read_rows(["prompts"], [31, 0])["prompts"][0].tolist() == [31, 7]
