@@ -4,7 +4,7 @@ Every script of a dock runs on the one primary that owns its slot, so one dock's
 CPU however many primaries hold its bytes (docs/cluster.md). ``TransferDock(..., partitions=P)`` makes P
 partitions instead, each a dock of its own (``NAME~pK``, keys ``td:{NAME~pK}:*``) whose names are chosen so that
 their slots fall on different primaries (``spread_tags``), and a record, ``td:{NAME}:partitions``
-(lua/partition.lua), that names them. Group g is partition ``g % P``'s group ``g // P`` (``partition_map.py``):
+(lua/partition.lua), that names them. Groups are dealt to them in blocks, round robin (``partition_map.py``):
 a group never spans partitions, so everything a dock promises per group (whole groups handed out, fenced puts,
 leases, dead letters, group columns) is each partition's own promise, kept by its own scripts, unchanged.
 

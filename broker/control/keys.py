@@ -375,9 +375,9 @@ def _core_layout() -> list[KeyRow]:
                "`dead_letter_after`, and `versioned` once `set_version` ran "
                "(a version key missing then was lost)"),
         KeyRow(k.partitions, "string", "a partitioned dock's record (JSON): `format`, `prompts_num`, "
-               "`n_samples_per_prompt` and `partitions`, the names of its P partitions; partition K is a dock of its "
-               f"own, `{partition_name('NAME', _Placeholder('K'))}`, with every key above in its own slot; group g "
-               "is in partition g mod P"),
+               "`n_samples_per_prompt`, `block` and `partitions`, the names of its P partitions; partition K is a "
+               f"dock of its own, `{partition_name('NAME', _Placeholder('K'))}`, with every key of this table in its "
+               "own slot; group g is in partition (g div block) mod P"),
         KeyRow(k.data(column), "hash", "field = row index in decimal, value = one encoded row; in a group column "
                f"(meta `group_columns`) field = `{group_field(_Placeholder('G'))}` (G = group), value = the group's "
                "one encoded value, read by its n rows"),
