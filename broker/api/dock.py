@@ -124,8 +124,9 @@ class TransferDock(RowVerbs, LeaseVerbs, GenerationVerbs, AdminVerbs):
 
         ``partitions=P`` (P > 1) makes a partitioned dock (``broker/api/partitioned.py``, docs/cluster.md): P
         docks, each with its own hash tag (on a cluster each on its own primary), the groups dealt to them in
-        blocks of consecutive groups round robin (``partition_map.py``), behind one object with these methods and these row indexes, so that one dock's
-        scripts spread over P primaries instead of running on one. Only a dock being made uses it:
+        blocks of consecutive groups round robin (``partition_map.py``), behind one object with these methods
+        and these row indexes, so that one dock's scripts spread over P primaries instead of running on one.
+        Only a dock being made uses it:
         ``attach`` opens a dock with the partitions it was made with.
 
         Opening checks the server (see control/server_checks.py): a server that may evict the dock's keys
