@@ -21,7 +21,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import (
+    ExecAbortError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+)
 
 from broker.connection.deadlines import _expired, _passed, time_left
 
@@ -181,9 +188,18 @@ def transaction(reader: RespReader, queued: int) -> int:
     return reader.array_length()
 
 
+#: Error replies by their first word, as the classes redis-py's own parser makes of them: the broker's translation
+#: (``translate.py``) tells an out-of-memory refusal (StoreFullError), a lost script and a denied command apart by
+#: class, whichever reader read the reply.
+_ERRORS: dict[str, type[ResponseError]] = {
+    "NOSCRIPT": NoScriptError, "OOM": OutOfMemoryError, "NOPERM": NoPermissionError, "READONLY": ReadOnlyError,
+    "EXECABORT": ExecAbortError,
+}
+
+
 def _error(message: bytes) -> ResponseError:
     text = message.decode("utf-8", "replace")
-    return NoScriptError(text) if text.startswith("NOSCRIPT") else ResponseError(text)
+    return _ERRORS.get(text.split(" ", 1)[0], ResponseError)(text)
 
 
 def exchange(client: redis.Redis, units: Sequence[Sequence[Sequence[Any]]], read: Callable[[RespReader], T]) -> T:
