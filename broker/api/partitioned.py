@@ -64,7 +64,7 @@ from broker.control.keys import DockKeys, check_name, partition_name, partition_
 from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
 from broker.control.schema import Schema
-from broker.control.status import summed
+from broker.control.status import joined
 from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, ReplicationError, SchemaError
 
 __all__ = ["PartitionedDock"]
@@ -138,7 +138,7 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
             raise
         finally:
             root.close()
-        self._assemble(name, made, pmap, url_or_client, opening, wanted)
+        self._assemble(name, made, pmap, opening, wanted)
 
     @classmethod
     def attach(cls, url_or_client: str | Client, name: str, *, policy: str = "fifo", seed: int | None = None,
@@ -171,15 +171,14 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
         s = parts[0].schema
         wanted = Schema.build(pmap.prompts_num, pmap.n, s.columns, s.consumers, s.length_columns, None,
                               s.group_columns)
-        dock._assemble(name, parts, pmap, url_or_client, opening, wanted)
+        dock._assemble(name, parts, pmap, opening, wanted)
         return dock
 
-    def _assemble(self, name: str, parts: list[TransferDock], pmap: PartitionMap, target: str | Client,
-                  opening: dict[str, Any], schema: Schema) -> None:
+    def _assemble(self, name: str, parts: list[TransferDock], pmap: PartitionMap, opening: dict[str, Any],
+                  schema: Schema) -> None:
         self._name = name
         self._parts = parts
         self._pmap = pmap
-        self._target = target
         self._opening = opening
         self._schema = schema
         self._check = DockChecks(name, schema)
@@ -352,11 +351,7 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
 
     def status(self) -> dict[str, Any]:
         """The partitions' counts summed (each partition's is one consistent snapshot; together they are not)."""
-        statuses = [part.status() for part in self._parts]
-        out = summed(statuses)
-        out.update(name=self._name, prompts_num=self.prompts_num, n_samples_per_prompt=self.n_samples_per_prompt,
-                   capacity=self.capacity, version=min(s["version"] for s in statuses), partitions=len(statuses))
-        return out
+        return joined(self._name, [part.status() for part in self._parts])
 
     def all_consumed(self, consumer: str) -> bool:
         done = [part.all_consumed(consumer) for part in self._parts]  # every partition gives back expired leases

@@ -327,16 +327,23 @@ def folded(docks: list[tuple[str, dict[str, Any] | BrokerError]]) -> list[tuple[
             if error is not None:
                 out[i] = (name, error)
                 continue
-            statuses = [r for r in found if not isinstance(r, BrokerError)]
-            total = summed(statuses)
-            total.update(name=name, partitions=len(statuses), version=min(s.get("version", 0) for s in statuses))
-            out[i] = (name, total)
+            out[i] = (name, joined(name, [r for r in found if not isinstance(r, BrokerError)]))
     return out
+
+
+def joined(name: str, statuses: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The statuses of partitioned dock ``name``'s partitions as the dock's (``summed``), with what is not a
+    count said once: its name, its partitions, ``n_samples_per_prompt`` (every partition's), and ``version``,
+    the lowest of theirs (they differ only while ``set_version`` goes round them)."""
+    total = summed(statuses)
+    total.update(name=name, partitions=len(statuses), n_samples_per_prompt=statuses[0]["n_samples_per_prompt"],
+                 version=min(s.get("version", 0) for s in statuses))
+    return total
 
 
 def summed(statuses: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Statuses of partitions as one: numbers added key by key through nested dicts (counts of rows, groups,
-    consumers' rows); anything else as the first has it."""
+    consumers' rows); anything else as the first has it (``joined`` corrects what is not a count)."""
     def add(a: Any, b: Any) -> Any:
         if isinstance(a, dict) and isinstance(b, dict):
             return {k: add(a[k], b[k]) if k in b else a[k] for k in a} | {k: v for k, v in b.items() if k not in a}

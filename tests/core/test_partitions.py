@@ -136,6 +136,8 @@ def test_a_partitioned_dock_pickles_and_shows_in_status_as_one(client, backend, 
     fill(dock, columns=["prompts"], rows=[0, 1, 2, 3, 4, 5])
     found = dict(Survey(client).read().docks)
     assert found["pd"]["columns"]["prompts"]["ready"] == 6 and found["pd"]["partitions"] == 3
+    assert found["pd"]["n_samples_per_prompt"] == 2 and found["pd"]["prompts_num"] == 6  # a shape, not a count
+    assert found["pd"] == dock.status()
     assert not any("~" in name for name in found)
     assert dict(Survey(client, ["pd"]).read().docks)["pd"]["capacity"] == 12
     if backend == "fake":
