@@ -38,6 +38,7 @@ Not yet on a partitioned dock (each raises BrokerError naming it): partial rollo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -56,7 +57,7 @@ from broker.api.partition_record import (
     read_record,
     root_session,
 )
-from broker.api.partitioned_moves import PartitionedMoves
+from broker.api.partitioned_moves import PartitionedMoves, every
 from broker.api.partitioned_status import PartitionedRowStatus
 from broker.api.session import DockSession
 from broker.connection import DEFAULT_CALL_TIMEOUT, Client, spread_tags
@@ -65,7 +66,7 @@ from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
 from broker.control.schema import Schema
 from broker.control.status import joined
-from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, ReplicationError, SchemaError
+from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
 
 __all__ = ["PartitionedDock"]
 
@@ -274,27 +275,15 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
     # -- writes that reach every partition -----------------------------------------------------
 
     def _every(self, call: Callable[[TransferDock], T]) -> list[T]:
-        """``call`` on every partition in order. A ReplicationError (applied, replicas short) does not stop the
-        others: it is raised once every partition had the call, so that the error's "applied" is true of the
-        whole dock."""
-        results: list[T] = []
-        short: ReplicationError | None = None
-        for part in self._parts:
-            try:
-                results.append(call(part))
-            except ReplicationError as exc:
-                short = short or exc
-                results.append(exc.result)
-        if short is not None:
-            raise short
-        return results
+        """``call`` on every partition in order (``every``: a ReplicationError is raised once all had it)."""
+        return every([functools.partial(call, part) for part in self._parts])
 
     def clear(self, indexes: Sequence[int] | None = None, *, consumer: str | None = None, age: bool = True) -> None:
         """Forget rows (see ``TransferDock.clear``): ``indexes`` cut by partition, or every partition in order."""
         if indexes is not None:
             rows = self._check.rows(indexes)
-            for p, (_, local) in self._pmap.split(rows).parts.items():
-                self._parts[p].clear(local, consumer=consumer, age=age)
+            every([functools.partial(self._parts[p].clear, local, consumer=consumer, age=age)
+                   for p, (_, local) in self._pmap.split(rows).parts.items()])
             return
         self._every(lambda part: part.clear(consumer=consumer, age=age))
 

@@ -23,10 +23,11 @@ The interleavings of a sampled get that takes from several partitions (``_sample
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -39,11 +40,13 @@ from broker.api.dp_padding import drop_padding
 from broker.api.get_request import GetRequest
 from broker.api.partition_map import PartitionMap
 from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows, tokens_of
-from broker.api.puts import value_count
+from broker.api.puts import Prepared, value_count
 from broker.control.put_listener import PutListener
 from broker.data import collector
 from broker.data.stacking import stack_decoded
 from broker.errors import BrokerError, ExperienceTimeoutError, InvalidExperienceError, ReplicationError
+
+T = TypeVar("T")
 
 #: Longest a waiting get sleeps between attempts without a wake-up (as a dock of one partition: a lost
 #: pub/sub message costs at most this).
@@ -131,16 +134,11 @@ class PartitionedMoves:
                 prepared.append((p, local, self._parts[p]._puts.prepare(
                     part_data, local, is_prompt=is_prompt, rollout_completed=done, version=version,
                     delivery=None if delivery is None else delivery.part(p, local), ack=ack)))
-        short: ReplicationError | None = None  # raised once every part was sent: applied everywhere
-        for p, local, put in prepared:
-            if put is not None:
-                with self._at(p, local):
-                    try:
-                        self._parts[p]._puts.send(put)
-                    except ReplicationError as exc:
-                        short = short or exc
-        if short is not None:
-            raise short
+        every([functools.partial(self._send, p, local, put) for p, local, put in prepared if put is not None])
+
+    def _send(self, p: int, local: list[int], put: Prepared) -> None:
+        with self._at(p, local):
+            self._parts[p]._puts.send(put)
 
     # -- gets ----------------------------------------------------------------------------------
 
@@ -259,11 +257,7 @@ class PartitionedMoves:
             detail = "; ".join(f"{c}: rows {where[:8]}" for c, where in cells.items())
             raise ExperienceTimeoutError(f"dock {self._name!r}, consumer {consumer!r}: rows not written within "
                                          f"timeout={timeout}: {detail}", cells)
-        out: dict[str, list[Any]] = {c: [None] * len(rows) for c in columns}
-        for p, (positions, _) in split.items():
-            for c in columns:
-                for i, value in zip(positions, taken[p][0][c]):
-                    out[c][i] = value
+        out = _in_order(columns, len(rows), {p: (positions, taken[p][0]) for p, (positions, _) in split.items()})
         return out, self._delivered(consumer, lease, taken, list(split), rows)
 
     def _delivered(self, consumer: str, lease: float | None, taken: Parts, order: list[int],
@@ -298,14 +292,12 @@ class PartitionedMoves:
         stack = check_flag("stack", stack)
         if delivery is not None:
             delivery = self._ours(delivery)
-        out: dict[str, list[Any]] = {c: [None] * len(rows) for c in cols}
+        read: dict[int, tuple[list[int], Mapping[str, list[Any]]]] = {}
         for p, (positions, local) in self._pmap.split(rows).parts.items():
             part = None if delivery is None else delivery.part(p, local)
             with self._at(p, local):
-                batch = self._parts[p].read_rows(cols, local, delivery=part)
-            for c in cols:
-                for i, value in zip(positions, batch[c]):
-                    out[c][i] = value
+                read[p] = (positions, self._parts[p].read_rows(cols, local, delivery=part))
+        out = _in_order(cols, len(rows), read)
         if stack:
             return {c: v if any(x is None for x in v) else stack_decoded(v) for c, v in out.items()}
         return out
@@ -377,6 +369,33 @@ class PartitionedMoves:
             with self._at(p, [g * self._pmap.n for g in local_groups]):  # each group's first row
                 dropped += self._parts[p].drop_groups(consumer, local_groups, delivery=part)
         return dropped
+
+
+def every(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Each of ``calls`` (one per partition) in order; their results. A ReplicationError (the call applied,
+    replicas short) does not stop the rest: the first is raised once every call ran, so that its "applied"
+    holds for the whole dock."""
+    results: list[T] = []
+    short: ReplicationError | None = None
+    for call in calls:
+        try:
+            results.append(call())
+        except ReplicationError as exc:
+            short = short or exc
+    if short is not None:
+        raise short
+    return results
+
+
+def _in_order(columns: Sequence[str], count: int,
+              parts: Mapping[int, tuple[list[int], Mapping[str, Sequence[Any]]]]) -> dict[str, list[Any]]:
+    """Each partition's values (its positions in the call's rows, and its batch) put back in the call's order."""
+    out: dict[str, list[Any]] = {c: [None] * count for c in columns}
+    for positions, batch in parts.values():
+        for c in columns:
+            for i, value in zip(positions, batch[c]):
+                out[c][i] = value
+    return out
 
 
 def _units(rows: Sequence[int], n: int, groups: bool) -> int:
