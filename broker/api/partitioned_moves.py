@@ -43,6 +43,7 @@ from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, 
 from broker.api.puts import Prepared, value_count
 from broker.control.put_listener import PutListener
 from broker.data import collector
+from broker.data.row_count import row_count_error
 from broker.data.stacking import stack_decoded
 from broker.errors import BrokerError, ExperienceTimeoutError, InvalidExperienceError, ReplicationError
 
@@ -118,12 +119,10 @@ class PartitionedMoves:
         if not indexes and indexes is not given:
             return  # padding rows only
         rows = self._check.rows(indexes)
-        for column, values in data_dict.items():
-            count = _rows_in(values)
-            if count is not None and count != len(rows):  # said as the codec says it (data/codec.py)
-                tensor = isinstance(values, torch.Tensor)
-                shape = f"stacked tensor of shape {tuple(values.shape)} has " if tensor else ""
-                raise InvalidExperienceError(f"column {column!r}: {shape}{count} rows for {len(rows)} indexes")
+        for column, values in data_dict.items():  # before the rows are picked by partition
+            wrong = row_count_error(column, values, len(rows))
+            if wrong is not None:
+                raise wrong
         split = self._pmap.split(rows).parts
         whole = len(split) == 1
         prepared = []
@@ -412,17 +411,6 @@ def _picked(values: Any, positions: list[int]) -> Any:
     if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
         return [values[i] for i in positions]
     return values  # malformed: the partition's put names what is wrong
-
-
-def _rows_in(values: Any) -> int | None:
-    """Rows a column of a put gives, or None where the value is malformed (the partition's put names how)."""
-    if isinstance(values, torch.Tensor):
-        return values.shape[0] if values.dim() else None
-    if isinstance(values, np.ndarray):
-        return values.shape[0] if values.ndim else None
-    if isinstance(values, (list, tuple)):
-        return len(values)
-    return None
 
 
 def _unstacked(values: Any) -> list[Any]:

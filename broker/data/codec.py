@@ -42,6 +42,7 @@ import torch
 
 from broker.connection.framing import LARGE, Framed
 from broker.data import row_header as header
+from broker.data.row_count import row_count_error
 from broker.data.row_header import DTYPES, KIND_TENSOR, KIND_VALUE, KIND_VERSION, MAGIC, VERSION, dtype_name
 from broker.errors import DecodeError, InvalidExperienceError
 
@@ -398,20 +399,16 @@ def encode_column(column: str, value: Any, count: int, *, framed: bool = False) 
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             raise InvalidExperienceError(f"column {column!r}: a stacked tensor needs a row dimension, got a 0-d tensor")
-        if value.shape[0] != count:
-            raise InvalidExperienceError(
-                f"column {column!r}: stacked tensor of shape {tuple(value.shape)} has {value.shape[0]} rows "
-                f"for {count} indexes"
-            )
         encode: Callable[..., list[bytes | Framed]] = encode_stacked
     elif not isinstance(value, (list, tuple)):
         raise InvalidExperienceError(
             f"column {column!r}: expected a tensor, a numpy array or a list of rows, got {type(value).__name__}"
         )
-    elif len(value) != count:
-        raise InvalidExperienceError(f"column {column!r}: {len(value)} rows for {count} indexes")
     else:
         encode = encode_rows
+    wrong = row_count_error(column, value, count)
+    if wrong is not None:
+        raise wrong
     try:
         return encode(value, framed=framed)
     except InvalidExperienceError as exc:
