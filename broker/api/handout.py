@@ -311,12 +311,12 @@ class Handouts:
 
     def give_back(self, consumer: str, delivery: HandedRows, groups: bool | None = None) -> int:
         """Offer the rows of ``delivery`` (handed to ``consumer``) to it again now; how many went back (see
-        ``TransferDock.give_back``). ``groups``: whether they were handed out as whole groups (None: guess it
-        from the delivery, see ``_as_groups``)."""
+        ``TransferDock.give_back``). ``groups``: whether they were handed out as whole groups (None: a leased
+        delivery's token says so, lua/sample.lua)."""
         self._s.check.consumer(consumer)
         check_delivery(delivery, consumer)
         if groups is None:
-            groups = _as_groups(delivery, self._s.schema.n_samples_per_prompt)
+            groups = isinstance(delivery, LeasedRows) and delivery.token.startswith("g")
         rows = sorted(set(drop_padding({}, delivery)[1]))
         handout = fenced_handout(delivery, rows)
         token = delivery.token if isinstance(delivery, LeasedRows) else ""
@@ -399,14 +399,3 @@ class Handouts:
         if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
             raise DecodeError(f"{self._s.keys.consumer_columns} field {consumer}: not a list of column names")
         return columns
-
-
-def _as_groups(rows: HandedRows, n: int) -> bool:
-    """Whether ``rows`` were handed out as whole groups: a group-mode lease's token says so (lua/sample.lua);
-    rows handed out for good, when they are whole groups of ``n`` rows."""
-    if isinstance(rows, LeasedRows):
-        return rows.token.startswith("g")
-    plain = sorted(set(rows))
-    return bool(plain) and len(plain) % n == 0 and all(
-        plain[i] // n == plain[i - i % n] // n and plain[i] % n == i % n for i in range(len(plain)))
-
