@@ -15,6 +15,9 @@ ARGV[7]     what to clear:
                          handed to the consumer at position ARGV[8] (1..m) are forgotten, every group
                          kept grows one iteration older, and the cursor and metrics start again. If
                          the consumer was handed nothing, nothing ages (MindSpeed's first clear).
+            "share"      the same, in one partition of a partitioned dock whose iteration trained rows in
+                         some partition (broker/api/partitioned_generation.py): the groups kept here age
+                         even if this partition handed the consumer nothing;
             "trained"    the same without the ageing (the queue's refine_topic_for_partial_rollout);
             "age"        only the ageing (the queue's increment_ages), of every group holding a
                          response or its placeholder, as the queue ages them.
@@ -121,12 +124,13 @@ if mode == 'age' then
     set_bits(KEYS[L.gage + 1], groups, 1)
     set_bits(KEYS[L.age + 1], rows_of_groups(groups, L.n), 1)
   end
-else                                        -- 'iteration' or 'trained'
+else                                        -- 'iteration', 'share' or 'trained'
   local trained = offsets_of(KEYS[L.consumed + tonumber(ARGV[8])])
   redis.call('DEL', KEYS[L.cursor], KEYS[L.metrics], KEYS[L.gbatch])   -- the next iteration's batch is new
-  -- As MindSpeed's: an iteration that trained nothing (the first clear, before any batch) ages nothing.
-  if #trained == 0 then return keep_reply(reply_key, reply_ttl, forgotten_reply(L, 0)) end
-  cells = forget_rows(L, trained, {}, false)
+  -- As MindSpeed's: an iteration that trained nothing (the first clear, before any batch) ages nothing;
+  -- a partition's share of an iteration that trained elsewhere ages.
+  if #trained == 0 and mode ~= 'share' then return keep_reply(reply_key, reply_ttl, forgotten_reply(L, 0)) end
+  if #trained > 0 then cells = forget_rows(L, trained, {}, false) end
   if mode == 'trained' then return keep_reply(reply_key, reply_ttl, forgotten_reply(L, cells)) end
   if L.nwait > 0 and responses > 0 then
     -- Waiting groups that were generated since leave the wait bitmaps: from now on they age.

@@ -164,11 +164,14 @@ def partitions() -> int:
 @pytest.fixture
 def make_dock(client, partitions):
     """Factory of docks on ``client`` with small defaults and a unique name (partitioned as ``partitions`` says,
-    where the dock has that many groups and no partial rollout: the rest of a partitioned file stays whole)."""
+    where the dock has that many groups and, under partial rollout, a batch of at least that many: the rest of
+    a partitioned file stays whole)."""
 
     def make(prompts_num: int = 4, n: int = 2, columns=("prompts", "responses"),
              consumers=("actor_rollout", "actor_train"), name: str | None = None, **kwargs) -> TransferDock:
-        if partitions > 1 and prompts_num >= partitions and "rollout" not in kwargs:
+        rollout = kwargs.get("rollout")
+        if (partitions > 1 and prompts_num >= partitions
+                and (rollout is None or not rollout.partial or rollout.gbs_train >= partitions)):
             kwargs.setdefault("partitions", partitions)
         return small_dock(client, name or f"t{next(_names)}", prompts_num, n, columns, consumers, **kwargs)
 

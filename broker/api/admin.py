@@ -81,8 +81,10 @@ class Admin:
             self.clear(rows)
         return rows
 
-    def clear(self, indexes: Sequence[int] | None = None, *, consumer: str | None = None, age: bool = True) -> None:
-        """Forget rows, or end an iteration of ``consumer``."""
+    def clear(self, indexes: Sequence[int] | None = None, *, consumer: str | None = None, age: bool = True,
+              trained_elsewhere: bool = False) -> None:
+        """Forget rows, or end an iteration of ``consumer`` (``trained_elsewhere``: see ``ForgetScripts.clear``;
+        a partitioned dock's)."""
         with metrics.observe(self._s.name, "clear") as call:
             if consumer is not None:
                 if indexes is not None:
@@ -90,7 +92,8 @@ class Admin:
                 self._s.check.consumer(consumer)
                 check_flag("age", age)
                 self._s.forget(
-                    f"clear(consumer={consumer!r})", lambda: self._s.scripts.clear(iteration_of=consumer, age=age),
+                    f"clear(consumer={consumer!r})", lambda: self._s.scripts.clear(
+                        iteration_of=consumer, age=age, trained_elsewhere=trained_elsewhere),
                     returns=False, repeat=do_not_repeat("a repeat would age the groups kept again and start "
                     "the cursor and the metrics again"),
                 )

@@ -191,9 +191,18 @@ class Generation:
         # caller putting its prompts there would overwrite a live group, or another writer's. Either the
         # give-back replicates after the claim or neither survives: the groups end free, and None is
         # returned as when too few are free (the caller tries again).
-        reserved = self._s.write("reserve_groups", lambda: self._s.scripts.reserve(int(count), column),
-                                 hands_out=True, give_back=self._give_back)
+        reserved = self.reserve(int(count), column)
         return None if reserved is None else list(reserved.groups)
+
+    def reserve(self, count: int, column: str) -> Reservation | None:
+        """``reserve_groups``' claim, checked by the caller, as the script gave it (a partitioned dock gives
+        back the claims of its partitions when one of them has too few free groups: ``unreserve``)."""
+        return self._s.write("reserve_groups", lambda: self._s.scripts.reserve(count, column),
+                             hands_out=True, give_back=self._give_back)
+
+    def unreserve(self, reserved: Reservation) -> int:
+        """Give back what ``reserve`` claimed, but the groups something forgot since; how many."""
+        return self._s.write("reserve_groups (giving back)", lambda: self._s.scripts.unreserve(reserved))
 
     def _give_back(self, reserved: Reservation | None) -> None:
         if reserved is not None:

@@ -31,8 +31,9 @@ What becomes per partition, said plainly:
   or after it failed part way: repeat it); metrics (``update_metrics``) are kept in partition 0;
   ``set_quota(nbytes)`` gives each partition an equal share.
 
-Not yet on a partitioned dock (each raises BrokerError naming it): partial rollout and the staleness bound
-(``rollout=``), ``grow``, and the hooks that expose one dock's session or keys (the TransferQueue slice's).
+Partial rollout and the staleness bound (``rollout=``) are each partition's, an iteration's batch cut into
+shares: ``partitioned_generation.py`` says how. Not on a partitioned dock (each raises BrokerError naming it):
+``grow``, and the hooks that expose one dock's session or keys (the TransferQueue slice's).
 """
 
 from __future__ import annotations
@@ -43,8 +44,6 @@ import json
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
-
-import torch
 
 from broker.api.checks import DockChecks, is_int
 from broker.api.dock import DEAD_LETTER_AFTER, TransferDock
@@ -57,6 +56,7 @@ from broker.api.partition_record import (
     read_record,
     root_session,
 )
+from broker.api.partitioned_generation import PartitionedGeneration, dock_rollout, partition_rollouts
 from broker.api.partitioned_moves import PartitionedMoves, every
 from broker.api.partitioned_status import PartitionedRowStatus
 from broker.api.session import DockSession
@@ -74,7 +74,7 @@ T = TypeVar("T")
 
 
 
-class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
+class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowStatus):
     """A dock of P partitions (see the module docstring); made by ``TransferDock(..., partitions=P)`` with P > 1
     and opened by ``TransferDock.attach``, with the dock's methods and the dock's row indexes."""
 
@@ -90,10 +90,7 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
             raise SchemaError(f"dock name {name!r} is a partition's; a partitioned dock's name has no '~'")
         if not is_int(partitions) or not 1 < partitions <= 1024:
             raise SchemaError(f"partitions must be an int in 1..1024, got {partitions!r:.40}")
-        if rollout is not None and rollout != Rollout():
-            raise SchemaError(f"dock {name!r}: partial rollout and the staleness bound (rollout=) are not supported "
-                              "on a partitioned dock yet; make it with partitions=1")
-        wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, None,
+        wanted = Schema.build(prompts_num, n_samples_per_prompt, columns, consumers, length_columns, rollout,
                               group_columns)
         if partitions > prompts_num:
             raise SchemaError(f"dock {name!r}: partitions={partitions} exceeds prompts_num={prompts_num} (a group "
@@ -104,6 +101,7 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
                       dead_letter_after=dead_letter_after)
         pmap = PartitionMap(int(partitions), prompts_num, n_samples_per_prompt,
                             default_block(int(partitions), prompts_num))
+        rollouts = partition_rollouts(name, wanted.rollout, pmap)
         root = root_session(url_or_client, name, opening)
         made: list[TransferDock] = []
         try:
@@ -111,7 +109,8 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
             if record is None:
                 names = root.run(lambda: spread_tags(root.client, lambda i: partition_name(name, i), pmap.count))
                 made = [TransferDock(url_or_client, part, pmap.prompts_of(p), n_samples_per_prompt, columns,
-                                     consumers, **opening, **making) for p, part in enumerate(names)]
+                                     consumers, rollout=rollouts[p], **opening, **making)
+                        for p, part in enumerate(names)]
                 text = json.dumps({"format": RECORD_FORMAT, "prompts_num": prompts_num,
                                    "n_samples_per_prompt": n_samples_per_prompt, "block": pmap.block,
                                    "partitions": list(names)})
@@ -128,11 +127,15 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
                     made = []
             else:
                 self.created = False
-            check_shape(name, record, pmap, lambda: first_differences(url_or_client, record, wanted, opening))
-            pmap = dataclasses.replace(pmap, block=record["block"])  # as the dock was made
+            first_wanted = dataclasses.replace(wanted, rollout=rollouts[0])  # partition 0 holds its share
+            check_shape(name, record, pmap, lambda: first_differences(url_or_client, record, first_wanted, opening))
+            if record["block"] != pmap.block:  # as the dock was made; the shares follow the groups held
+                pmap = dataclasses.replace(pmap, block=record["block"])
+                rollouts = partition_rollouts(name, wanted.rollout, pmap)
             if not made:
                 made = [TransferDock(url_or_client, part, pmap.prompts_of(p), n_samples_per_prompt, columns,
-                                     consumers, **opening, **making) for p, part in enumerate(record["partitions"])]
+                                     consumers, rollout=rollouts[p], **opening, **making)
+                        for p, part in enumerate(record["partitions"])]
         except BaseException:
             for dock in made:
                 dock.close()
@@ -170,7 +173,13 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
         dock = cls.__new__(cls)
         dock.created = False
         s = parts[0].schema
-        wanted = Schema.build(pmap.prompts_num, pmap.n, s.columns, s.consumers, s.length_columns, None,
+        try:
+            rollout = dock_rollout(name, parts, pmap)
+        except BaseException:
+            for opened in parts:
+                opened.close()
+            raise
+        wanted = Schema.build(pmap.prompts_num, pmap.n, s.columns, s.consumers, s.length_columns, rollout,
                               s.group_columns)
         dock._assemble(name, parts, pmap, opening, wanted)
         return dock
@@ -182,6 +191,7 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
         self._pmap = pmap
         self._opening = opening
         self._schema = schema
+        self._rollout = schema.rollout
         self._check = DockChecks(name, schema)
         first = parts[0].session
         self._listener = PutListener(first.client, [p.keys.events for p in parts], sharded=first.sharded_events)
@@ -251,10 +261,6 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
         return self._parts[0].consumers
 
     @property
-    def rollout(self) -> Rollout:
-        return Rollout()
-
-    @property
     def client(self) -> Client:
         return self._parts[0].client
 
@@ -284,6 +290,9 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
             rows = self._check.rows(indexes)
             every([functools.partial(self._parts[p].clear, local, consumer=consumer, age=age)
                    for p, (_, local) in self._pmap.split(rows).parts.items()])
+            return
+        if consumer is not None and age is True and self._rollout.partial:
+            self._end_iteration(consumer)  # every partition ages if the iteration trained in any
             return
         self._every(lambda part: part.clear(consumer=consumer, age=age))
 
@@ -370,24 +379,6 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
 
     def grow(self, *args: Any, **kwargs: Any) -> Schema:
         raise self._unsupported("grow")
-
-    def finished_rows(self) -> torch.Tensor:
-        raise self._unsupported("finished_rows (partial rollout)")
-
-    def age_groups(self) -> None:
-        raise self._unsupported("age_groups (partial rollout)")
-
-    def unready(self, columns: Sequence[str], indexes: Sequence[int]) -> int:
-        raise self._unsupported("unready (partial rollout)")
-
-    def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:
-        raise self._unsupported("get_update_ready (partial rollout)")
-
-    def get_incomplete_response_num(self) -> int:
-        raise self._unsupported("get_incomplete_response_num (partial rollout)")
-
-    def reserve_groups(self, count: int, column: str) -> list[int] | None:
-        raise self._unsupported("reserve_groups (partial rollout)")
 
 
 def _reattach(target: str, name: str, opening: dict[str, Any]) -> PartitionedDock:

@@ -27,21 +27,25 @@ import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from broker.api.balance import balanced_batch, dp_padded
-from broker.api.checks import DockChecks, check_flag, check_lease, check_timeout
+from broker.api.checks import DockChecks, check_flag, check_lease, check_timeout, check_version
 from broker.api.delivery import HandedRows, LeasedRows, check_delivery
 from broker.api.dock import TransferDock
 from broker.api.dp_padding import drop_padding
+from broker.api.generation import AGE_COLUMN
 from broker.api.get_request import GetRequest
 from broker.api.partition_map import PartitionMap
 from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows, tokens_of
 from broker.api.puts import Prepared, value_count
 from broker.control.put_listener import PutListener
+from broker.control.rollout import Rollout
+from broker.control.schema import Schema
 from broker.data import collector
 from broker.data.row_count import row_count_error
 from broker.data.stacking import stack_decoded
@@ -56,6 +60,20 @@ _RECHECK_SECONDS = 1.0
 Parts = dict[int, tuple[Any, HandedRows]]
 
 
+@dataclass(frozen=True)
+class Take:
+    """What each partition's take of one sampled get asks for (checked by ``get_experience``)."""
+
+    consumer: str
+    columns: list[str]
+    groups: bool
+    policy: str | None
+    lease: float | None
+    max_staleness: int | None
+    #: The rollout consumer of a partial rollout: keeps what the partitions had, at least one row.
+    fewer: bool = False
+
+
 class PartitionedMoves:
     """Rows in and out, cut by partition: a base of ``PartitionedDock``."""
 
@@ -65,6 +83,8 @@ class PartitionedMoves:
     _check: DockChecks
     _listener: PutListener
     _turn: int
+    _rollout: Rollout
+    _schema: Schema
 
     def _ours(self, delivery: Any) -> PartitionedRows | PartitionedLeasedRows:
         """``delivery`` if it is rows this kind of dock handed out, else InvalidExperienceError."""
@@ -152,14 +172,28 @@ class PartitionedMoves:
         module's docstring). A get that one partition's take answers whole returns that take as it is; a get
         joined from several takes is balanced, padded and stacked here, over the whole batch."""
         self._check.consumer(consumer)
-        if max_staleness is not None:
-            raise InvalidExperienceError(f"dock {self._name!r} is partitioned: the staleness bound is not "
-                                         "supported on a partitioned dock yet")
-        columns = self._check.columns_to_read(
-            self._parts[0].consumer_columns(consumer) if experience_columns is None else experience_columns)
+        rollout = self._rollout
+        generating = rollout.partial and consumer == rollout.consumer
+        asked = self._parts[0].consumer_columns(consumer) if experience_columns is None else experience_columns
+        # The rollout consumer may ask for its rows' ages beside the columns: each partition's take adds them.
+        with_age = (generating and isinstance(asked, (list, tuple)) and AGE_COLUMN in asked
+                    and AGE_COLUMN not in self._schema.columns)
+        columns = self._check.columns_to_read([c for c in asked if c != AGE_COLUMN] if with_age else asked)
+        if with_age:
+            columns.append(AGE_COLUMN)
         check_timeout(timeout)
         check_lease(lease)
+        if max_staleness is not None:
+            check_version(max_staleness, "max_staleness")
         groups = check_flag("get_n_samples", get_n_samples)
+        if generating and groups:
+            raise InvalidExperienceError(
+                "get_n_samples not supported for rollout when actor_rollout enables partial_rollout: "
+                f"consumer {consumer!r} of dock {self._name!r} takes unfinished rows one by one")
+        if generating and indexes is not None:
+            raise InvalidExperienceError(
+                f"dock {self._name!r}: the rollout consumer of a partial-rollout dock samples its rows (oldest "
+                "first); explicit indexes are not supported for it")
         ranks = self._check.dp_size(dp_size)
         weigh_by = self._check.balance(balance)
         check_flag("dp_padding", dp_padding)
@@ -171,8 +205,8 @@ class PartitionedMoves:
             got = (*self._get_rows(consumer, columns, rows, groups, timeout, policy, lease), True)
         else:
             count = self._check.sample_count(experience_count, groups)
-            got = self._listener.wait(lambda: self._sample(consumer, columns, count, groups, policy, lease, stack),
-                                      timeout, _RECHECK_SECONDS)
+            take = Take(consumer, columns, groups, policy, lease, max_staleness, fewer=generating)
+            got = self._listener.wait(lambda: self._sample(take, count, stack), timeout, _RECHECK_SECONDS)
         if got is None:
             return None, None
         batch, handed, joined = got
@@ -186,10 +220,11 @@ class PartitionedMoves:
                 batch = {c: stack_decoded(list(values)) for c, values in batch.items()}
         return batch, handed
 
-    def _sample(self, consumer: str, columns: list[str], count: int, groups: bool, policy: str | None,
-                lease: float | None, stack: bool) -> tuple[Any, list[int], bool] | None:
+    def _sample(self, take: Take, count: int, stack: bool) -> tuple[Any, list[int], bool] | None:
         """One attempt: takes from the partitions in turn until ``count`` rows (whole groups when ``groups``)
-        are taken, or every take given back and None (see the module docstring)."""
+        are taken, or every take given back and None (see the module docstring). The rollout consumer of a
+        partial rollout (``take.fewer``) keeps what it took, at least one row, as on a dock of one partition."""
+        consumer, columns, groups, lease = take.consumer, take.columns, take.groups, take.lease
         order = self._order()
         n = self._pmap.n
         # ``count`` is in units (groups in group mode): a group offered again with some rows acked hands out only
@@ -200,30 +235,31 @@ class PartitionedMoves:
             held = self._pmap.prompts_of(p)  # no partition is asked for more than it holds
             ask = min(wanted, held) * n if groups else min(wanted, held * n)
             if not taken:  # the first partition's take may be the whole call: then returned as it is
-                batch, rows = self._take_some(p, consumer, columns, ask, groups, policy, lease, stack)
+                batch, rows = self._take_some(p, take, ask, stack)
                 if rows is not None and _units(rows, n, groups) == wanted:
                     return batch, self._delivered(consumer, lease, {p: (batch, rows)}, [p]), False
                 if batch is not None and stack:  # a part of a larger batch: rows, to be joined, then stacked
                     batch = {c: _unstacked(v) for c, v in batch.items()}
             else:
-                batch, rows = self._take_some(p, consumer, columns, ask, groups, policy, lease, False)
+                batch, rows = self._take_some(p, take, ask, False)
             if rows is None:
                 continue
             taken[p] = (batch, rows)
             wanted -= _units(rows, n, groups)
             if wanted <= 0:
                 break
-        if wanted > 0:
+        if not taken or (wanted > 0 and not take.fewer):
             self._give_back(consumer, taken, groups)
             return None
         visited = [p for p in order if p in taken]
         joined = {c: list(itertools.chain.from_iterable(taken[p][0][c] for p in visited)) for c in columns}
         return joined, self._delivered(consumer, lease, taken, visited), True
 
-    def _take_some(self, p: int, consumer: str, columns: list[str], count: int, groups: bool, policy: str | None,
-                   lease: float | None, stack: bool) -> tuple[Any, HandedRows] | tuple[None, None]:
-        """One take of partition ``p``, no wait: up to ``count`` rows, what qualifies there (at least one unit)."""
-        request = GetRequest(consumer, columns, count, None, groups, None, policy, lease, stack=stack, fewer=True)
+    def _take_some(self, p: int, take: Take, count: int, stack: bool) -> tuple[Any, HandedRows] | tuple[None, None]:
+        """One take of partition ``p``, no wait: up to ``count`` rows, what qualifies there (at least one unit);
+        the partition applies its staleness bound (and drops or regenerates what it finds stale)."""
+        request = GetRequest(take.consumer, take.columns, count, None, take.groups, None, take.policy, take.lease,
+                             max_staleness=take.max_staleness, stack=stack, fewer=True)
         return self._parts[p]._handouts.get(request)  # type: ignore[return-value]  # a hand-out: HandedRows
 
     def _get_rows(self, consumer: str, columns: list[str], rows: list[int], groups: bool, timeout: float | None,

@@ -14,6 +14,8 @@ from broker.errors import RowIndexError
 COLUMNS = ("prompts", "prompt_length", "responses", "response_length", "rewards")
 CONSUMERS = ("actor_rollout", "reward", "actor_train")
 ROLLOUT_COLUMNS = ["prompts", "responses", "age"]
+#: Why a test holds for a dock of one partition only (on a partitioned dock: test_partitioned_rollout.py).
+WHOLE_ORDER = "oldest or lowest first over the whole dock (a partitioned dock's is per partition)"
 
 
 def partial(make_dock, prompts_num=4, n=2, max_age=3, gbs_train=2, name=None, **kwargs):
@@ -44,7 +46,7 @@ def test_prompts_get_placeholders_and_the_rollout_may_get_fewer_rows(make_dock):
     prompts(dock, [0, 1])
     assert dock.get_incomplete_response_num() == 4
     batch, rows = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 8, get_n_samples=False)
-    assert rows == [0, 1, 2, 3]  # fewer than asked: rollout takes what is there
+    assert sorted(rows) == [0, 1, 2, 3]  # fewer than asked: rollout takes what is there (of every partition)
     assert [t.tolist() for t in batch["responses"]] == [[-1]] * 4
     assert [t.tolist() for t in batch["age"]] == [[0]] * 4
     # Handed to the rollout, the responses are no longer ready for anyone.
@@ -52,6 +54,7 @@ def test_prompts_get_placeholders_and_the_rollout_may_get_fewer_rows(make_dock):
     assert dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 2, get_n_samples=False) == (None, None)
 
 
+@pytest.mark.one_partition(WHOLE_ORDER)
 def test_unfinished_rows_come_back_with_their_partial_response_and_finished_groups_open(make_dock):
     dock = partial(make_dock)
     prompts(dock, [0, 1])
@@ -101,6 +104,7 @@ def test_settings_are_checked_and_stored_with_the_schema(make_dock):
     assert partial(make_dock, name="same").rollout == dock.rollout
 
 
+@pytest.mark.one_partition(WHOLE_ORDER)
 def test_other_consumers_take_at_most_gbs_train_groups_oldest_first(make_dock):
     dock = partial(make_dock, prompts_num=4, gbs_train=2)
     prompts(dock, [0, 1, 2, 3])
@@ -177,6 +181,7 @@ def test_groups_older_than_max_age_stay_in_the_oldest_bucket(make_dock):
         respond(dock, fresh, [0, 0, 0, 0, 1, 1])
 
 
+@pytest.mark.one_partition(WHOLE_ORDER)
 def test_reserve_groups_never_hands_a_group_twice(make_dock):
     dock = partial(make_dock, prompts_num=8)
     got = [dock.reserve_groups(3, "prompts"), dock.reserve_groups(3, "prompts")]
@@ -187,6 +192,7 @@ def test_reserve_groups_never_hands_a_group_twice(make_dock):
         dock.reserve_groups(0, "prompts")
 
 
+@pytest.mark.one_partition("it calls a dock's scripts")
 def test_a_reservation_is_given_back_only_while_nothing_forgot_its_groups(make_dock):
     """What reserve_groups gives back when its replicas fall short (lua/unreserve.lua): its own claims, not a
     claim another writer made after a clear freed the groups."""
@@ -217,13 +223,13 @@ def test_a_rollout_worker_killed_mid_generation_loses_nothing(make_dock):
     dock = partial(make_dock)
     prompts(dock, [0, 1])
     _, first = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 4, get_n_samples=False, lease=30)
-    respond(dock, first, [1, 1, 0, 0], tokens=(3, 4))  # partial responses of group 1
+    respond(dock, first, [int(r < 2) for r in first], tokens=(3, 4))  # partial responses of group 1
     _, dying = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 2, get_n_samples=False, lease=0.2)
-    assert dying == [2, 3]  # ... and this worker dies before it puts anything
+    assert sorted(dying) == [2, 3]  # ... and this worker dies before it puts anything
     assert dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 2, get_n_samples=False) == (None, None)
     time.sleep(0.3)
     batch, back = dock.get_experience("actor_rollout", ROLLOUT_COLUMNS, 2, get_n_samples=False, lease=30)
-    assert back == [2, 3] and [t.tolist() for t in batch["responses"]] == [[3, 4], [3, 4]]
+    assert sorted(back) == [2, 3] and [t.tolist() for t in batch["responses"]] == [[3, 4], [3, 4]]
     respond(dock, back, [1, 1])
     assert dock.ack("actor_rollout", back) == 0  # the put ended the lease: nothing left to release
     assert dock.ack("actor_rollout", first) == 0
@@ -257,6 +263,7 @@ def test_explicit_indexes_are_refused_to_the_rollout_consumer(make_dock):
         dock.drop_groups("reward", [4])
 
 
+@pytest.mark.one_partition(WHOLE_ORDER)
 def test_stages_in_parallel_hold_the_same_groups_when_an_old_group_finishes_late(make_dock):
     dock = partial(make_dock, prompts_num=4, gbs_train=2)
     prompts(dock, [0, 1, 2, 3])
@@ -278,6 +285,7 @@ def test_stages_in_parallel_hold_the_same_groups_when_an_old_group_finishes_late
     assert dock.get_experience("reward", ["prompts"], 2)[1] == [4, 5]
 
 
+@pytest.mark.one_partition("it writes a dock's raw keys")
 def test_generation_keys_holding_garbage_raise_broker_errors(make_dock):
     dock = partial(make_dock)
     dock.client.hset(dock.keys.group_finished, "x", 1)  # not a bitmap
@@ -290,3 +298,10 @@ def test_generation_keys_holding_garbage_raise_broker_errors(make_dock):
     dock.client.set(dock.keys.version, "seven")
     with pytest.raises(BrokerError, match="not an integer"):
         dock.version()
+
+
+@pytest.fixture(params=[1, 2], ids=["whole", "partitioned"])
+def partitions(request) -> int:
+    """Every test of this file also on a dock of two partitions (see tests/conftest.py), whose batch
+    (gbs_train=2) is a share of one group each."""
+    return request.param

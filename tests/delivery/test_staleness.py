@@ -57,8 +57,8 @@ def test_stale_groups_are_never_handed_out_and_are_dropped_and_counted(make_dock
     status = dock.status()
     assert status["discarded"] == {"stale": 1} and status["stale_groups"] == 0
     assert status["columns"]["prompts"]["ready"] == 4  # group 0 is forgotten: its rows are free
-    # The rollout consumer is not bound: it regenerates, it does not train.
-    assert dock.get_experience("actor_rollout", ["prompts"], 2, get_n_samples=False)[1] == [2, 3]
+    # The rollout consumer is not bound: it regenerates, it does not train. (Lowest first: per partition.)
+    assert dock.get_experience("actor_rollout", ["prompts"], 2, get_n_samples=False)[1] in ([2, 3], [4, 5])
     # A per-call bound overrides the dock's.
     generate(dock, [3], version=0)
     assert dock.get_experience("reward", ["prompts"], 2, max_staleness=5)[1] is not None
@@ -90,6 +90,7 @@ def test_regenerate_keeps_the_prompt_and_offers_the_group_to_rollout_again(make_
     assert dock.get_experience("actor_train", ["prompts", "responses"], 2)[1] == [0, 1]
 
 
+@pytest.mark.one_partition("it calls a dock's scripts")
 def test_two_samplers_finding_one_stale_group_count_it_once(make_dock):
     dock = bounded(make_dock, max_staleness=0)
     generate(dock, [0], version=0)
@@ -101,7 +102,7 @@ def test_two_samplers_finding_one_stale_group_count_it_once(make_dock):
     assert dock.status()["discarded"] == {"stale": 1}
 
 
-def test_drop_groups_frees_rows_and_counts_them_per_consumer(make_dock):
+def test_drop_groups_frees_rows_and_counts_them_per_consumer(make_dock, partitions):
     dock = bounded(make_dock, max_staleness=None)
     generate(dock, [0, 1, 2], version=0)
     _, rows = dock.get_experience("reward", ["prompts", "responses"], 6, lease=30)
@@ -112,13 +113,16 @@ def test_drop_groups_frees_rows_and_counts_them_per_consumer(make_dock):
     assert status["columns"]["prompts"]["ready"] == 2
     assert status["consumers"]["reward"]["leased"] == 2  # group 1's lease stays
     assert dock.ack("reward", rows) == 2
-    assert dock.reserve_groups(2, "prompts") == [0, 2]
+    # Free: groups 0 and 2 (dropped), 3 (never written); lowest first, and on two partitions ({0, 2} and
+    # {1, 3}) each partition's lowest.
+    assert dock.reserve_groups(2, "prompts") == ([0, 2] if partitions == 1 else [0, 3])
     with pytest.raises(RowIndexError):
         dock.drop_groups("reward", [9])
     dock.clear()
     assert dock.status()["discarded"] == {}
 
 
+@pytest.mark.one_partition("admission counts one dock's batches (a partition's: test_partitioned_rollout.py)")
 def test_admission_refuses_rollout_that_could_not_train_in_time(make_dock):
     dock = bounded(make_dock, max_staleness=1, prompts_num=8, n=1, gbs_train=2)
     # Batches of 2 rows: at version 0 with staleness 1, batches 0 and 1 (4 rows) may be generated.
@@ -220,3 +224,10 @@ def test_a_version_that_cannot_be_carried_exactly_is_refused_at_the_call(make_do
         dock.put_experience({"responses": [torch.tensor([1])]}, [0], version=version)
     dock.set_version(2**53 - 1)
     assert dock.version() == 2**53 - 1
+
+
+@pytest.fixture(params=[1, 2], ids=["whole", "partitioned"])
+def partitions(request) -> int:
+    """Every test of this file also on a dock of two partitions (see tests/conftest.py), whose batch
+    (gbs_train=2) is a share of one group each."""
+    return request.param

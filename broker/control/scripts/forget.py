@@ -35,10 +35,13 @@ class ForgetScripts(ScriptsBase):
                 schema.rollout.age_buckets]
         return keys, args
 
-    def clear(self, rows: Sequence[int] = (), *, iteration_of: str | None = None, age: bool = True) -> Forgot:
+    def clear(self, rows: Sequence[int] = (), *, iteration_of: str | None = None, age: bool = True,
+              trained_elsewhere: bool = False) -> Forgot:
         """Forget ``rows`` (all rows when empty), or end the iteration of consumer ``iteration_of``
-        (ageing the groups kept unless not ``age``), or with ``iteration_of=""`` only age them
-        (lua/clear.lua); returns the cells removed from data hashes, and what to delete from shards."""
+        (ageing the groups kept unless not ``age``; with ``trained_elsewhere``, a partition's share of an
+        iteration that trained in some partition, even if the consumer trained nothing here), or with
+        ``iteration_of=""`` only age them (lua/clear.lua); returns the cells removed from data hashes, and
+        what to delete from shards."""
         schema, expected = self._pair
         keys, layout = self._forget_layout(schema)
         responses = schema.rollout.response_columns
@@ -46,7 +49,8 @@ class ForgetScripts(ScriptsBase):
         if iteration_of == "":
             mode: list[Any] = ["age", 0, first_response]
         elif iteration_of is not None:
-            mode = ["iteration" if age else "trained", schema.consumers.index(iteration_of) + 1, first_response]
+            name = ("share" if trained_elsewhere else "iteration") if age else "trained"
+            mode = [name, schema.consumers.index(iteration_of) + 1, first_response]
         else:
             mode = ["rows", *rows] if rows else ["all"]
         keys += [self._keys.scratch, self._keys.scratch2]
