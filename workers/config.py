@@ -217,9 +217,6 @@ class RunConfig:
             raise ValueError("--micro-batch-size must be >= 1")
         if self.partitions < 1 or self.partitions > self.prompts:
             raise ValueError(f"--partitions must be in 1..--prompts ({self.prompts}), got {self.partitions}")
-        if self.partitions > 1 and self.tracked:
-            raise ValueError("--partitions runs synchronously: a partitioned dock has no partial rollout or "
-                             "staleness bound yet (--max-age, --max-staleness)")
         if self.tracked and self.guarantee_order:
             raise ValueError("--guarantee-order takes fixed rows; --max-age and --max-staleness hand rows out "
                              "oldest first")

@@ -276,7 +276,13 @@ class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowSta
                           "(dock.partitions[k].session): code built on one dock's session (the TransferQueue slice) "
                           "needs a dock of one partition")
 
-    fingerprint = binding = session
+    binding = session
+
+    @property
+    def fingerprint(self) -> str:
+        """The partitions' stored schemas, as their scripts check them, one after another: what a run's
+        checkpoint records to know its dock again (a binding of scripts needs one partition's: ``binding``)."""
+        return "\n\n".join(f"{part.name}\n{part.fingerprint}" for part in self._parts)
 
     # -- writes that reach every partition -----------------------------------------------------
 

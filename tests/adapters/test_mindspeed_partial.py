@@ -139,3 +139,28 @@ def test_the_queue_flow_with_partial_ready_data(client):
     assert status["columns"]["prompts"]["ready"] == 2
     with pytest.raises(ValueError, match="data_status"):
         queue.put_experience({"prompts": [torch.ones(1)]}, [0], unpad=False, topic=topic, data_status="done")
+
+
+def test_an_iteration_on_a_partitioned_dock(client):
+    """MindSpeed's loop on two partitions: each holds its share (one group) of GBS_train=2 (see
+    broker/api/partitioned_generation.py)."""
+    td = GRPOTransferDock(4, 2, max_age=2, GBS_train=2, url=client, name=f"pr{next(_names)}", partitions=2)
+    assert [p.rollout.gbs_train for p in td.dock.partitions] == [1, 1]
+    for first, another in ((0, False), (10, True)):
+        data, idx = batch_of(first, 2, 2, another=another)
+        td.put_experience(data, idx, is_prompt=True)
+    assert td.get_incomplete_response_num() == 8
+    batch, rows = td.get_experience("actor_rollout", ROLLOUT, 8, dp_size=2, get_n_samples=False)
+    assert sorted(rows) == list(range(8)) and batch["age"].flatten().tolist() == [0] * 8
+    groups = sorted({r // 2 for r in rows})
+    finished = {groups[0], groups[1]}  # groups 0 and 1: partitions 0 and 1 (blocks of one group)
+    respond(td, rows, [r // 2 in finished for r in rows])
+    assert td.get_update_ready()
+    batch, trained = td.get_experience("actor_train", ["prompts", "responses"], 4)
+    assert sorted(trained) == [0, 1, 2, 3] and batch["responses"].shape == (4, 2)
+    assert td.get_experience("actor_train", ["prompts"], 2) == (None, None)  # GBS_train groups at most
+    td.clear()
+    assert td.dock.status()["rollout"]["groups_by_age"] == {0: 0, 1: 2, 2: 0}
+    batch, rows = td.get_experience("actor_rollout", ROLLOUT, 8, get_n_samples=False)
+    assert sorted(rows) == [4, 5, 6, 7] and batch["age"].flatten().tolist() == [1] * 4
+    td.dock.delete()

@@ -312,14 +312,19 @@ def rejoined(node: RedisServer, primary: RedisServer) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plane", ["control", "data"])
-@pytest.mark.parametrize("recovery", ["rejoin", "degraded"])
-def test_a_primary_killed_mid_run_loses_nothing_and_workers_go_on(cluster, plane, recovery):
+@pytest.mark.parametrize(("recovery", "plane", "partitions"), [
+    ("rejoin", "control", 1), ("rejoin", "data", 1), ("degraded", "control", 1), ("degraded", "data", 1),
+    # A partitioned dock (one partition's control slot on each primary): the killed primary holds one
+    # partition's control plane, and every partition's data shards on it.
+    ("rejoin", "control", 3),
+])
+def test_a_primary_killed_mid_run_loses_nothing_and_workers_go_on(cluster, plane, recovery, partitions):
     t0 = time.monotonic()
     run = Run(deadline=t0 + RUN_SECONDS)
     urls = cluster.urls  # one URL per worker: each its own cluster client, as separate processes would have
     make = lambda url: TransferDock(url, NAME, prompts_num=GROUPS, n_samples_per_prompt=N,  # noqa: E731
-                                    columns=COLUMNS, consumers=[CONSUMER], wait_replicas=1, wait_timeout=1.0)
+                                    columns=COLUMNS, consumers=[CONSUMER], wait_replicas=1, wait_timeout=1.0,
+                                    partitions=partitions)
     docks: list[TransferDock] = []
     threads: list[threading.Thread] = []
     timings: dict[str, float] = {}
@@ -327,8 +332,9 @@ def test_a_primary_killed_mid_run_loses_nothing_and_workers_go_on(cluster, plane
         docks.append(make(urls[0]))
         docks += [make(urls[1]), make(urls[2])]
         producer_dock, *consumer_docks = docks
-        assert len(producer_dock.schema.shards) == 3
-        killed = victim(cluster, producer_dock, plane)
+        first = producer_dock if partitions == 1 else producer_dock.partitions[0]
+        assert len(first.schema.shards) == 3
+        killed = victim(cluster, first, plane)
         threads = [worker_thread(run, producer, producer_dock)]
         threads += [worker_thread(run, consumer, f"consumer{i}", d) for i, d in enumerate(consumer_docks)]
         for t in threads:

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from broker import FencedError, SchemaError, TransferDock
+from broker import BrokerError, FencedError, SchemaError, TransferDock
 from broker.control.status import Survey
 from broker.errors import InvalidExperienceError
 from tests.helpers import fill
@@ -207,3 +207,14 @@ def test_a_call_of_one_block_is_one_partitions_take(client):
     again = TransferDock.attach(client, "blocks")
     assert again.partition_map == dock.partition_map
     assert again.read_rows(["prompts"], [31, 0])["prompts"][0].tolist() == [31, 7]
+
+
+def test_a_partitioned_docks_fingerprint_names_its_partitions_schemas(client):
+    """What a run's checkpoint records to know its dock again (``broker demo --partitions P`` failed on it)."""
+    dock = _dock(client)
+    again = TransferDock.attach(client, "pd")
+    assert isinstance(dock.fingerprint, str) and dock.fingerprint == again.fingerprint
+    assert all(p.name in dock.fingerprint and p.fingerprint in dock.fingerprint for p in dock.partitions)
+    assert _dock(client, name="other").fingerprint != dock.fingerprint
+    with pytest.raises(BrokerError, match="each with its own session"):
+        _ = dock.binding
