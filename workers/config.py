@@ -79,7 +79,7 @@ class RunConfig:
     #: the weights it is trained against).
     max_staleness: int | None = None
     #: Partitions of the run's dock (``TransferDock(..., partitions=P)``): its control plane over P slots, on a
-    #: Redis Cluster over P primaries; 1: one dock in one slot. Synchronous runs only, for now.
+    #: Redis Cluster over P primaries; 1: one dock in one slot.
     partitions: int = 1
 
     @classmethod

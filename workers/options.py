@@ -81,7 +81,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                              "that (default: off, synchronous)")
     parser.add_argument("--partitions", type=int, default=1, metavar="P",
                         help="make the run's dock with P partitions: its control plane over P slots, on a Redis "
-                             "Cluster over P primaries (docs/cluster.md); synchronous runs only (default: 1)")
+                             "Cluster over P primaries (docs/cluster.md) (default: 1)")
     parser.add_argument("--lease-seconds", type=float, default=None, metavar="S",
                         help="each batch a worker takes is leased for S seconds and acked once its result is "
                              "written; a worker that dies has its group restarted and its rows redone "

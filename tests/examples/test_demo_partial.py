@@ -64,8 +64,14 @@ def check_trained_once(results: list[dict]) -> None:
         assert sorted(rows(role)) == sorted(trained), role
 
 
-def test_partial_rollout_trains_each_group_once_and_ages_the_rest(local_ray, real_url):
-    records, after_clear = run(real_url, max_age=3)
+#: On a dock of two partitions too (each holds its share of the batch): a run more, so behind ``once``.
+PARTITIONS = pytest.mark.parametrize("partitions", [1, pytest.param(2, marks=pytest.mark.once)],
+                                     ids=["whole", "partitioned"])
+
+
+@PARTITIONS
+def test_partial_rollout_trains_each_group_once_and_ages_the_rest(local_ray, real_url, partitions):
+    records, after_clear = run(real_url, max_age=3, partitions=partitions)
     # The first iteration fills the dock (2 x PROMPTS groups), every later one refills what was trained.
     assert [r["prompts_put"] for r in records] == [2 * PROMPTS] + [PROMPTS] * (ITERATIONS - 1)
     assert all(0.0 <= r["reward"] <= 1.0 for r in records)
@@ -75,9 +81,10 @@ def test_partial_rollout_trains_each_group_once_and_ages_the_rest(local_ray, rea
     assert any(age >= 1 and c for s in after_clear for age, c in s["rollout"]["groups_by_age"].items())
 
 
-def test_asynchronous_rollout_stays_within_the_staleness_bound(local_ray, real_url):
+@PARTITIONS
+def test_asynchronous_rollout_stays_within_the_staleness_bound(local_ray, real_url, partitions):
     k = 1
-    records, after_clear = run(real_url, max_staleness=k)
+    records, after_clear = run(real_url, max_staleness=k, partitions=partitions)
     # The rollout ran ahead: the dock was filled with K + 1 batches, then refilled one per iteration.
     assert [r["prompts_put"] for r in records] == [(k + 1) * PROMPTS] + [PROMPTS] * (ITERATIONS - 1)
     assert records[0]["version_lag"] == 0.0  # the first batch: the initial weights, not yet updated
