@@ -32,8 +32,8 @@ What becomes per partition, said plainly:
   ``set_quota(nbytes)`` gives each partition an equal share.
 
 Partial rollout and the staleness bound (``rollout=``) are each partition's, an iteration's batch cut into
-shares: ``partitioned_generation.py`` says how. Not on a partitioned dock (each raises BrokerError naming it):
-``grow``, and the hooks that expose one dock's session or keys (the TransferQueue slice's).
+shares: ``partitioned_generation.py`` says how. ``grow`` grows every partition in order. Not on a partitioned
+dock (it raises BrokerError naming it): the hooks that expose one dock's session (the TransferQueue slice's).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
 from broker.control.schema import Schema
 from broker.control.status import joined
-from broker.errors import BrokerError, DockNotFoundError, InvalidExperienceError, SchemaError
+from broker.errors import BrokerError, DockNotFoundError, SchemaError
 
 __all__ = ["PartitionedDock"]
 
@@ -192,7 +192,8 @@ class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowSta
         self._opening = opening
         self._schema = schema
         self._rollout = schema.rollout
-        self._check = DockChecks(name, schema)
+        self._checks = DockChecks(name, schema)
+        self._seen = parts[0].schema  # the partition schema self._schema was last taken from (see _check)
         first = parts[0].session
         self._listener = PutListener(first.client, [p.keys.events for p in parts], sharded=first.sharded_events)
         self._turn = random.randrange(pmap.count)  # where this object's next sampled get starts
@@ -238,7 +239,20 @@ class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowSta
 
     @property
     def schema(self) -> Schema:
+        _ = self._check  # adopts a growth partition 0 adopted
         return self._schema
+
+    @property
+    def _check(self) -> DockChecks:
+        """Checks against the dock's schema as partition 0 holds it now: a growth (``grow``) that partition
+        adopted (this process's, or another's once partition 0 made a call since) is adopted here too, as a
+        dock of one partition adopts one at its next call."""
+        first = self._parts[0].schema
+        if first is not self._seen:
+            grown = dataclasses.replace(self._schema, columns=first.columns, consumers=first.consumers,
+                                        group_columns=first.group_columns)
+            self._schema, self._checks, self._seen = grown, DockChecks(self._name, grown), first
+        return self._checks
 
     @property
     def prompts_num(self) -> int:
@@ -342,7 +356,17 @@ class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowSta
     def refresh(self) -> Schema:
         for part in self._parts:
             part.refresh()
-        return self._schema
+        return self.schema
+
+    def grow(self, columns: Sequence[str] = (), consumers: Sequence[str] = (),
+             group_columns: Sequence[str] = ()) -> Schema:
+        """Add columns and consumers (see ``TransferDock.grow``) to every partition, in order. A growth that
+        partition 0 refuses (a name taken, a group column of per-row values) changes nothing; one that fails
+        in a later partition (the server went away) leaves the earlier ones grown: repeat it (names a partition
+        has are skipped). Until every partition has grown, a put or get naming a new name is refused whole
+        (every partition's part is checked before any is sent): the partitions never disagree on a row."""
+        self._every(lambda part: part.grow(columns, consumers, group_columns))
+        return self.schema
 
     def delete(self) -> None:
         """Delete the dock: its record first (no one opens it after that), then every partition."""
@@ -376,15 +400,6 @@ class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowSta
             if local:
                 return self._pmap.global_rows(p, local)
         return None
-
-    # -- not on a partitioned dock yet ----------------------------------------------------------
-
-    def _unsupported(self, what: str) -> BrokerError:
-        return InvalidExperienceError(f"dock {self._name!r} has {self._pmap.count} partitions: {what} is not "
-                                      "supported on a partitioned dock yet (make it with partitions=1)")
-
-    def grow(self, *args: Any, **kwargs: Any) -> Schema:
-        raise self._unsupported("grow")
 
 
 def _reattach(target: str, name: str, opening: dict[str, Any]) -> PartitionedDock:

@@ -45,7 +45,6 @@ from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, 
 from broker.api.puts import Prepared, value_count
 from broker.control.put_listener import PutListener
 from broker.control.rollout import Rollout
-from broker.control.schema import Schema
 from broker.data import collector
 from broker.data.row_count import row_count_error
 from broker.data.stacking import stack_decoded
@@ -80,11 +79,13 @@ class PartitionedMoves:
     _name: str
     _parts: list[TransferDock]
     _pmap: PartitionMap
-    _check: DockChecks
+
+    @property
+    def _check(self) -> DockChecks:  # PartitionedDock's: the dock's schema as its partitions hold it now
+        raise NotImplementedError
     _listener: PutListener
     _turn: int
     _rollout: Rollout
-    _schema: Schema
 
     def _ours(self, delivery: Any) -> PartitionedRows | PartitionedLeasedRows:
         """``delivery`` if it is rows this kind of dock handed out, else InvalidExperienceError."""
@@ -177,7 +178,7 @@ class PartitionedMoves:
         asked = self._parts[0].consumer_columns(consumer) if experience_columns is None else experience_columns
         # The rollout consumer may ask for its rows' ages beside the columns: each partition's take adds them.
         with_age = (generating and isinstance(asked, (list, tuple)) and AGE_COLUMN in asked
-                    and AGE_COLUMN not in self._schema.columns)
+                    and AGE_COLUMN not in self._parts[0].columns)
         columns = self._check.columns_to_read([c for c in asked if c != AGE_COLUMN] if with_age else asked)
         if with_age:
             columns.append(AGE_COLUMN)

@@ -90,6 +90,7 @@ def test_rollout_ranks_never_get_the_same_request_index(url):
     assert dock.prefetch_request_index(3) is None and dock.get_cur_index() >= 100
 
 
+@pytest.mark.one_partition("one cursor over the whole dock (a partitioned dock's go round its partitions)")
 def test_the_cursor_follows_mindspeed_and_a_whole_clear_resets_it(make_dock):
     dock = make_dock(prompts_num=5, n=1)
     assert dock.get_cur_index() == 0
@@ -115,7 +116,7 @@ def test_registered_consumer_columns_are_read_when_none_are_given(make_dock):
     assert other.consumer_columns() == ["prompts", "responses", "rewards"]
     dock.put_experience({"prompts": torch.ones(2, 1), "responses": torch.zeros(2, 1)}, [0, 1])
     batch, rows = other.get_experience("actor_train", experience_count=2)
-    assert set(batch) == {"prompts", "responses"} and rows == [0, 1]
+    assert set(batch) == {"prompts", "responses"} and sorted(rows) == [0, 1]
     dock.clear()
     assert other.consumer_columns("actor_rollout") == ["prompts"]  # the pipeline outlives a batch
 
@@ -142,13 +143,14 @@ def test_growing_a_dock_keeps_its_rows_and_other_processes_follow(make_dock):
     assert grown.columns == ("prompts", "labels") and grown.consumers == ("actor_train", "critic")
     assert dock.grow(columns=["labels"]) == grown  # again: nothing to do
     dock.put_experience({"labels": ["a", "b"]}, [0, 1])
-    batch, _ = old.get_experience("actor_train", ["prompts"], 2)  # its script saw the change and it adopted it
-    assert [int(x) for x in batch["prompts"]] == [1, 2]
+    batch, rows = old.get_experience("actor_train", ["prompts"], 2)  # its script saw the change and it adopted it
+    assert {r: int(x) for r, x in zip(rows, batch["prompts"])} == {0: 1, 1: 2}
     assert old.columns == ("prompts", "labels")
-    batch, _ = old.get_experience("critic", ["prompts", "labels"], 2)
-    assert batch["labels"] == ["a", "b"]
+    batch, rows = old.get_experience("critic", ["prompts", "labels"], 2)
+    assert dict(zip(rows, batch["labels"])) == {0: "a", 1: "b"}
 
 
+@pytest.mark.one_partition("it opens the dock again as a dock of one partition")
 def test_a_change_that_would_lose_rows_is_refused(make_dock, client):
     dock = make_dock(prompts_num=2, n=1, columns=("prompts",), consumers=("actor_train",))
     with pytest.raises(SchemaError, match="prompts_num: stored 2, requested 3"):
@@ -194,9 +196,17 @@ def test_threads_sharing_a_dock_follow_growth_without_taking_it_for_a_recreation
     assert len(dock.refresh().consumers) == 150
 
 
+@pytest.mark.one_partition("it makes the dock again as a dock of one partition")
 def test_a_recreated_dock_is_not_mistaken_for_a_grown_one(make_dock, client):
     dock = make_dock(prompts_num=2, n=1, columns=("prompts",), consumers=("actor_train",))
     dock.delete()
     small_dock(client, dock.name, 2, 1, ("prompts", "x"), ("other",))
     with pytest.raises(SchemaError):
         dock.get_experience("actor_train", ["prompts"], 1)
+
+
+@pytest.fixture(params=[1, 2], ids=["whole", "partitioned"])
+def partitions(request) -> int:
+    """Every test of this file also on a dock of two partitions (see tests/conftest.py): a partitioned dock
+    grows every partition, and its objects follow a growth as a dock of one partition's do."""
+    return request.param
