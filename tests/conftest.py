@@ -167,15 +167,23 @@ def make_dock(client, partitions):
     where the dock has that many groups and, under partial rollout, a batch of at least that many: the rest of
     a partitioned file stays whole)."""
 
+    made: list[TransferDock] = []
+
     def make(prompts_num: int = 4, n: int = 2, columns=("prompts", "responses"),
              consumers=("actor_rollout", "actor_train"), name: str | None = None, **kwargs) -> TransferDock:
         rollout = kwargs.get("rollout")
         if (partitions > 1 and prompts_num >= partitions
                 and (rollout is None or not rollout.partial or rollout.gbs_train >= partitions)):
             kwargs.setdefault("partitions", partitions)
-        return small_dock(client, name or f"t{next(_names)}", prompts_num, n, columns, consumers, **kwargs)
+        dock = small_dock(client, name or f"t{next(_names)}", prompts_num, n, columns, consumers, **kwargs)
+        made.append(dock)
+        return dock
 
-    return make
+    yield make
+    # Closed, so that no dock's put listener (one subscription, kept up to its idle time after a waiting get)
+    # outlives its test on the server the next test counts subscribers on. The client is the fixture's.
+    for dock in made:
+        dock.close()
 
 
 @pytest.fixture(scope="session")

@@ -17,12 +17,24 @@ CONSUMERS = ["actor_rollout", "reward", "actor_train"]
 N = 2
 
 
+#: Docks a test made, closed after it (``closed``).
+_made: list[TransferDock] = []
+
+
+@pytest.fixture(autouse=True)
+def closed():
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def _partial(client, name="pr", prompts=6, partitions=3, gbs_train=3, max_age=3, **kwargs):
     """Groups g of partition g % 3 (blocks of one group: six groups over three partitions)."""
     rollout = Rollout(response_columns=("responses", "response_length"), max_age=max_age, gbs_train=gbs_train,
                       **kwargs)
-    return TransferDock(client, name, prompts, N, COLUMNS, CONSUMERS, length_columns=["prompt_length",
-                        "response_length"], rollout=rollout, partitions=partitions)
+    _made.append(TransferDock(client, name, prompts, N, COLUMNS, CONSUMERS, length_columns=["prompt_length",
+                              "response_length"], rollout=rollout, partitions=partitions))
+    return _made[-1]
 
 
 def _prompts(dock, groups):
@@ -138,7 +150,9 @@ def test_finished_rows_and_unready_speak_in_the_docks_rows(client):
 def _bounded(client, name="sb", policy="drop"):
     rollout = Rollout(response_columns=("responses",), prompt_columns=("prompts",), max_staleness=0,
                       stale_policy=policy, gbs_train=3)
-    return TransferDock(client, name, 6, N, ["prompts", "responses"], CONSUMERS, rollout=rollout, partitions=3)
+    _made.append(TransferDock(client, name, 6, N, ["prompts", "responses"], CONSUMERS, rollout=rollout,
+                              partitions=3))
+    return _made[-1]
 
 
 def _versioned(dock, groups, version):
@@ -179,6 +193,7 @@ def test_regenerated_groups_go_back_to_the_rollout_of_their_partition(client):
 def test_admission_counts_each_partitions_batches_of_its_share(client):
     rollout = Rollout(response_columns=("responses",), max_staleness=1, gbs_train=2)
     dock = TransferDock(client, "adm", 8, 1, ["prompts", "responses"], CONSUMERS, rollout=rollout, partitions=2)
+    _made.append(dock)
     # Each partition: four rows, batches of one row (its share); at version 0 with staleness 1, two of them.
     handed = [dock.prefetch_request_index(1) for _ in range(4)]
     assert sorted(r for [r] in handed) == [0, 1, 2, 3]  # the partitions hold rows {0, 1, 4, 5} and {2, 3, 6, 7}
