@@ -197,6 +197,7 @@ class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowSta
         first = parts[0].session
         self._listener = PutListener(first.client, [p.keys.events for p in parts], sharded=first.sharded_events)
         self._turn = random.randrange(pmap.count)  # where this object's next sampled get starts
+        self._dealt = [0] * pmap.count  # reserve_groups' round robin (partitioned_generation.py)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

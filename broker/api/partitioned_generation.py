@@ -12,11 +12,12 @@ of one partition is cut into shares here:
   hold the same groups in every partition. ``get_update_ready`` is true once every partition is ready: its
   share finished (and, as asked, none of age ``max_age - 1`` unfinished). A get of the whole batch joins the
   partitions' shares (partitioned_moves.py); one partition short, it gives back what it took and waits.
-- **New prompts go where the batch will be taken**: ``reserve_groups(count)`` claims free groups in every
-  partition in proportion to its share, so each partition gets prompts for its share; one partition with too
-  few free groups gives back the others' claims and the call returns None, as a dock of one partition does
-  when too few are free. A caller putting prompts at rows of its own choosing should spread them likewise,
-  or a partition may never fill its share.
+- **New prompts go where the batch will be taken**: ``reserve_groups(count)`` deals the groups to the
+  partitions by their shares (``_reservation_parts``), so each partition gets prompts for its share; one
+  partition with too few free groups gives back the others' claims and the call returns None, as a dock of
+  one partition does when too few are free. A caller putting prompts at rows of its own choosing should
+  spread them likewise, or a partition may never fill its share (and, as on a dock of one partition, a run
+  whose last prompts cannot fill a batch waits for the prompts it lacks).
 - **The rollout consumer** takes unfinished rows oldest first within each partition, from the partitions in
   turn (this object's rotation), as many as there are (at least one row): oldest first holds per partition.
 - **The staleness bound** holds per partition against the version that partition has seen: ``set_version``
@@ -102,7 +103,8 @@ class PartitionedGeneration:
     def _check(self) -> DockChecks:  # PartitionedDock's: the dock's schema as its partitions hold it now
         raise NotImplementedError
     _rollout: Rollout
-    _turn: int
+    #: The smooth weighted round robin's counters of ``reserve_groups`` (one per partition).
+    _dealt: list[int]
 
     @property
     def rollout(self) -> Rollout:
@@ -176,16 +178,21 @@ class PartitionedGeneration:
         return sorted(self._pmap.global_group(p, g) for p, got in claimed.items() for g in got.groups)
 
     def _reservation_parts(self, count: int) -> dict[int, int]:
-        """How many of ``count`` groups each partition claims: in proportion to its share of the batch (to the
-        groups it holds without partial rollout); the odd groups go round the partitions from this object's
-        turn, so calls of one group each spread too."""
-        weights = ([r.gbs_train for r in (p.rollout for p in self._parts)] if self._rollout.partial
+        """How many of ``count`` groups each partition claims: dealt one at a time by smooth weighted round
+        robin (nginx's upstream balancing), weights the shares of the batch (without partial rollout, the
+        groups each partition holds). Any run of ``gbs_train`` groups this object reserves, in one call or in
+        calls of one, gives each partition its share exactly, so an iteration that refills what the last one
+        trained refills each partition's share and every partition can finish it (the stop signal waits for
+        all). Threads sharing the object may race on the counters: that only shifts which partition is next."""
+        weights = ([p.rollout.gbs_train for p in self._parts] if self._rollout.partial
                    else [self._pmap.prompts_of(p) for p in range(self._pmap.count)])
         total = sum(weights)
-        out = [count * w // total for w in weights]
-        start = self._turn
-        self._turn = (start + 1) % self._pmap.count
-        order = sorted(range(self._pmap.count), key=lambda p: (-(count * weights[p] % total), (p - start) % len(out)))
-        for p in order[:count - sum(out)]:
-            out[p] += 1
+        current = self._dealt
+        out = [0] * len(weights)
+        for _ in range(count):
+            for p, w in enumerate(weights):
+                current[p] += w
+            chosen = max(range(len(weights)), key=current.__getitem__)
+            current[chosen] -= total
+            out[chosen] += 1
         return {p: c for p, c in enumerate(out) if c}

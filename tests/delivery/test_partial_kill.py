@@ -63,11 +63,15 @@ def _rollout_worker(url: str, name: str, seed: int) -> None:
         dock.client.delete(generating)
 
 
-def test_rollout_workers_killed_mid_generation_lose_nothing(url):
+@pytest.mark.parametrize("partitions", [1, pytest.param(2, marks=pytest.mark.once)], ids=["whole", "partitioned"])
+def test_rollout_workers_killed_mid_generation_lose_nothing(url, partitions):
+    """On two partitions too (each holding its share, one group, of the batch; behind ``once``, a run more):
+    the workers open the dock by name, the refill's one-group reservations alternate between them."""
     name = "partial-kill"
     rollout = Rollout(response_columns=("responses", "response_length"), max_age=LENGTH + 1, gbs_train=GBS)
     dock = TransferDock(url, name, GROUPS_IN_DOCK, N, ["prompts", "responses", "response_length"],
-                        ["actor_rollout", "actor_train"], length_columns=["response_length"], rollout=rollout)
+                        ["actor_rollout", "actor_train"], length_columns=["response_length"], rollout=rollout,
+                        partitions=partitions)
     next_prompt = 0
 
     def refill() -> None:

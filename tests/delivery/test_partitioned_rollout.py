@@ -121,6 +121,16 @@ def test_reservations_go_to_the_partitions_in_proportion_or_not_at_all(client):
     assert last is not None and sorted(partition(g) for g in last) == [0, 1, 2]
 
 
+def test_reservations_of_one_group_each_give_every_partition_its_share(client):
+    """A trainer refilling one group at a time (as test_partial_kill.py's): any gbs_train of them hold each
+    partition's share, here 2 and 1, else a partition could not finish its share and the stop signal waits."""
+    dock = _partial(client, prompts=12, partitions=2, gbs_train=3)
+    assert [p.rollout.gbs_train for p in dock.partitions] == [2, 1]
+    for _ in range(2):
+        got = [dock.reserve_groups(1, "prompts") for _ in range(3)]
+        assert sorted(dock.partition_map.local_group(g)[0] for [g] in got) == [0, 0, 1]
+
+
 def test_the_rollout_takes_unfinished_rows_of_every_partition_with_their_ages(client):
     dock = _partial(client)
     _prompts(dock, [0, 1, 2])
