@@ -41,10 +41,11 @@ from collections.abc import Sequence
 
 import torch
 
-from broker.api.checks import DockChecks, is_int
+from broker.api.checks import is_int
 from broker.api.dock import TransferDock
 from broker.api.partition_map import PartitionMap
 from broker.api.partitioned_moves import every
+from broker.api.partitioned_parts import PartitionedParts
 from broker.control.rollout import Rollout
 from broker.control.scripts import Reservation
 from broker.errors import InvalidExperienceError, SchemaError
@@ -92,17 +93,9 @@ def dock_rollout(name: str, parts: Sequence[TransferDock], pmap: PartitionMap) -
     return whole
 
 
-class PartitionedGeneration:
+class PartitionedGeneration(PartitionedParts):
     """Partial rollout, the stop signal and reservations over the partitions: a base of ``PartitionedDock``."""
 
-    _name: str
-    _parts: list[TransferDock]
-    _pmap: PartitionMap
-
-    @property
-    def _check(self) -> DockChecks:  # PartitionedDock's: the dock's schema as its partitions hold it now
-        raise NotImplementedError
-    _rollout: Rollout
     #: The smooth weighted round robin's counters of ``reserve_groups`` (one per partition).
     _dealt: list[int]
 

@@ -34,17 +34,15 @@ import numpy as np
 import torch
 
 from broker.api.balance import balanced_batch, dp_padded
-from broker.api.checks import DockChecks, check_flag, check_lease, check_timeout, check_version
+from broker.api.checks import check_flag, check_lease, check_timeout, check_version
 from broker.api.delivery import HandedRows, LeasedRows, check_delivery
-from broker.api.dock import TransferDock
 from broker.api.dp_padding import drop_padding
 from broker.api.generation import AGE_COLUMN
 from broker.api.get_request import GetRequest
-from broker.api.partition_map import PartitionMap
+from broker.api.partitioned_parts import PartitionedParts
 from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows, tokens_of
 from broker.api.puts import Prepared, value_count
 from broker.control.put_listener import PutListener
-from broker.control.rollout import Rollout
 from broker.data import collector
 from broker.data.row_count import row_count_error
 from broker.data.stacking import stack_decoded
@@ -73,19 +71,11 @@ class Take:
     fewer: bool = False
 
 
-class PartitionedMoves:
+class PartitionedMoves(PartitionedParts):
     """Rows in and out, cut by partition: a base of ``PartitionedDock``."""
 
-    _name: str
-    _parts: list[TransferDock]
-    _pmap: PartitionMap
-
-    @property
-    def _check(self) -> DockChecks:  # PartitionedDock's: the dock's schema as its partitions hold it now
-        raise NotImplementedError
     _listener: PutListener
     _turn: int
-    _rollout: Rollout
 
     def _ours(self, delivery: Any) -> PartitionedRows | PartitionedLeasedRows:
         """``delivery`` if it is rows this kind of dock handed out, else InvalidExperienceError."""

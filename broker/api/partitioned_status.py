@@ -7,15 +7,12 @@ from collections.abc import Sequence
 
 import torch
 
-from broker.api.dock import TransferDock
-from broker.api.partition_map import PartitionMap
+from broker.api.partitioned_parts import PartitionedParts
 
 
-class PartitionedRowStatus:
+class PartitionedRowStatus(PartitionedParts):
     """Per-row status over the partitions: a base of ``PartitionedDock``."""
 
-    _parts: list[TransferDock]
-    _pmap: PartitionMap
 
     def dead_letters(self, consumer: str | None = None) -> dict[str, dict[int, str]]:
         out: dict[str, dict[int, str]] = {}
