@@ -48,6 +48,7 @@ import torch
 
 from broker.api.checks import DockChecks, is_int
 from broker.api.dock import DEAD_LETTER_AFTER, TransferDock
+from broker.api.drained import DRAINED_SECONDS, Drained
 from broker.api.partition_map import PartitionMap, default_block
 from broker.api.partition_record import (
     RECORD_FORMAT,
@@ -186,6 +187,7 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
         first = parts[0].session
         self._listener = PutListener(first.client, [p.keys.events for p in parts], sharded=first.sharded_events)
         self._turn = random.randrange(pmap.count)  # where this object's next sampled get starts
+        self._drained = Drained(DRAINED_SECONDS)  # partitions a get asks last (partitioned_moves.py)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -280,6 +282,7 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
 
     def clear(self, indexes: Sequence[int] | None = None, *, consumer: str | None = None, age: bool = True) -> None:
         """Forget rows (see ``TransferDock.clear``): ``indexes`` cut by partition, or every partition in order."""
+        self._drained.refilled()  # a consumer's clear offers its rows again
         if indexes is not None:
             rows = self._check.rows(indexes)
             every([functools.partial(self._parts[p].clear, local, consumer=consumer, age=age)
@@ -295,6 +298,7 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
         return min(part.version() for part in self._parts)
 
     def reset_consumer(self, consumer: str, indexes: Sequence[int] | None = None) -> int:
+        self._drained.refilled()  # its rows are offered again
         if indexes is None:
             return sum(self._every(lambda part: part.reset_consumer(consumer)))
         rows = self._check.rows(indexes)
@@ -347,6 +351,7 @@ class PartitionedDock(PartitionedMoves, PartitionedRowStatus):
         return all(done)
 
     def reclaim(self, consumer: str, *, all_leases: bool = False) -> int:
+        self._drained.refilled()  # leases given back: their rows are offered again
         return sum(part.reclaim(consumer, all_leases=all_leases) for part in self._parts)
 
     def get_cur_index(self) -> int:

@@ -19,6 +19,23 @@ The interleavings of a sampled get that takes from several partitions (``_sample
 - the process dies between a's take and its give-back: a's rows stay handed out: under a lease, until it runs
   out (the usual recovery); without one, for good, as a dock of one partition loses a batch whose caller died
   after the sampling script ran. Use leases where workers may die.
+
+Partitions found drained are asked last (``drained.py``): a take's sampling script says, atomically with its
+pick, how many units still qualify in its partition for this consumer and these columns; with none left the
+partition is marked, and this object's gets of that consumer and those columns ask it after the others. What
+that relies on:
+
+- a mark only reorders a get's partitions. A get gives its takes back and returns None (or waits) only after
+  asking every partition, marked ones included, exactly as before: it never comes back short because of a mark
+  while the partitions it asked held enough when it asked them.
+- a mark out of date (the partition was refilled after it was made): by this object's put into it, give-back to
+  it (``_give_back``, ``give_back``), ``reset_consumer`` or ``clear``, the mark is dropped then; by another
+  process's put or give-back, or a lease there running out (which the partition's next sampling script reclaims),
+  the partition is still asked whenever the others fall short, and in its turn again once the mark runs out
+  (``drained.DRAINED_SECONDS``, as long as a lost put wake-up can delay a reader): never starved.
+- a partition drained after the mark was made on another thread, or by another process: the take asked there
+  finds nothing, as without marks; its script says so, and it is marked.
+- two threads of one object marking and reading marks at once: a lost update only reorders a later get.
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ from broker.api.checks import DockChecks, check_flag, check_lease, check_timeout
 from broker.api.delivery import HandedRows, LeasedRows, check_delivery
 from broker.api.dock import TransferDock
 from broker.api.dp_padding import drop_padding
+from broker.api.drained import Drained, DrainKey
 from broker.api.get_request import GetRequest
 from broker.api.partition_map import PartitionMap
 from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows, tokens_of
@@ -65,6 +83,7 @@ class PartitionedMoves:
     _check: DockChecks
     _listener: PutListener
     _turn: int
+    _drained: Drained
 
     def _ours(self, delivery: Any) -> PartitionedRows | PartitionedLeasedRows:
         """``delivery`` if it is rows this kind of dock handed out, else InvalidExperienceError."""
@@ -86,12 +105,14 @@ class PartitionedMoves:
                             f"rows {self._pmap.global_rows(p, shown)}]",)
             raise
 
-    def _order(self) -> list[int]:
-        """The partitions in the order this call visits them: from this object's next turn round."""
+    def _order(self, key: DrainKey | None = None) -> list[int]:
+        """The partitions in the order this call visits them: from this object's next turn round; with ``key``
+        (a sampled get's), those found drained for it last (see the module docstring)."""
         count = self._pmap.count
         start = self._turn
         self._turn = (start + 1) % count  # a race between threads only shifts where a call starts
-        return [(start + k) % count for k in range(count)]
+        order = [(start + k) % count for k in range(count)]
+        return order if key is None else self._drained.order(key, order)
 
     # -- puts ----------------------------------------------------------------------------------
 
@@ -133,7 +154,10 @@ class PartitionedMoves:
                 prepared.append((p, local, self._parts[p]._puts.prepare(
                     part_data, local, is_prompt=is_prompt, rollout_completed=done, version=version,
                     delivery=None if delivery is None else delivery.part(p, local), ack=ack)))
-        every([functools.partial(self._send, p, local, put) for p, local, put in prepared if put is not None])
+        try:
+            every([functools.partial(self._send, p, local, put) for p, local, put in prepared if put is not None])
+        finally:  # even a put that failed part way may have made rows ready there
+            self._drained.refilled(split, data_dict)
 
     def _send(self, p: int, local: list[int], put: Prepared) -> None:
         with self._at(p, local):
@@ -190,7 +214,8 @@ class PartitionedMoves:
                 lease: float | None, stack: bool) -> tuple[Any, list[int], bool] | None:
         """One attempt: takes from the partitions in turn until ``count`` rows (whole groups when ``groups``)
         are taken, or every take given back and None (see the module docstring)."""
-        order = self._order()
+        key = Drained.key(consumer, groups, columns)
+        order = self._order(key)
         n = self._pmap.n
         # ``count`` is in units (groups in group mode): a group offered again with some rows acked hands out only
         # the rest of its rows, and still counts as one.
@@ -200,13 +225,13 @@ class PartitionedMoves:
             held = self._pmap.prompts_of(p)  # no partition is asked for more than it holds
             ask = min(wanted, held) * n if groups else min(wanted, held * n)
             if not taken:  # the first partition's take may be the whole call: then returned as it is
-                batch, rows = self._take_some(p, consumer, columns, ask, groups, policy, lease, stack)
+                batch, rows = self._take_some(p, consumer, columns, ask, groups, policy, lease, stack, key)
                 if rows is not None and _units(rows, n, groups) == wanted:
                     return batch, self._delivered(consumer, lease, {p: (batch, rows)}, [p]), False
                 if batch is not None and stack:  # a part of a larger batch: rows, to be joined, then stacked
                     batch = {c: _unstacked(v) for c, v in batch.items()}
             else:
-                batch, rows = self._take_some(p, consumer, columns, ask, groups, policy, lease, False)
+                batch, rows = self._take_some(p, consumer, columns, ask, groups, policy, lease, False, key)
             if rows is None:
                 continue
             taken[p] = (batch, rows)
@@ -221,10 +246,16 @@ class PartitionedMoves:
         return joined, self._delivered(consumer, lease, taken, visited), True
 
     def _take_some(self, p: int, consumer: str, columns: list[str], count: int, groups: bool, policy: str | None,
-                   lease: float | None, stack: bool) -> tuple[Any, HandedRows] | tuple[None, None]:
-        """One take of partition ``p``, no wait: up to ``count`` rows, what qualifies there (at least one unit)."""
-        request = GetRequest(consumer, columns, count, None, groups, None, policy, lease, stack=stack, fewer=True)
-        return self._parts[p]._handouts.get(request)  # type: ignore[return-value]  # a hand-out: HandedRows
+                   lease: float | None, stack: bool, key: DrainKey) -> tuple[Any, HandedRows] | tuple[None, None]:
+        """One take of partition ``p``, no wait: up to ``count`` rows, what qualifies there (at least one unit);
+        a partition left with nothing that qualifies is marked drained for ``key``."""
+        left: list[int] = []
+        request = GetRequest(consumer, columns, count, None, groups, None, policy, lease, stack=stack, fewer=True,
+                             on_left=left.append)
+        got = self._parts[p]._handouts.get(request)
+        # Nothing handed out: with ``fewer`` that means nothing qualified (its script said 0 left too).
+        self._drained.saw(key, p, left[-1] if left and got[1] is not None else 0)
+        return got  # type: ignore[return-value]  # a hand-out: HandedRows
 
     def _get_rows(self, consumer: str, columns: list[str], rows: list[int], groups: bool, timeout: float | None,
                   policy: str | None, lease: float | None) -> tuple[dict[str, list[Any]], list[int]]:
@@ -271,8 +302,11 @@ class PartitionedMoves:
 
     def _give_back(self, consumer: str, taken: Parts, groups: bool) -> None:
         """Give back what a call took and will not deliver (see the module docstring)."""
-        for p, (_, handed) in taken.items():
-            self._parts[p]._handouts.give_back(consumer, handed, groups)
+        try:
+            for p, (_, handed) in taken.items():
+                self._parts[p]._handouts.give_back(consumer, handed, groups)
+        finally:
+            self._drained.refilled(taken)
 
     def _row_costs(self, rows: list[int], columns: list[str]) -> list[int]:
         cost = [0] * len(rows)
@@ -346,11 +380,15 @@ class PartitionedMoves:
                                          "returned under a lease")
         plain = self._check.rows(drop_padding({}, rows)[1])
         given = 0
-        for p, (_, local) in self._pmap.split(plain).parts.items():
-            part = rows.part(p, local)
-            assert isinstance(part, LeasedRows)  # a leased call's parts are leased
-            with self._at(p, local):
-                given += self._parts[p].give_back(consumer, part)
+        split = self._pmap.split(plain).parts
+        try:
+            for p, (_, local) in split.items():
+                part = rows.part(p, local)
+                assert isinstance(part, LeasedRows)  # a leased call's parts are leased
+                with self._at(p, local):
+                    given += self._parts[p].give_back(consumer, part)
+        finally:
+            self._drained.refilled(split)
         return given
 
     def drop_groups(self, consumer: str, groups: Sequence[int], *, delivery: HandedRows | None = None) -> int:
