@@ -13,8 +13,9 @@ What becomes per partition, said plainly:
 - **FIFO** holds within a partition: a sampled get takes the lowest ready groups of the partition it takes from.
 - **A sampled get** runs its script on one partition at a time, from where this object's rotation stands (it
   starts at a random partition and moves on each call), so consumers spread and none is starved; it takes
-  what qualifies there, then asks the next partition for the rest. If the partitions together fall short,
-  every take is given back and the call waits or returns ``(None, None)`` (``partitioned_moves.py`` has the
+  what qualifies there, then asks the next partition for the rest. Partitions its takes found drained for that
+  consumer and those columns are asked last (``drained.py``). If the partitions together fall short, every
+  take is given back and the call waits or returns ``(None, None)`` (``partitioned_moves.py`` has the
   interleavings).
 - **Explicit rows** (``indexes=``, ``take``) are cut by partition and taken partition by partition, each atomic;
   a part that fails (rows not written in time, already taken by an exclusive take) gives back the parts taken.
