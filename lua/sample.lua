@@ -63,11 +63,13 @@ Otherwise, as in MindSpeed, it picks at random. Lengths are read from the u32 ar
 (td:{NAME}:len:COLUMN), so weighing never reads or decodes a row.
 
 Returns an empty list if fewer units qualify than asked (or the cap is reached), else {epoch,
-generations, tiers, stale, start, length, start, length, ...}: the picked rows as runs, ascending (a
+generations, tiers, stale, left, start, length, start, length, ...}: the picked rows as runs, ascending (a
 batch of whole groups is a few runs, not a list of every row), with the epoch and the rows'
 generations (4 bytes each, in run order) that the read of their bytes checks, the tier each row came
-from ("t,t,..." in run order, 0 for none; "" without tiers) and the stale groups left out ("g,g,...").
-When stale groups were left out and nothing is handed out, the reply is {-1, "", "", stale}.
+from ("t,t,..." in run order, 0 for none; "" without tiers), the stale groups left out ("g,g,...") and
+how many units still qualified after this pick (the count it already has: a partitioned dock's get
+skips a partition that has none left, instead of a script call that would find nothing there).
+When stale groups were left out and nothing is handed out, the reply is {-1, "", "", stale, 0}.
 ]]
 -- @include bits
 -- @include schema
@@ -173,7 +175,7 @@ if available < count or available == 0 then
   redis.call('DEL', scratch)
   if scratch2 then redis.call('DEL', scratch2) end
   if scratch3 then redis.call('DEL', scratch3) end
-  if #stale > 0 then return {-1, '', '', stale_text} end
+  if #stale > 0 then return {-1, '', '', stale_text, 0} end
   return {}
 end
 
@@ -388,6 +390,6 @@ local epoch = epoch_of(KEYS[8])
 local generations = generations_of_runs(KEYS[9], starts, lengths)
 local runs = {}
 for i = 1, #starts do runs[2 * i - 1], runs[2 * i] = starts[i], lengths[i] end
-local reply = {epoch, generations, tiers, stale_text}
-for i = 1, #runs do reply[i + 4] = runs[i] end
+local reply = {epoch, generations, tiers, stale_text, available - count}
+for i = 1, #runs do reply[i + 5] = runs[i] end
 return keep_reply(reply_key, reply_ttl, reply)

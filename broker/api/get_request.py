@@ -8,7 +8,7 @@ along the whole path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["GetRequest"]
@@ -37,3 +37,6 @@ class GetRequest:
     #: fewer than ``experience_count`` units do. A partitioned dock's get asks each partition so
     #: (``broker/api/partitioned.py``); a partial rollout's rollout consumer samples so anyway.
     fewer: bool = False
+    #: Not a parameter either: told, after each sampling script, how many units still qualified there after its
+    #: pick (0 when it handed nothing out). A partitioned dock's get uses it to ask a drained partition last.
+    on_left: Callable[[int], None] | None = None

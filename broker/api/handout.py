@@ -108,7 +108,7 @@ class Handouts:
                 if request.fewer and not select.fewer:
                     select = dataclasses.replace(select, fewer=True)
                 sampler = self._sampler(consumer, columns, count, groups, policy, lease_ms, call, weights, select,
-                                        stack)
+                                        stack, request.on_left)
                 got = self._wait(sampler, timeout)
             if got is None:
                 call.empty = True
@@ -194,8 +194,10 @@ class Handouts:
     def _sampler(
         self, consumer: str, columns: list[str], count: int, groups: bool, policy: str, lease_ms: int,
         call: metrics.Call, weigh_by: Sequence[str] = (), select: Selection = _PLAIN, stack: bool = False,
+        on_left: Callable[[int], None] | None = None,
     ) -> Callable[[], tuple[Batch, list[int]] | None]:
-        """One sampling attempt of ``count`` units (groups when ``groups``, else rows), checked already."""
+        """One sampling attempt of ``count`` units (groups when ``groups``, else rows), checked already;
+        ``on_left`` is told what each sampling script says still qualifies after its pick."""
         rollout = self._s.schema.rollout
         # The rollout consumer's response columns are not ready while rows are out for generation, and
         # a row it is handed back (lease expired, or put unfinished) still holds its partial response:
@@ -221,6 +223,8 @@ class Handouts:
                 ))
                 if sampled.stale:
                     self._generation.discard_stale(list(sampled.stale), select.max_staleness)
+                if on_left is not None:
+                    on_left(sampled.left)
                 handout = sampled.handout
                 if handout is None:
                     return None

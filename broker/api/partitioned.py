@@ -13,8 +13,9 @@ What becomes per partition, said plainly:
 - **FIFO** holds within a partition: a sampled get takes the lowest ready groups of the partition it takes from.
 - **A sampled get** runs its script on one partition at a time, from where this object's rotation stands (it
   starts at a random partition and moves on each call), so consumers spread and none is starved; it takes
-  what qualifies there, then asks the next partition for the rest. If the partitions together fall short,
-  every take is given back and the call waits or returns ``(None, None)`` (``partitioned_moves.py`` has the
+  what qualifies there, then asks the next partition for the rest. Partitions its takes found drained for that
+  consumer and those columns are asked last (``drained.py``). If the partitions together fall short, every
+  take is given back and the call waits or returns ``(None, None)`` (``partitioned_gets.py`` has the
   interleavings).
 - **Explicit rows** (``indexes=``, ``take``) are cut by partition and taken partition by partition, each atomic;
   a part that fails (rows not written in time, already taken by an exclusive take) gives back the parts taken.
@@ -47,6 +48,7 @@ from typing import Any, TypeVar
 
 from broker.api.checks import DockChecks, is_int
 from broker.api.dock import DEAD_LETTER_AFTER, TransferDock
+from broker.api.drained import DRAINED_SECONDS, Drained
 from broker.api.partition_map import PartitionMap, default_block
 from broker.api.partition_record import (
     RECORD_FORMAT,
@@ -57,7 +59,8 @@ from broker.api.partition_record import (
     root_session,
 )
 from broker.api.partitioned_generation import PartitionedGeneration, dock_rollout, partition_rollouts
-from broker.api.partitioned_moves import PartitionedMoves, every
+from broker.api.partitioned_gets import PartitionedGets
+from broker.api.partitioned_moves import every
 from broker.api.partitioned_status import PartitionedRowStatus
 from broker.api.session import DockSession
 from broker.connection import DEFAULT_CALL_TIMEOUT, Client, spread_tags
@@ -74,7 +77,7 @@ T = TypeVar("T")
 
 
 
-class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowStatus):
+class PartitionedDock(PartitionedGets, PartitionedGeneration, PartitionedRowStatus):
     """A dock of P partitions (see the module docstring); made by ``TransferDock(..., partitions=P)`` with P > 1
     and opened by ``TransferDock.attach``, with the dock's methods and the dock's row indexes."""
 
@@ -198,6 +201,7 @@ class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowSta
         self._listener = PutListener(first.client, [p.keys.events for p in parts], sharded=first.sharded_events)
         self._turn = random.randrange(pmap.count)  # where this object's next sampled get starts
         self._dealt = [0] * pmap.count  # reserve_groups' round robin (partitioned_generation.py)
+        self._drained = Drained(DRAINED_SECONDS)  # partitions a get asks last (partitioned_gets.py)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -307,6 +311,7 @@ class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowSta
 
     def clear(self, indexes: Sequence[int] | None = None, *, consumer: str | None = None, age: bool = True) -> None:
         """Forget rows (see ``TransferDock.clear``): ``indexes`` cut by partition, or every partition in order."""
+        self._drained.refilled()  # a consumer's clear offers its rows again
         if indexes is not None:
             rows = self._check.rows(indexes)
             every([functools.partial(self._parts[p].clear, local, consumer=consumer, age=age)
@@ -325,6 +330,7 @@ class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowSta
         return min(part.version() for part in self._parts)
 
     def reset_consumer(self, consumer: str, indexes: Sequence[int] | None = None) -> int:
+        self._drained.refilled()  # its rows are offered again
         if indexes is None:
             return sum(self._every(lambda part: part.reset_consumer(consumer)))
         rows = self._check.rows(indexes)
@@ -387,6 +393,7 @@ class PartitionedDock(PartitionedMoves, PartitionedGeneration, PartitionedRowSta
         return all(done)
 
     def reclaim(self, consumer: str, *, all_leases: bool = False) -> int:
+        self._drained.refilled()  # leases given back: their rows are offered again
         return sum(part.reclaim(consumer, all_leases=all_leases) for part in self._parts)
 
     def get_cur_index(self) -> int:

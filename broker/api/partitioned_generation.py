@@ -11,7 +11,7 @@ of one partition is cut into shares here:
   partition is that partition's part of the iteration's batch (``td:{NAME~pK}:gbatch``), so stages in parallel
   hold the same groups in every partition. ``get_update_ready`` is true once every partition is ready: its
   share finished (and, as asked, none of age ``max_age - 1`` unfinished). A get of the whole batch joins the
-  partitions' shares (partitioned_moves.py); one partition short, it gives back what it took and waits.
+  partitions' shares (partitioned_gets.py); one partition short, it gives back what it took and waits.
 - **New prompts go where the batch will be taken**: ``reserve_groups(count)`` deals the groups to the
   partitions by their shares (``_reservation_parts``), so each partition gets prompts for its share; one
   partition with too few free groups gives back the others' claims and the call returns None, as a dock of

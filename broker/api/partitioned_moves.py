@@ -1,44 +1,26 @@
-"""Rows in and out of a partitioned dock: puts, gets, reads, takes, acks and drops, cut by partition.
+"""Rows in and out of a partitioned dock: puts, reads, takes, acks and drops, cut by partition (the gets are
+partitioned_gets.py's).
 
 A base of ``PartitionedDock`` (partitioned.py, whose docstring says what is per partition). Every call here
 cuts the dock's rows by partition (``PartitionMap.split``), makes one call of a partition's dock per partition
-touched, each atomic there, and puts the answers back in the caller's order.
-
-The interleavings of a sampled get that takes from several partitions (``_sample``):
-
-- take from partition a, then b has too few: a's take is given back (lua/release.lua under a's lease token, or
-  its epoch and generations when not leased). Between the take and the give-back, a's rows are held by this
-  call: another caller of the consumer does not see them (it may find too few and wait, then is woken by
-  nothing; its re-check, every second, finds them). Given back, they are offered again as they were.
-- take from a, then a clear of a, then the give-back: the clear reset a's rows; release.lua gives back only rows
-  no clear touched since the take, so it gives back nothing of them, and the clear's new rows stay untouched.
-- take from a under a lease, the lease runs out before the give-back, another worker takes the rows: the
-  give-back finds them leased under another token and leaves them (release.lua), so they are not handed out twice.
-- take from a and b, the call returns, the caller dies: as on a dock of one partition, each part's lease runs
-  out and its rows go back to the consumer (each partition's own reclaim).
-- the process dies between a's take and its give-back: a's rows stay handed out: under a lease, until it runs
-  out (the usual recovery); without one, for good, as a dock of one partition loses a batch whose caller died
-  after the sampling script ran. Use leases where workers may die.
+touched, each atomic there, and puts the answers back in the caller's order. A take of explicit rows that fails
+in a later partition gives back the parts taken before it (``_give_back``, as a get's, partitioned_gets.py).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from broker.api.balance import balanced_batch, dp_padded
-from broker.api.checks import check_flag, check_lease, check_timeout, check_version
+from broker.api.checks import check_flag
 from broker.api.delivery import HandedRows, LeasedRows, check_delivery
 from broker.api.dp_padding import drop_padding
-from broker.api.generation import AGE_COLUMN
-from broker.api.get_request import GetRequest
+from broker.api.drained import Drained, DrainKey
 from broker.api.partitioned_parts import PartitionedParts
 from broker.api.partitioned_rows import PartitionedLeasedRows, PartitionedRows, partitioned_rows, tokens_of
 from broker.api.puts import Prepared, value_count
@@ -46,29 +28,12 @@ from broker.control.put_listener import PutListener
 from broker.data import collector
 from broker.data.row_count import row_count_error
 from broker.data.stacking import stack_decoded
-from broker.errors import BrokerError, ExperienceTimeoutError, InvalidExperienceError, ReplicationError
+from broker.errors import BrokerError, InvalidExperienceError, ReplicationError
 
 T = TypeVar("T")
 
-#: Longest a waiting get sleeps between attempts without a wake-up (as a dock of one partition: a lost
-#: pub/sub message costs at most this).
-_RECHECK_SECONDS = 1.0
 
 Parts = dict[int, tuple[Any, HandedRows]]
-
-
-@dataclass(frozen=True)
-class Take:
-    """What each partition's take of one sampled get asks for (checked by ``get_experience``)."""
-
-    consumer: str
-    columns: list[str]
-    groups: bool
-    policy: str | None
-    lease: float | None
-    max_staleness: int | None
-    #: The rollout consumer of a partial rollout: keeps what the partitions had, at least one row.
-    fewer: bool = False
 
 
 class PartitionedMoves(PartitionedParts):
@@ -76,6 +41,7 @@ class PartitionedMoves(PartitionedParts):
 
     _listener: PutListener
     _turn: int
+    _drained: Drained
 
     def _ours(self, delivery: Any) -> PartitionedRows | PartitionedLeasedRows:
         """``delivery`` if it is rows this kind of dock handed out, else InvalidExperienceError."""
@@ -97,12 +63,14 @@ class PartitionedMoves(PartitionedParts):
                             f"rows {self._pmap.global_rows(p, shown)}]",)
             raise
 
-    def _order(self) -> list[int]:
-        """The partitions in the order this call visits them: from this object's next turn round."""
+    def _order(self, key: DrainKey | None = None) -> list[int]:
+        """The partitions in the order this call visits them: from this object's next turn round; with ``key``
+        (a sampled get's), those found drained for it last (see the module docstring)."""
         count = self._pmap.count
         start = self._turn
         self._turn = (start + 1) % count  # a race between threads only shifts where a call starts
-        return [(start + k) % count for k in range(count)]
+        order = [(start + k) % count for k in range(count)]
+        return order if key is None else self._drained.order(key, order)
 
     # -- puts ----------------------------------------------------------------------------------
 
@@ -144,147 +112,14 @@ class PartitionedMoves(PartitionedParts):
                 prepared.append((p, local, self._parts[p]._puts.prepare(
                     part_data, local, is_prompt=is_prompt, rollout_completed=done, version=version,
                     delivery=None if delivery is None else delivery.part(p, local), ack=ack)))
-        every([functools.partial(self._send, p, local, put) for p, local, put in prepared if put is not None])
+        try:
+            every([functools.partial(self._send, p, local, put) for p, local, put in prepared if put is not None])
+        finally:  # even a put that failed part way may have made rows ready there
+            self._drained.refilled(split, data_dict)
 
     def _send(self, p: int, local: list[int], put: Prepared) -> None:
         with self._at(p, local):
             self._parts[p]._puts.send(put)
-
-    # -- gets ----------------------------------------------------------------------------------
-
-    def get_experience(
-        self, consumer: str, experience_columns: Sequence[str] | None = None, experience_count: int | None = None,
-        indexes: Sequence[int] | None = None, get_n_samples: bool = True, timeout: float | None = None,
-        policy: str | None = None, lease: float | None = None, *, dp_size: int = 1,
-        balance: bool | Sequence[str] = False, dp_padding: bool = False, max_staleness: int | None = None,
-        stack: bool = False,
-    ) -> tuple[Any, list[int]] | tuple[None, None]:
-        """Hand rows to ``consumer`` (see ``TransferDock.get_experience``; how partitions take part: this
-        module's docstring). A get that one partition's take answers whole returns that take as it is; a get
-        joined from several takes is balanced, padded and stacked here, over the whole batch."""
-        self._check.consumer(consumer)
-        rollout = self._rollout
-        generating = rollout.partial and consumer == rollout.consumer
-        asked = self._parts[0].consumer_columns(consumer) if experience_columns is None else experience_columns
-        # The rollout consumer may ask for its rows' ages beside the columns: each partition's take adds them.
-        with_age = (generating and isinstance(asked, (list, tuple)) and AGE_COLUMN in asked
-                    and AGE_COLUMN not in self._parts[0].columns)
-        columns = self._check.columns_to_read([c for c in asked if c != AGE_COLUMN] if with_age else asked)
-        if with_age:
-            columns.append(AGE_COLUMN)
-        check_timeout(timeout)
-        check_lease(lease)
-        if max_staleness is not None:
-            check_version(max_staleness, "max_staleness")
-        groups = check_flag("get_n_samples", get_n_samples)
-        if generating and groups:
-            raise InvalidExperienceError(
-                "get_n_samples not supported for rollout when actor_rollout enables partial_rollout: "
-                f"consumer {consumer!r} of dock {self._name!r} takes unfinished rows one by one")
-        if generating and indexes is not None:
-            raise InvalidExperienceError(
-                f"dock {self._name!r}: the rollout consumer of a partial-rollout dock samples its rows (oldest "
-                "first); explicit indexes are not supported for it")
-        ranks = self._check.dp_size(dp_size)
-        weigh_by = self._check.balance(balance)
-        check_flag("dp_padding", dp_padding)
-        stack = check_flag("stack", stack)
-        got: tuple[Any, list[int], bool] | None
-        if indexes is not None:
-            rows = self._check.rows(indexes)
-            self._check.take_count(experience_count, rows)
-            got = (*self._get_rows(consumer, columns, rows, groups, timeout, policy, lease), True)
-        else:
-            count = self._check.sample_count(experience_count, groups)
-            take = Take(consumer, columns, groups, policy, lease, max_staleness, fewer=generating)
-            got = self._listener.wait(lambda: self._sample(take, count, stack), timeout, _RECHECK_SECONDS)
-        if got is None:
-            return None, None
-        batch, handed, joined = got
-        if joined:
-            if ranks > 1 and weigh_by and len(handed) >= ranks:
-                cost = self._row_costs(list(handed), weigh_by)
-                batch, handed = balanced_batch(batch, handed, ranks, cost, self._pmap.n, groups and indexes is None)
-            if ranks > 1 and dp_padding and len(handed) % ranks:
-                batch, handed = dp_padded(batch, handed, ranks)
-            if stack:
-                batch = {c: stack_decoded(list(values)) for c, values in batch.items()}
-        return batch, handed
-
-    def _sample(self, take: Take, count: int, stack: bool) -> tuple[Any, list[int], bool] | None:
-        """One attempt: takes from the partitions in turn until ``count`` rows (whole groups when ``groups``)
-        are taken, or every take given back and None (see the module docstring). The rollout consumer of a
-        partial rollout (``take.fewer``) keeps what it took, at least one row, as on a dock of one partition."""
-        consumer, columns, groups, lease = take.consumer, take.columns, take.groups, take.lease
-        order = self._order()
-        n = self._pmap.n
-        # ``count`` is in units (groups in group mode): a group offered again with some rows acked hands out only
-        # the rest of its rows, and still counts as one.
-        wanted = count
-        taken: Parts = {}
-        for p in order:
-            held = self._pmap.prompts_of(p)  # no partition is asked for more than it holds
-            ask = min(wanted, held) * n if groups else min(wanted, held * n)
-            if not taken:  # the first partition's take may be the whole call: then returned as it is
-                batch, rows = self._take_some(p, take, ask, stack)
-                if rows is not None and _units(rows, n, groups) == wanted:
-                    return batch, self._delivered(consumer, lease, {p: (batch, rows)}, [p]), False
-                if batch is not None and stack:  # a part of a larger batch: rows, to be joined, then stacked
-                    batch = {c: _unstacked(v) for c, v in batch.items()}
-            else:
-                batch, rows = self._take_some(p, take, ask, False)
-            if rows is None:
-                continue
-            taken[p] = (batch, rows)
-            wanted -= _units(rows, n, groups)
-            if wanted <= 0:
-                break
-        if not taken or (wanted > 0 and not take.fewer):
-            self._give_back(consumer, taken, groups)
-            return None
-        visited = [p for p in order if p in taken]
-        joined = {c: list(itertools.chain.from_iterable(taken[p][0][c] for p in visited)) for c in columns}
-        return joined, self._delivered(consumer, lease, taken, visited), True
-
-    def _take_some(self, p: int, take: Take, count: int, stack: bool) -> tuple[Any, HandedRows] | tuple[None, None]:
-        """One take of partition ``p``, no wait: up to ``count`` rows, what qualifies there (at least one unit);
-        the partition applies its staleness bound (and drops or regenerates what it finds stale)."""
-        request = GetRequest(take.consumer, take.columns, count, None, take.groups, None, take.policy, take.lease,
-                             max_staleness=take.max_staleness, stack=stack, fewer=True)
-        return self._parts[p]._handouts.get(request)  # type: ignore[return-value]  # a hand-out: HandedRows
-
-    def _get_rows(self, consumer: str, columns: list[str], rows: list[int], groups: bool, timeout: float | None,
-                  policy: str | None, lease: float | None) -> tuple[dict[str, list[Any]], list[int]]:
-        """Explicit rows, partition by partition (each waits up to ``timeout``); a part that fails gives back
-        the parts taken before it."""
-        split = self._pmap.split(rows).parts
-        taken: Parts = {}
-        missing: dict[str, list[int]] = {}
-        wait = timeout
-        try:
-            for p, (_, local) in split.items():
-                try:
-                    batch, handed = self._parts[p].get_experience(consumer, columns, len(local), local, groups, wait,
-                                                                  policy, lease)
-                except ExperienceTimeoutError as short:  # the other partitions' missing cells too, without waiting
-                    for c, unwritten in short.missing.items():
-                        missing.setdefault(c, []).extend(self._pmap.global_row(p, r) for r in unwritten)
-                    wait = None
-                    continue
-                assert isinstance(handed, HandedRows)  # explicit rows: all handed out, or an error
-                taken[p] = (batch, handed)
-        except BaseException:
-            self._give_back(consumer, taken, False)
-            raise
-        if missing:
-            self._give_back(consumer, taken, False)
-            order = {r: i for i, r in enumerate(rows)}
-            cells = {c: sorted(found, key=order.__getitem__) for c, found in missing.items()}
-            detail = "; ".join(f"{c}: rows {where[:8]}" for c, where in cells.items())
-            raise ExperienceTimeoutError(f"dock {self._name!r}, consumer {consumer!r}: rows not written within "
-                                         f"timeout={timeout}: {detail}", cells)
-        out = _in_order(columns, len(rows), {p: (positions, taken[p][0]) for p, (positions, _) in split.items()})
-        return out, self._delivered(consumer, lease, taken, list(split), rows)
 
     def _delivered(self, consumer: str, lease: float | None, taken: Parts, order: list[int],
                    rows: list[int] | None = None) -> PartitionedRows | PartitionedLeasedRows:
@@ -298,15 +133,11 @@ class PartitionedMoves(PartitionedParts):
 
     def _give_back(self, consumer: str, taken: Parts, groups: bool) -> None:
         """Give back what a call took and will not deliver (see the module docstring)."""
-        for p, (_, handed) in taken.items():
-            self._parts[p]._handouts.give_back(consumer, handed, groups)
-
-    def _row_costs(self, rows: list[int], columns: list[str]) -> list[int]:
-        cost = [0] * len(rows)
-        for p, (positions, local) in self._pmap.split(rows).parts.items():
-            for i, c in zip(positions, self._parts[p]._handouts._row_costs(local, columns)):
-                cost[i] = c
-        return cost
+        try:
+            for p, (_, handed) in taken.items():
+                self._parts[p]._handouts.give_back(consumer, handed, groups)
+        finally:
+            self._drained.refilled(taken)
 
     # -- reads, takes, acks, drops --------------------------------------------------------------
 
@@ -323,7 +154,7 @@ class PartitionedMoves(PartitionedParts):
             part = None if delivery is None else delivery.part(p, local)
             with self._at(p, local):
                 read[p] = (positions, self._parts[p].read_rows(cols, local, delivery=part))
-        out = _in_order(cols, len(rows), read)
+        out = in_order(cols, len(rows), read)
         if stack:
             return {c: v if any(x is None for x in v) else stack_decoded(v) for c, v in out.items()}
         return out
@@ -373,11 +204,15 @@ class PartitionedMoves(PartitionedParts):
                                          "returned under a lease")
         plain = self._check.rows(drop_padding({}, rows)[1])
         given = 0
-        for p, (_, local) in self._pmap.split(plain).parts.items():
-            part = rows.part(p, local)
-            assert isinstance(part, LeasedRows)  # a leased call's parts are leased
-            with self._at(p, local):
-                given += self._parts[p].give_back(consumer, part)
+        split = self._pmap.split(plain).parts
+        try:
+            for p, (_, local) in split.items():
+                part = rows.part(p, local)
+                assert isinstance(part, LeasedRows)  # a leased call's parts are leased
+                with self._at(p, local):
+                    given += self._parts[p].give_back(consumer, part)
+        finally:
+            self._drained.refilled(split)
         return given
 
     def drop_groups(self, consumer: str, groups: Sequence[int], *, delivery: HandedRows | None = None) -> int:
@@ -413,7 +248,7 @@ def every(calls: Sequence[Callable[[], T]]) -> list[T]:
     return results
 
 
-def _in_order(columns: Sequence[str], count: int,
+def in_order(columns: Sequence[str], count: int,
               parts: Mapping[int, tuple[list[int], Mapping[str, Sequence[Any]]]]) -> dict[str, list[Any]]:
     """Each partition's values (its positions in the call's rows, and its batch) put back in the call's order."""
     out: dict[str, list[Any]] = {c: [None] * count for c in columns}
@@ -422,11 +257,6 @@ def _in_order(columns: Sequence[str], count: int,
             for i, value in zip(positions, batch[c]):
                 out[c][i] = value
     return out
-
-
-def _units(rows: Sequence[int], n: int, groups: bool) -> int:
-    """Groups (group mode) or rows a take handed out."""
-    return len({r // n for r in rows}) if groups else len(rows)
 
 
 def _picked(values: Any, positions: list[int]) -> Any:
@@ -438,10 +268,3 @@ def _picked(values: Any, positions: list[int]) -> Any:
     if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
         return [values[i] for i in positions]
     return values  # malformed: the partition's put names what is wrong
-
-
-def _unstacked(values: Any) -> list[Any]:
-    """A column a partition stacked, as its rows again (views: no copy)."""
-    if isinstance(values, torch.Tensor):
-        return list(values.unbind(0))
-    return list(values)

@@ -74,7 +74,8 @@ class ShardedStore:
         #: Row -> (epoch, generation) of rows this object read last, each kept until the next put of the row.
         #: A stage reads rows and then writes its results into the same rows: its put can then write its
         #: bytes under what the read saw, without asking first; mark.lua still checks, so a clear in
-        #: between costs a retry, never a wrong mark. At most one entry per row of the dock.
+        #: between costs a retry, never a wrong mark. This object's whole clear moves them to the epoch it
+        #: starts (``forget``). At most one entry per row of the dock.
         self._seen: dict[int, tuple[int, int]] = {}
 
     def _shard(self, row: int) -> str:
@@ -231,9 +232,12 @@ class ShardedStore:
     def forget(self, forgot: Forgot, *, whole: bool = False) -> tuple[int, list[str]]:
         if forgot.epoch is None:  # the dock is not sharded after all (cannot happen: the schema says so)
             return forgot.value, []
-        # What this object saw of the rows is over: a guess from it would only cost a refused put.
+        # What this object saw of the rows forgotten is over: a guess from it would only cost a refused put. A
+        # whole clear ends the epoch and leaves every row's generation as it was (lua/clear.lua), so a row seen
+        # in the epoch it ended is at the next one now, under the same generation: the next put of it (a run's
+        # prompts loaded after its clear) writes without asking, and mark.lua still checks the guess.
         if whole:
-            self._seen.clear()
+            self._seen = {row: (epoch + 1, gen) for row, (epoch, gen) in self._seen.items() if epoch == forgot.epoch}
         for row in forgot.rows:
             self._seen.pop(row, None)
         commands: list[fanout.Command] = []

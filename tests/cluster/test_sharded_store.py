@@ -176,6 +176,34 @@ def test_a_put_after_a_read_writes_under_what_the_read_saw_and_a_clear_between_i
     stage.close()
 
 
+@pytest.mark.parametrize("cleared_again", [False, True])
+def test_after_its_whole_clear_a_put_of_rows_it_read_writes_without_asking(target, monkeypatch, cleared_again):
+    """A whole clear moves the epoch on and leaves every row's generation: rows this object read before it are
+    put again (the next iteration's prompts) under the new epoch without asking first (a fence script call per
+    put and partition). If another process cleared again in between, mark.lua refuses the guess and the put
+    writes again under what is current, leaving no bytes behind."""
+    dock = _dock(target)
+    other = TransferDock.attach(target, dock.name)
+    dock.put_experience(_rows([0, 1, 2, 3]), [0, 1, 2, 3])
+    dock.clear([2, 3])  # rows 2 and 3 at generation 1, rows 0 and 1 at 0
+    dock.put_experience(_rows([2, 3]), [2, 3])
+    dock.get_experience("actor_train", ["prompts"], indexes=[0, 1, 2, 3])
+    dock.clear()
+    if cleared_again:
+        other.clear()
+    asked = []
+    scripts = dock._session.scripts
+    monkeypatch.setattr(scripts, "fence_now", lambda runs, real=scripts.fence_now: asked.append(runs) or real(runs))
+    dock.put_experience(_rows([10, 11, 12, 13]), [0, 1, 2, 3])
+    assert bool(asked) == cleared_again
+    monkeypatch.undo()
+    assert [t.item() for t in dock.read_rows(["prompts"], [0, 1, 2, 3])["prompts"]] == [10, 11, 12, 13]
+    other.clear()
+    assert _shard_keys(dock) == []
+    other.close()
+    dock.close()
+
+
 def test_a_clear_of_rows_in_any_order_deletes_exactly_their_bytes(target):
     """Rows named out of order, with different generations: each row's own bytes go, no other's."""
     dock = _dock(target)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -218,3 +219,92 @@ def test_a_partitioned_docks_fingerprint_names_its_partitions_schemas(client):
     assert _dock(client, name="other").fingerprint != dock.fingerprint
     with pytest.raises(BrokerError, match="each with its own session"):
         _ = dock.binding
+
+
+def _count_takes(monkeypatch, dock):
+    """Each partition's sampling script calls, and those that handed nothing out: a spy around the real script
+    (which still runs on the backend)."""
+    seen = {"calls": 0, "empty": 0}
+    for part in dock.partitions:
+        scripts = part.session.scripts
+
+        def spy(*args, real=scripts.sample, **kwargs):
+            got = real(*args, **kwargs)
+            seen["calls"] += 1
+            seen["empty"] += got.handout is None
+            return got
+
+        monkeypatch.setattr(scripts, "sample", spy)
+    return seen
+
+
+def test_a_pipeline_draining_partitions_makes_no_take_that_finds_nothing(client, monkeypatch):
+    # 12 partitions of 4 groups (blocks of 2), drained by gets of 6 groups as a pipeline stage does, each stage
+    # putting its results into the rows it got: a take of a drained partition found nothing and was still a
+    # script call (without the marks, 24 of the 56 takes here); the sampling script's count of what is left
+    # there now has the gets ask such a partition last (32 takes, 2 a get: 6 groups from partitions of 4).
+    dock = TransferDock(client, "drain", 48, 2, ["prompts", "responses"], ["train", "reward"], partitions=12)
+    fill(dock, columns=["prompts"])
+    seen = _count_takes(monkeypatch, dock)
+    for consumer, reads, writes in (("train", "prompts", "responses"), ("reward", "responses", None)):
+        got = []
+        for _ in range(8):
+            batch, rows = dock.get_experience(consumer, [reads], 12)
+            assert rows is not None and len(rows) == 12
+            if writes:
+                dock.put_experience({writes: batch[reads]}, rows)
+            got += rows
+        assert sorted(got) == list(range(96))
+    assert seen["empty"] == 0, seen
+    assert seen["calls"] <= 2 * 16 + 4, seen
+    seen["calls"] = 0
+    assert dock.get_experience("train", ["prompts"], 2) == (None, None)  # nothing left: every partition asked
+    assert seen["calls"] == 12
+
+
+def test_a_partition_found_drained_is_still_asked_before_a_get_comes_back_short(client):
+    dock = _dock(client, prompts=6, partitions=3)
+    other = TransferDock.attach(client, "pd")  # another process: this object is not told of its puts
+    fill(dock, columns=["prompts"])
+    _, rows = dock.get_experience("train", ["prompts"], 12)
+    assert sorted(rows) == list(range(12))  # every partition drained for "train", and marked so
+    other.clear([4, 5])
+    fill(other, columns=["prompts"], rows=[4, 5])  # group 2 ready again, in a partition marked drained
+    assert dock.get_experience("train", ["prompts"], 4) == (None, None)  # two groups asked, one there: given back
+    _, again = dock.get_experience("train", ["prompts"], 2)  # the marks did not hide it
+    assert sorted(again) == [4, 5]
+
+
+def test_a_drained_mark_reorders_and_ends():
+    from broker.api.drained import Drained
+
+    drained = Drained(0.2)
+    key = Drained.key("train", True, ["b", "a"])
+    drained.saw(key, 1, 0)
+    drained.saw(key, 2, 3)
+    assert drained.order(key, [1, 2, 3]) == [2, 3, 1]  # asked last, still asked
+    assert drained.order(Drained.key("reward", True, ["a", "b"]), [1, 2, 3]) == [1, 2, 3]  # per consumer
+    drained.refilled([1], ["c"])  # a put of a column "train" does not read: nothing qualifies anew
+    assert drained.marked(key) == {1}
+    drained.refilled([1], ["a"])
+    assert drained.marked(key) == set()
+    drained.saw(key, 1, 0)
+    drained.saw(key, 1, 2)  # a take there found rows after all
+    assert drained.marked(key) == set()
+    drained.saw(key, 1, 0)
+    time.sleep(0.25)  # refilled by someone this object does not hear from: asked in its turn again
+    assert drained.order(key, [1, 2, 3]) == [1, 2, 3]
+
+
+def test_a_take_failing_in_a_later_partition_gives_back_the_earlier_ones(client):
+    dock = _dock(client)  # groups g in partition g % 3
+    dock.partitions[0].grow(columns=["x"])  # a growth half way round the partitions
+    dock.put_experience({"x": [torch.tensor([1])] * 2}, [0, 1])  # group 0, in partition 0: it knows "x"
+    dock._turn = 0  # this get asks partition 0 first, then partition 1, which does not know "x"
+    with pytest.raises(BrokerError, match="x"):
+        dock.get_experience("train", ["x"], 4)
+    assert dock.status()["consumers"]["train"]["consumed"] == 0  # group 0's take was given back
+    dock.grow(columns=["x"])
+    dock.put_experience({"x": [torch.tensor([2])] * 2}, [2, 3])
+    _, rows = dock.get_experience("train", ["x"], 4)
+    assert sorted(rows) == [0, 1, 2, 3]

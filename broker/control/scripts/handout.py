@@ -59,8 +59,8 @@ class HandOutScripts(ScriptsBase):
         stale = numbers_of(reply[3])
         if int(reply[0]) < 0:
             return Sampled(None, stale)
-        runs = tuple(int(x) for x in reply[4:])
-        return Sampled(Handout(runs, int(reply[0]), reply[1], numbers_of(reply[2])), stale)
+        runs = tuple(int(x) for x in reply[5:])
+        return Sampled(Handout(runs, int(reply[0]), reply[1], numbers_of(reply[2])), stale, int(reply[4]))
 
     def take(
         self, consumer: str, columns: Sequence[str], runs: Sequence[int], *, lease_ms: int, token: str,

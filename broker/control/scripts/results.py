@@ -137,6 +137,9 @@ class Sampled:
 
     handout: Handout | None
     stale: tuple[int, ...] = ()
+    #: Units that still qualified after the pick (0 when nothing was handed out: with ``Selection.fewer`` none
+    #: qualified; without it, fewer than asked may have).
+    left: int = 0
 
 
 @dataclass(frozen=True)
