@@ -91,9 +91,13 @@ def dock_name(namespace: str) -> str:
 class System(PartitionData):
     """The system's dock and the adapter's keys beside it, on one Redis (or Redis Cluster)."""
 
-    def __init__(self, url: str, namespace: str, capacity: int, call_timeout: float):
+    def __init__(self, url: str, namespace: str, capacity: int, call_timeout: float, *, dock: str | None = None,
+                 place: Callable[[], int] | None = None):
         self.url, self.namespace = url, namespace
-        self.dock = _open(url, dock_name(namespace), capacity, call_timeout)
+        #: A sub-system of a system cut in several (systems.py): where the place in creation order of a partition
+        #: the next call may make comes from (the system's own counter); None: this dock's counter.
+        self._place = place
+        self.dock = _open(url, dock or dock_name(namespace), capacity, call_timeout)
         #: The dock's session (``TransferDock.session``): the one door to Redis of the dock's parts, and of
         #: this system (``read``, ``write``).
         self.session = self.dock.session
@@ -213,8 +217,9 @@ class System(PartitionData):
         # a field or a task (a normal event here: each new field or task name grows the dock), the session
         # adopts the grown schema and runs the call again, as long as it keeps growing; a dock recreated with
         # another schema stays a SchemaError.
+        place = None if self._place is None else self._place()  # taken before: see systems.py's "Order"
         given: SampleRows = self.write(what, lambda: self.scripts.rows(partition, *self.dock.binding, count=count,
-                                                                       keys=keys))
+                                                                       keys=keys, place=place))
         return given
 
     def rows_of_keys(self, partition: str, keys: Sequence[str]) -> list[int]:
@@ -289,9 +294,14 @@ class System(PartitionData):
 
     def partitions(self) -> list[str]:
         """The partitions, in the order they were made (as TransferQueue lists them)."""
-        got = self.read(lambda: self.client.hgetall(self.keys.tq_partitions))
         # places are small numbers; a partition stamped in ms (before places were kept) comes after them
-        return [p.decode() for p, _ in sorted(got.items(), key=lambda item: (int(item[1]), item[0]))]
+        return [p for p, _ in sorted(self.partition_places().items(), key=lambda item: (item[1], item[0]))]
+
+    def partition_places(self) -> dict[str, int]:
+        """Each partition's place in creation order (of this dock's counter, or of the system's when it is cut
+        in several: systems.py)."""
+        got = self.read(lambda: self.client.hgetall(self.keys.tq_partitions))
+        return {p.decode(): int(place) for p, place in got.items()}
 
     def checkpoint_keys(self) -> SliceKeys:
         """The slice's keys of every partition now, and the index they were listed from (the partitions hash):
