@@ -49,6 +49,8 @@ Interleavings, beside each sub-system's own (system.py):
 - **A partition made in two sub-systems at once** cannot happen: it lives where its id hashes to.
 - **Order**: a partition's place is taken before the script that makes it, so two partitions made at once by
   two processes are listed in the order their places were taken (either order is one of the two possible).
+  A listing (``partitions``) reads the sub-systems one after another: a partition made or cleared while it
+  runs is listed or not, as a listing just before or just after it would have.
 """
 
 from __future__ import annotations
