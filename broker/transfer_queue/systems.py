@@ -15,7 +15,10 @@ different primaries (``spread_tags``; a later resharding moves slots and the cli
 stored with the conf (``td:{tq.<namespace>}:tq:conf``, written once by the first ``init``, SET NX), beside a
 counter of the system's own (``td:{tq.<namespace>}:tq:seq``) that orders partitions over every sub-system.
 Each sub-system has the whole ``broker.capacity`` (a TransferQueue partition may grow to it wherever it
-lives): the system as a whole holds up to P times as many samples.
+lives): the system as a whole holds up to P times as many samples. Once the docks exist, the core's record of a
+partitioned dock names them (``td:{tq.<namespace>}:partitions``: P * capacity groups of one row, dealt in
+blocks of ``capacity``), so ``broker status tq.<namespace>``, the exporter and ``TransferDock.attach`` see the
+system as one dock whose row indexes are the global indexes below.
 
 **Which sub-system holds a partition.** ``index_of``: the CRC-32 of the partition id's UTF-8 bytes, modulo P.
 A stable hash, the same in every process and every run, needing no lookup; a record in Redis would balance a
@@ -55,13 +58,15 @@ Interleavings, beside each sub-system's own (system.py):
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from broker.api.delivery import HandedRows
+from broker.api.partition_record import RECORD_FORMAT
 from broker.connection import spread_tags
-from broker.control.keys import partition_name
+from broker.control.keys import DockKeys, partition_name
 from broker.errors import BrokerError, SampleNotFoundError
 from broker.transfer_queue.keys import SystemKeys
 from broker.transfer_queue.system import System, dock_name
@@ -133,9 +138,19 @@ class Systems:
         try:
             for name in docks:
                 self.parts.append(System(url, namespace, capacity, call_timeout, dock=name, place=place))
+            if len(docks) > 1:
+                self._record(docks)
         except BaseException:
             self.close()
             raise
+
+    def _record(self, docks: Sequence[str]) -> None:
+        """The core's record of a partitioned dock naming the docks (SET NX: every process writes the same), so
+        that the tools that open a dock by name see the system as one (see the module docstring)."""
+        text = json.dumps({"format": RECORD_FORMAT, "prompts_num": len(docks) * self.capacity,
+                           "n_samples_per_prompt": 1, "block": self.capacity, "partitions": list(docks)})
+        first, record = self.parts[0], DockKeys(self.root.name).partitions
+        first.session.run(lambda: first.client.set(record, text, nx=True))
 
     @classmethod
     def of(cls, system: System) -> Systems:
@@ -191,9 +206,12 @@ class Systems:
             part.close()
 
     def delete(self) -> None:
-        """Remove the system from Redis: every sub-system, then (P > 1) the conf and counter in the root's slot."""
+        """Remove the system from Redis (P > 1: the record naming its docks first, so no tool opens it after that;
+        then every sub-system; then the conf and the counter)."""
+        first, record = self.parts[0], DockKeys(self.root.name).partitions
+        if len(self.parts) > 1:
+            first.write("delete", lambda: first.client.delete(record))
         for part in self.parts:
             part.delete()
         if len(self.parts) > 1:
-            first = self.parts[0]
             first.write("delete", lambda: first.client.delete(self.root.tq_conf, self.root.tq_seq))

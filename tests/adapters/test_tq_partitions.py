@@ -276,3 +276,26 @@ def test_a_data_loader_whose_workers_open_the_cut_system_hands_each_row_once_and
     part = client.systems.route("q").system
     assert part.dock.client.zcard(part.keys.leases("actor")) == 0  # every micro-batch acked
     assert client.check_consumption_status("actor", "q")
+
+
+def test_the_tools_that_open_a_dock_by_name_see_the_cut_system_as_one_dock_of_global_indexes(url, namespace):
+    """The core's record of a partitioned dock names the sub-systems' docks: ``broker status tq.NS`` sums them,
+    and ``TransferDock.attach`` opens them as one dock whose row indexes are the system's global indexes."""
+    from broker import TransferDock
+    from broker.api.partitioned import PartitionedDock
+    from tests.helpers import cli_output
+
+    tq.init(conf(url, namespace))
+    client = tq.get_client()
+    meta = client.put(rows(3), partition_id="q")
+    client.put(rows(2), partition_id="train")
+    status = json.loads(cli_output(["status", f"tq.{namespace}", "--url", url, "--json"]))
+    assert status["partitions"] == 3 and status["columns"]["x"]["ready"] == 5
+    with TransferDock.attach(url, f"tq.{namespace}") as dock:
+        assert isinstance(dock, PartitionedDock)
+        assert [p.name for p in dock.partitions] == [p.dock.name for p in client.systems.parts]
+        assert [dock.partition_map.partition_of(g) for g in meta.global_indexes] == [2, 2, 2]
+        assert dense(torch.stack(dock.read_rows(["x"], meta.global_indexes)["x"])).tolist() == [0, 1, 2]
+    client.systems.delete()
+    left = [k for k in redis.Redis.from_url(url).keys("*") if b":reply:" not in k]  # kept replies expire
+    assert left == []  # the record, the conf and the counter too
