@@ -32,6 +32,7 @@ from typing import Any
 import redis
 
 from broker.connection import connect, disconnect, redact, redis_errors
+from broker.control.keys import partition_of_name
 from broker.errors import BrokerError, FencedError, InvalidExperienceError, SampleNotFoundError, SchemaError
 from broker.ops.local_redis import RedisServer
 from broker.transfer_queue import sampler as samplers
@@ -421,7 +422,9 @@ def _stored(url: str, namespace: str) -> tuple[dict[str, Any], tuple[str, ...]] 
     count = effective["broker"]["partitions"]
     if docks is None and count == 1:
         docks = [dock_name(namespace)]
-    if not isinstance(docks, list) or len(docks) != count or not all(isinstance(d, str) for d in docks):
+    root = dock_name(namespace)
+    if not isinstance(docks, list) or len(docks) != count or not all(
+            isinstance(d, str) and (d == root if count == 1 else partition_of_name(d) == root) for d in docks):
         raise SchemaError(f"the stored conf of TransferQueue system {namespace!r} names {docks!r:.200} as its "
                           f"docks, not {count} (broker.partitions)")
     return effective, tuple(docks)
