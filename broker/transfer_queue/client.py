@@ -305,25 +305,48 @@ class TransferQueueClient:
 
     def get_data(self, metadata: BatchMeta) -> Any:
         """The rows of ``metadata``, the fields it names, as a TensorDict in its order; an empty TensorDict for
-        a meta of no rows or no fields (TransferQueue's ``TensorDict({}, batch_size=0)`` either way)."""
+        a meta of no rows or no fields (TransferQueue's ``TensorDict({}, batch_size=0)`` either way). A meta
+        joining partitions of several sub-systems is read from each, one after another."""
         if metadata.size == 0 or not metadata.field_names:
             return tensors.assemble({}, 0, {})
-        partition = _partition(metadata.partition_ids[0])
-        route = self._systems.route(partition)
-        apart = sorted({p for p in map(_partition, metadata.partition_ids) if self._systems.route(p) != route})
-        if apart:
-            raise InvalidExperienceError(
-                f"metadata spans partitions {partition!r} and {apart[:4]}, which live in different sub-systems "
-                f"of this system (broker.partitions {self._systems.count}); read each alone "
-                "(BatchMeta.chunk_by_partition)")
-        return self.read(partition, route.local(metadata.global_indexes, partition), list(metadata.field_names))
+        fields = list(metadata.field_names)
+        groups: dict[int, list[int]] = {}  # positions in the meta, by sub-system (its base), in the meta's order
+        for i, p in enumerate(metadata.partition_ids):
+            groups.setdefault(self._systems.route(_partition(p)).base, []).append(i)
+        if len(groups) == 1:
+            partition = _partition(metadata.partition_ids[0])
+            route = self._systems.route(partition)
+            return self.read(partition, route.local(metadata.global_indexes, partition), fields)
+        # Partitions of several sub-systems (a concat of metas): each sub-system's rows read there, and the
+        # fields joined in the meta's order, as one read of them all would have given them. The schema is that
+        # of the meta's first partition, as with partitions of one sub-system.
+        rows: dict[str, list[Any]] = {f: [None] * metadata.size for f in fields}
+        schema: dict[str, dict[str, Any]] | None = None
+        for positions in groups.values():
+            partition = _partition(metadata.partition_ids[positions[0]])
+            route = self._systems.route(partition)
+            local = route.local([metadata.global_indexes[i] for i in positions], partition)
+            columns, part_schema = self._columns(partition, local, fields)
+            schema = part_schema if schema is None else schema
+            for field, column in columns.items():
+                for i, value in zip(positions, tensors.rows_of(column)):
+                    rows[field][i] = value
+        return tensors.assemble({f: tensors.joined(r) for f, r in rows.items()}, metadata.size, schema,
+                                stack_uniform=self._stack_uniform)
 
     def read(self, partition: str, rows: list[int], fields: list[str], state: Snapshot | None = None) -> Any:
         """The rows' fields as a TensorDict, checked first against ``state`` (the partition's snapshot; read
         here, in one round trip, when not given). A snapshot that looked the rows up by key fences the read:
         FencedError if a clear took any of them since (their bytes may be another key's by then). ``rows``
         are the sub-system's holding ``partition``, not global indexes."""
-        system = self._systems.route(partition).system
+        columns, schema = self._columns(partition, rows, fields, state)
+        return tensors.assemble(columns, len(rows), schema, stack_uniform=self._stack_uniform)
+
+    def _columns(self, partition: str, rows: list[int], fields: list[str], state: Snapshot | None = None
+                 ) -> tuple[dict[str, tensors.Column], dict[str, dict[str, Any]]]:
+        """``read``'s columns, as ``read_rows(stack=True)`` gives them, and the fields' schemas."""
+        route = self._systems.route(partition)
+        system = route.system
         state = system.snapshot(partition) if state is None else state
         schema = {f: state.schema[f] for f in fields if f in state.schema}
         unique = list(dict.fromkeys(rows))  # a key asked for twice is read once and given twice, as there
@@ -333,7 +356,7 @@ class TransferQueueClient:
                                       f"{sorted(state.schema)})")
         for field, ok in zip(fields, state.produced_each(rows, fields)):
             if not ok.all():
-                unready = [r for r, o in zip(rows, ok) if not o]
+                unready = route.glob(r for r, o in zip(rows, ok) if not o)
                 raise SampleNotFoundError(f"partition {partition!r}: field {field!r} is not produced for "
                                           f"global indexes {unready[:8]}")
         read = system.dock.read_rows([dock_name_of(f) for f in fields], unique, stack=True, delivery=state.delivery)
@@ -341,7 +364,7 @@ class TransferQueueClient:
         if len(unique) != len(rows):
             at = {r: i for i, r in enumerate(unique)}
             columns = {f: tensors.take(column, [at[r] for r in rows]) for f, column in columns.items()}
-        return tensors.assemble(columns, len(rows), schema, stack_uniform=self._stack_uniform)
+        return columns, schema
 
     def set_custom_meta(self, metadata: BatchMeta) -> None:
         """Store each sample's ``custom_meta`` (TransferQueue's per-sample metadata; the KV API's tags)."""

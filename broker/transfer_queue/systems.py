@@ -30,8 +30,10 @@ few partitions better, but would cost a round trip per call, and verl names a pa
 indexes (TransferQueue's groups are runs of consecutive indexes its samplers find). A sampler sees and chooses
 global indexes, as it does in TransferQueue. Calls carrying indexes carry their partition too (a
 ``BatchMeta``'s ``partition_ids``), which routes them; an index outside its partition's sub-system is one the
-partition does not hold. A delivery (the rows of a leased ``get_meta``, in a meta's ``extra_info``) is kept in
-global indexes too, and turned back into the sub-system's rows where it fences a put or an ack.
+partition does not hold. A meta joining partitions of several sub-systems (``BatchMeta.concat``) is cleared,
+tagged or read sub-system by sub-system (``get_data`` joins the fields in the meta's order). A delivery (the
+rows of a leased ``get_meta``, in a meta's ``extra_info``) is kept in global indexes too, and turned back into
+the sub-system's rows where it fences a put or an ack.
 
 **The order of partitions** (``get_partition_list``, ``kv_list()``) is their creation order over the whole
 system, as TransferQueue lists them: with P > 1 each call that may make a partition first takes a number of the

@@ -151,9 +151,8 @@ def test_global_indexes_are_unique_over_the_system_and_calls_carrying_them_reach
     assert ids.tolist() == metas["val"].global_indexes and status.flatten().tolist() == [1] * 4
     both = BatchMeta.concat([metas["q"], metas["b"]])  # two partitions of one sub-system read together
     assert dense(client.get_data(both)["x"]).tolist() == [300 + r for r in range(4)] + [400 + r for r in range(4)]
-    apart = BatchMeta.concat([metas["q"], metas["train"]])
-    with pytest.raises(ValueError, match="live in different sub-systems.*chunk_by_partition"):
-        client.get_data(apart)
+    apart = BatchMeta.concat([metas["q"], metas["train"]])  # two sub-systems: each read there, joined in order
+    assert dense(client.get_data(apart)["x"]).tolist() == [300 + r for r in range(4)] + [0, 1, 2, 3]
     client.clear_samples(apart)  # each part cleared in its own sub-system
     assert client.get_partition_list() == list(WHERE)
     assert all(client.get_consumption_status("t", p)[0].tolist() == [] for p in ("q", "train"))
@@ -299,3 +298,29 @@ def test_the_tools_that_open_a_dock_by_name_see_the_cut_system_as_one_dock_of_gl
     client.systems.delete()
     left = [k for k in redis.Redis.from_url(url).keys("*") if b":reply:" not in k]  # kept replies expire
     assert left == []  # the record, the conf and the counter too
+
+
+def test_a_meta_joining_partitions_of_several_sub_systems_reads_as_one_system_would(url, namespace):
+    """get_data of a concat of metas of "q" (sub-system 2), "train" (0) and "b" (2 again): every kind of field
+    comes back as a system of one dock gives it (the same layouts, in the meta's order)."""
+    def data(start: int, n: int) -> TensorDict:
+        ragged = torch.nested.as_nested_tensor([torch.arange(start + i % 3 + 1) for i in range(n)],
+                                               layout=torch.jagged)
+        return TensorDict({"x": torch.arange(start, start + n), "m": torch.ones(n, 2) * start, "r": ragged,
+                           "s": tensordict.NonTensorStack(*[f"s{start + i}" for i in range(n)])}, batch_size=n)
+
+    answers = {}
+    for partitions in (1, 3):
+        name = f"{namespace}{partitions}"
+        tq.init(conf(url, name, partitions=partitions))
+        client = tq.get_client()
+        metas = [client.put(data(10 * i, 2), partition_id=p) for i, p in enumerate(("q", "train", "b"))]
+        got = client.get_data(BatchMeta.concat(metas))
+        answers[partitions] = got
+        tq.close()
+    one, cut = answers[1], answers[3]
+    assert dense(cut["x"]).tolist() == dense(one["x"]).tolist() == [0, 1, 10, 11, 20, 21]
+    for field in ("m", "r"):
+        assert cut[field].is_nested and one[field].is_nested and cut[field].layout == one[field].layout
+        assert [t.tolist() for t in cut[field].unbind()] == [t.tolist() for t in one[field].unbind()]
+    assert list(cut["s"]) == list(one["s"]) == ["s0", "s1", "s10", "s11", "s20", "s21"]
