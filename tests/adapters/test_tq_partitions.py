@@ -107,31 +107,41 @@ def _init_with(url: str, namespace: str, partitions: int, go: Any, out: Any) -> 
     go.wait(60)
     try:
         tq.init(conf(url, namespace, partitions=partitions))
-        out.put((partitions, "ok"))
+        client = tq.get_client()
+        client.put(rows(1), partition_id="q")  # each process writes where the stored conf says "q" lives
+        out.put((partitions, ("ok", [p.dock.name for p in client.systems.parts])))
         tq.close()
     except SchemaError as exc:
-        out.put((partitions, str(exc)))
+        out.put((partitions, (str(exc), [])))
 
 
-def test_two_processes_starting_the_system_at_once_with_different_counts_one_wins_and_the_other_makes_nothing(
-        url, namespace):
+@pytest.mark.parametrize("counts", [(2, 3), (3, 3)])
+def test_two_processes_starting_the_system_at_once_follow_the_conf_stored_first_or_are_refused(
+        url, namespace, counts):
+    """Two processes init the system at once (neither finds a conf): with another count, one wins and the other
+    is refused having made no dock; with the same one, both open the same docks and write into one system."""
     ctx = worker_processes()
     go, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_init_with, args=(url, namespace, p, go, out)) for p in (2, 3)]
+    procs = [ctx.Process(target=_init_with, args=(url, namespace, p, go, out)) for p in counts]
     for p in procs:
         p.start()
     go.set()
-    results = dict(out.get(timeout=120) for _ in procs)
+    results = [out.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=60)
     raw = redis.Redis.from_url(url)
     stored = json.loads(raw.get(f"td:{{tq.{namespace}}}:tq:conf"))
     winner = stored["broker"]["partitions"]
-    loser = 5 - winner
-    assert results[winner] == "ok"
-    assert f"exists with broker.partitions {winner}; this process asked for {loser}" in results[loser]
-    docks = sorted(k.decode() for k in raw.scan_iter(match=f"td:{{tq.{namespace}~p*}}:meta"))
-    assert docks == [f"td:{{{name}}}:meta" for name in stored["broker_docks"]] and len(docks) == winner
+    for asked, (outcome, docks) in results:
+        if asked == winner:
+            assert outcome == "ok" and docks == stored["broker_docks"]
+        else:
+            assert f"exists with broker.partitions {winner}; this process asked for {asked}" in outcome
+    made = sorted(k.decode() for k in raw.scan_iter(match=f"td:{{tq.{namespace}~p*}}:meta"))
+    assert made == sorted(f"td:{{{name}}}:meta" for name in stored["broker_docks"]) and len(made) == winner
+    tq.init(conf(url, namespace, partitions=None))
+    in_q = tq.get_client().get_consumption_status("t", "q")[0]
+    assert in_q.numel() == sum(asked == winner for asked, _ in results)  # a row per process that wrote, one "q"
 
 
 def test_global_indexes_are_unique_over_the_system_and_calls_carrying_them_reach_their_sub_system(url, namespace):
