@@ -407,8 +407,9 @@ class TransferQueueClient:
         """The partition's global indexes and, per index and field of ``data_fields``, 1 if it is produced: an
         ``(indexes, fields)`` int8 matrix, as TransferQueue's. ``(None, None)`` for a partition that does not
         exist or a field it never had. As there, a field named twice is one column, and the columns follow the
-        order the fields were first put (TransferQueue's, in a partition; here, in the system: the same
-        whenever partitions get their fields in the same order, as each step of a pipeline does)."""
+        order the fields were first put (TransferQueue's, in a partition; here, in the system, or in the
+        partition's sub-system: the same whenever partitions get their fields in the same order, as each step of
+        a pipeline does)."""
         partition = _partition(partition_id)
         fields = list(dict.fromkeys(_names("data_fields", data_fields)))
         route = self._systems.route(partition)
