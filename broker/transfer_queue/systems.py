@@ -37,7 +37,9 @@ the sub-system's rows where it fences a put or an ack.
 
 **The order of partitions** (``get_partition_list``, ``kv_list()``) is their creation order over the whole
 system, as TransferQueue lists them: with P > 1 each call that may make a partition first takes a number of the
-system's counter (one INCR in the root's slot), which lua/tq_rows.lua stamps on the partition if it makes it.
+system's counter (one INCR in the root's slot), which lua/tq_rows.lua stamps on the partition if it makes it. A
+process's calls in a partition it saw made take none (``System._known``): they tell the script the partition
+must exist, and only if another process cleared it since does the call take a number and run again.
 
 Interleavings, beside each sub-system's own (system.py):
 

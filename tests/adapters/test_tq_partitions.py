@@ -334,3 +334,29 @@ def test_a_meta_joining_partitions_of_several_sub_systems_reads_as_one_system_wo
         assert cut[field].is_nested and one[field].is_nested and cut[field].layout == one[field].layout
         assert [t.tolist() for t in cut[field].unbind()] == [t.tolist() for t in one[field].unbind()]
     assert list(cut["s"]) == list(one["s"]) == ["s0", "s1", "s10", "s11", "s20", "s21"]
+
+
+def test_a_partition_another_process_cleared_and_made_again_is_listed_last(url, namespace):
+    """A process that saw a partition made takes no place of the system's counter for its puts there; when
+    another process cleared the partition since, its put makes it again with a new place: listed last."""
+    from broker.transfer_queue.interface import _stored, open_systems
+
+    tq.init(conf(url, namespace))
+    client = tq.get_client()
+    client.put(rows(1), partition_id="train")
+    client.put(rows(1), partition_id="q")
+    stored, docks = _stored(url, namespace) or ({}, ())
+    other = open_systems(url, namespace, stored, docks)  # another process's attachment
+    try:
+        train = other.route("train").system
+        train.release("train", None)  # clear_partition there
+        other.route("val").system.new_rows("val", 1)
+        assert client.get_partition_list() == ["q", "val"]
+        seq = redis.Redis.from_url(url).get(f"td:{{tq.{namespace}}}:tq:seq")
+        client.put(rows(1), partition_id="q")  # known to this process: no place taken
+        assert redis.Redis.from_url(url).get(f"td:{{tq.{namespace}}}:tq:seq") == seq
+        client.put(rows(2), partition_id="train")  # gone since this process saw it: made again, last
+        assert client.get_partition_list() == ["q", "val", "train"]
+        assert client.get_consumption_status("t", "train")[0].numel() == 2
+    finally:
+        other.close()

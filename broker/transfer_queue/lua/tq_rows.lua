@@ -11,7 +11,9 @@ first given rows (kv_list; verl's replay buffers take batches in that order), no
 takes the next number of KEYS[10] as its place, and each new key too, in the order asked. A system cut into
 sub-systems (broker.partitions > 1, systems.py) orders partitions over all of them: the caller then passes
 the place a new partition takes (ARGV[5], a number of the system's own counter), used only if this call
-makes the partition. A cleared key
+makes the partition; or, when it has seen the partition already, '-': then a call that would make it (another
+process cleared it since) makes nothing and answers {-1}, and the caller takes a place and calls again. So the
+system's counter is asked only by calls that may make a partition, not by every put. A cleared key
 loses its place (tq_release.lua); put again, it comes last, as in TransferQueue.
 
 A reused row was cleared before it was released (tq_release.lua runs after the dock's clear), but a put
@@ -40,7 +42,8 @@ ARGV[2]     the dock's capacity (rows)
 ARGV[3]     how many rows to give new anonymous samples; 0 when keys follow
 ARGV[4]     the schema the client expects (see include/schema.lua): a client that missed a column
             another process added would leave that column's bits on a reused row
-ARGV[5]     the place the partition takes if this call makes it; '': the next number of KEYS[10]
+ARGV[5]     the place the partition takes if this call makes it; '': the next number of KEYS[10]; '-': none,
+            the partition must exist (else the reply is {-1} and nothing is done)
 ARGV[6..]   keys, each getting its row (a new one if it has none)
 
 Returns {epoch, generations, fresh, row, ...}: the rows, one per key or per new sample, in the order asked;
@@ -62,6 +65,9 @@ if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[7], ARGV[4])
 if wrong_schema then return redis.error_reply(wrong_schema) end
+if ARGV[5] == '-' and redis.call('HEXISTS', KEYS[3], ARGV[1]) == 0 then
+  return keep_reply(reply_key, reply_ttl, {-1})
+end
 
 local partition, capacity, anonymous = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local rows, wanted, new_keys = {}, 0, {}
