@@ -130,7 +130,7 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike[str], *, include_storage: 
         else:  # sub-system by sub-system (the module docstring)
             info, files = _save_parts(systems, tmp)
         files[SAMPLER_FILE] = write_file(tmp / SAMPLER_FILE, sampler_bytes)
-        document = {"format": FORMAT, "version": VERSION, "namespace": system.namespace, "dock": system.dock.name,
+        document = {"format": FORMAT, "version": VERSION, "namespace": system.namespace, "dock": systems.root.name,
                     **info, "conf": json.loads(conf) if conf else None, "storage_saved": True,
                     "sampler": type(sampler).__name__, "files": files, "saved_at": time.time(),
                     "user_metadata": user}
