@@ -72,6 +72,17 @@ class HandedRows(list[int]):
         """``rows`` (a reordering, part or padding of these) as the same delivery."""
         return HandedRows(rows, self.epoch, self._runs, self._generations)
 
+    def shifted(self, by: int) -> HandedRows:
+        """The same delivery with every row moved by ``by``: for a slice that numbers a dock's rows its own way
+        (the TransferQueue slice's global indexes), and back before it names the delivery to the dock."""
+        return self.with_rows([r + by for r in self])._moved(by)
+
+    def _moved(self, by: int) -> HandedRows:
+        runs = list(self._runs)
+        runs[0::2] = [start + by for start in runs[0::2]]
+        self._runs = tuple(runs)
+        return self
+
     def _state(self) -> tuple[Any, ...]:
         return (list(self), self.epoch, self._runs, self._generations)
 

@@ -20,6 +20,16 @@ and its DUMP payload, or a hash's fields and values); ``sampler.msgpack`` (this 
 ``save_checkpoint()``, msgpack with tuples kept as tuples). DUMP payloads are Redis's RDB encoding of one
 key, restored with RESTORE; nothing is ever pickled, and a TransferQueue checkpoint (a pickle) is refused.
 
+**A system cut into sub-systems** (``broker.partitions: P``, systems.py) is saved sub-system by sub-system,
+each as above (one atomic copy of its slot, its puts and clears held off meanwhile) into
+``redis_keys.pK.msgpack``; ``metadata.json`` names P, and per sub-system its dock, schema and file
+(``systems``). Each TransferQueue partition lives whole in one sub-system, so each partition is saved at one
+moment; two partitions in different sub-systems are saved at two moments, one after the other (take the
+checkpoint where nothing writes to be sure of the whole, as a run does between steps). A load checks that
+the system has the same P and docks, and every file's SHA-256 and every sub-system's schema, before it
+restores any; a server refusing a sub-system's keys (an older Redis) part way leaves those before it
+restored: load again on a server that reads them. With P = 1 the files are what they always were.
+
 **Resuming.** Every key comes back as it was: rows consumed at checkpoint time stay consumed, the rows'
 leases keep their deadlines (ms of server time), so rows leased then come back once those pass; but the
 dock's epoch moves forward (``broker/api/snapshot.py``), so no metadata leased before the load puts into
@@ -66,6 +76,7 @@ from broker.errors import (
 )
 from broker.transfer_queue.sampler import BaseSampler
 from broker.transfer_queue.system import System
+from broker.transfer_queue.systems import Systems
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +107,8 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike[str], *, include_storage: 
     from broker.transfer_queue.interface import get_client
 
     client = get_client()
-    system = client.system
+    systems = client.systems
+    system = systems.parts[0]
     if not include_storage:
         log.warning("include_storage=False has no effect: the data is part of the system's state and is "
                     "always saved (a checkpoint without it would lose rows)")
@@ -111,10 +123,14 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike[str], *, include_storage: 
     tmp.mkdir(parents=True)
     try:
         # The conf is written once, when the system is made (SET NX): read beside the snapshot, not in it.
-        conf = system.read(lambda: system.client.get(system.keys.tq_conf))
-        info = _snapshot(system).save(tmp / KEYS_FILE)
-        files = {KEYS_FILE: info.pop("file"), SAMPLER_FILE: write_file(tmp / SAMPLER_FILE, sampler_bytes)}
-        document = {"format": FORMAT, "version": VERSION, "namespace": system.namespace, "dock": system.dock.name,
+        conf = system.read(lambda: system.client.get(systems.root.tq_conf))
+        if systems.count == 1:
+            info = _snapshot(system).save(tmp / KEYS_FILE)
+            files = {KEYS_FILE: info.pop("file")}
+        else:  # sub-system by sub-system (the module docstring)
+            info, files = _save_parts(systems, tmp)
+        files[SAMPLER_FILE] = write_file(tmp / SAMPLER_FILE, sampler_bytes)
+        document = {"format": FORMAT, "version": VERSION, "namespace": system.namespace, "dock": systems.root.name,
                     **info, "conf": json.loads(conf) if conf else None, "storage_saved": True,
                     "sampler": type(sampler).__name__, "files": files, "saved_at": time.time(),
                     "user_metadata": user}
@@ -133,6 +149,24 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike[str], *, include_storage: 
         _recover(path, old)
         raise
     log.info("TransferQueue system %r saved to %s", system.namespace, path)
+
+
+def keys_file(k: int) -> str:
+    """The file of sub-system ``k``'s keys (a system cut into several)."""
+    return f"redis_keys.p{k}.msgpack"
+
+
+def _save_parts(systems: Systems, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each sub-system's keys to its own file; what ``metadata.json`` keeps of them, and the files."""
+    parts: list[dict[str, Any]] = []
+    files: dict[str, Any] = {}
+    for k, part in enumerate(systems.parts):
+        saved = _snapshot(part).save(tmp / keys_file(k))
+        files[keys_file(k)] = saved.pop("file")
+        parts.append({"dock": part.dock.name, **saved})
+    first = parts[0]
+    return {"partitions": systems.count, "systems": parts, "schema": first["schema"],
+            "server_time_ms": first["server_time_ms"], "keys": sum(p["keys"] for p in parts)}, files
 
 
 def _snapshot(system: System) -> DockSnapshot:
@@ -170,7 +204,8 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
     from broker.transfer_queue.interface import get_client
 
     client = get_client()
-    system = client.system
+    systems = client.systems
+    system = systems.parts[0]
     path = Path(checkpoint_dir)
     _recover(path, _siblings(path)[1])
     if not path.is_dir():
@@ -179,12 +214,18 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if document["namespace"] != system.namespace:
         raise CheckpointMismatchError(f"{path} is a checkpoint of TransferQueue system {document['namespace']!r}; "
                                       f"this process is attached to {system.namespace!r}")
-    saved = saved_schema(document["schema"], where=str(path / METADATA_FILE))
-    current = system.dock.refresh()
-    _check_fits(path, saved, current)
+    if systems.count == 1 and document.get("partitions", 1) == 1:
+        parts = [(system, path / KEYS_FILE, {"schema": document["schema"], "file": document["files"][KEYS_FILE],
+                                             "rdb_version": document.get("rdb_version")})]
+    else:
+        parts = _parts_of(path, document, systems)
+    for part, file, info in parts:  # every sub-system fits, and every file is whole, before any is restored
+        _check_fits(path, saved_schema(info["schema"], where=str(path / METADATA_FILE)), part.dock.refresh())
+        if len(parts) > 1:  # one file: its restore verifies it first anyway
+            verify_file(file, info["file"])
     state = _read_sampler(path, document)
-    _snapshot(system).restore(path / KEYS_FILE, {"schema": document["schema"], "file": document["files"][KEYS_FILE],
-                                                 "rdb_version": document.get("rdb_version")})
+    for part, file, info in parts:
+        _snapshot(part).restore(file, info)
     sampler = _sampler_of(client)
     if document.get("sampler") not in (None, type(sampler).__name__):
         log.warning("checkpoint %s was saved with a %s; its state goes to this process's %s", path,
@@ -193,6 +234,28 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
     log.info("TransferQueue system %r restored from %s", system.namespace, path)
     user = document.get("user_metadata") or {}
     return dict(user) if isinstance(user, dict) else {}
+
+
+def _parts_of(path: Path, document: dict[str, Any], systems: Systems) -> list[tuple[System, Path, dict[str, Any]]]:
+    """Each sub-system with its file and what its save returned; CheckpointMismatchError for a checkpoint of
+    another partition count or other docks, CheckpointCorruptError for a ``metadata.json`` that lacks them."""
+    count = document.get("partitions", 1)
+    if count != systems.count:
+        raise CheckpointMismatchError(f"{path} is a checkpoint of a system of {count} partitions (broker.partitions); "
+                                      f"this one has {systems.count}: init() with the conf it was saved with")
+    saved = document.get("systems")
+    files = document["files"]
+    if not isinstance(saved, list) or len(saved) != count or not all(
+            isinstance(s, dict) and {"dock", "schema"} <= set(s) and isinstance(files.get(keys_file(k)), dict)
+            for k, s in enumerate(saved)):
+        raise CheckpointCorruptError(f"{path / METADATA_FILE} does not name the {count} sub-systems' files")
+    docks = [s["dock"] for s in saved]
+    mine = [part.dock.name for part in systems.parts]
+    if docks != mine:
+        raise CheckpointMismatchError(f"{path} is a checkpoint of the docks {docks}; this system's are {mine}")
+    return [(part, path / keys_file(k), {"schema": s["schema"], "file": files[keys_file(k)],
+                                         "rdb_version": s.get("rdb_version")})
+            for k, (part, s) in enumerate(zip(systems.parts, saved))]
 
 
 def _read_metadata(path: Path) -> dict[str, Any]:
@@ -214,8 +277,9 @@ def _read_metadata(path: Path) -> dict[str, Any]:
                                       f"up to {VERSION}")
     missing = [k for k in ("namespace", "schema", "files", "server_time_ms") if k not in document]
     files = document.get("files")
+    keys = KEYS_FILE if document.get("partitions", 1) == 1 else keys_file(0)
     if missing or not isinstance(files, dict) or any(not isinstance(files.get(f), dict)
-                                                      for f in (KEYS_FILE, SAMPLER_FILE)):
+                                                      for f in (keys, SAMPLER_FILE)):
         raise CheckpointCorruptError(f"{file} lacks {missing or 'its files'}")
     return document
 

@@ -6,6 +6,10 @@ them from this one module; the work they share is in system.py, partition_data.p
 
 Every call goes to Redis from the caller's process; there is no controller. A sampler runs here over the rows
 Redis says are ready and unconsumed, and its choice is taken atomically (``System.claim``).
+
+A system may be cut into sub-systems (``broker.partitions``, systems.py): each call finds the one holding its
+partition (``Systems.route``) and works there as on a system of one; the rows of a sub-system are handed to
+users as global indexes (``Route.glob``) and turned back (``Route.local``) where a call names them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from broker.transfer_queue.names import dock_name_of
 from broker.transfer_queue.partition_state import Snapshot
 from broker.transfer_queue.sampler import BaseSampler
 from broker.transfer_queue.system import System, delivery_of
+from broker.transfer_queue.systems import Route, Systems
 
 MODES = ("fetch", "force_fetch", "insert")
 
@@ -42,18 +47,25 @@ MODES = ("fetch", "force_fetch", "insert")
 class TransferQueueClient:
     """TransferQueue's client: one per process (``broker.transfer_queue.get_client()``), safe from many threads."""
 
-    def __init__(self, system: System, sampler: BaseSampler, *, polling_mode: bool = False,
+    def __init__(self, system: System | Systems, sampler: BaseSampler, *, polling_mode: bool = False,
                  get_meta_timeout: float = 5.0, lease: float | None = None, client_id: str = "client",
                  stack_uniform: bool = False):
         self.client_id = client_id
-        self._system, self._sampler = system, sampler
+        self._systems = system if isinstance(system, Systems) else Systems.of(system)
+        self._sampler = sampler
         self._polling, self._timeout, self._lease = polling_mode, get_meta_timeout, lease
         #: ``broker.stack_uniform``: fields of equal rows as one stacked tensor, not TransferQueue's jagged one.
         self._stack_uniform = stack_uniform
 
     @property
     def system(self) -> System:
-        return self._system
+        """The system, when it is one dock (``broker.partitions`` 1); BrokerError when it is cut in several."""
+        return self._systems.system
+
+    @property
+    def systems(self) -> Systems:
+        """The system's sub-systems (one, or ``broker.partitions``): systems.py."""
+        return self._systems
 
     # -- reading what to read -----------------------------------------------------------------------------
 
@@ -82,15 +94,16 @@ class TransferQueueClient:
             raise GetMetaError(f"mode must be one of {MODES}, got {mode!r}")
         fields = _names("data_fields", data_fields, allow_empty=mode == "force_fetch")
         partition = _partition(partition_id)
-        system = self._system
+        route = self._systems.route(partition)
+        system = route.system
         if mode == "insert":
             count = _count(batch_size)
             rows = system.new_rows(partition, count).rows
-            return self._meta(partition, rows, fields, insert=True)
+            return self._meta(route, partition, rows, fields, insert=True)
         if mode == "force_fetch":  # every row of the partition, the fields asked for (none: none), as they are
             if system.created(partition) == "0":
                 raise GetMetaError(f"partition {partition!r} not found")
-            return self._meta(partition, system.partition_rows(partition), fields)
+            return self._meta(route, partition, system.partition_rows(partition), fields)
         count = _count(batch_size)
         if not isinstance(task_name, str) or not task_name:
             raise GetMetaError(f"get_meta(mode='fetch') needs a task_name, got {task_name!r}")
@@ -109,12 +122,12 @@ class TransferQueueClient:
         def entries() -> set[Any]:
             return {(c.partition_id, c.task_name, c.dp_rank, c.batch_index) for c in sampler.cached_results()}
 
-        def choose(ready: list[int]) -> tuple[list[int], list[int]]:
+        def choose(ready: list[int]) -> tuple[list[int], list[int]]:  # global indexes, as the sampler sees them
             before[:] = [entries()]
             if len(ready) < count and not self._cached(partition, task_name, config):
                 # Another rank of this DP group, perhaps in another process, may have taken this batch already
                 # (its rows now consumed, so not among the ready ones): its record is this rank's batch.
-                recorded = system.recorded(label) if rank is not None else None
+                recorded = route.glob(system.recorded(label) or []) if rank is not None else None
                 if not recorded:
                     return [], []
                 sampler.remember(partition, task_name, rank, batch_index, recorded)
@@ -123,7 +136,7 @@ class TransferQueueClient:
             # from their custom meta (the tags here), read only if the sampler asks.
             try:
                 sampled, consumed = sampler(ready, count, task_name=task_name, partition_id=partition,
-                                            partition=_CustomMeta(system, partition), **config)
+                                            partition=_CustomMeta(route, partition), **config)
             except BrokerError:
                 raise
             except Exception as exc:  # a user's sampler: TransferQueue's controller answers its failure so
@@ -148,13 +161,18 @@ class TransferQueueClient:
         got: list[tuple[list[int], HandedRows | None]] = []
         shared: list[bool] = []
 
+        def choose_rows(ready: list[int]) -> tuple[list[int], list[int]]:  # the sub-system's rows
+            sampled, consumed = choose(route.glob(ready))
+            return [g - route.base for g in sampled], [g - route.base for g in consumed]
+
         def attempt() -> bool:
-            sampled, handed = system.claim(partition, fields, task_name, choose, lease=lease, name=name,
-                                           refused=refused)
+            rows, handed = system.claim(partition, fields, task_name, choose_rows, lease=lease, name=name,
+                                        refused=refused)
+            sampled = route.glob(rows)
             if sampled and name() is not None:
                 shared.append(True)
             if sampled:
-                got.append((sampled, handed))
+                got.append((sampled, route.global_delivery(handed)))
             elif before:
                 refused()  # too few rows: a sampler that cached an empty choice would keep returning it
             return bool(sampled)
@@ -173,7 +191,7 @@ class TransferQueueClient:
             if sampler.cached(partition, task_name, rank, batch_index) != (list(sampled), list(sampled)):
                 refused()
             sampler.remember(partition, task_name, rank, batch_index, sampled)
-        meta = self._meta(partition, sampled, fields)
+        meta = self._meta(route, partition, [g - route.base for g in sampled], fields)
         if isinstance(handed, LeasedRows):
             # The delivery fences the reader's put of its results into these rows (a reader whose lease ran
             # out, its rows handed to another, cannot write them), and that put acks the lease.
@@ -183,11 +201,13 @@ class TransferQueueClient:
     def _cached(self, partition: str, task: str, config: Mapping[str, Any]) -> bool:
         return bool(self._sampler.has_cached_result(partition, task, dict(config)))
 
-    def _meta(self, partition: str, rows: list[int], fields: Sequence[str], *, insert: bool = False) -> BatchMeta:
-        """The metadata of ``rows``: the schema the partition has of ``fields`` and their production status. For
-        an insert (new rows), every field asked for is named, with an empty schema where the partition has none
-        yet, and nothing is produced, as TransferQueue's controller makes it (a put then fills it in)."""
-        system = self._system
+    def _meta(self, route: Route, partition: str, rows: list[int], fields: Sequence[str], *,
+              insert: bool = False) -> BatchMeta:
+        """The metadata of ``rows`` (the sub-system's, handed out as global indexes): the schema the partition
+        has of ``fields`` and their production status. For an insert (new rows), every field asked for is
+        named, with an empty schema where the partition has none yet, and nothing is produced, as
+        TransferQueue's controller makes it (a put then fills it in)."""
+        system = route.system
         schema = system.field_schema(partition, list(fields))
         if insert:
             for field in fields:
@@ -195,7 +215,7 @@ class TransferQueueClient:
             status = np.zeros(len(rows), dtype=np.int8)
         else:
             status = system.produced(partition, rows, list(fields)) if fields else np.zeros(len(rows), dtype=np.int8)
-        return BatchMeta(global_indexes=rows, partition_ids=[partition] * len(rows), field_schema=schema,
+        return BatchMeta(global_indexes=route.glob(rows), partition_ids=[partition] * len(rows), field_schema=schema,
                          production_status=status, custom_meta=system.tags(partition, rows))
 
     def ack(self, metadata: BatchMeta) -> int:
@@ -204,7 +224,10 @@ class TransferQueueClient:
         released = 0
         for delivery, rows in _by_delivery(metadata):
             if isinstance(delivery, LeasedRows) and rows:
-                released += self._system.dock.ack(delivery.consumer, rows, delivery.token)
+                route = self._systems.route_of_index(rows[0])  # a delivery is one take: one sub-system's rows
+                local = route.local_delivery(delivery)
+                assert isinstance(local, LeasedRows)
+                released += route.system.dock.ack(local.consumer, [g - route.base for g in rows], local.token)
         return released
 
     # -- data ----------------------------------------------------------------------------------------------------
@@ -217,17 +240,8 @@ class TransferQueueClient:
         if data_parser is not None:
             raise InvalidExperienceError("data_parser is a SimpleStorage hook TransferQueue applies in its storage "
                                          "units; parse the data before the put here")
-        with self._system.writing():  # rows, data, tags: no checkpoint copies the put half done
-            return self._put(data, metadata, partition_id, size)
-
-    def _put(self, data: Any, metadata: BatchMeta | None, partition_id: str | None, size: int) -> BatchMeta:
-        fence: HandedRows | None = None
-        given = None
         if metadata is None:
             partition = _partition(partition_id)
-            given = self._system.new_rows(partition, size)
-            rows, fence = given.rows, delivery_of(given)  # a clear_partition meanwhile refuses it (FencedError)
-            custom: list[dict[str, Any]] = [{} for _ in rows]
         else:
             if metadata.size != size:
                 raise InvalidExperienceError(f"data has {size} rows, metadata {metadata.size}")
@@ -236,10 +250,24 @@ class TransferQueueClient:
                 raise InvalidExperienceError(f"metadata spans partitions {sorted(partitions)}; put each alone "
                                              "(BatchMeta.chunk_by_partition)")
             partition = _partition(partition_id or (metadata.partition_ids[0] if size else None))
-            rows = list(metadata.global_indexes)
+        route = self._systems.route(partition)
+        with route.system.writing():  # rows, data, tags: no checkpoint copies the put half done
+            return self._put(data, metadata, partition, route, size)
+
+    def _put(self, data: Any, metadata: BatchMeta | None, partition: str, route: Route, size: int) -> BatchMeta:
+        fence: HandedRows | None = None
+        given = None
+        system = route.system
+        if metadata is None:
+            given = system.new_rows(partition, size)
+            rows, fence = given.rows, delivery_of(given)  # a clear_partition meanwhile refuses it (FencedError)
+            custom: list[dict[str, Any]] = [{} for _ in rows]
+        else:
+            rows = route.local(metadata.global_indexes, partition)
             custom = list(metadata.custom_meta)
         try:
-            parts = [(fence, rows)] if metadata is None else _by_delivery(metadata)
+            parts = [(fence, rows)] if metadata is None else \
+                [(route.local_delivery(d), route.local(part, partition)) for d, part in _by_delivery(metadata)]
             if len(parts) == 1:
                 self.write(partition, rows, data, parts[0][0])
             else:  # a concatenation of batches of several takes: each part fenced (and acked) by its own lease
@@ -248,19 +276,20 @@ class TransferQueueClient:
                     self.write(partition, part, data[[at[r] for r in part]], delivery)
         except BaseException:
             if given is not None:  # new samples that never got their data are not left in the partition
-                self._system.give_back(partition, given)
+                system.give_back(partition, given)
             raise
         if any(custom):
-            self._system.set_tags(partition, rows, custom)
+            system.set_tags(partition, rows, custom)
         if metadata is None:  # as TransferQueue: the meta of an insert of the data's fields, then filled in
-            metadata = self._meta(partition, rows, tensors.field_names(data), insert=True)
+            metadata = self._meta(route, partition, rows, tensors.field_names(data), insert=True)
         # TransferQueue's put adds the data's fields to the metadata given, in place, and returns that object:
         # code that ignores the return value (verl's tqbridge) reads the new fields from its own meta.
         return metadata.add_fields(data)
 
     def write(self, partition: str, rows: list[int], data: Any, delivery: HandedRows | None = None) -> None:
         """The put itself: record the fields' schema, grow the dock by new fields, write the rows (fenced by
-        ``delivery``, the rows as they were handed out or looked up, when given)."""
+        ``delivery``, the rows as they were handed out or looked up, when given). ``rows`` and ``delivery``
+        are those of the sub-system holding ``partition``, not global indexes."""
         if rows:
             self.write_columns(partition, rows, tensors.put_columns(data, len(rows)), delivery)
 
@@ -269,23 +298,55 @@ class TransferQueueClient:
         """``write`` of columns ``tensors.put_columns`` made (and checked) already: a put checks its data before
         it looks its keys up, so a put refused for its data makes no key."""
         values, schema = columns
-        self._system.ensure_fields(list(values))
-        self._system.record_schema(partition, schema)
-        self._system.dock.put_experience({dock_name_of(f): v for f, v in values.items()}, rows, delivery=delivery)
+        system = self._systems.route(partition).system
+        system.ensure_fields(list(values))
+        system.record_schema(partition, schema)
+        system.dock.put_experience({dock_name_of(f): v for f, v in values.items()}, rows, delivery=delivery)
 
     def get_data(self, metadata: BatchMeta) -> Any:
         """The rows of ``metadata``, the fields it names, as a TensorDict in its order; an empty TensorDict for
-        a meta of no rows or no fields (TransferQueue's ``TensorDict({}, batch_size=0)`` either way)."""
+        a meta of no rows or no fields (TransferQueue's ``TensorDict({}, batch_size=0)`` either way). A meta
+        joining partitions of several sub-systems is read from each, one after another."""
         if metadata.size == 0 or not metadata.field_names:
             return tensors.assemble({}, 0, {})
-        partition = _partition(metadata.partition_ids[0])
-        return self.read(partition, list(metadata.global_indexes), list(metadata.field_names))
+        fields = list(metadata.field_names)
+        groups: dict[int, list[int]] = {}  # positions in the meta, by sub-system (its base), in the meta's order
+        for i, p in enumerate(metadata.partition_ids):
+            groups.setdefault(self._systems.route(_partition(p)).base, []).append(i)
+        if len(groups) == 1:
+            partition = _partition(metadata.partition_ids[0])
+            route = self._systems.route(partition)
+            return self.read(partition, route.local(metadata.global_indexes, partition), fields)
+        # Partitions of several sub-systems (a concat of metas): each sub-system's rows read there, and the
+        # fields joined in the meta's order, as one read of them all would have given them. The schema is that
+        # of the meta's first partition, as with partitions of one sub-system.
+        rows: dict[str, list[Any]] = {f: [None] * metadata.size for f in fields}
+        schema: dict[str, dict[str, Any]] | None = None
+        for positions in groups.values():
+            partition = _partition(metadata.partition_ids[positions[0]])
+            route = self._systems.route(partition)
+            local = route.local([metadata.global_indexes[i] for i in positions], partition)
+            columns, part_schema = self._columns(partition, local, fields)
+            schema = part_schema if schema is None else schema
+            for field, column in columns.items():
+                for i, value in zip(positions, tensors.rows_of(column)):
+                    rows[field][i] = value
+        return tensors.assemble({f: tensors.joined(r) for f, r in rows.items()}, metadata.size, schema,
+                                stack_uniform=self._stack_uniform)
 
     def read(self, partition: str, rows: list[int], fields: list[str], state: Snapshot | None = None) -> Any:
         """The rows' fields as a TensorDict, checked first against ``state`` (the partition's snapshot; read
         here, in one round trip, when not given). A snapshot that looked the rows up by key fences the read:
-        FencedError if a clear took any of them since (their bytes may be another key's by then)."""
-        system = self._system
+        FencedError if a clear took any of them since (their bytes may be another key's by then). ``rows``
+        are the sub-system's holding ``partition``, not global indexes."""
+        columns, schema = self._columns(partition, rows, fields, state)
+        return tensors.assemble(columns, len(rows), schema, stack_uniform=self._stack_uniform)
+
+    def _columns(self, partition: str, rows: list[int], fields: list[str], state: Snapshot | None = None
+                 ) -> tuple[dict[str, tensors.Column], dict[str, dict[str, Any]]]:
+        """``read``'s columns, as ``read_rows(stack=True)`` gives them, and the fields' schemas."""
+        route = self._systems.route(partition)
+        system = route.system
         state = system.snapshot(partition) if state is None else state
         schema = {f: state.schema[f] for f in fields if f in state.schema}
         unique = list(dict.fromkeys(rows))  # a key asked for twice is read once and given twice, as there
@@ -295,7 +356,7 @@ class TransferQueueClient:
                                       f"{sorted(state.schema)})")
         for field, ok in zip(fields, state.produced_each(rows, fields)):
             if not ok.all():
-                unready = [r for r, o in zip(rows, ok) if not o]
+                unready = route.glob(r for r, o in zip(rows, ok) if not o)
                 raise SampleNotFoundError(f"partition {partition!r}: field {field!r} is not produced for "
                                           f"global indexes {unready[:8]}")
         read = system.dock.read_rows([dock_name_of(f) for f in fields], unique, stack=True, delivery=state.delivery)
@@ -303,23 +364,26 @@ class TransferQueueClient:
         if len(unique) != len(rows):
             at = {r: i for i, r in enumerate(unique)}
             columns = {f: tensors.take(column, [at[r] for r in rows]) for f, column in columns.items()}
-        return tensors.assemble(columns, len(rows), schema, stack_uniform=self._stack_uniform)
+        return columns, schema
 
     def set_custom_meta(self, metadata: BatchMeta) -> None:
         """Store each sample's ``custom_meta`` (TransferQueue's per-sample metadata; the KV API's tags)."""
         for partition, meta in _by_partition(metadata):
-            self._system.set_tags(partition, list(meta.global_indexes), list(meta.custom_meta), merge=False)
+            route = self._systems.route(partition)
+            route.system.set_tags(partition, route.local(meta.global_indexes, partition), list(meta.custom_meta),
+                                  merge=False)
 
     # -- clearing -------------------------------------------------------------------------------------------
 
     def clear_partition(self, partition_id: str) -> None:
         partition = _partition(partition_id)
-        self._system.release(partition, None)
+        self._systems.route(partition).system.release(partition, None)
         self._sampler.clear_cache(partition)
 
     def clear_samples(self, metadata: BatchMeta) -> None:
         for partition, meta in _by_partition(metadata):
-            self._system.release(partition, list(meta.global_indexes))
+            route = self._systems.route(partition)
+            route.system.release(partition, route.local(meta.global_indexes, partition))
 
     # -- status ----------------------------------------------------------------------------------------------
 
@@ -329,11 +393,13 @@ class TransferQueueClient:
         """The partition's global indexes and, per index, 1 if ``task_name`` consumed it; ``(None, None)`` for
         a partition that does not exist, as TransferQueue answers."""
         partition = _partition(partition_id)
-        if self._system.created(partition) == "0":
+        route = self._systems.route(partition)
+        if route.system.created(partition) == "0":
             return None, None
-        members, consumed = self._status(partition, [], task_name)
+        members, consumed = self._status(route.system, partition, task_name)
         rows = np.flatnonzero(members)
-        return torch.as_tensor(rows, dtype=torch.long), torch.as_tensor(_at(consumed, rows), dtype=torch.int8)
+        return (torch.as_tensor(rows + route.base, dtype=torch.long),
+                torch.as_tensor(_at(consumed, rows), dtype=torch.int8))
 
     def get_production_status(
         self, data_fields: list[str], partition_id: str
@@ -341,18 +407,21 @@ class TransferQueueClient:
         """The partition's global indexes and, per index and field of ``data_fields``, 1 if it is produced: an
         ``(indexes, fields)`` int8 matrix, as TransferQueue's. ``(None, None)`` for a partition that does not
         exist or a field it never had. As there, a field named twice is one column, and the columns follow the
-        order the fields were first put (TransferQueue's, in a partition; here, in the system: the same
-        whenever partitions get their fields in the same order, as each step of a pipeline does)."""
+        order the fields were first put (TransferQueue's, in a partition; here, in the system, or in the
+        partition's sub-system: the same whenever partitions get their fields in the same order, as each step of
+        a pipeline does)."""
         partition = _partition(partition_id)
         fields = list(dict.fromkeys(_names("data_fields", data_fields)))
-        if self._system.created(partition) == "0" or set(fields) - set(self._system.field_schema(partition, fields)):
+        route = self._systems.route(partition)
+        system = route.system
+        if system.created(partition) == "0" or set(fields) - set(system.field_schema(partition, fields)):
             return None, None
-        fields = self._system.in_put_order(fields)
-        members, *ready = self._system.status(partition, fields, None)
+        fields = system.in_put_order(fields)
+        members, *ready = system.status(partition, fields, None)
         rows = np.flatnonzero(members)
         status = np.stack([_at(bits, rows) for bits in ready], axis=1).astype(np.int8) if ready else \
             np.zeros((len(rows), 0), dtype=np.int8)
-        return torch.as_tensor(rows, dtype=torch.long), torch.as_tensor(status, dtype=torch.int8)
+        return torch.as_tensor(rows + route.base, dtype=torch.long), torch.as_tensor(status, dtype=torch.int8)
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
         rows, status = self.get_consumption_status(task_name, partition_id)
@@ -366,26 +435,28 @@ class TransferQueueClient:
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         """Offer the partition's rows again to ``task_name`` (None: every task)."""
         partition = _partition(partition_id)
-        rows = self._system.partition_rows(partition)
+        system = self._systems.route(partition).system
+        rows = system.partition_rows(partition)
         if not rows:
             return True
-        consumers = self._system.dock.consumers
+        consumers = system.dock.consumers
         for consumer in consumers if task_name is None else [dock_name_of(task_name)]:
             if consumer in consumers:
-                self._system.dock.reset_consumer(consumer, rows)
+                system.dock.reset_consumer(consumer, rows)
         return True
 
-    def _status(self, partition: str, fields: list[str], task: str) -> tuple[np.ndarray, np.ndarray]:
-        if not self._system.has_task(task):
-            self._system.dock.refresh()  # another process (a data loader's worker, say) may have added the task
-        if not self._system.has_task(task):
-            members = self._system.status(partition, [], None)[0]
+    @staticmethod
+    def _status(system: System, partition: str, task: str) -> tuple[np.ndarray, np.ndarray]:
+        if not system.has_task(task):
+            system.dock.refresh()  # another process (a data loader's worker, say) may have added the task
+        if not system.has_task(task):
+            members = system.status(partition, [], None)[0]
             return members, np.zeros(len(members), dtype=bool)
-        members, consumed = self._system.status(partition, [], task)
+        members, consumed = system.status(partition, [], task)
         return members, consumed
 
     def get_partition_list(self) -> list[str]:
-        return self._system.partitions()
+        return self._systems.partitions()
 
     # -- keys ---------------------------------------------------------------------------------------------------
 
@@ -393,26 +464,28 @@ class TransferQueueClient:
         """The metadata of the samples of ``keys`` (``create``: new rows for new keys)."""
         partition = _partition(partition_id)
         keys = _keys(keys)
-        system = self._system
+        route = self._systems.route(partition)
+        system = route.system
         if create:
             rows = system.rows_for_keys(partition, keys).rows
         else:  # the keys the partition holds, in order (a key twice, twice); the others left out, as there
             rows = [r for r in system.snapshot(partition, keys=keys).found_rows() if r is not None]
-        return self._meta(partition, rows, system.common_fields(partition, rows))
+        return self._meta(route, partition, rows, system.common_fields(partition, rows))
 
     def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str | None]:
         partition = _partition(partition_id)
-        rows = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
-        return self._system.keys_of_rows(partition, rows)
+        indexes = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
+        route = self._systems.route(partition)  # an index of another sub-system is no key of this partition
+        return route.system.keys_of_rows(partition, route.local_or_none(indexes))
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
         """``{partition: {key: tags}}`` of one partition or all; ``{}`` for a partition that does not exist."""
         if partition_id is None:
-            partitions = self._system.partitions()
+            partitions = self._systems.partitions()
         else:
             partition = _partition(partition_id)
-            partitions = [partition] if self._system.created(partition) != "0" else []
-        return {p: self._system.listing(p) for p in partitions}
+            partitions = [partition] if self._systems.route(partition).system.created(partition) != "0" else []
+        return {p: self._systems.route(p).system.listing(p) for p in partitions}
 
     def close(self) -> None:
         """Nothing to stop: the process's connections close with ``broker.transfer_queue.close()``."""
@@ -457,12 +530,13 @@ def _by_partition(metadata: BatchMeta) -> list[tuple[str, BatchMeta]]:
 class _CustomMeta:
     """What TransferQueue's controller passes a sampler as ``partition``: the rows' custom meta (tags)."""
 
-    def __init__(self, system: System, partition: str):
-        self.system, self.partition = system, partition
+    def __init__(self, route: Route, partition: str):
+        self.route, self.partition = route, partition
 
     def get_custom_meta(self, global_indices: Sequence[int]) -> dict[int, dict[str, Any]]:
-        rows = [int(r) for r in global_indices]
-        return {r: t for r, t in zip(rows, self.system.tags(self.partition, rows)) if t}
+        indexes = [int(g) for g in global_indices]
+        tags = self.route.system.tags(self.partition, self.route.local(indexes, self.partition))
+        return {g: t for g, t in zip(indexes, tags) if t}
 
 
 def deliveries_of(metadata: BatchMeta) -> list[HandedRows]:

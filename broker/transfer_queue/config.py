@@ -31,8 +31,12 @@ DEFAULTS: dict[str, Any] = {
         "call_timeout": 30.0,
         "lease": None,
         "stack_uniform": False,
+        "partitions": 1,
     },
 }
+
+#: The most sub-systems one system may be cut into (``broker.partitions``, systems.py), as a partitioned dock's.
+MAX_PARTITIONS = 1024
 
 #: Keys of TransferQueue's conf that are read: every other one is ignored (logged once per init).
 _USED = {
@@ -106,6 +110,9 @@ def _check(conf: dict[str, Any]) -> None:
         value = b[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise SchemaError(f"broker.{name} must be a number of seconds > 0, got {value!r}")
+    parts = b["partitions"]
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= MAX_PARTITIONS:
+        raise SchemaError(f"broker.partitions must be an int in 1..{MAX_PARTITIONS}, got {parts!r:.40}")
     if not isinstance(b["stack_uniform"], bool):
         raise SchemaError(f"broker.stack_uniform must be true or false, got {b['stack_uniform']!r}")
     lease = b["lease"]

@@ -77,10 +77,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from broker.api.delivery import LeasedRows
 from broker.errors import BrokerError, ExperienceTimeoutError, InvalidArgumentTypeError, InvalidExperienceError
 from broker.transfer_queue.client import TransferQueueClient
-from broker.transfer_queue.config import capacity_of, merged, plain
-from broker.transfer_queue.interface import _sampler_of, _stored_conf, get_client
+from broker.transfer_queue.config import merged, plain
+from broker.transfer_queue.interface import _chosen_docks, _sampler_of, _stored, get_client, open_systems
 from broker.transfer_queue.metadata import DELIVERY, BatchMeta
-from broker.transfer_queue.system import System
+from broker.transfer_queue.systems import Systems
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]  # yields (Te
     def _consumed(self, client: TransferQueueClient) -> bool:
         """Whether every row of the partition was handed to the task (rows whose lease ran out are given back
         first: they are not consumed)."""
-        client.system.reclaim(self.task_name)
+        client.systems.reclaim(self.task_name)
         return client.check_consumption_status(self.task_name, self.partition_id)
 
     def _acking(self, items: Iterator[Any]) -> Iterator[Any]:
@@ -458,7 +458,7 @@ def _resolved(config: Any) -> dict[str, Any]:
     if broker["url"]:
         return conf
     try:
-        attached: System | None = get_client().system
+        attached: Systems | None = get_client().systems
     except BrokerError:
         attached = None
     if attached is not None:
@@ -478,12 +478,12 @@ def _open_client(config: Any, conf: dict[str, Any], lease: float | None) -> Tran
     """A client of the system ``conf`` names, for this process alone: polling (the dataset waits itself), with
     the sampler the dataset's conf names, else the system's."""
     url, namespace = str(conf["broker"]["url"]), str(conf["broker"]["namespace"])
-    stored = _stored_conf(url, namespace)
-    effective = stored if stored is not None else conf
+    stored = _stored(url, namespace)  # a system not made yet: the dataset's conf, not stored (init stores one)
+    effective, docks = stored if stored is not None else (conf, _chosen_docks(url, namespace, conf))
     own = (plain(config).get("controller") or {}).get("sampler")
     chosen = own if own is not None else effective["controller"]["sampler"]
     sampler = _sampler_of({"controller": {"sampler": chosen}}, effective)
-    system = System(url, namespace, capacity_of(effective), float(effective["broker"]["call_timeout"]))
+    system = open_systems(url, namespace, effective, docks)
     return TransferQueueClient(system, sampler, polling_mode=True, lease=lease,
                                client_id=f"StreamingDataset_{uuid.uuid4().hex[:8]}",
                                stack_uniform=bool(effective["broker"].get("stack_uniform", False)))

@@ -10,7 +10,9 @@ their checks); each function is short, and the work is in client.py and system.p
 running, as TransferQueue's tutorials look it up; else a file in this machine's temporary folder); else it
 starts a private redis-server (``broker.ops.local_redis``) that lives until this process calls ``close()``
 or exits. The first ``init`` writes the conf to Redis; later ones, in other processes or on other machines,
-attach and read it (their own conf is ignored then, as in TransferQueue).
+attach and read it (their own conf is ignored then, as in TransferQueue), but for ``broker.partitions``: a
+process naming another count than the stored one is refused (systems.py). The conf is stored before any
+dock is made, with the names of the system's docks, so every process opens the docks the first one chose.
 """
 
 from __future__ import annotations
@@ -23,23 +25,25 @@ import os
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from broker.connection import connect, disconnect, redact, redis_errors
+from broker.control.keys import partition_of_name
 from broker.errors import BrokerError, FencedError, InvalidExperienceError, SampleNotFoundError, SchemaError
 from broker.ops.local_redis import RedisServer
 from broker.transfer_queue import sampler as samplers
 from broker.transfer_queue import tensors
 from broker.transfer_queue.client import TransferQueueClient, _keys, _partition
-from broker.transfer_queue.config import capacity_of, merged
+from broker.transfer_queue.config import capacity_of, merged, plain
 from broker.transfer_queue.keys import SystemKeys
 from broker.transfer_queue.metadata import KVBatchMeta
 from broker.transfer_queue.sampler import BaseSampler
 from broker.transfer_queue.system import System, delivery_of, dock_name
+from broker.transfer_queue.systems import Systems, dock_names
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ class _Process:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.conf: dict[str, Any] | None = None
-        self.system: System | None = None
+        self.system: Systems | None = None
         self.client: TransferQueueClient | None = None
         self.server: RedisServer | None = None
         self.published: Path | None = None
@@ -72,12 +76,9 @@ def init(conf: Any = None) -> Any:
         wanted = merged(conf)
         url, published = _find(wanted)
         namespace = wanted["broker"]["namespace"]
-        stored = _stored_conf(url, namespace)
-        effective = stored if stored is not None else wanted
-        effective["broker"]["url"] = url
-        system = System(url, namespace, capacity_of(effective), float(effective["broker"]["call_timeout"]))
-        if stored is None:
-            _store_conf(system, effective)
+        wanted["broker"]["url"] = url
+        effective, docks = _settled(url, namespace, wanted, _asked_partitions(conf))
+        system = open_systems(url, namespace, effective, docks)
         _P.conf, _P.system = effective, system
         _P.client = TransferQueueClient(
             system, _sampler_of(conf, effective), polling_mode=bool(effective["controller"]["polling_mode"]),
@@ -158,7 +159,7 @@ def kv_batch_put(keys: list[str], partition_id: str, fields: Any = None, tags: l
         raise InvalidExperienceError("keys must be distinct")
     if data_parser is not None:
         raise InvalidExperienceError("data_parser is a SimpleStorage hook; parse the data before the put here")
-    system = client.system
+    system = client.systems.route(partition).system
     columns = tensors.put_columns(fields, len(keys)) if fields is not None else None  # checked before any row
     if tags is not None:
         system.check_tags(partition, keys, tags)
@@ -222,8 +223,9 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[s
     partition = _partition(partition_id)
     wanted = None if select_fields is None else [select_fields] if isinstance(select_fields, str) else \
         list(select_fields)
+    system = client.systems.route(partition).system
     for _ in range(READ_RETRIES):
-        state = client.system.snapshot(partition, keys=keys)  # rows, schemas and ready bits: one round trip
+        state = system.snapshot(partition, keys=keys)  # rows, schemas and ready bits: one round trip
         rows = [r for r in state.found_rows() if r is not None]
         if not rows:
             raise SampleNotFoundError(f"keys or partition were not found! (partition {partition!r}, keys "
@@ -270,11 +272,11 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
     client = get_client()
     partition = _partition(partition_id)
     keys = _keys(keys)
-    got = client.system.read(lambda: client.system.client.hmget(client.system.keys.tq_keys(partition),
-                                                                            keys))
+    system = client.systems.route(partition).system
+    got = system.read(lambda: system.client.hmget(system.keys.tq_keys(partition), keys))
     rows = [int(r) for r in got if r is not None]  # a key cleared already is not an error, as in TransferQueue
     if rows:
-        client.system.release(partition, rows)
+        system.release(partition, rows)
 
 
 async def async_kv_put(*args: Any, **kwargs: Any) -> KVBatchMeta:
@@ -389,8 +391,19 @@ def _publish(conf: dict[str, Any]) -> None:
         pass
 
 
+#: Where the stored conf names the docks of a system cut into sub-systems (beside TransferQueue's own keys; taken
+#: out of the conf as it is read, so the conf ``init`` returns is as it was given).
+DOCKS = "broker_docks"
+
+
 def _stored_conf(url: str, namespace: str) -> dict[str, Any] | None:
     """The conf the system's first ``init`` stored, if the system exists."""
+    stored = _stored(url, namespace)
+    return None if stored is None else stored[0]
+
+
+def _stored(url: str, namespace: str) -> tuple[dict[str, Any], tuple[str, ...]] | None:
+    """The conf the system's first ``init`` stored and the system's docks, if the system exists."""
     client, _ = connect(url)
     try:
         with redis_errors(redact(url)):
@@ -404,17 +417,75 @@ def _stored_conf(url: str, namespace: str) -> dict[str, Any] | None:
     except (ValueError, RecursionError) as exc:  # RecursionError: nested past the limit, by another client
         raise SchemaError(f"the stored conf of TransferQueue system {namespace!r} is not JSON: "
                           f"{type(exc).__name__}: {str(exc)[:200]}") from exc
-    return merged(conf)
+    docks = conf.pop(DOCKS, None) if isinstance(conf, dict) else None
+    effective = merged(conf)
+    count = effective["broker"]["partitions"]
+    if docks is None and count == 1:
+        docks = [dock_name(namespace)]
+    root = dock_name(namespace)
+    if not isinstance(docks, list) or len(docks) != count or not all(
+            isinstance(d, str) and (d == root if count == 1 else partition_of_name(d) == root) for d in docks):
+        raise SchemaError(f"the stored conf of TransferQueue system {namespace!r} names {docks!r:.200} as its "
+                          f"docks, not {count} (broker.partitions)")
+    return effective, tuple(docks)
 
 
-def _store_conf(system: System, conf: dict[str, Any]) -> None:
-    text = _conf_json(conf)
-    system.write("store conf", lambda: system.client.set(system.keys.tq_conf, text, nx=True))
+def _settled(url: str, namespace: str, wanted: dict[str, Any], asked: int | None
+             ) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The conf in effect and the system's docks: those stored, else ``wanted`` and docks chosen now, stored
+    (SET NX) before any dock is made, so that two processes starting the system at once open the same docks.
+    SchemaError if this process asked for another partition count (``asked``) than the stored one."""
+    stored = _stored(url, namespace)
+    if stored is None:
+        docks = _chosen_docks(url, namespace, wanted)
+        text = _conf_json(wanted, docks if len(docks) > 1 else None)
+        client, _ = connect(url)
+        try:
+            with redis_errors(redact(url)):
+                client.set(SystemKeys(dock_name(namespace)).tq_conf, text, nx=True)
+        finally:
+            disconnect(url)
+        stored = _stored(url, namespace)  # ours, or that of a process that stored its conf first
+        if stored is None:
+            raise SchemaError(f"TransferQueue system {namespace!r}: its conf vanished as it was stored (deleted "
+                              "by another process?)")
+    effective, docks = stored
+    effective["broker"]["url"] = url
+    count = effective["broker"]["partitions"]
+    if asked is not None and asked != count:
+        raise SchemaError(f"TransferQueue system {namespace!r} exists with broker.partitions {count}; this "
+                          f"process asked for {asked}: init with partitions {count} (or without the setting), or "
+                          "use another namespace")
+    return effective, docks
 
 
-def _conf_json(conf: dict[str, Any]) -> str:
-    """The conf as JSON: a sampler (an instance or a class) by its class's name, anything else as its str."""
-    return json.dumps(conf, default=lambda o: o.__class__.__name__ if isinstance(o, BaseSampler) else
+def _chosen_docks(url: str, namespace: str, conf: dict[str, Any]) -> tuple[str, ...]:
+    """The docks a system of ``conf``'s ``broker.partitions`` made now at ``url`` would have (systems.py)."""
+    client, _ = connect(url)
+    try:
+        with redis_errors(redact(url)):
+            return dock_names(client, namespace, int(conf["broker"]["partitions"]))
+    finally:
+        disconnect(url)
+
+
+def _asked_partitions(conf: Any) -> int | None:
+    """``broker.partitions`` if the conf given to ``init`` names it (checked by ``merged``), else None."""
+    given = (plain(conf).get("broker") or {}) if conf is not None else {}
+    value = given.get("partitions") if isinstance(given, dict) else None
+    return None if value is None else int(value)
+
+
+def open_systems(url: str, namespace: str, conf: dict[str, Any], docks: tuple[str, ...]) -> Systems:
+    """The system ``conf`` (as stored) describes, on its ``docks``."""
+    return Systems(url, namespace, capacity_of(conf), float(conf["broker"]["call_timeout"]), docks)
+
+
+def _conf_json(conf: dict[str, Any], docks: Sequence[str] | None = None) -> str:
+    """The conf as JSON: a sampler (an instance or a class) by its class's name, anything else as its str;
+    with the system's ``docks`` when it is cut into several."""
+    document = conf if docks is None else {**conf, DOCKS: list(docks)}
+    return json.dumps(document, default=lambda o: o.__class__.__name__ if isinstance(o, BaseSampler) else
                       o.__name__ if isinstance(o, type) else str(o))
 
 

@@ -81,9 +81,10 @@ def layout() -> list[KeyRow]:
         KeyRow(k.tq_partitions, "hash", "TransferQueue: partition → its place in creation order (a number "
                "from td:{NAME}:tq:seq, new with each creation of the partition)"),
         KeyRow(k.tq_seq, "string", "TransferQueue: a counter giving partitions and keys their place in "
-               "creation order (`kv_list`'s order, as TransferQueue's)"),
+               "creation order (`kv_list`'s order, as TransferQueue's); of a system cut into sub-systems "
+               "(`broker.partitions`), the one in the system's own name orders partitions over all of them"),
         KeyRow(k.tq_conf, "string", "TransferQueue: the system's configuration (JSON), written by the first "
-               "`init`"),
+               "`init`; of a system cut into sub-systems, in the system's own name, with their docks"),
         KeyRow(k.tq_writing, "sorted set", "TransferQueue: member = a put or clear of several steps under "
                "way, score = when it is given up (ms of server time); a checkpoint waits until none is left"),
         KeyRow(k.tq_saving, "sorted set", "TransferQueue: member = a checkpoint being taken or loaded, score = "

@@ -56,20 +56,26 @@ class TransferQueueScripts(ScriptsBase):
 
     def rows(
         self, partition: str, schema: Schema, fingerprint: str, *, count: int = 0, keys: Sequence[str] = (),
-    ) -> SampleRows:
+        place: int | str | None = None,
+    ) -> SampleRows | None:
         """Rows for ``count`` new samples, or for ``keys`` (their rows, new ones for new keys), in order, with
         the handout that fences writes into them (and reads of them) against the adapter's clears.
 
         Every column and consumer of ``schema`` is a status bitmap a reused row loses; the script checks that
         the dock holds that schema (``fingerprint``, as stored), so none is missed. Both are arguments, not
         bound state: threads sharing these wrappers may hold different schemas while one follows a growth.
+        ``place``: the place in creation order the partition takes if this call makes it (a sub-system of a
+        system cut in several, systems.py); None: the next of this system's counter; ``"-"``: the partition
+        must exist, else nothing is done and None is returned (take a place and call again).
         """
         k = self._keys
         status = [*(k.ready(c) for c in schema.columns), *(k.consumed(c) for c in schema.consumers)]
         reply = self._once("tq_rows", [k.tq_next, k.tq_free, k.tq_partitions, k.tq_rows(partition),
                                        k.tq_keys(partition), k.tq_rkeys(partition), k.meta, k.epoch, k.generations,
                                        k.tq_seq, k.tq_order(partition), *status],
-                           [partition, schema.capacity, count, fingerprint, *keys])
+                           [partition, schema.capacity, count, fingerprint, "" if place is None else place, *keys])
+        if int(reply[0]) < 0:  # place "-", and the partition is gone: nothing done
+            return None
         rows = [int(r) for r in reply[3:]]
         fresh = bytes(reply[2]).decode()
         return SampleRows(rows, Handout(tuple(runs_of(rows)), int(reply[0]), bytes(reply[1])),

@@ -91,9 +91,16 @@ def dock_name(namespace: str) -> str:
 class System(PartitionData):
     """The system's dock and the adapter's keys beside it, on one Redis (or Redis Cluster)."""
 
-    def __init__(self, url: str, namespace: str, capacity: int, call_timeout: float):
+    def __init__(self, url: str, namespace: str, capacity: int, call_timeout: float, *, dock: str | None = None,
+                 place: Callable[[], int] | None = None):
         self.url, self.namespace = url, namespace
-        self.dock = _open(url, dock_name(namespace), capacity, call_timeout)
+        #: A sub-system of a system cut in several (systems.py): where the place in creation order of a partition
+        #: the next call may make comes from (the system's own counter); None: this dock's counter.
+        self._place = place
+        #: Partitions this process saw made (a sub-system of a system cut in several): its calls giving rows in
+        #: them take no place of the system's counter unless another process cleared them since (``_rows``).
+        self._known: set[str] = set()
+        self.dock = _open(url, dock or dock_name(namespace), capacity, call_timeout)
         #: The dock's session (``TransferDock.session``): the one door to Redis of the dock's parts, and of
         #: this system (``read``, ``write``).
         self.session = self.dock.session
@@ -213,9 +220,21 @@ class System(PartitionData):
         # a field or a task (a normal event here: each new field or task name grows the dock), the session
         # adopts the grown schema and runs the call again, as long as it keeps growing; a dock recreated with
         # another schema stays a SchemaError.
-        given: SampleRows = self.write(what, lambda: self.scripts.rows(partition, *self.dock.binding, count=count,
-                                                                       keys=keys))
-        return given
+        if self._place is None:
+            given: SampleRows | None = self.write(what, lambda: self.scripts.rows(
+                partition, *self.dock.binding, count=count, keys=keys))
+            assert given is not None  # only a place "-" answers None
+            return given
+        # A system cut in several: a place of the system's counter (systems.py's "Order"), taken before the call
+        # that may make the partition; "-" for a partition this process saw made, unless it is gone since.
+        for place in ("-", None) if partition in self._known else (None,):
+            taken = place if place is not None else self._place()
+            got: SampleRows | None = self.write(what, lambda: self.scripts.rows(  # noqa: B023 (run at once)
+                partition, *self.dock.binding, count=count, keys=keys, place=taken))  # noqa: B023
+            if got is not None:
+                self._known.add(partition)
+                return got
+        raise AssertionError("unreachable: a call with a place always gives rows")
 
     def rows_of_keys(self, partition: str, keys: Sequence[str]) -> list[int]:
         """The rows of existing ``keys``; SampleNotFoundError names those the partition lacks."""
@@ -248,6 +267,8 @@ class System(PartitionData):
     def release_announced(self, partition: str, rows: Sequence[int] | None) -> list[int]:
         """``release`` inside a write already announced (``writing``)."""
         whole = rows is None
+        if whole:
+            self._known.discard(partition)  # made again, it takes a new place
         todo = self.partition_rows(partition) if rows is None else list(rows)
         if todo:  # an empty list would clear the whole dock
             self.dock.clear(todo)
@@ -289,9 +310,14 @@ class System(PartitionData):
 
     def partitions(self) -> list[str]:
         """The partitions, in the order they were made (as TransferQueue lists them)."""
-        got = self.read(lambda: self.client.hgetall(self.keys.tq_partitions))
         # places are small numbers; a partition stamped in ms (before places were kept) comes after them
-        return [p.decode() for p, _ in sorted(got.items(), key=lambda item: (int(item[1]), item[0]))]
+        return [p for p, _ in sorted(self.partition_places().items(), key=lambda item: (item[1], item[0]))]
+
+    def partition_places(self) -> dict[str, int]:
+        """Each partition's place in creation order (of this dock's counter, or of the system's when it is cut
+        in several: systems.py)."""
+        got = self.read(lambda: self.client.hgetall(self.keys.tq_partitions))
+        return {p.decode(): int(place) for p, place in got.items()}
 
     def checkpoint_keys(self) -> SliceKeys:
         """The slice's keys of every partition now, and the index they were listed from (the partitions hash):

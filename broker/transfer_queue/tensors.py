@@ -409,6 +409,26 @@ def take(column: Column, positions: Sequence[int]) -> Column:
     return [column[i] for i in positions]
 
 
+def rows_of(column: Column) -> list[Any]:
+    """A column as ``read_rows(stack=True)`` gives it, as a list of its rows (a tensor's rows are views)."""
+    return list(column.unbind(0)) if isinstance(column, torch.Tensor) else list(column)
+
+
+def joined(rows: list[Any]) -> Column:
+    """Rows of one field read from several docks (``rows_of`` of each), as one read of them all would have
+    given the column: equal tensor rows stacked, tensor rows of one dtype and rank jagged, else the list."""
+    if rows and all(isinstance(r, torch.Tensor) and not r.is_nested for r in rows):
+        first = rows[0]
+        if all(r.shape == first.shape and r.dtype == first.dtype for r in rows):
+            return torch.stack(rows)
+        if first.dim() >= 1 and all(r.dtype == first.dtype and r.dim() == first.dim() for r in rows):
+            try:
+                return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+            except (RuntimeError, TypeError):  # rows differing in more than one dim: packed as a list is
+                pass
+    return rows
+
+
 def _jagged_view(stacked: torch.Tensor) -> torch.Tensor:
     """A jagged nested tensor over a stacked ``(B, L, ...)`` tensor, each row ``L`` long: no copy when
     ``stacked`` is contiguous (a read's always is)."""

@@ -23,12 +23,19 @@ def conf(url: str, namespace: str, **controller: Any) -> dict[str, Any]:
     return {"broker": {"url": url, "namespace": namespace, "get_meta_timeout": 0.5}, "controller": controller}
 
 
+@pytest.fixture(params=[1, 3])
+def partitions(request) -> int:
+    """Every test of the client also on a system cut into three sub-systems (``broker.partitions``): the
+    partitions these tests use ("p" and "q", "train" and "val") live in different ones."""
+    return int(request.param)
+
+
 @pytest.fixture
-def client(url):
+def client(url, partitions):
     namespace = "c" + uuid.uuid4().hex[:8]
-    tq.init(conf(url, namespace))
+    tq.init({**conf(url, namespace), "broker": {**conf(url, namespace)["broker"], "partitions": partitions}})
     yield tq.get_client()
-    tq.get_client().system.delete()
+    tq.get_client().systems.delete()
     tq.close()
 
 
@@ -107,7 +114,7 @@ def _fetch_all(url: str, namespace: str, sampler: Any, batch: int, out: Any) -> 
 @pytest.mark.parametrize("sampler, batch", [(SequentialSampler(), 3), (GRPOGroupNSampler(n_samples_per_prompt=4), 8)])
 def test_processes_fetching_at_once_never_share_a_row_and_never_split_a_group(client, url, sampler, batch):
     client.put(rows(48), partition_id="p")
-    namespace = client.system.namespace
+    namespace, base = client.systems.namespace, client.systems.route("p").base  # "p"'s first global index
     ctx = worker_processes()
     out = ctx.Queue()
     procs = [ctx.Process(target=_fetch_all, args=(url, namespace, sampler, batch, out)) for _ in range(3)]
@@ -116,7 +123,7 @@ def test_processes_fetching_at_once_never_share_a_row_and_never_split_a_group(cl
     batches = [b for _ in procs for b in out.get(timeout=120)]
     for p in procs:
         p.join(timeout=60)
-    assert sorted(r for b in batches for r in b) == list(range(48))  # each row once, to one process
+    assert sorted(r for b in batches for r in b) == list(range(base, base + 48))  # each row once, to one process
     if isinstance(sampler, GRPOGroupNSampler):  # each batch is two whole groups of 4 consecutive rows
         for b in batches:
             groups = [sorted(b[i:i + 4]) for i in range(0, len(b), 4)]

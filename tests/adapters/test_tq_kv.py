@@ -20,8 +20,15 @@ from broker.control.scripts import runs_of  # noqa: E402
 from tests.helpers import dense, empty_cluster  # noqa: E402
 
 
+@pytest.fixture(params=[1, 3])
+def partitions(request) -> int:
+    """Every test of the KV interface also on a system cut into three sub-systems (``broker.partitions``): the
+    partitions these tests use ("train" and "val", "p" and "q") live in different ones."""
+    return int(request.param)
+
+
 @pytest.fixture(params=["real", "redis62", "cluster"])
-def system(request):
+def system(request, partitions):
     if request.param == "real":
         url = request.getfixturevalue("url")
     elif request.param == "redis62":
@@ -30,9 +37,10 @@ def system(request):
     else:
         empty_cluster(request.getfixturevalue("cluster_admin"))
         url = request.getfixturevalue("cluster_url")
-    tq.init({"broker": {"url": url, "namespace": "kv" + uuid.uuid4().hex[:8], "get_meta_timeout": 0.5}})
+    tq.init({"broker": {"url": url, "namespace": "kv" + uuid.uuid4().hex[:8], "get_meta_timeout": 0.5,
+                        "partitions": partitions}})
     yield tq
-    tq.get_client().system.delete()
+    tq.get_client().systems.delete()
     tq.close()
 
 
@@ -160,8 +168,9 @@ def test_a_get_sees_fields_another_process_added_after_it_attached(system):
     from broker.transfer_queue.system import System
 
     tq.kv_batch_put(["a", "b"], "p", batch(2), [{"t": 1}, None])
-    mine = tq.get_client().system
-    other = System(mine.url, mine.namespace, 1 << 10, 5.0)  # another process's attachment, opened before the field
+    mine = tq.get_client().systems.route("p").system  # the system, or the sub-system holding "p"
+    # another process's attachment, opened before the field
+    other = System(mine.url, mine.namespace, 1 << 10, 5.0, dock=mine.dock.name)
     try:
         tq.kv_batch_put(["b"], "p", TensorDict({"late": torch.tensor([4.0])}, batch_size=1))
         assert "late" not in other.dock.columns
@@ -182,17 +191,19 @@ def test_rows_for_keys_in_chunks_keep_one_row_per_key(system):
     """tq_rows.lua looks keys up and records new ones a thousand at a time: 2,500 keys, some twice, some
     known already, each get one row, and each row maps back to its key. A new key asked twice in one call
     gets its row both times (the second used to get -1)."""
+    route = tq.get_client().systems.route("p")  # the sub-system's rows; global indexes are route.glob(rows)
+
     def rows_of(partition: str, keys: list[str]) -> list[int]:
-        return tq.get_client().system.rows_for_keys(partition, keys).rows
+        return route.system.rows_for_keys(partition, keys).rows
 
     first = rows_of("p", [f"k{i}" for i in range(700)])
     keys = [f"k{i}" for i in range(2500)] + ["k5", "k1500", "k2499"]
     rows = rows_of("p", keys)
     assert rows[:700] == first and len(set(rows[:2500])) == 2500
     assert rows[2500:] == [rows[5], rows[1500], rows[2499]]
-    assert tq.get_client().kv_retrieve_keys(rows[:2500], "p") == keys[:2500]
+    assert tq.get_client().kv_retrieve_keys(route.glob(rows[:2500]), "p") == keys[:2500]
     assert rows_of("p", ["k2499", "new", "new"]) == [rows[2499], max(rows) + 1, max(rows) + 1]
-    given = tq.get_client().system.rows_for_keys("p", ["k7", "newer", "k8"])  # which keys this call made
+    given = route.system.rows_for_keys("p", ["k7", "newer", "k8"])  # which keys this call made
     assert given.fresh == [False, True, False] and given.handout.runs == tuple(runs_of(given.rows))
 
 
@@ -249,7 +260,7 @@ def test_any_str_names_a_field_a_task_or_a_partition(system):
         assert tq.kv_list(partition) == {partition: {"k": {"t": 1}}}
     assert dock_name_of("responses") == "responses" and dock_name_of("tq.sample") != "tq.sample"
     assert len({dock_name_of(n) for n in odd}) == len(odd)
-    system_ = tq.get_client().system
+    system_ = tq.get_client().systems.route("").system  # the sub-system of partition ""
     assert "responses" in system_.dock.columns
     task = "critic é {x}"
     meta = tq.get_client().get_meta(["responses", ""], 1, "", task_name=task)

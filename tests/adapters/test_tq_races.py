@@ -9,7 +9,9 @@ workers do). A race test fails on the code before its fix; each says what it saw
 - a kv_put racing a kv_clear of its key never lands on the row the clear gave a new key: neither its fields
   nor its tags show under the new key;
 - a put that fails after its keys got rows leaves none of the keys it made listed;
-- a checkpoint taken while puts and clears run holds none of them half done.
+- a checkpoint taken while puts and clears run holds none of them half done;
+- on a system cut into sub-systems (``broker.partitions``), a partition cleared and made again over and over
+  leaves the reads of the others (in its sub-system and in another) whole.
 """
 
 from __future__ import annotations
@@ -140,6 +142,56 @@ def test_a_get_racing_clears_and_puts_returns_the_keys_own_bytes_or_raises(syste
     race(churn, reader, reader)
     assert not wrong, f"wrong values read under k ({sum(right.values())} right): {dict(wrong)}"
     assert right["k"] > 0
+
+
+@pytest.fixture(params=["real", "cluster"])
+def cut_system(request):
+    """A system cut into three sub-systems (``broker.partitions``): "val" and "p" share sub-system 1, "train" is
+    in sub-system 0 (broker/transfer_queue/systems.py)."""
+    if request.param == "real":
+        url = request.getfixturevalue("url")
+    else:
+        empty_cluster(request.getfixturevalue("cluster_admin"))
+        url = request.getfixturevalue("cluster_url")
+    tq.init({"broker": {"url": url, "namespace": "cut" + uuid.uuid4().hex[:8], "get_meta_timeout": 0.2,
+                        "partitions": 3}})
+    yield tq
+    tq.get_client().systems.delete()
+    tq.close()
+
+
+def test_a_partition_cleared_and_made_again_leaves_the_others_read_whole_on_a_cut_system(cut_system):
+    """clear_partition of "val" and its puts again, in a loop, while "p" (the same sub-system) and "train" (another)
+    are read by key and by get_meta: every read returns its own partition's bytes, never "val"'s."""
+    wrong: Counter[str] = Counter()
+    right = Counter()
+    client = tq.get_client()
+    for partition, value in (("p", 1), ("train", 2)):
+        tq.kv_batch_put([f"k{i}" for i in range(4)], partition,
+                        TensorDict({"v": torch.full((4, 2), value)}, batch_size=4))
+
+    def churn(going: Callable[[], bool]) -> None:
+        while going():
+            tq.kv_batch_put([f"k{i}" for i in range(4)], "val", TensorDict({"v": torch.full((4, 2), 9)}, batch_size=4))
+            client.clear_partition("val")
+
+    def reader(partition: str, value: int) -> Callable[[Callable[[], bool]], None]:
+        def read(going: Callable[[], bool]) -> None:
+            while going():
+                got = dense(tq.kv_batch_get([f"k{i}" for i in range(4)], partition)["v"])
+                meta = client.get_meta(["v"], 4, partition, mode="force_fetch")
+                by_meta = dense(client.get_data(meta)["v"])
+                for what, t in (("key", got), ("meta", by_meta)):
+                    if t.tolist() == [[value] * 2] * 4:
+                        right[partition] += 1
+                    else:
+                        wrong[f"{partition} by {what}: {t.tolist()!r:.60}"] += 1
+        return read
+
+    race(churn, reader("p", 1), reader("train", 2))
+    assert not wrong, f"wrong values read ({dict(right)} right): {dict(wrong)}"
+    assert right["p"] > 0 and right["train"] > 0
+    assert client.get_partition_list()[:2] == ["p", "train"]
 
 
 def test_a_put_racing_a_clear_of_its_key_never_lands_on_a_new_keys_row(system):

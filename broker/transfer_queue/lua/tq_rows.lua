@@ -8,7 +8,12 @@ that row). The partition is created by its first rows.
 
 TransferQueue lists partitions in the order they were made, and a partition's keys in the order they were
 first given rows (kv_list; verl's replay buffers take batches in that order), not by index: each creation
-takes the next number of KEYS[10] as its place, and each new key too, in the order asked. A cleared key
+takes the next number of KEYS[10] as its place, and each new key too, in the order asked. A system cut into
+sub-systems (broker.partitions > 1, systems.py) orders partitions over all of them: the caller then passes
+the place a new partition takes (ARGV[5], a number of the system's own counter), used only if this call
+makes the partition; or, when it has seen the partition already, '-': then a call that would make it (another
+process cleared it since) makes nothing and answers {-1}, and the caller takes a place and calls again. So the
+system's counter is asked only by calls that may make a partition, not by every put. A cleared key
 loses its place (tq_release.lua); put again, it comes last, as in TransferQueue.
 
 A reused row was cleared before it was released (tq_release.lua runs after the dock's clear), but a put
@@ -37,7 +42,9 @@ ARGV[2]     the dock's capacity (rows)
 ARGV[3]     how many rows to give new anonymous samples; 0 when keys follow
 ARGV[4]     the schema the client expects (see include/schema.lua): a client that missed a column
             another process added would leave that column's bits on a reused row
-ARGV[5..]   keys, each getting its row (a new one if it has none)
+ARGV[5]     the place the partition takes if this call makes it; '': the next number of KEYS[10]; '-': none,
+            the partition must exist (else the reply is {-1} and nothing is done)
+ARGV[6..]   keys, each getting its row (a new one if it has none)
 
 Returns {epoch, generations, fresh, row, ...}: the rows, one per key or per new sample, in the order asked;
 the dock's epoch and the rows' generations (4 bytes per row, for the rows ascending, each once); and per
@@ -58,6 +65,9 @@ if kept then return kept end
 
 local wrong_schema = schema_error(KEYS[7], ARGV[4])
 if wrong_schema then return redis.error_reply(wrong_schema) end
+if ARGV[5] == '-' and redis.call('HEXISTS', KEYS[3], ARGV[1]) == 0 then
+  return keep_reply(reply_key, reply_ttl, {-1})
+end
 
 local partition, capacity, anonymous = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local rows, wanted, new_keys = {}, 0, {}
@@ -65,12 +75,12 @@ if anonymous > 0 then
   wanted = anonymous
 else
   local asked = {}
-  for i = 5, #ARGV do asked[#asked + 1] = ARGV[i] end
+  for i = 6, #ARGV do asked[#asked + 1] = ARGV[i] end
   local known = hmget_in_chunks(KEYS[5], asked)  -- one HMGET per thousand keys, not one HGET per key
-  for i = 5, #ARGV do
-    local row = known[i - 4]
+  for i = 6, #ARGV do
+    local row = known[i - 5]
     if row then
-      rows[i - 4] = tonumber(row)
+      rows[i - 5] = tonumber(row)
     elseif not new_keys[ARGV[i]] then  -- a new key asked twice in one call gets one row, for both, below
       wanted = wanted + 1
       new_keys[ARGV[i]] = -1
@@ -100,7 +110,9 @@ for r = next_row, next_row + (wanted - reused) - 1 do given[#given + 1] = r end
 if wanted > reused then redis.call('SET', KEYS[1], next_row + wanted - reused) end
 
 if redis.call('HEXISTS', KEYS[3], partition) == 0 then
-  redis.call('HSET', KEYS[3], partition, redis.call('INCR', KEYS[10]))
+  local place = ARGV[5]
+  if place == '' then place = redis.call('INCR', KEYS[10]) end
+  redis.call('HSET', KEYS[3], partition, place)
 end
 local g = 0
 local fresh = {}
@@ -109,8 +121,8 @@ if anonymous > 0 then
   fresh[1] = string.rep('1', #given)
 else
   local key_rows, row_keys = {}, {}  -- field, value pairs of the two hashes, each set in chunks below
-  for i = 5, #ARGV do
-    if not rows[i - 4] then
+  for i = 6, #ARGV do
+    if not rows[i - 5] then
       local key = ARGV[i]
       if new_keys[key] == -1 then
         g = g + 1
@@ -119,9 +131,9 @@ else
         key_rows[#key_rows + 1] = key; key_rows[#key_rows + 1] = row
         row_keys[#row_keys + 1] = row; row_keys[#row_keys + 1] = key
       end
-      rows[i - 4] = new_keys[key]
+      rows[i - 5] = new_keys[key]
     end
-    fresh[i - 4] = new_keys[ARGV[i]] and '1' or '0'
+    fresh[i - 5] = new_keys[ARGV[i]] and '1' or '0'
   end
   if #key_rows > 0 then  -- chunks of an even count: pairs stay whole
     call_in_chunks('HSET', KEYS[5], key_rows)
