@@ -249,8 +249,10 @@ class DockSnapshot:
 
         with open(file, "rb") as f:
             unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False, max_buffer_size=2**31 - 1)
+            whole = 0  # where the last whole record ends
             try:
                 for record in unpacker:
+                    whole = unpacker.tell()
                     key, kind, deadline = _record(record, keys.base, file)
                     staged = keys.staged(run, key)
                     deadlines[key] = deadline
@@ -267,9 +269,11 @@ class DockSnapshot:
             except (msgpack.UnpackException, ValueError) as exc:
                 raise CheckpointCorruptError(f"{file} is not what the save wrote: {exc}") from exc
             # The unpacker stops quietly at a record cut short: a file that ends in one lost its last keys,
-            # which the swap would delete from the dock.
-            if unpacker.tell() != os.fstat(f.fileno()).st_size:
-                raise CheckpointCorruptError(f"{file} ends in the middle of a record, at byte {unpacker.tell()}: "
+            # which the swap would delete from the dock. Its tell() then counts the bytes of the cut record it
+            # had begun to parse (a map's header and first fields), so the end of the last whole record is what
+            # must be the file's end.
+            if whole != os.fstat(f.fileno()).st_size:
+                raise CheckpointCorruptError(f"{file} ends in the middle of a record, after byte {whole}: "
                                              "it is not what the save wrote")
         flush()
         for staged, count in hashes.items():

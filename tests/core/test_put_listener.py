@@ -62,8 +62,12 @@ def pop(client: Any):
 
 
 def subscribers(admin: redis.Redis) -> int:
-    """Connections subscribed to a channel (with SUBSCRIBE, or with Redis 7's SSUBSCRIBE)."""
-    return sum(int(c["sub"]) > 0 or int(c.get("ssub", 0)) > 0 for c in admin.client_list())
+    """Connections subscribed to this file's channel (with SUBSCRIBE, or with Redis 7's SSUBSCRIBE): only its,
+    since a dock another test left open on the shared cluster keeps its own subscription up to its idle time."""
+    count = int(admin.execute_command("PUBSUB", "NUMSUB", CHANNEL)[1])
+    if int(admin.info("server")["redis_version"].split(".")[0]) >= 7:
+        count += int(admin.execute_command("PUBSUB", "SHARDNUMSUB", CHANNEL)[1])
+    return count
 
 
 def test_a_put_wakes_the_waiter_long_before_its_recheck(store):
@@ -171,7 +175,7 @@ def test_the_listener_resubscribes_after_its_connection_is_killed():
         waiter = threading.Thread(target=lambda: got.append(listener.wait(pop(client), timeout=15, recheck=60)))
         waiter.start()
         time.sleep(0.5)
-        assert admin.client_kill_filter(_type="pubsub") == 1
+        assert admin.client_kill_filter(_type="pubsub") >= 1  # ours, and any another test left on the server
         deadline = time.monotonic() + 5
         while subscribers(admin) == 0 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -93,8 +93,10 @@ def test_a_file_that_is_not_the_saves_changes_nothing(make_dock, tmp_path):
     # Another dock's keys:
     other = partial(make_dock)
     foreign = msgpack.packb({"k": other.keys.meta + "x", "t": "string", "at": -1, "dump": b"x"})
-    # A file cut in the middle of a record, after whole ones were staged (the staged keys go):
-    cut = data[: len(data) // 2]
+    # A file cut in the middle of a record, after whole ones were staged (the staged keys go). Cut a few bytes into
+    # the record after the first half: half the file alone may end on a record's end (the records' sizes follow
+    # the dock's name, and so whatever tests made docks before this one).
+    cut = data[: _record_start_after(data, len(data) // 2) + 3]
     for bad, message in ((foreign, "not one of the dock's"), (cut, "middle of a record")):
         file.write_bytes(bad)
         with pytest.raises(CheckpointCorruptError, match=message):
@@ -251,3 +253,13 @@ def test_restored_leases_come_back_when_they_run_out_and_an_old_ack_releases_non
     late_answer(dock, redo, 1)  # acks its lease
     assert pairs(dock) == [(1, 1), (1, 1)]
     assert dock.status()["consumers"]["rollout"]["leased"] == 0
+
+
+def _record_start_after(data: bytes, at: int) -> int:
+    """Where the first record of a save's file that starts at or after byte ``at`` starts."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data)
+    for _ in unpacker:
+        if unpacker.tell() >= at:
+            return unpacker.tell()
+    raise AssertionError("no record starts after the file's middle")
