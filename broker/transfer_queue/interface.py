@@ -442,10 +442,12 @@ def _settled(url: str, namespace: str, wanted: dict[str, Any], asked: int | None
         client, _ = connect(url)
         try:
             with redis_errors(redact(url)):
-                client.set(SystemKeys(dock_name(namespace)).tq_conf, text, nx=True)
+                won = client.set(SystemKeys(dock_name(namespace)).tq_conf, text, nx=True)
         finally:
             disconnect(url)
-        stored = _stored(url, namespace)  # ours, or that of a process that stored its conf first
+        if won:  # ours is the stored conf: in effect as given, a sampler instance in it the caller's own object
+            return wanted, docks
+        stored = _stored(url, namespace)  # that of a process that stored its conf first
         if stored is None:
             raise SchemaError(f"TransferQueue system {namespace!r}: its conf vanished as it was stored (deleted "
                               "by another process?)")

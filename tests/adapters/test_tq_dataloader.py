@@ -311,3 +311,17 @@ def test_chunk_batch_fn_refuses_what_is_not_a_tensordict_as_a_type_error():
         chunk_batch_fn({"a": torch.arange(2)}, meta, 1)
     with pytest.raises(InvalidExperienceError):  # and the broker's error, a ValueError, as its other checks
         chunk_batch_fn([1, 2], meta, 1)
+
+
+def test_the_conf_init_returns_keeps_the_sampler_instance_it_was_given(url):
+    """A StreamingDataset opens a client per loader from the conf ``init`` returned; the loaders of a DP group
+    share the batches a SeqlenBalancedSampler cached only if that conf holds the instance, not its name (the
+    stored conf's: the drop-in's init returned that for a while, and a second rank's loader never got a batch)."""
+    sampler = tq.SeqlenBalancedSampler(n_samples_per_prompt=2, dp_size=2)
+    got = tq.init({"broker": {"url": url, "namespace": "dl" + uuid.uuid4().hex[:8]},
+                   "controller": {"sampler": sampler, "polling_mode": True}})
+    try:
+        assert got["controller"]["sampler"] is sampler
+    finally:
+        tq.get_client().system.delete()
+        tq.close()
