@@ -18,7 +18,7 @@ from broker.api.checks import check_flag, check_version, is_int
 from broker.api.delivery import HandedRows, check_delivery, fence_of
 from broker.api.session import DockSession
 from broker.connection.replication import do_not_repeat
-from broker.control.rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE
+from broker.control.rollout import PLACEHOLDER_LENGTH, PLACEHOLDER_RESPONSE, Rollout
 from broker.control.scripts import Reservation, Selection
 from broker.data.codec import encode_column
 from broker.errors import DataLostError, DecodeError, InvalidExperienceError
@@ -33,6 +33,30 @@ AGE_COLUMN = "age"
 
 #: Key of the rows' ages inside a batch on its way out (renamed "age" if the caller asked for it).
 AGES_KEY = "\0age"
+
+
+def asks_age(rollout: Rollout, consumer: str, columns: Any, stored: Sequence[str]) -> bool:
+    """Whether a get of ``columns`` asks for the rows' ages beside the stored columns: only the rollout consumer
+    of a partial rollout may, where no column is named ``age``."""
+    return (rollout.partial and consumer == rollout.consumer and isinstance(columns, (list, tuple))
+            and AGE_COLUMN in columns and AGE_COLUMN not in stored)
+
+
+def check_rollout_get(name: str, rollout: Rollout, consumer: str, groups: bool, explicit: bool) -> None:
+    """The rollout consumer of a partial rollout takes unfinished rows one by one, sampled oldest first:
+    InvalidExperienceError for a get of whole groups or of explicit rows."""
+    if not (rollout.partial and consumer == rollout.consumer):
+        return
+    if groups:
+        raise InvalidExperienceError(
+            "get_n_samples not supported for rollout when actor_rollout enables partial_rollout: "
+            f"consumer {consumer!r} of dock {name!r} takes unfinished rows one by one"
+        )
+    if explicit:
+        raise InvalidExperienceError(
+            f"dock {name!r}: the rollout consumer of a partial-rollout dock samples its rows "
+            "(oldest first); explicit indexes are not supported for it"
+        )
 
 
 class Generation:

@@ -29,7 +29,7 @@ from broker.api.checks import (
 )
 from broker.api.delivery import HandedRows, LeasedRows, check_delivery, fenced_handout
 from broker.api.dp_padding import drop_padding
-from broker.api.generation import AGE_COLUMN, AGES_KEY, Generation
+from broker.api.generation import AGE_COLUMN, AGES_KEY, Generation, asks_age, check_rollout_get
 from broker.api.get_request import GetRequest
 from broker.api.reads import Batch, RowReader, StackedBatch, Unreadable
 from broker.api.session import RACE_RETRIES, DockSession
@@ -69,11 +69,7 @@ class Handouts:
             if experience_columns is None:
                 experience_columns = self.consumer_columns(consumer)
             rollout = self._s.schema.rollout
-            generating = rollout.partial and consumer == rollout.consumer
-            want_age = (
-                generating and isinstance(experience_columns, (list, tuple))
-                and AGE_COLUMN in experience_columns and AGE_COLUMN not in self._s.schema.columns
-            )
+            want_age = asks_age(rollout, consumer, experience_columns, self._s.schema.columns)
             if want_age:
                 experience_columns = [c for c in experience_columns if c != AGE_COLUMN]
             columns = self._s.check.columns_to_read(experience_columns)
@@ -86,17 +82,8 @@ class Handouts:
             stack = check_flag("stack", request.stack)
             staleness = self._generation.staleness(consumer, request.max_staleness)
             got: tuple[Batch, list[int]] | None
-            if generating and groups:
-                raise InvalidExperienceError(
-                    "get_n_samples not supported for rollout when actor_rollout enables partial_rollout: "
-                    f"consumer {consumer!r} of dock {self._s.name!r} takes unfinished rows one by one"
-                )
+            check_rollout_get(self._s.name, rollout, consumer, groups, indexes is not None)
             if indexes is not None:
-                if generating:
-                    raise InvalidExperienceError(
-                        f"dock {self._s.name!r}: the rollout consumer of a partial-rollout dock samples its rows "
-                        "(oldest first); explicit indexes are not supported for it"
-                    )
                 rows = self._s.check.rows(indexes)
                 self._s.check.take_count(request.experience_count, rows)
                 got = self._take_rows(consumer, columns, rows, lease_ms, timeout, call, stack)

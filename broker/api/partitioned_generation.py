@@ -135,7 +135,7 @@ class PartitionedGeneration(PartitionedParts):
     def unready(self, columns: Sequence[str], indexes: Sequence[int]) -> int:
         """Mark rows of columns not ready, keeping their bytes (see ``TransferDock.unready``), by partition."""
         rows = self._check.rows(indexes)
-        return sum(every([lambda p=p, local=local: self._parts[p].unready(columns, local)  # type: ignore[misc]
+        return sum(every([functools.partial(self._parts[p].unready, columns, local)
                           for p, (_, local) in self._pmap.split(rows).parts.items()]))
 
     def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:

@@ -52,11 +52,11 @@ from broker.api.balance import balanced_batch, dp_padded
 from broker.api.checks import check_flag, check_lease, check_timeout, check_version
 from broker.api.delivery import HandedRows
 from broker.api.drained import Drained, DrainKey
-from broker.api.generation import AGE_COLUMN
+from broker.api.generation import AGE_COLUMN, asks_age, check_rollout_get
 from broker.api.get_request import GetRequest
 from broker.api.partitioned_moves import PartitionedMoves, Parts, in_order
 from broker.data.stacking import stack_decoded
-from broker.errors import ExperienceTimeoutError, InvalidExperienceError
+from broker.errors import ExperienceTimeoutError
 
 #: Longest a waiting get sleeps between attempts without a wake-up (as a dock of one partition: a lost
 #: pub/sub message costs at most this).
@@ -96,8 +96,7 @@ class PartitionedGets(PartitionedMoves):
         generating = rollout.partial and consumer == rollout.consumer
         asked = self._parts[0].consumer_columns(consumer) if experience_columns is None else experience_columns
         # The rollout consumer may ask for its rows' ages beside the columns: each partition's take adds them.
-        with_age = (generating and isinstance(asked, (list, tuple)) and AGE_COLUMN in asked
-                    and AGE_COLUMN not in self._parts[0].columns)
+        with_age = asks_age(rollout, consumer, asked, self._parts[0].columns)
         columns = self._check.columns_to_read([c for c in asked if c != AGE_COLUMN] if with_age else asked)
         if with_age:
             columns.append(AGE_COLUMN)
@@ -106,14 +105,7 @@ class PartitionedGets(PartitionedMoves):
         if max_staleness is not None:
             check_version(max_staleness, "max_staleness")
         groups = check_flag("get_n_samples", get_n_samples)
-        if generating and groups:
-            raise InvalidExperienceError(
-                "get_n_samples not supported for rollout when actor_rollout enables partial_rollout: "
-                f"consumer {consumer!r} of dock {self._name!r} takes unfinished rows one by one")
-        if generating and indexes is not None:
-            raise InvalidExperienceError(
-                f"dock {self._name!r}: the rollout consumer of a partial-rollout dock samples its rows (oldest "
-                "first); explicit indexes are not supported for it")
+        check_rollout_get(self._name, rollout, consumer, groups, indexes is not None)
         ranks = self._check.dp_size(dp_size)
         weigh_by = self._check.balance(balance)
         check_flag("dp_padding", dp_padding)
