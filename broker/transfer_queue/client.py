@@ -163,7 +163,7 @@ class TransferQueueClient:
 
         def choose_rows(ready: list[int]) -> tuple[list[int], list[int]]:  # the sub-system's rows
             sampled, consumed = choose(route.glob(ready))
-            return [g - route.base for g in sampled], [g - route.base for g in consumed]
+            return route.rows(sampled), route.rows(consumed)
 
         def attempt() -> bool:
             rows, handed = system.claim(partition, fields, task_name, choose_rows, lease=lease, name=name,
@@ -191,7 +191,7 @@ class TransferQueueClient:
             if sampler.cached(partition, task_name, rank, batch_index) != (list(sampled), list(sampled)):
                 refused()
             sampler.remember(partition, task_name, rank, batch_index, sampled)
-        meta = self._meta(route, partition, [g - route.base for g in sampled], fields)
+        meta = self._meta(route, partition, route.rows(sampled), fields)
         if isinstance(handed, LeasedRows):
             # The delivery fences the reader's put of its results into these rows (a reader whose lease ran
             # out, its rows handed to another, cannot write them), and that put acks the lease.
@@ -227,7 +227,7 @@ class TransferQueueClient:
                 route = self._systems.route_of_index(rows[0])  # a delivery is one take: one sub-system's rows
                 local = route.local_delivery(delivery)
                 assert isinstance(local, LeasedRows)
-                released += route.system.dock.ack(local.consumer, [g - route.base for g in rows], local.token)
+                released += route.system.dock.ack(local.consumer, route.rows(rows), local.token)
         return released
 
     # -- data ----------------------------------------------------------------------------------------------------

@@ -396,12 +396,6 @@ def _publish(conf: dict[str, Any]) -> None:
 DOCKS = "broker_docks"
 
 
-def _stored_conf(url: str, namespace: str) -> dict[str, Any] | None:
-    """The conf the system's first ``init`` stored, if the system exists."""
-    stored = _stored(url, namespace)
-    return None if stored is None else stored[0]
-
-
 def _stored(url: str, namespace: str) -> tuple[dict[str, Any], tuple[str, ...]] | None:
     """The conf the system's first ``init`` stored and the system's docks, if the system exists."""
     client, _ = connect(url)

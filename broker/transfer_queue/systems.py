@@ -104,10 +104,15 @@ class Route:
         """Rows of this sub-system as global indexes."""
         return [int(r) + self.base for r in rows] if self.base else [int(r) for r in rows]
 
+    def rows(self, indexes: Iterable[int]) -> list[int]:
+        """Global indexes this sub-system handed out (``glob``'s), as its rows again: unchecked, unlike ``local``,
+        which names indexes a caller gave that are not here."""
+        return [int(g) - self.base for g in indexes]
+
     def local(self, indexes: Iterable[int], partition: str) -> list[int]:
         """Global indexes as this sub-system's rows; SampleNotFoundError names those that are not here (they
         are not the partition's either: it lives whole in this sub-system)."""
-        out = [int(g) - self.base for g in indexes]
+        out = self.rows(indexes)
         wrong = [r + self.base for r in out if not 0 <= r < self.capacity]
         if wrong:
             raise SampleNotFoundError(f"partition {partition!r} holds no global index {wrong[:8]}")
