@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
-from redis.connection import AbstractConnection
+from redis.connection import AbstractConnection, HiredisRespSerializer
 from redis.utils import SENTINEL
 
 from broker.connection import framing
@@ -55,19 +55,25 @@ class _Bounded(AbstractConnection):
     """
 
     def pack_command(self, *args: Any) -> Any:
+        conn: Any = self
         if framing.has_framed(args):
-            conn: Any = self
             return framing.pack(args, conn.encoder.encode)
+        packed = framing.packed_plain((args,)) if isinstance(conn._command_packer, HiredisRespSerializer) else None
+        if packed is not None:
+            return packed
         base: Any = super()
         return base.pack_command(*args)
 
     def pack_commands(self, commands: Any) -> Any:
         commands = list(commands)
-        if not any(framing.has_framed(command) for command in commands):
-            base: Any = super()
-            return base.pack_commands(commands)
         conn: Any = self
-        return framing.pack_many(commands, conn.encoder.encode)
+        if any(framing.has_framed(command) for command in commands):
+            return framing.pack_many(commands, conn.encoder.encode)
+        packed = framing.packed_plain(commands) if isinstance(conn._command_packer, HiredisRespSerializer) else None
+        if packed is not None:
+            return packed
+        base: Any = super()
+        return base.pack_commands(commands)
 
     def _send_packed(self, command: Any, check_health: bool) -> None:
         """redis-py's ``send_packed_command`` (a ``sendall`` per chunk), but a command in many chunks (a framed

@@ -282,6 +282,25 @@ def test_framed_commands_are_the_bytes_redis_py_packs():
     assert b"".join(bytes(chunk) for chunk in pack_many(commands, encoder.encode)) == theirs
 
 
+def test_plain_commands_are_packed_as_redis_py_packs_them():
+    """Commands of plain arguments go to hiredis whole, one C call each: the bytes redis-py's own hiredis packing
+    sends, short commands joined and long ones alone; anything else is left to redis-py (None)."""
+    from redis.connection import Connection
+
+    from broker.connection.framing import packed_plain
+
+    redis_py = Connection()
+    commands = [("HSET", "k", "0", b"p" * 7000, "1", b"small", 2, 1.5), ("HMGET", b"k", "0", "1", "2"),
+                ("FCALL", "f", 1, "k", *(str(i) for i in range(300))), ("GET", "\u00e9t\u00e9")]
+    for some in (commands, commands[:1], commands[1:2]):
+        ours = packed_plain(some)
+        assert ours is not None and b"".join(ours) == b"".join(redis_py.pack_commands(some))
+    assert [len(chunk) > 6000 for chunk in packed_plain(commands)] == [True, False]  # the long HSET alone
+    for other in (("SET", "k", bytearray(b"v")), ("SET", "k", memoryview(b"v")), ("CLIENT SETNAME", "x"),
+                  (b"CONFIG GET", b"maxmemory"), ("SET", "k", None)):
+        assert packed_plain([("GET", "k"), other]) is None
+
+
 def test_framed_compares_and_joins_as_its_bytes():
     f = Framed((b"ab", memoryview(b"cd")))
     assert len(f) == 4 and bytes(f) == b"abcd" and f == b"abcd" and f == Framed((b"abcd",)) and f != b"abce"
