@@ -40,7 +40,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
-from broker.connection.framing import Framed
+from broker.connection.framing import LARGE, Framed
 from broker.data import row_header
 from broker.data.requests import PutRequest
 
@@ -99,7 +99,10 @@ def cut(rows: Mapping[str, Value]) -> tuple[dict[str, Value], dict[str, bytes]]:
         if head is None:
             continue
         if type(value) is bytes:  # one piece: its tail is a slice of it
-            heads[field], tails[field] = Framed((value,), head), value[head:]
+            # A short row's head is a copy: bytes are no work for the collector, and a put of plain values is
+            # packed by hiredis in C (connection/framing.py). A long row's is a view (see above).
+            heads[field] = value[:head] if length < LARGE else Framed((value,), head)
+            tails[field] = value[head:]
             continue
         pieces = value.pieces if isinstance(value, Framed) else (value,)
         heads[field] = Framed(pieces, head)
@@ -134,8 +137,18 @@ def whole_of_head(first: bytes | bytearray | memoryview, length: int) -> int | N
 
 
 def is_head(value: bytes | bytearray | None) -> bool:
-    """Whether ``value`` is the head of a cut row (``whole_of_head``)."""
-    return value is not None and whole_of_head(value, len(value)) is not None
+    """Whether ``value`` is the head of a cut row (``whole_of_head``). A prefix decoding accepted before
+    (``row_header.DECODED_PREFIXES``, a dict lookup) says the whole length at once; others are read."""
+    if value is None:
+        return False
+    length = len(value)
+    if length < _MIN_HEAD:
+        return False
+    known, first = row_header.DECODED_PREFIXES, bytes(value[:32])
+    hit = known.get(first) or known.get(first[:16])  # the prefix lengths of 1-d and most n-d rows
+    if hit is not None:
+        return length < hit[0] <= 2 * length
+    return whole_of_head(value, length) is not None
 
 
 def any_heads(values: Sequence[bytes | bytearray | None]) -> bool:

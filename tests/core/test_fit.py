@@ -16,9 +16,9 @@ import torch
 
 import broker.transfer_queue as tq
 from broker import DecodeError, FencedError, TransferDock
-from broker.connection.framing import Framed
+from broker.connection.framing import LARGE, Framed
 from broker.control import server_checks
-from broker.data import codec, fit
+from broker.data import codec, fit, row_header
 from tests.helpers import bits, dense, empty_cluster
 
 B, S = 64, 8192  # rows of 32 KiB of float32: just past a size class when stored whole
@@ -107,6 +107,30 @@ def test_a_cut_row_is_its_head_and_tail_and_the_put_is_left_as_it_was():
         assert fit.is_head(bytes(head)) and not fit.is_head(bytes(values[field]))
     assert heads["2"] is values["2"] and "2" not in tails  # 1,632 bytes: stored whole
     assert values["1"].pieces is framed_before and len(values["1"]) == len(codec.encode(row))  # resent: cut again
+
+
+def test_a_short_rows_head_is_a_copy_and_a_long_rows_a_view():
+    """Heads of rows shorter than framing.LARGE are bytes (packed by hiredis, nothing for the collector);
+    longer rows' heads are Framed views of the row."""
+    short, long = codec.encode(torch.randn(1271)), codec.encode(torch.randn(8193))  # both cut
+    assert len(short) < LARGE <= len(long)
+    heads, tails = fit.cut({"s": short, "l": long})
+    assert type(heads["s"]) is bytes and heads["s"] + tails["s"] == short
+    assert isinstance(heads["l"], Framed) and bytes(heads["l"]) + tails["l"] == long
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_is_head_says_the_same_with_a_known_prefix_and_without(kind):
+    """``is_head`` answers from the prefixes decoding accepted, or by reading the header: the same either way."""
+    rows = [codec.encode(torch.randn(n)) for n in (1271, 1530, 8193)] + [codec.encode(torch.zeros(3, 700))]  # all cut
+    values = [kind(bytes(v)) for row in rows for v in (row, fit.cut({"0": row})[0]["0"])]
+    values += [kind(b"TD" + bytes(5000)), kind(b"x" * 5000)]
+    row_header.DECODED_PREFIXES.clear()
+    unknown = [fit.is_head(v) for v in values]
+    codec.decode_rows(rows, where="k", fields=[str(i) for i in range(len(rows))])  # their prefixes, now known
+    assert row_header.DECODED_PREFIXES
+    assert [fit.is_head(v) for v in values] == unknown == [fit.whole_of_head(v, len(v)) is not None for v in values]
+    assert unknown == [False, True] * 4 + [False, False]
 
 
 @pytest.mark.parametrize("pieces", [
