@@ -36,7 +36,7 @@ class _WaitingPool(redis.BlockingConnectionPool):
         # storm of CLIENT KILLs); a plain ConnectionPool ignores a second release, and so does this one.
         with self._releasing:
             with self.pool.mutex:
-                if any(queued is connection for queued in self.pool.queue):
+                if connection in self.pool.queue:  # in C: the queue holds max_connections places (None if free)
                     return
             super().release(connection)  # type: ignore[no-untyped-call]
 

@@ -52,8 +52,7 @@ class PutRequest:
     @property
     def nbytes(self) -> int:
         """The bytes of the values the put's HSETs write, tails included (what the dock's quota counts)."""
-        return (sum(len(v) for values in self.encoded.values() for v in values.values())
-                + sum(len(v) for values in self.tails.values() for v in values.values()))
+        return sum(sum(map(len, values.values())) for kind in (self.encoded, self.tails) for values in kind.values())
 
 
 def step_id(request_id: str, runs: Sequence[int]) -> str:
