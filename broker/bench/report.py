@@ -118,6 +118,12 @@ def _pipeline(pipe: dict[str, Any]) -> list[str]:
         lines.append(f"  {LABELS.get(name, name):<18}{s['seconds']:>9.3f} ({s['median_seconds']:6.3f})"
                      f"{s['dock_seconds']:>11.3f} ({s['median_dock_seconds']:6.3f}){ratio:>10}  {s['checksum']}")
     lines.append(f"  checksums {'all equal' if pipe['checksums_equal'] else 'DIFFER: data was damaged in transit'}")
+    served = {name: s["server_per_pass"] for name, s in pipe["systems"].items() if s.get("server_per_pass")}
+    if served:
+        lines += ["", "  the Redis server's work per pass (medians; commands include those scripts and MULTIs run):",
+                  f"  {'system':<18}{'commands':>12}{'scripts':>10}{'server CPU ms':>16}"]
+        lines += [f"  {LABELS.get(name, name):<18}{w['commands']:>12.0f}{w['scripts']:>10.0f}"
+                  f"{w['cpu_seconds'] * 1000:>16.1f}" for name, w in served.items()]
     lines += ["", "  ms per stage in the best run, get / compute / put:",
               "  " + f"{'stage':<18}" + "".join(f"{LABELS.get(n, n):>28}" for n in pipe["systems"])]
     for stage in next(iter(pipe["systems"].values()))["stages"]:

@@ -17,6 +17,7 @@ from broker.bench.docks import BenchDock
 from broker.bench.options import CLUSTER_REPEAT, MODES, REPEAT
 from broker.bench.pipeline import RunResult, run_pipeline
 from broker.bench.report import json_line, table
+from broker.bench.server_work import ServerWork, Work, medians
 from broker.bench.servers import admin, is_cluster, primaries, server_version
 from broker.bench.targets import targets
 from broker.bench.workload import Checksums, Workload
@@ -88,6 +89,8 @@ def pipeline_mode(url: str, prefix: str, workload: Workload, systems: tuple[str,
     opened = openers(url, prefix, workload)
     docks: dict[str, BenchDock] = {}
     runs: dict[str, list[RunResult]] = {s: [] for s in systems}
+    server = ServerWork.of(url)  # the server's own work per pass, read outside the timing (server_work.py)
+    works: dict[str, list[Work | None]] = {s: [] for s in systems}
     try:
         for s in systems:
             _say(f"opening {s}")
@@ -96,14 +99,18 @@ def pipeline_mode(url: str, prefix: str, workload: Workload, systems: tuple[str,
             order = systems[i % len(systems):] + systems[: i % len(systems)]
             for s in order:
                 docks[s].reset()
+                before = server.reading()
                 result = run_pipeline(s, docks[s], workload)
+                work = ServerWork.between(before, server.reading())
                 label = f"warm-up {i + 1}" if i < warmup else f"pass {i + 1 - warmup}"
                 _say(f"{label}: {s} {result.seconds:.3f} s")
                 if i >= warmup:
                     runs[s].append(result)
+                    works[s].append(work)
     finally:
         for dock in reversed(list(docks.values())):  # the first Ray system started Ray: it stops it, last
             dock.close()
+        server.close()
     out: dict[str, Any] = {"repeat": repeat, "warmup": warmup, "systems": {}}
     for s, results in runs.items():
         best = min(results, key=lambda r: r.seconds)
@@ -117,6 +124,7 @@ def pipeline_mode(url: str, prefix: str, workload: Workload, systems: tuple[str,
                        for k, v in best.stages.items()},
             "checksum": best.checksums.total(),
             "stage_checksums": best.checksums.by_stage(),
+            "server_per_pass": medians(works[s]),
         }
     base = out["systems"].get("broker")
     for s in out["systems"].values():

@@ -45,6 +45,8 @@ def test_every_mode_and_every_system_agree_and_no_key_is_left(real_url, capsys):
     assert report["pipeline"]["checksums_equal"]
     assert len({s["checksum"] for s in systems.values()}) == 1
     assert systems["broker"]["ratio_to_broker"] == 1.0
+    floor = systems["redis-floor"]["server_per_pass"]
+    assert floor["scripts"] == 0 < floor["commands"]
     assert set(systems["broker"]["stages"]) == {"load", *WORKLOAD.consumers}
     concurrent = report["concurrent"]["systems"]
     assert set(concurrent) == {"broker", "adapter", "adapter-ray", "ray"}  # every system processes can share
@@ -95,6 +97,10 @@ def test_without_url_it_starts_a_private_server_and_says_so(capsys):
     report = _json_line(captured.out)
     assert report["redis"]["private"] and report["pipeline"]["checksums_equal"]
     assert len(captured.out.strip().splitlines()) == 1  # --json: nothing but the JSON line
+    # The server's own work per pass, beside the times: the broker's commands and scripts, none in-process.
+    work = {name: s["server_per_pass"] for name, s in report["pipeline"]["systems"].items()}
+    assert work["broker"]["commands"] > work["broker"]["scripts"] > 0 and work["broker"]["cpu_seconds"] > 0
+    assert work["inprocess"]["commands"] == work["inprocess"]["scripts"] == 0
 
 
 def test_a_corrupted_stage_output_changes_the_checksum():
