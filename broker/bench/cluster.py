@@ -74,14 +74,12 @@ from broker.api.partitioned import PartitionedDock
 from broker.bench.broker_dock import BrokerDock
 from broker.bench.inprocess import InProcessDock
 from broker.bench.pipeline import RunResult, run_pipeline
+from broker.bench.server_work import SCRIPT_COMMANDS, server_cpu
 from broker.bench.servers import admin, primaries, server_version
 from broker.bench.workload import Rows, Workload
 from broker.ops.clients import Client
 
-#: What the client sends that commandstats charges once: the scripts (their inner commands included). SCRIPT
-#: LOAD, which a client sends to every primary on first use, is setup, not work per batch: left out.
-SCRIPT_COMMANDS = ("evalsha", "evalsha_ro", "eval", "eval_ro", "fcall", "fcall_ro")
-#: And the data plane's commands.
+#: The data plane's commands (the scripts' are server_work.SCRIPT_COMMANDS).
 DATA_COMMANDS = ("hset", "hmget", "hdel", "unlink")
 
 #: Primaries the projection is given for.
@@ -158,9 +156,8 @@ class _Node:
 
 
 def _snapshot(node: Client) -> tuple[float, int]:
-    cpu, stats = node.info("cpu"), node.info("stats")
-    return (float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]),
-            int(stats["total_net_input_bytes"]) + int(stats["total_net_output_bytes"]))
+    stats = node.info("stats")
+    return server_cpu(node), int(stats["total_net_input_bytes"]) + int(stats["total_net_output_bytes"])
 
 
 class _Target:

@@ -21,6 +21,7 @@ from typing import Any
 
 from broker.bench.large import ProcessActor
 from broker.bench.large_workload import GIB, LargeWorkload
+from broker.bench.server_work import server_cpu
 from broker.bench.servers import admin, is_cluster, used_memory
 from broker.ops.clients import Client
 
@@ -211,12 +212,6 @@ def _pass(system: str, hosts: RedisSystems | None, tq: TQSystem | None, client: 
     hosts.reader.call("forget")
     return {"put": put_s, "get": get_s, "ok": ok, "memory": stored, "client_cpu_put": client_put,
             "server_cpu_put": cpu1 - cpu0, "client_cpu_get": client_get, "server_cpu_get": cpu3 - cpu2}
-
-
-def server_cpu(client: Client) -> float:
-    """The server process's CPU seconds so far, user and system, every thread (``INFO cpu``)."""
-    cpu = client.info("cpu")
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 def ratios(systems: dict[str, Any]) -> dict[str, float]:

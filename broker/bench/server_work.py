@@ -21,8 +21,17 @@ from typing import Any
 
 import redis
 
-#: The commands that run a script, as commandstats names them.
-SCRIPT_COMMANDS = frozenset({"evalsha", "evalsha_ro", "eval", "eval_ro", "fcall", "fcall_ro"})
+from broker.ops.clients import Client
+
+#: What the client sends that commandstats charges once: the scripts (their inner commands included). SCRIPT
+#: LOAD, which a client sends to every primary on first use, is setup, not work per batch: left out.
+SCRIPT_COMMANDS = ("evalsha", "evalsha_ro", "eval", "eval_ro", "fcall", "fcall_ro")
+
+
+def server_cpu(client: Client) -> float:
+    """The server process's CPU seconds so far, user and system, every thread (``INFO cpu``)."""
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 @dataclass(frozen=True)
@@ -64,9 +73,8 @@ class ServerWork:
         if self._client is None:
             return None
         stats = self._client.info("commandstats")
-        cpu = self._client.info("cpu")
         calls = {key.removeprefix("cmdstat_"): int(value["calls"]) for key, value in stats.items()}
-        return Reading(calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]))
+        return Reading(calls, server_cpu(self._client))
 
     @staticmethod
     def between(before: Reading | None, after: Reading | None) -> Work | None:

@@ -87,10 +87,12 @@ def head_length(length: int) -> int | None:
 
 def cut(rows: Mapping[str, Value]) -> tuple[dict[str, Value], dict[str, bytes]]:
     """A column's rows of a put (field -> value) as what goes into its data hash, a head for each row that
-    wastes too much whole, and the tails (copies of the few bytes after each head). A head is a ``Framed``
-    of its row's own pieces, cut short by its length: a put makes rows by the thousand, and every object
-    more per row set off more of the garbage collector's passes over a large heap, which cost more than the
-    cut (a 0.3 GiB put spent 0.17 s more CPU with a view and a tuple of its own per head)."""
+    wastes too much whole, and the tails (copies of the few bytes after each head). A row of ``LARGE`` bytes
+    or more has for head a ``Framed`` of its own pieces, cut short by its length: a put makes rows by the
+    thousand, and every object more per row set off more of the garbage collector's passes over a large heap,
+    which cost more than the cut (a 0.3 GiB put spent 0.17 s more CPU with a view and a tuple of its own per
+    head). A shorter row's head is a bytes copy: bytes are no work for the collector, and a put of plain
+    values is packed by hiredis in C (connection/framing.py)."""
     heads: dict[str, Value] = dict(rows)
     tails: dict[str, bytes] = {}
     for field, value in rows.items():
@@ -99,8 +101,6 @@ def cut(rows: Mapping[str, Value]) -> tuple[dict[str, Value], dict[str, bytes]]:
         if head is None:
             continue
         if type(value) is bytes:  # one piece: its tail is a slice of it
-            # A short row's head is a copy: bytes are no work for the collector, and a put of plain values is
-            # packed by hiredis in C (connection/framing.py). A long row's is a view (see above).
             heads[field] = value[:head] if length < LARGE else Framed((value,), head)
             tails[field] = value[head:]
             continue
